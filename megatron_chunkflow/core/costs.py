@@ -1,0 +1,127 @@
+"""FLOPs and memory of data chunks.
+
+Attention is counted per segment: a segment of q query tokens that starts after `prefix` tokens of
+its sequence attends to q*prefix + q*(q+1)/2 (query, key) pairs (causal, bottom-right aligned).
+Packing short sequences therefore costs sum(L^2)/2, not (sum L)^2/2, and a late dependent chunk
+of a long sequence costs about C*prefix. Recompute is not counted here: the planner adds R ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_chunkflow.core.models import ModelShape
+from megatron_chunkflow.core.types import DataChunk
+
+
+def attention_pairs(prefix: int, num_q: int) -> int:
+    """(query, key) pairs of one segment: causal over itself, full over its prefix."""
+    return num_q * prefix + num_q * (num_q + 1) // 2
+
+
+def chunk_attention_pairs(chunk: DataChunk) -> int:
+    return sum(attention_pairs(s.start if chunk.is_dependent else 0, s.num_tokens)
+               for s in chunk.segments)
+
+
+def linear_flops_per_token_per_layer(shape: ModelShape) -> int:
+    """Matmul FLOPs per token per layer: QKV, output projection, SwiGLU MLP (2 per MAC)."""
+    h, kv = shape.hidden_size, shape.kv_dim
+    attn_width = shape.num_attention_heads * shape.head_dim
+    qkv = 2 * h * (attn_width + 2 * kv)
+    proj = 2 * attn_width * h
+    mlp = 2 * 3 * h * shape.ffn_hidden_size
+    return qkv + proj + mlp
+
+
+def attention_flops_per_pair_per_layer(shape: ModelShape) -> int:
+    """QK^T and PV, 2 FLOPs per MAC each, over all query heads."""
+    return 4 * shape.num_attention_heads * shape.head_dim
+
+
+def logits_flops_per_token(shape: ModelShape) -> int:
+    return 2 * shape.hidden_size * shape.vocab_size
+
+
+@dataclass(frozen=True)
+class ChunkFlops:
+    """Forward FLOPs of one chunk, split so a pipeline stage can take its share."""
+
+    per_layer: float  # linear + attention, one layer
+    logits: float  # output layer (last stage)
+
+    def forward(self, num_layers: int, with_logits: bool = True) -> float:
+        return self.per_layer * num_layers + (self.logits if with_logits else 0.0)
+
+
+def chunk_flops(chunk: DataChunk, shape: ModelShape) -> ChunkFlops:
+    tokens = chunk.num_tokens
+    per_layer = (tokens * linear_flops_per_token_per_layer(shape)
+                 + chunk_attention_pairs(chunk) * attention_flops_per_pair_per_layer(shape))
+    return ChunkFlops(float(per_layer), float(tokens * logits_flops_per_token(shape)))
+
+
+def model_flops(chunks, shape: ModelShape) -> float:
+    """Model FLOPs of one training step over `chunks`: forward + backward (2x), no recompute."""
+    return 3.0 * sum(chunk_flops(c, shape).forward(shape.num_layers) for c in chunks)
+
+
+# ---- memory model -------------------------------------------------------------------------------
+# Elements saved for backward per token per layer, with a fused (flash) attention kernel and no
+# dropout (Qwen2.5): norm inputs (2h), QKV input (h), q/k/v (h + 2kv), attention output (h),
+# projection input (h), MLP input (h), fc1 output (2 ffn) and activation output (ffn).
+# An estimate in the spirit of Korthikanti et al. 2022 (34*s*b*h bytes for GPT with dropout);
+# `chunkflow verify --memory` measures the real bytes on CPU.
+
+
+def activation_bytes_per_token(shape: ModelShape, num_layers: int, dtype_bytes: int = 2,
+                               tp: int = 1) -> float:
+    h, kv, f = shape.hidden_size, shape.kv_dim, shape.ffn_hidden_size
+    elems = 7 * h + 2 * kv + 3 * f
+    return num_layers * elems * dtype_bytes / tp
+
+
+def kv_state_bytes_per_token(shape: ModelShape, num_layers: int, dtype_bytes: int = 2,
+                             tp: int = 1, with_grad: bool = True) -> float:
+    """Bytes per token of a long sequence's K/V state; gradients accumulate in fp32."""
+    kv_heads_per_rank = max(1, shape.num_query_groups // tp)
+    kv = kv_heads_per_rank * shape.head_dim
+    per_layer = 2 * kv * dtype_bytes + (2 * kv * 4 if with_grad else 0)
+    return num_layers * per_layer
+
+
+def layers_per_stage(num_layers: int, num_stages: int) -> list[int]:
+    """Megatron's even split; a remainder goes to the first stages."""
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if s < extra else 0) for s in range(num_stages)]
+
+
+@dataclass
+class OpCosts:
+    """Time of each plan op on each stage, in arbitrary units (FLOPs by default).
+
+    F and R cost the chunk's forward on that stage; B costs `backward_factor` times it. `comm` is the
+    latency of one point-to-point transfer between neighbouring stages.
+    """
+
+    forward: dict[int, list[float]]  # chunk id -> forward cost per stage
+    backward_factor: float = 2.0
+    comm: float = 0.0
+
+    def __call__(self, kind: str, chunk: int, stage: int) -> float:
+        f = self.forward[chunk][stage]
+        return f * self.backward_factor if kind == "B" else f
+
+    @classmethod
+    def from_model(cls, chunks, shape: ModelShape, num_stages: int, **kw) -> OpCosts:
+        layers = layers_per_stage(shape.num_layers, num_stages)
+        table = {}
+        for c in chunks:
+            fl = chunk_flops(c, shape)
+            table[c.id] = [fl.forward(n, with_logits=(s == num_stages - 1))
+                           for s, n in enumerate(layers)]
+        return cls(table, **kw)
+
+    @classmethod
+    def uniform(cls, chunk_ids, num_stages: int, forward: float = 1.0, **kw) -> OpCosts:
+        return cls({c: [forward] * num_stages for c in chunk_ids}, **kw)

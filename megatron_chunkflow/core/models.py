@@ -1,0 +1,61 @@
+"""Transformer shapes the cost model needs (no weights, no megatron imports).
+
+Qwen2.5 shapes are transcribed from each model's Hugging Face config.json
+(https://huggingface.co/Qwen/Qwen2.5-<size>/blob/main/config.json): hidden_size,
+intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, vocab_size,
+tie_word_embeddings. The tiny shapes are ours, for CPU runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Dimensions of a decoder-only transformer with GQA and a SwiGLU MLP (Qwen2.5 family)."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    vocab_size: int
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of K (and of V) per token per layer: num_query_groups * head_dim."""
+        return self.num_query_groups * self.head_dim
+
+
+QWEN25 = {
+    "qwen2.5-0.5b": ModelShape(24, 896, 4864, 14, 2, 151936, tie_embeddings=True),
+    "qwen2.5-1.5b": ModelShape(28, 1536, 8960, 12, 2, 151936, tie_embeddings=True),
+    "qwen2.5-3b": ModelShape(36, 2048, 11008, 16, 2, 151936, tie_embeddings=True),
+    "qwen2.5-7b": ModelShape(28, 3584, 18944, 28, 4, 152064),
+    "qwen2.5-14b": ModelShape(48, 5120, 13824, 40, 8, 152064),
+    "qwen2.5-32b": ModelShape(64, 5120, 27648, 40, 8, 152064),
+    "qwen2.5-72b": ModelShape(80, 8192, 29568, 64, 8, 152064),
+}
+
+TINY = {
+    # 4 layers so that PP=2 and PP=4 both split evenly; GQA 4:2 like the real family.
+    "tiny": ModelShape(4, 64, 176, 4, 2, 1024, tie_embeddings=True),
+}
+
+MODEL_SHAPES = {**QWEN25, **TINY}
+
+
+def get_model_shape(name: str) -> ModelShape:
+    """Look up a named shape; the error lists the known names."""
+    try:
+        return MODEL_SHAPES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown model {name!r}; known: {', '.join(sorted(MODEL_SHAPES))}"
+        ) from None

@@ -1,0 +1,115 @@
+"""Replay a plan with per-op costs: step time, busy/idle time per stage, bubble ratio, memory.
+
+Each stage runs its ops in plan order. F on stage s > 0 starts after F of the same chunk ended on
+stage s - 1 (plus `comm`); B on stage s < p - 1 starts after B of the same chunk ended on s + 1.
+R is stage-local. Sends are asynchronous, so a plan replays iff it cannot deadlock on hardware that
+posts sends without waiting for the receiver.
+
+Bubble ratio = idle / (p * step_time), where a stage is idle whenever it is not running an op
+between time 0 and the end of the step. For m equal micro-batches under 1F1B this is exactly
+(p - 1) / (m + p - 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from megatron_chunkflow.core.costs import OpCosts
+from megatron_chunkflow.core.types import Op, StagePlan
+
+
+@dataclass(frozen=True)
+class TimedOp:
+    op: Op
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    step_time: float
+    busy: tuple[float, ...]  # per stage
+    timeline: tuple[tuple[TimedOp, ...], ...]  # per stage, in plan order
+    peak_held: tuple[int, ...]  # per stage: most chunks holding activations at once
+    peak_bytes: tuple[float, ...]  # per stage, when `held_bytes` is given (else zeros)
+    num_recompute: int  # R ops on the first stage = chunks re-forwarded
+
+    @property
+    def idle(self) -> tuple[float, ...]:
+        return tuple(self.step_time - b for b in self.busy)
+
+    @property
+    def bubble_ratio(self) -> float:
+        total = self.step_time * len(self.busy)
+        return sum(self.idle) / total if total > 0 else 0.0
+
+
+class PlanDeadlock(RuntimeError):
+    """The plan cannot run: every stage waits on an op that never comes."""
+
+
+def simulate(plan: StagePlan, costs: OpCosts | Callable[[str, int, int], float],
+             comm: float | None = None,
+             held_bytes: Callable[[int, int], float] | None = None) -> SimResult:
+    """Replay `plan`. `held_bytes(chunk, stage)` gives the activation bytes a chunk holds."""
+    p = plan.num_stages
+    if comm is None:
+        comm = getattr(costs, "comm", 0.0)
+    f_end: list[dict[int, float]] = [{} for _ in range(p)]
+    b_end: list[dict[int, float]] = [{} for _ in range(p)]
+    ptr, free = [0] * p, [0.0] * p
+    timeline: list[list[TimedOp]] = [[] for _ in range(p)]
+    busy = [0.0] * p
+    held, peak_held = [0] * p, [0] * p
+    cur_bytes, peak_bytes = [0.0] * p, [0.0] * p
+    recomputed = [set(op.chunk for op in ops if op.kind == "R") for ops in plan.stages]
+    remaining = sum(len(ops) for ops in plan.stages)
+    while remaining:
+        progress = False
+        for s in range(p):
+            ops = plan.stages[s]
+            while ptr[s] < len(ops):
+                op = ops[ptr[s]]
+                ready = free[s]
+                if op.kind == "F" and s > 0:
+                    if op.chunk not in f_end[s - 1]:
+                        break
+                    ready = max(ready, f_end[s - 1][op.chunk] + comm)
+                elif op.kind == "B" and s < p - 1:
+                    if op.chunk not in b_end[s + 1]:
+                        break
+                    ready = max(ready, b_end[s + 1][op.chunk] + comm)
+                end = ready + costs(op.kind, op.chunk, s)
+                timeline[s].append(TimedOp(op, ready, end))
+                busy[s] += end - ready
+                free[s] = end
+                ptr[s] += 1
+                remaining -= 1
+                progress = True
+                holds = op.kind == "R" or (op.kind == "F" and op.chunk not in recomputed[s])
+                delta = (held_bytes(op.chunk, s) if held_bytes else 0.0)
+                if op.kind == "F":
+                    f_end[s][op.chunk] = end
+                elif op.kind == "B":
+                    b_end[s][op.chunk] = end
+                if holds:
+                    held[s] += 1
+                    cur_bytes[s] += delta
+                    peak_held[s] = max(peak_held[s], held[s])
+                    peak_bytes[s] = max(peak_bytes[s], cur_bytes[s])
+                elif op.kind == "B":
+                    held[s] -= 1
+                    cur_bytes[s] -= delta
+        if not progress:
+            stuck = {s: plan.stages[s][ptr[s]] for s in range(p) if ptr[s] < len(plan.stages[s])}
+            raise PlanDeadlock(f"plan deadlocks; next op per stage: {stuck}")
+    step_time = max(free) if p else 0.0
+    return SimResult(
+        step_time=step_time,
+        busy=tuple(busy),
+        timeline=tuple(tuple(t) for t in timeline),
+        peak_held=tuple(peak_held),
+        peak_bytes=tuple(peak_bytes),
+        num_recompute=len(recomputed[0]) if p else 0,
+    )

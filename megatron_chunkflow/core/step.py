@@ -1,0 +1,76 @@
+"""One training step planned end to end, for ChunkFlow and for the stock-Megatron baseline.
+
+ChunkFlow: build_chunks (cut, pack, distribute over DP) -> state_aware_plan per DP rank.
+Baseline (stock Megatron): every sequence whole, packed (THD) into micro-batches of `seq_length`
+tokens with the same best-fit-decreasing packer (kinder to the baseline than Megatron's in-order
+packing), micro-batches dealt round-robin over DP ranks as Megatron splits a global batch, run with
+Megatron's 1F1B order. Both replay through the same simulator and cost model. A DP step ends when its
+slowest rank ends, so step_time is the maximum over ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megatron_chunkflow.core.costs import OpCosts
+from megatron_chunkflow.core.models import ModelShape
+from megatron_chunkflow.core.packer import best_fit_decreasing, build_chunks, validate_lengths
+from megatron_chunkflow.core.schedule import megatron_1f1b_plan, state_aware_plan
+from megatron_chunkflow.core.simulate import SimResult, simulate
+from megatron_chunkflow.core.types import ChunkBatch, DataChunk, Segment, StagePlan
+
+
+@dataclass(frozen=True)
+class RankPlans:
+    """Plans and their simulation for every DP rank of one step."""
+
+    chunks: tuple[tuple[DataChunk, ...], ...]  # per DP rank
+    plans: tuple[StagePlan, ...]
+    sims: tuple[SimResult, ...]
+
+    @property
+    def step_time(self) -> float:
+        return max(s.step_time for s in self.sims)
+
+
+def plan_chunkflow(seq_lengths: Sequence[int], chunk_size: int, k: int, num_stages: int,
+                   num_dp_ranks: int, shape: ModelShape) -> tuple[ChunkBatch, RankPlans]:
+    batch = build_chunks(seq_lengths, chunk_size, num_dp_ranks, k, shape)
+    per_rank = tuple(tuple(batch.chunks_for_rank(r)) for r in range(num_dp_ranks))
+    plans, sims = [], []
+    for chunks in per_rank:
+        costs = OpCosts.from_model(chunks, shape, num_stages)
+        plan = state_aware_plan(chunks, num_stages, k, costs)
+        plans.append(plan)
+        sims.append(simulate(plan, costs))
+    return batch, RankPlans(per_rank, tuple(plans), tuple(sims))
+
+
+def baseline_microbatches(seq_lengths: Sequence[int], seq_length: int,
+                          num_dp_ranks: int) -> list[DataChunk]:
+    validate_lengths(seq_lengths)
+    for i, n in enumerate(seq_lengths):
+        if n > seq_length:
+            raise ValueError(f"sequence {i} has {n} tokens, more than --seq-length {seq_length}; "
+                             "stock Megatron would truncate it")
+    bins = best_fit_decreasing(list(seq_lengths), list(range(len(seq_lengths))), seq_length)
+    return [
+        DataChunk(id=b, kind="standalone", dp_rank=b % num_dp_ranks,
+                  segments=tuple(Segment(i, 0, seq_lengths[i]) for i in members))
+        for b, members in enumerate(bins)
+    ]
+
+
+def plan_baseline(seq_lengths: Sequence[int], seq_length: int, num_stages: int,
+                  num_dp_ranks: int, shape: ModelShape) -> RankPlans:
+    mbs = baseline_microbatches(seq_lengths, seq_length, num_dp_ranks)
+    per_rank = tuple(tuple(c for c in mbs if c.dp_rank == r) for r in range(num_dp_ranks))
+    plans, sims = [], []
+    for chunks in per_rank:
+        costs = OpCosts.from_model(chunks, shape, num_stages)
+        plan = megatron_1f1b_plan(chunks, num_stages)
+        plans.append(plan)
+        sims.append(simulate(plan, costs))
+    return RankPlans(per_rank, tuple(plans), tuple(sims))
+
