@@ -1,0 +1,42 @@
+"""`chunkflow`: the command line.
+
+Conventions shared by every subcommand:
+- `--json` prints exactly one JSON object on stdout; human text then goes to stderr.
+- Exit 0 on success, 1 when a check failed, 2 on bad usage or bad input (the message names the
+  flag, value, file and line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line summary); each module has add_arguments(parser) and run(args) -> int
+SUBCOMMANDS = {
+    "plan": ("megatron_chunkflow.cli.plan",
+             "cut, pack and schedule one global batch; compare with stock Megatron's 1F1B"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="chunkflow",
+        description="ChunkFlow long-context fine-tuning for Megatron-LM / megatron-core.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                title="commands")
+    for name, (module, summary) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=summary, description=summary)
+        importlib.import_module(module).add_arguments(p)
+        p.set_defaults(module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return importlib.import_module(args.module).run(args)
+    except ValueError as e:  # user-facing errors (core raises ValueError only for bad input)
+        print(f"chunkflow {args.command}: error: {e}", file=sys.stderr)
+        return 2

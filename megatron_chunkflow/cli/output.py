@@ -1,0 +1,21 @@
+"""Where a subcommand's output goes: human text, and with --json one JSON object on stdout."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+class Output:
+    """`say` writes human text (stdout, or stderr under --json); `result` writes the JSON object."""
+
+    def __init__(self, as_json: bool):
+        self.as_json = as_json
+
+    def say(self, text: str = "") -> None:
+        print(text, file=sys.stderr if self.as_json else sys.stdout)
+
+    def result(self, obj: dict) -> None:
+        if self.as_json:
+            json.dump(obj, sys.stdout, separators=(",", ":"))
+            sys.stdout.write("\n")

@@ -1,0 +1,112 @@
+"""`chunkflow plan`: cut, pack and schedule one global batch, and compare with stock Megatron.
+
+    chunkflow plan --profile B --num-sequences 2000 --chunk-size 8192 --k 1 --pp 4 --dp 2
+    chunkflow plan --lengths-file lengths.txt --chunk-size 4096 --json
+    chunkflow plan --png plan.png
+
+Times are FLOPs on the critical path of one GPU under the named model's cost model (attention
+counted per segment); the ratio of the two systems is what to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_chunkflow.cli.inputs import add_length_arguments, lengths_from_args
+from megatron_chunkflow.cli.output import Output
+from megatron_chunkflow.config import ChunkFlowConfig, add_config_arguments
+from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape
+from megatron_chunkflow.core.step import plan_baseline, plan_chunkflow
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_length_arguments(parser, default_sequences=2000)
+    g = parser.add_argument_group("chunkflow")
+    add_config_arguments(g, ChunkFlowConfig)
+    g = parser.add_argument_group("layout and cost model")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages (default: 1)")
+    g.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default: 1)")
+    g.add_argument("--dp-rank", type=int, default=0,
+                   help="the DP rank whose per-stage ops are printed (default: 0)")
+    g.add_argument("--seq-length", type=int, default=None,
+                   help="the baseline's micro-batch length (default: the longest sequence)")
+    g.add_argument("--model", default="qwen2.5-7b", choices=sorted(MODEL_SHAPES),
+                   help="shape used by the cost model (default: qwen2.5-7b)")
+    g = parser.add_argument_group("output")
+    g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    g.add_argument("--png", metavar="PATH", help="draw both plans' per-stage timelines")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = ChunkFlowConfig.from_args(args)
+    for flag, value in (("--pp", args.pp), ("--dp", args.dp)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if not 0 <= args.dp_rank < args.dp:
+        raise ValueError(f"--dp-rank must be in [0, {args.dp}), got {args.dp_rank}")
+    out = Output(args.json)
+    lengths, source = lengths_from_args(args)
+    seq_length = args.seq_length or max(lengths)
+    shape = get_model_shape(args.model)
+
+    batch, cf = plan_chunkflow(lengths, cfg.chunk_size, cfg.k, args.pp, args.dp, shape)
+    base = plan_baseline(lengths, seq_length, args.pp, args.dp, shape)
+    r = args.dp_rank
+    plan, sim = cf.plans[r], cf.sims[r]
+    speedup = base.step_time / cf.step_time
+
+    num_long = len({c.parent for c in batch.chunks if c.is_dependent})
+    num_dep = len(batch.chunks) - batch.num_standalone
+    out.say(f"{len(lengths)} sequences ({source}): {batch.num_tokens:,} tokens, "
+            f"longest {max(lengths):,}")
+    out.say(f"ChunkFlow  C={cfg.chunk_size} K={cfg.k} PP={args.pp} DP={args.dp}: "
+            f"{len(batch.chunks)} chunks = {num_dep} dependent (from {num_long} long sequences) "
+            f"+ {batch.num_standalone} standalone (lower bound {batch.bins_lower_bound}); "
+            f"padding {batch.padding_fraction:.1%}")
+    out.say(f"  DP rank {r}: {len(cf.chunks[r])} chunks, bubble {sim.bubble_ratio:.1%}, "
+            f"peak chunks holding activations per stage {list(sim.peak_held)}, "
+            f"{sim.num_recompute} re-forwarded")
+    out.say(f"Stock Megatron  seq-length {seq_length}: {sum(len(c) for c in base.chunks)} "
+            f"micro-batches, DP rank {r} bubble {base.sims[r].bubble_ratio:.1%}")
+    out.say(f"Predicted step time (model {args.model}, slowest DP rank): "
+            f"{cf.step_time:.3e} vs {base.step_time:.3e} FLOPs -> speedup {speedup:.2f}x")
+    if len(cf.chunks[r]) < args.pp:
+        out.say(f"note: DP rank {r} has {len(cf.chunks[r])} chunks for {args.pp} pipeline "
+                "stages; the pipeline cannot fill")
+    if args.png:
+        from megatron_chunkflow.cli.timeline import draw_timelines
+
+        draw_timelines(args.png, [
+            (f"ChunkFlow C={cfg.chunk_size} K={cfg.k}, DP rank {r}", sim, plan),
+            (f"stock Megatron 1F1B, seq-length {seq_length}, DP rank {r}", base.sims[r],
+             base.plans[r]),
+        ])
+        out.say(f"timeline written to {args.png}")
+
+    out.result({
+        "chunks": [c.to_json() for c in batch.chunks],
+        "stages": plan.to_json(),
+        "stats": {
+            "num_chunks": len(batch.chunks),
+            "num_sequences": len(lengths),
+            "tokens": batch.num_tokens,
+            "padding_fraction": batch.padding_fraction,
+            "bins_lower_bound": batch.bins_lower_bound,
+            "num_standalone": batch.num_standalone,
+            "bubble_ratio": sim.bubble_ratio,
+            "peak_held_chunks": list(sim.peak_held),
+            "recompute_chunks": sim.num_recompute,
+            "step_time": cf.step_time,
+        },
+        "baseline": {
+            "seq_length": seq_length,
+            "num_microbatches": sum(len(c) for c in base.chunks),
+            "bubble_ratio": base.sims[r].bubble_ratio,
+            "peak_held_chunks": list(base.sims[r].peak_held),
+            "step_time": base.step_time,
+        },
+        "speedup": speedup,
+        "setup": {"chunk_size": cfg.chunk_size, "k": cfg.k, "pp": args.pp, "dp": args.dp,
+                  "dp_rank": r, "model": args.model, "source": source},
+    })
+    return 0

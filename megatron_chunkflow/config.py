@@ -1,0 +1,61 @@
+"""ChunkFlowConfig: the one source of truth for ChunkFlow's knobs.
+
+Each field's docstring is its CLI help; `add_config_arguments` derives the flags (`chunk_size` ->
+`--chunk-size`), so the help text and the code cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+from dataclasses import dataclass
+from functools import cache
+
+
+@dataclass(frozen=True)
+class ChunkFlowConfig:
+    """ChunkFlow settings shared by every entry point."""
+
+    chunk_size: int = 8192
+    """Tokens per data chunk (C). Sequences longer than C are cut into dependent chunks; shorter ones
+    are packed into standalone chunks of capacity C. Peak activation memory follows C."""
+
+    k: int = 1
+    """Chunks of one long sequence that keep activations (K). The others run forward without a
+    graph and are re-forwarded during the backward pass: more K, more memory, less recompute."""
+
+    def __post_init__(self):
+        if self.chunk_size < 1:
+            raise ValueError(f"--chunk-size must be >= 1, got {self.chunk_size}")
+        if self.k < 1:
+            raise ValueError(f"--k must be >= 1, got {self.k}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ChunkFlowConfig:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of a dataclass, read from its source."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type = ChunkFlowConfig,
+                         prefix: str = "") -> None:
+    """Add one `--<prefix><field-name>` flag per dataclass field, help from its docstring."""
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + prefix + f.name.replace("_", "-")
+        kind = type(f.default)
+        parser.add_argument(flag, dest=f.name, type=kind, default=f.default,
+                            metavar=f.name.upper(), help=f"{docs[f.name]} (default: {f.default})")

@@ -1,0 +1,18 @@
+"""Shared pytest setup: markers, and state that every test must leave as it found it."""
+
+import pytest
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped on CPU-only machines)")
+    config.addinivalue_line("markers", "megatron: needs megatron-core (or a Megatron-LM checkout)")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds")
+
+
+@pytest.fixture(autouse=True)
+def _restore_default_dtype():
+    import torch
+
+    dtype = torch.get_default_dtype()
+    yield
+    torch.set_default_dtype(dtype)

@@ -1,0 +1,93 @@
+"""`chunkflow plan`: JSON contract, exit codes, error messages."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megatron_chunkflow.cli import main
+
+
+def run_json(capsys, *argv):
+    rc = main(["plan", *argv, "--json"])
+    out = capsys.readouterr()
+    return rc, json.loads(out.out), out.err
+
+
+def test_json_contract(capsys):
+    rc, obj, err = run_json(capsys, "--profile", "A", "--num-sequences", "400", "--chunk-size",
+                            "4096", "--k", "2", "--pp", "2", "--dp", "2", "--dp-rank", "1")
+    assert rc == 0 and "ChunkFlow" in err  # human text on stderr
+    stats = obj["stats"]
+    assert {"num_chunks", "num_sequences", "tokens", "padding_fraction", "bins_lower_bound",
+            "bubble_ratio", "peak_held_chunks", "recompute_chunks"} <= set(stats)
+    assert stats["num_sequences"] == 400 and stats["num_chunks"] == len(obj["chunks"])
+    assert sum(c["tokens"] for c in obj["chunks"]) == stats["tokens"]
+    c0 = obj["chunks"][0]
+    assert set(c0) == {"id", "kind", "parent", "index", "segments", "tokens", "dp_rank"}
+    assert len(obj["stages"]) == 2
+    rank1 = {c["id"] for c in obj["chunks"] if c["dp_rank"] == 1}
+    for stage in obj["stages"]:
+        assert {op["chunk"] for op in stage} == rank1
+        assert {op["op"] for op in stage} <= {"F", "R", "B"}
+    assert {"num_microbatches", "bubble_ratio"} <= set(obj["baseline"])
+    assert obj["speedup"] > 0
+
+
+def test_lengths_file_and_png(tmp_path, capsys):
+    f = tmp_path / "lengths.txt"
+    f.write_text("# one long, several short\n100\n7\n\n33  # comment\n5\n")
+    png = tmp_path / "plan.png"
+    rc, obj, _ = run_json(capsys, "--lengths-file", str(f), "--chunk-size", "32", "--pp", "2",
+                          "--png", str(png))
+    assert rc == 0 and obj["stats"]["num_sequences"] == 4 and obj["stats"]["tokens"] == 145
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("content,message", [
+    ("", "no lengths"),
+    ("12\n0\n", ":2: length 0 must be positive"),
+    ("12\n4\n-3\n", ":3: length -3 must be positive"),
+    ("12\nabc\n", ":2: 'abc' is not an integer"),
+    ("12\n3.5\n", ":2: '3.5' is not an integer"),
+])
+def test_bad_lengths_file(tmp_path, capsys, content, message):
+    f = tmp_path / "l.txt"
+    f.write_text(content)
+    assert main(["plan", "--lengths-file", str(f)]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--chunk-size", "0"], "--chunk-size must be >= 1, got 0"),
+    (["--k", "0"], "--k must be >= 1, got 0"),
+    (["--pp", "0"], "--pp must be >= 1"),
+    (["--dp", "2", "--dp-rank", "2"], "--dp-rank must be in [0, 2)"),
+    (["--num-sequences", "0"], "--num-sequences must be >= 1"),
+    (["--lengths-file", "/nonexistent/x"], "/nonexistent/x: no such file"),
+    (["--seq-length", "10"], "more than --seq-length 10"),
+])
+def test_bad_input_exits_2(capsys, argv, message):
+    assert main(["plan", "--num-sequences", "50", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_usage_error_exits_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--chunk-size", "many"])
+    assert e.value.code == 2 and "--chunk-size" in capsys.readouterr().err
+
+
+def test_more_stages_than_chunks_still_plans(tmp_path, capsys):
+    f = tmp_path / "l.txt"
+    f.write_text("3\n4\n")
+    rc, obj, err = run_json(capsys, "--lengths-file", str(f), "--chunk-size", "16", "--pp", "4")
+    assert rc == 0 and obj["stats"]["num_chunks"] == 1 and len(obj["stages"]) == 4
+    assert "cannot fill" in err
+
+
+def test_module_and_help():
+    out = subprocess.run([sys.executable, "-m", "megatron_chunkflow", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "plan" in out and "cut, pack and schedule" in out
