@@ -1,0 +1,28 @@
+"""megatron_chunkflow: ChunkFlow long-context fine-tuning for Megatron-LM / megatron-core.
+
+    pip install -e .[test]          # CPU: tests and demos
+    pip install -e .[gpu]           # adds flash-attn and Transformer Engine (CUDA machines only)
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_chunkflow",
+    version="0.1.0",
+    description="ChunkFlow (ICML 2025) for Megatron-LM: chunked long-context SFT with exact gradients",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_chunkflow", "megatron_chunkflow.*"]),
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16.1",  # tested: 0.16.1 (Megatron-LM tag core_v0.16.1)
+        "numpy",
+        "matplotlib",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6"],
+        "gpu": ["flash-attn", "transformer-engine[pytorch]"],
+    },
+    entry_points={"console_scripts": ["chunkflow = megatron_chunkflow.cli:main"]},
+)
