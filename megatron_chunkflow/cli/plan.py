@@ -19,6 +19,13 @@ from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape
 from megatron_chunkflow.core.step import plan_baseline, plan_chunkflow
 
 
+GIB = 2.0**30
+
+
+def _gib(values) -> str:
+    return "[" + ", ".join(f"{v / GIB:.1f}" for v in values) + "]"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_length_arguments(parser, default_sequences=2000)
     g = parser.add_argument_group("chunkflow")
@@ -68,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
             f"{sim.num_recompute} re-forwarded")
     out.say(f"Stock Megatron  seq-length {seq_length}: {sum(len(c) for c in base.chunks)} "
             f"micro-batches, DP rank {r} bubble {base.sims[r].bubble_ratio:.1%}")
+    out.say(f"Modelled peak activation memory per stage, GiB (bf16, no recompute; ChunkFlow "
+            f"includes K/V state): {_gib(cf.peak_memory_bytes(r))} vs "
+            f"{_gib(base.peak_memory_bytes(r))}")
     out.say(f"Predicted step time (model {args.model}, slowest DP rank): "
             f"{cf.step_time:.3e} vs {base.step_time:.3e} FLOPs -> speedup {speedup:.2f}x")
     if len(cf.chunks[r]) < args.pp:
@@ -97,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
             "peak_held_chunks": list(sim.peak_held),
             "recompute_chunks": sim.num_recompute,
             "step_time": cf.step_time,
+            "peak_memory_gib": [round(b / GIB, 3) for b in cf.peak_memory_bytes(r)],
         },
         "baseline": {
             "seq_length": seq_length,
@@ -104,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
             "bubble_ratio": base.sims[r].bubble_ratio,
             "peak_held_chunks": list(base.sims[r].peak_held),
             "step_time": base.step_time,
+            "peak_memory_gib": [round(b / GIB, 3) for b in base.peak_memory_bytes(r)],
         },
         "speedup": speedup,
         "setup": {"chunk_size": cfg.chunk_size, "k": cfg.k, "pp": args.pp, "dp": args.dp,

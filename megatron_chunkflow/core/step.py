@@ -13,7 +13,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatron_chunkflow.core.costs import OpCosts
+from megatron_chunkflow.core.costs import (
+    OpCosts,
+    activation_bytes_per_token,
+    kv_state_bytes_per_token,
+    layers_per_stage,
+)
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.packer import best_fit_decreasing, build_chunks, validate_lengths
 from megatron_chunkflow.core.schedule import megatron_1f1b_plan, state_aware_plan
@@ -28,10 +33,35 @@ class RankPlans:
     chunks: tuple[tuple[DataChunk, ...], ...]  # per DP rank
     plans: tuple[StagePlan, ...]
     sims: tuple[SimResult, ...]
+    state_bytes: tuple[tuple[float, ...], ...]  # per DP rank, per stage: K/V state (+ grad) peak
 
     @property
     def step_time(self) -> float:
         return max(s.step_time for s in self.sims)
+
+    def peak_memory_bytes(self, dp_rank: int) -> tuple[float, ...]:
+        """Modelled peak per stage: activations of the chunks held at once plus the K/V state."""
+        return tuple(a + b for a, b in zip(self.sims[dp_rank].peak_bytes,
+                                           self.state_bytes[dp_rank]))
+
+
+def _held_bytes(chunks, shape: ModelShape, num_stages: int):
+    """Activation bytes a chunk holds on each stage (bf16, the memory model of core/costs.py)."""
+    per_token = [activation_bytes_per_token(shape, n) for n in layers_per_stage(shape.num_layers,
+                                                                                 num_stages)]
+    tokens = {c.id: c.num_tokens for c in chunks}
+    return lambda chunk, stage: per_token[stage] * tokens[chunk]
+
+
+def _state_bytes(chunks, shape: ModelShape, num_stages: int) -> tuple[float, ...]:
+    """One long sequence's state lives at a time: its K/V (bf16) and relayed grads (fp32), plus
+    the stage inputs saved for re-forwards on stages after the first."""
+    longest = max((c.segments[0].end for c in chunks if c.is_dependent), default=0)
+    out = []
+    for s, n in enumerate(layers_per_stage(shape.num_layers, num_stages)):
+        saved_input = 2 * shape.hidden_size if s > 0 else 0
+        out.append(longest * (kv_state_bytes_per_token(shape, n) + saved_input))
+    return tuple(out)
 
 
 def plan_chunkflow(seq_lengths: Sequence[int], chunk_size: int, k: int, num_stages: int,
@@ -43,8 +73,9 @@ def plan_chunkflow(seq_lengths: Sequence[int], chunk_size: int, k: int, num_stag
         costs = OpCosts.from_model(chunks, shape, num_stages)
         plan = state_aware_plan(chunks, num_stages, k, costs)
         plans.append(plan)
-        sims.append(simulate(plan, costs))
-    return batch, RankPlans(per_rank, tuple(plans), tuple(sims))
+        sims.append(simulate(plan, costs, held_bytes=_held_bytes(chunks, shape, num_stages)))
+    state = tuple(_state_bytes(c, shape, num_stages) for c in per_rank)
+    return batch, RankPlans(per_rank, tuple(plans), tuple(sims), state)
 
 
 def baseline_microbatches(seq_lengths: Sequence[int], seq_length: int,
@@ -71,6 +102,7 @@ def plan_baseline(seq_lengths: Sequence[int], seq_length: int, num_stages: int,
         costs = OpCosts.from_model(chunks, shape, num_stages)
         plan = megatron_1f1b_plan(chunks, num_stages)
         plans.append(plan)
-        sims.append(simulate(plan, costs))
-    return RankPlans(per_rank, tuple(plans), tuple(sims))
+        sims.append(simulate(plan, costs, held_bytes=_held_bytes(chunks, shape, num_stages)))
+    no_state = tuple((0.0,) * num_stages for _ in per_rank)
+    return RankPlans(per_rank, tuple(plans), tuple(sims), no_state)
 
