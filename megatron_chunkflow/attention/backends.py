@@ -1,0 +1,261 @@
+"""Backends of chunk_attention: one function per library, all with the same contract.
+
+Every backend is called as fn(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, softmax_scale) with inputs already
+validated by chunk_attention (cu_q / cu_kv: host lists of ints, Tq > 0, lk >= lq per segment) and
+returns out_TNH. Each computes bottom-right causal attention within segments; autograd comes from
+the library (torch autograd for sdpa and flex, flash-attn's and TE's own autograd Functions).
+
+- torch: exact and memory-efficient in plain torch (torch_attention.py): saves only q, k, v, out and
+  the log-sum-exp, like flash-attention; any device and dtype. The CPU default for training.
+- sdpa: the reference. A loop over segments of F.scaled_dot_product_attention; any device, any
+  floating dtype (float64 included), GQA through enable_gqa (torch >= 2.5) or repeat_interleave.
+- flex: torch.nn.attention.flex_attention with a block mask from per-token segment ids. On CUDA it
+  runs compiled (torch.compile). On CPU, as of torch 2.13, FlexAttention is forward-only: eager
+  runs in float32 and float64 (unfused, materializing the scores) and compiled runs float32 only,
+  but there is no CPU backward in either mode. This backend therefore runs eager on CPU and raises
+  a ValueError when a gradient would be needed there; on CUDA it refuses float64.
+- flash: flash_attn.flash_attn_varlen_func(causal=True); CUDA, fp16/bf16, flash-attn >= 2.1
+  (older versions align the causal mask to the top-left corner).
+- te: transformer_engine.pytorch.DotProductAttention with qkv_format="thd" and
+  attn_mask_type="padding_causal_bottom_right"; CUDA. Written from TE's documented API and UNTESTED
+  until a GPU run (tests/gpu/test_attention_backends.py).
+"""
+
+# Shape suffixes: T packed tokens (Tq on the query side, Tk on the key/value side),
+# N query heads (nh), G key/value heads (ng), H head dim (hd), Q / K one segment's queries / keys,
+# B batch (always 1 here); e.g. q_TNH, k_TGH, q_BNQH.
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+# sdpa gained enable_gqa in torch 2.5; setup.py allows torch >= 2.4.
+_SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def sdpa_attention(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, softmax_scale):
+    """Reference backend: F.scaled_dot_product_attention on each segment in turn."""
+    nh, ng = q_TNH.shape[1], k_TGH.shape[1]
+    gqa = nh != ng
+    if gqa and not _SDPA_HAS_GQA:
+        k_TGH = k_TGH.repeat_interleave(nh // ng, dim=1)
+        v_TGH = v_TGH.repeat_interleave(nh // ng, dim=1)
+        gqa = False
+    outs = []
+    for i in range(len(cu_q) - 1):
+        lq, lk = cu_q[i + 1] - cu_q[i], cu_kv[i + 1] - cu_kv[i]
+        if lq == 0:
+            continue
+        q_BNQH = q_TNH[cu_q[i] : cu_q[i + 1]].transpose(0, 1).unsqueeze(0)
+        k_BGKH = k_TGH[cu_kv[i] : cu_kv[i + 1]].transpose(0, 1).unsqueeze(0)
+        v_BGKH = v_TGH[cu_kv[i] : cu_kv[i + 1]].transpose(0, 1).unsqueeze(0)
+        mask_QK, is_causal = None, False
+        if lq == lk:
+            is_causal = True  # top-left and bottom-right alignment coincide
+        elif lq > 1:  # a single query sees every key: no mask at all
+            ones_QK = torch.ones(lq, lk, dtype=torch.bool, device=q_TNH.device)
+            mask_QK = ones_QK.tril(diagonal=lk - lq)
+        kwargs = {"enable_gqa": True} if gqa else {}
+        out_BNQH = F.scaled_dot_product_attention(
+            q_BNQH,
+            k_BGKH,
+            v_BGKH,
+            attn_mask=mask_QK,
+            is_causal=is_causal,
+            scale=softmax_scale,
+            **kwargs,
+        )
+        outs.append(out_BNQH.squeeze(0).transpose(0, 1))
+    return torch.cat(outs, dim=0)
+
+
+def flex_attention_backend(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, softmax_scale):
+    """FlexAttention with a block mask: same segment and kv_pos <= q_pos + (lk - lq)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    on_cpu = q_TNH.device.type == "cpu"
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q_TNH, k_TGH, v_TGH))
+    if on_cpu and needs_grad:
+        raise ValueError(
+            f"backend 'flex' is forward-only on CPU (torch {torch.__version__} FlexAttention has "
+            "no CPU backward); use backend='sdpa', or call it under torch.no_grad()"
+        )
+    if not on_cpu and q_TNH.dtype == torch.float64:
+        raise ValueError("backend 'flex' on CUDA supports fp16, bf16 and fp32; use 'sdpa' for fp64")
+
+    device = q_TNH.device
+    lq_S = torch.tensor(_lengths(cu_q), device=device)
+    lk_S = torch.tensor(_lengths(cu_kv), device=device)
+    seg_ids = torch.arange(len(lq_S), device=device)
+    q_seg_T = seg_ids.repeat_interleave(lq_S)
+    kv_seg_T = seg_ids.repeat_interleave(lk_S)
+    start_q = torch.tensor(cu_q[:-1], device=device)
+    start_kv = torch.tensor(cu_kv[:-1], device=device)
+    q_pos_T = torch.arange(len(q_seg_T), device=device) - start_q[q_seg_T]
+    kv_pos_T = torch.arange(len(kv_seg_T), device=device) - start_kv[kv_seg_T]
+    q_last_key_T = q_pos_T + (lk_S - lq_S)[q_seg_T]  # last key (in segment) query may see
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        same_segment = q_seg_T[q_idx] == kv_seg_T[kv_idx]
+        return same_segment & (kv_pos_T[kv_idx] <= q_last_key_T[q_idx])
+
+    tq, tk = q_TNH.shape[0], k_TGH.shape[0]
+    block_mask = create_block_mask(mask_mod, None, None, tq, tk, device=device)
+    q_BNTH = q_TNH.transpose(0, 1).unsqueeze(0)
+    k_BGTH = k_TGH.transpose(0, 1).unsqueeze(0)
+    v_BGTH = v_TGH.transpose(0, 1).unsqueeze(0)
+    kwargs = dict(block_mask=block_mask, scale=softmax_scale, enable_gqa=True)
+    if on_cpu:
+        # torch refuses CPU inputs with requires_grad even under no_grad; no gradient is needed here
+        q_BNTH, k_BGTH, v_BGTH = q_BNTH.detach(), k_BGTH.detach(), v_BGTH.detach()
+        with warnings.catch_warnings():  # eager on CPU is intended: see the module docstring
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            out_BNTH = flex_attention(q_BNTH, k_BGTH, v_BGTH, **kwargs)
+    else:
+        out_BNTH = _compiled_flex()(q_BNTH, k_BGTH, v_BGTH, **kwargs)
+    return out_BNTH.squeeze(0).transpose(0, 1)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def flash_attention_backend(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, softmax_scale):
+    """flash_attn_varlen_func with causal=True (bottom-right aligned since flash-attn 2.1)."""
+    flash_attn = _import_or_explain("flash_attn", "flash", "pip install flash-attn")
+    version = tuple(int(x) for x in flash_attn.__version__.split(".")[:2])
+    if version < (2, 1):
+        raise ImportError(
+            f"backend 'flash' needs flash-attn >= 2.1 (bottom-right causal mask); found "
+            f"{flash_attn.__version__}: pip install -U flash-attn"
+        )
+    _require_cuda_half("flash", q_TNH)
+    cu_q_t, cu_kv_t, max_q, max_kv = _cu_on_device(cu_q, cu_kv, q_TNH.device)
+    return flash_attn.flash_attn_varlen_func(
+        q_TNH,
+        k_TGH,
+        v_TGH,
+        cu_q_t,
+        cu_kv_t,
+        max_q,
+        max_kv,
+        dropout_p=0.0,
+        softmax_scale=softmax_scale,
+        causal=True,
+    )
+
+
+_TE_MODULES: dict[tuple[int, int, int, float], torch.nn.Module] = {}
+
+
+def te_attention_backend(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, softmax_scale):
+    """TE DotProductAttention, THD layout, padding_causal_bottom_right mask (untested on GPU)."""
+    install = "pip install transformer-engine[pytorch]"
+    te = _import_or_explain("transformer_engine.pytorch", "te", install)
+    if q_TNH.device.type != "cuda":
+        raise ValueError(f"backend 'te' needs CUDA tensors; got device {q_TNH.device}")
+    tq, nh, hd = q_TNH.shape
+    ng = k_TGH.shape[1]
+    key = (nh, hd, ng, float(softmax_scale))
+    if key not in _TE_MODULES:
+        _TE_MODULES[key] = te.DotProductAttention(
+            nh,
+            hd,
+            num_gqa_groups=ng,
+            attention_dropout=0.0,
+            qkv_format="thd",
+            attn_mask_type="padding_causal_bottom_right",
+            softmax_scale=softmax_scale,
+        )
+    cu_q_t, cu_kv_t, max_q, max_kv = _cu_on_device(cu_q, cu_kv, q_TNH.device)
+    out = _TE_MODULES[key](
+        q_TNH,
+        k_TGH,
+        v_TGH,
+        cu_seqlens_q=cu_q_t,
+        cu_seqlens_kv=cu_kv_t,
+        max_seqlen_q=max_q,
+        max_seqlen_kv=max_kv,
+    )
+    return out.reshape(tq, nh, hd)  # TE returns THD output flattened to (Tq, nh * hd)
+
+
+def torch_attention_backend(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, softmax_scale):
+    """Plain-torch attention that saves no [lq, lk] tensor for backward (torch_attention.py)."""
+    from megatron_chunkflow.attention.torch_attention import TorchChunkAttention
+
+    return TorchChunkAttention.apply(q_TNH, k_TGH, v_TGH, list(cu_q), list(cu_kv), softmax_scale)
+
+
+BACKENDS: dict[str, Callable[..., torch.Tensor]] = {
+    "torch": torch_attention_backend,
+    "sdpa": sdpa_attention,
+    "flex": flex_attention_backend,
+    "flash": flash_attention_backend,
+    "te": te_attention_backend,
+}
+
+# The module each backend needs; find_spec checks it is installed without importing it.
+_REQUIRES = {
+    "torch": "torch",
+    "sdpa": "torch",
+    "flex": "torch.nn.attention.flex_attention",
+    "flash": "flash_attn",
+    "te": "transformer_engine",
+}
+
+
+def available_backends() -> list[str]:
+    """Names of the backends whose library is installed here (device and dtype not considered)."""
+    return [name for name, module in _REQUIRES.items() if _installed(module)]
+
+
+def get_backend(name: str) -> Callable[..., torch.Tensor]:
+    """The backend function called `name`; ValueError naming the known ones if there is none."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known backends: {sorted(BACKENDS)}")
+    return BACKENDS[name]
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a missing parent package of a dotted name
+        return False
+
+
+def _import_or_explain(module: str, backend: str, install: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(
+            f"backend {backend!r} needs {module}, which failed to import ({e}): {install}"
+        ) from e
+
+
+def _require_cuda_half(backend: str, q_TNH: torch.Tensor) -> None:
+    if q_TNH.device.type != "cuda" or q_TNH.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"backend {backend!r} needs CUDA fp16/bf16 tensors; got {q_TNH.dtype} on "
+            f"{q_TNH.device} (use backend='sdpa' for other devices and dtypes)"
+        )
+
+
+def _cu_on_device(cu_q, cu_kv, device):
+    """cu_seqlens as int32 tensors on `device`, plus the longest query and key segment."""
+    cu_q_t = torch.tensor(cu_q, dtype=torch.int32, device=device)
+    cu_kv_t = torch.tensor(cu_kv, dtype=torch.int32, device=device)
+    return cu_q_t, cu_kv_t, max(_lengths(cu_q)), max(_lengths(cu_kv))
+
+
+def _lengths(cu: list[int]) -> list[int]:
+    return [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]

@@ -1,0 +1,91 @@
+"""chunk_attention backends on a CUDA GPU against the dense oracle, with a same-dtype error budget.
+
+Run on a GPU box: python -m pytest tests/gpu/test_attention_backends.py -m gpu -q
+The te backend was written from Transformer Engine's documented API; these tests are its first run.
+"""
+
+# Shape suffixes: T packed tokens, N query heads, G key/value heads, H head dim.
+
+import pytest
+import torch
+
+from megatron_chunkflow.attention import available_backends, chunk_attention
+from tests.unit.test_chunk_attention import (
+    CASES,
+    cumsum,
+    dense_reference,
+    make_inputs,
+    max_err,
+    run_with_grads,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+# Which dtypes each backend must handle; flash and te are half-precision kernels.
+DTYPES = {
+    "sdpa": [torch.bfloat16, torch.float32],
+    "flex": [torch.bfloat16, torch.float32],
+    "flash": [torch.bfloat16, torch.float16],
+    "te": [torch.bfloat16, torch.float16],
+}
+GRID = [(b, d, c) for b, dtypes in DTYPES.items() for d in dtypes for c in CASES]
+
+
+def skip_if_missing(backend):
+    """Skip, with a one-line reason, when the backend's library is not installed."""
+    if backend not in available_backends():
+        pytest.skip(f"backend {backend!r}: its library is not installed here")
+
+
+@pytest.mark.parametrize("backend,dtype,case", GRID)
+def test_backend_error_budget(backend, dtype, case):
+    """Kernel error vs the float64 oracle <= 2x the naive same-dtype error (+ a small floor)."""
+    skip_if_missing(backend)
+    lq, lk, nh, ng, hd = CASES[case]
+    cu_q, cu_kv = cumsum(lq), cumsum(lk)
+    q64, k64, v64, dout64 = make_inputs(lq, lk, nh, ng, hd, torch.float64, device="cuda")
+    q, k, v, dout = make_inputs(lq, lk, nh, ng, hd, dtype, device="cuda")
+    ref = run_with_grads(lambda *a: dense_reference(*a, cu_q, cu_kv), q64, k64, v64, dout64)
+    naive = run_with_grads(lambda *a: dense_reference(*a, cu_q, cu_kv), q, k, v, dout)
+    got = run_with_grads(
+        lambda *a: chunk_attention(*a, cu_q, cu_kv, backend=backend), q, k, v, dout
+    )
+    assert got[0].dtype == dtype and got[0].shape == q.shape
+    floor = 1e-5 if dtype == torch.float32 else 1e-3
+    for name, e_got, e_naive in zip(
+        ("out", "dq", "dk", "dv"), max_err(got, ref), max_err(naive, ref), strict=True
+    ):
+        assert e_got <= 2 * e_naive + floor, (name, e_got, e_naive)
+
+
+@pytest.mark.parametrize("backend", ["flex", "flash", "te"])
+def test_chunked_equals_whole_sequence_on_gpu(backend):
+    """Chunk by chunk over a growing K/V prefix == the whole sequence at once (bf16 budget)."""
+    skip_if_missing(backend)
+    length, chunk, nh, ng, hd = 1025, 300, 8, 2, 64
+    q, k, v, _ = make_inputs([length], [length], nh, ng, hd, torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        whole = chunk_attention(q, k, v, [0, length], [0, length], backend=backend)
+        parts = [
+            chunk_attention(
+                q[begin : min(begin + chunk, length)],
+                k[: begin + chunk],
+                v[: begin + chunk],
+                [0, min(chunk, length - begin)],
+                [0, min(begin + chunk, length)],
+                backend=backend,
+            )
+            for begin in range(0, length, chunk)
+        ]
+    torch.testing.assert_close(torch.cat(parts), whole, rtol=2e-2, atol=2e-2)
+
+
+def test_flex_refuses_float64_on_cuda():
+    """float64 on CUDA is refused with a pointer to sdpa."""
+    skip_if_missing("flex")
+    q, k, v, _ = make_inputs([4], [6], 2, 1, 8, torch.float64, device="cuda")
+    with pytest.raises(ValueError, match="use 'sdpa' for fp64"):
+        chunk_attention(q, k, v, [0, 4], [0, 6], backend="flex")
