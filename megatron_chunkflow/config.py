@@ -51,11 +51,14 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type = ChunkFlowConfig,
-                         prefix: str = "") -> None:
-    """Add one `--<prefix><field-name>` flag per dataclass field, help from its docstring."""
+                         prefix: str = "", defaults: dict | None = None) -> None:
+    """Add one `--<prefix><field-name>` flag per dataclass field, help from its docstring.
+
+    `defaults` overrides field defaults for one command (e.g. a small chunk size for CPU checks).
+    """
     docs = field_docs(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + prefix + f.name.replace("_", "-")
-        kind = type(f.default)
-        parser.add_argument(flag, dest=f.name, type=kind, default=f.default,
-                            metavar=f.name.upper(), help=f"{docs[f.name]} (default: {f.default})")
+        default = (defaults or {}).get(f.name, f.default)
+        parser.add_argument(flag, dest=f.name, type=type(f.default), default=default,
+                            metavar=f.name.upper(), help=f"{docs[f.name]} (default: {default})")

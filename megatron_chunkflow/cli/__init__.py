@@ -16,6 +16,8 @@ import sys
 SUBCOMMANDS = {
     "plan": ("megatron_chunkflow.cli.plan",
              "cut, pack and schedule one global batch; compare with stock Megatron's 1F1B"),
+    "verify": ("megatron_chunkflow.cli.verify",
+               "check chunked training against unchunked megatron-core: loss, gradients, memory"),
 }
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 from megatron_chunkflow.core.profiles import PROFILES, sample_lengths
 
 
-def add_length_arguments(parser: argparse.ArgumentParser, default_sequences: int) -> None:
+def add_length_arguments(parser: argparse.ArgumentParser, default_sequences: int,
+                         default_scale: float = 1.0) -> None:
     g = parser.add_argument_group("sequence lengths")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--profile", choices=sorted(PROFILES), default="B",
@@ -19,8 +20,8 @@ def add_length_arguments(parser: argparse.ArgumentParser, default_sequences: int
                    help=f"sequences in the global batch (default: {default_sequences})")
     g.add_argument("--seed", type=int, default=0, help="profile seed (default: 0)")
     g.add_argument("--step", type=int, default=0, help="training step to draw (default: 0)")
-    g.add_argument("--scale", type=float, default=1.0, metavar="F",
-                   help="multiply every length by F, e.g. 0.125 on CPU (default: 1)")
+    g.add_argument("--scale", type=float, default=default_scale, metavar="F",
+                   help=f"multiply every length by F, e.g. 0.125 on CPU (default: {default_scale:g})")
 
 
 def read_lengths_file(path: str) -> list[int]:

@@ -9,13 +9,15 @@ import sys
 class Output:
     """`say` writes human text (stdout, or stderr under --json); `result` writes the JSON object."""
 
-    def __init__(self, as_json: bool):
+    def __init__(self, as_json: bool, quiet: bool = False):
         self.as_json = as_json
+        self.quiet = quiet  # e.g. every rank but the first of a torchrun job
 
     def say(self, text: str = "") -> None:
-        print(text, file=sys.stderr if self.as_json else sys.stdout)
+        if not self.quiet:
+            print(text, file=sys.stderr if self.as_json else sys.stdout)
 
     def result(self, obj: dict) -> None:
-        if self.as_json:
+        if self.as_json and not self.quiet:
             json.dump(obj, sys.stdout, separators=(",", ":"))
             sys.stdout.write("\n")

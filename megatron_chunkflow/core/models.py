@@ -22,6 +22,9 @@ class ModelShape:
     num_query_groups: int
     vocab_size: int
     tie_embeddings: bool = False
+    qkv_bias: bool = True  # Qwen2/2.5 have a bias on Q, K and V only
+    rotary_base: float = 1_000_000.0
+    norm_eps: float = 1e-6
 
     @property
     def head_dim(self) -> int:
@@ -38,14 +41,16 @@ QWEN25 = {
     "qwen2.5-1.5b": ModelShape(28, 1536, 8960, 12, 2, 151936, tie_embeddings=True),
     "qwen2.5-3b": ModelShape(36, 2048, 11008, 16, 2, 151936, tie_embeddings=True),
     "qwen2.5-7b": ModelShape(28, 3584, 18944, 28, 4, 152064),
-    "qwen2.5-14b": ModelShape(48, 5120, 13824, 40, 8, 152064),
-    "qwen2.5-32b": ModelShape(64, 5120, 27648, 40, 8, 152064),
-    "qwen2.5-72b": ModelShape(80, 8192, 29568, 64, 8, 152064),
+    "qwen2.5-14b": ModelShape(48, 5120, 13824, 40, 8, 152064, norm_eps=1e-5),
+    "qwen2.5-32b": ModelShape(64, 5120, 27648, 40, 8, 152064, norm_eps=1e-5),
+    "qwen2.5-72b": ModelShape(80, 8192, 29568, 64, 8, 152064, norm_eps=1e-5),
 }
 
 TINY = {
-    # 4 layers so that PP=2 and PP=4 both split evenly; GQA 4:2 like the real family.
-    "tiny": ModelShape(4, 64, 176, 4, 2, 1024, tie_embeddings=True),
+    # 4 layers so that PP=2 and PP=4 both split evenly; GQA 4:2 like the real family; a vocabulary
+    # that is not a multiple of 128 (like Qwen's 151,646 tokens before padding).
+    "tiny": ModelShape(4, 64, 176, 4, 2, 1000, tie_embeddings=True),
+    "tiny-untied": ModelShape(4, 64, 176, 4, 2, 1000),
 }
 
 MODEL_SHAPES = {**QWEN25, **TINY}
@@ -59,3 +64,37 @@ def get_model_shape(name: str) -> ModelShape:
         raise ValueError(
             f"unknown model {name!r}; known: {', '.join(sorted(MODEL_SHAPES))}"
         ) from None
+
+
+# Hugging Face config.json keys -> ModelShape fields (Qwen2 / Qwen2.5)
+HF_KEYS = {
+    "num_hidden_layers": "num_layers",
+    "hidden_size": "hidden_size",
+    "intermediate_size": "ffn_hidden_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_key_value_heads": "num_query_groups",
+    "vocab_size": "vocab_size",
+    "tie_word_embeddings": "tie_embeddings",
+    "rope_theta": "rotary_base",
+    "rms_norm_eps": "norm_eps",
+}
+
+
+def model_shape_from_dict(d: dict, source: str = "model config") -> ModelShape:
+    """Our field names or a Hugging Face Qwen2 config.json; unknown keys are ignored."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(ModelShape)}
+    kw = {HF_KEYS.get(k, k): v for k, v in d.items() if HF_KEYS.get(k, k) in names}
+    missing = [f.name for f in dataclasses.fields(ModelShape)
+               if f.default is dataclasses.MISSING and f.name not in kw]
+    if missing:
+        raise ValueError(f"{source}: missing {', '.join(missing)}")
+    shape = ModelShape(**kw)
+    if shape.hidden_size % shape.num_attention_heads:
+        raise ValueError(f"{source}: hidden_size {shape.hidden_size} is not a multiple of "
+                         f"num_attention_heads {shape.num_attention_heads}")
+    if shape.num_attention_heads % shape.num_query_groups:
+        raise ValueError(f"{source}: num_attention_heads {shape.num_attention_heads} is not a "
+                         f"multiple of num_query_groups {shape.num_query_groups}")
+    return shape

@@ -61,3 +61,25 @@ def sample_lengths(profile: str, num_sequences: int, seed: int, step: int = 0,
         tail = np.exp(rng.uniform(math.log(pr.tail_lo), math.log(pr.tail_hi), num_sequences))
         lengths = np.where(is_tail, tail, lengths)
     return [max(1, int(round(x * scale))) for x in lengths]
+
+
+def ensure_long(lengths: list[int], profile: str, chunk_size: int, min_long: int, seed: int,
+                scale: float = 1.0) -> list[int]:
+    """Redraw the last sequences so that at least `min_long` are longer than `chunk_size`.
+
+    Small batches of a 0.2% tail rarely contain a long sequence; checks of chunked training need
+    one. Redrawn lengths are log-uniform on [max(C + 1, scaled tail start), max(scaled tail end,
+    4C)], seeded, so the batch stays reproducible.
+    """
+    have = sum(1 for n in lengths if n > chunk_size)
+    if have >= min_long:
+        return list(lengths)
+    pr = PROFILES[profile]
+    lo = max(chunk_size + 1, int(pr.tail_lo * scale))
+    hi = max(int(pr.tail_hi * scale), 4 * chunk_size)
+    rng = np.random.default_rng([seed, 1 << 20])
+    out = list(lengths)
+    replace = [i for i in range(len(out) - 1, -1, -1) if out[i] <= chunk_size][: min_long - have]
+    for i in replace:
+        out[i] = int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+    return out

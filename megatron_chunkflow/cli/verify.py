@@ -1,0 +1,164 @@
+"""`chunkflow verify`: ChunkFlow's chunked training step against unchunked megatron-core.
+
+    chunkflow verify                                   # tiny Qwen2.5-shaped model, float64, CPU
+    chunkflow verify --chunk-size 128 --k 2 --dtype float32 --json
+    torchrun --nproc_per_node 4 -m megatron_chunkflow verify --tp 2     # TP=2 x DP=2 (gloo on CPU)
+    chunkflow verify --memory --lengths 4096,16384 --chunk-size 1024 --k 1
+
+Exit 1 when the largest relative gradient error exceeds the dtype's bound (float64 1e-10,
+float32 1e-4). With --memory: activation bytes for one sequence per length, chunked and unchunked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from megatron_chunkflow.cli.inputs import add_length_arguments, lengths_from_args
+from megatron_chunkflow.cli.output import Output
+from megatron_chunkflow.config import ChunkFlowConfig, add_config_arguments
+from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape, model_shape_from_dict
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_length_arguments(parser, default_sequences=32, default_scale=1 / 32)
+    parser.add_argument("--min-long", type=int, default=1, metavar="N",
+                        help="make sure at least N sequences are longer than the chunk size by "
+                             "redrawing the last ones from the profile's tail (default: 1)")
+    g = parser.add_argument_group("chunkflow")
+    add_config_arguments(g, ChunkFlowConfig, defaults={"chunk_size": 256})
+    g.add_argument("--backend", default="torch", help="attention backend: torch (memory-efficient, the CPU default), sdpa, flash, te (default: torch)")
+    g = parser.add_argument_group("model and layout")
+    g.add_argument("--model", default="tiny", choices=sorted(MODEL_SHAPES),
+                   help="model shape (default: tiny, Qwen2.5-shaped)")
+    g.add_argument("--model-config", metavar="FILE",
+                   help="JSON with ModelShape fields, or a Hugging Face Qwen2 config.json")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (DP is the rest)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    g = parser.add_argument_group("memory")
+    g.add_argument("--memory", action="store_true",
+                   help="measure activation bytes for one sequence per --lengths value")
+    g.add_argument("--lengths", default="4096,16384",
+                   help="comma-separated lengths for --memory (default: 4096,16384)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def _shape(args):
+    if not args.model_config:
+        return get_model_shape(args.model)
+    path = Path(args.model_config)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--model-config {path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--model-config {path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    return model_shape_from_dict(data, f"--model-config {path}")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = ChunkFlowConfig.from_args(args)
+    shape = _shape(args)
+    dtype = DTYPES[args.dtype]
+    for flag, value in (("--tp", args.tp), ("--pp", args.pp)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.pp != 1:
+        raise ValueError("--pp > 1: ChunkFlow's pipeline schedule is not built yet")
+    if shape.num_query_groups % args.tp or shape.num_attention_heads % args.tp:
+        raise ValueError(f"--tp {args.tp} does not divide the model's {shape.num_attention_heads} "
+                         f"attention heads and {shape.num_query_groups} query groups")
+
+    from megatron_chunkflow.integration.dist import init_distributed, shutdown
+
+    init_distributed(tp=args.tp, pp=args.pp, seed=args.seed)
+    try:
+        if args.memory:
+            return _run_memory(args, cfg, shape, dtype)
+        return _run_check(args, cfg, shape, dtype)
+    finally:
+        shutdown()
+
+
+def _is_main() -> bool:
+    return torch.distributed.get_rank() == 0
+
+
+def _run_check(args, cfg, shape, dtype) -> int:
+    from megatron.core import parallel_state
+
+    from megatron_chunkflow.core.profiles import ensure_long
+    from megatron_chunkflow.integration.memory import ActivationMeter
+    from megatron_chunkflow.integration.verify import BOUNDS, run_verify
+
+    lengths, source = lengths_from_args(args)
+    if not args.lengths_file:
+        lengths = ensure_long(lengths, args.profile, cfg.chunk_size, args.min_long, args.seed,
+                              args.scale)
+    res = run_verify(shape, lengths, cfg.chunk_size, cfg.k, dtype, args.seed, args.backend,
+                     meter_cls=ActivationMeter)
+    unchunked = run_verify(shape, lengths, max(lengths), 1, dtype, args.seed, args.backend,
+                           meter_cls=ActivationMeter)
+    bound = BOUNDS[dtype]
+    ok = res.max_rel_grad_err <= bound and abs(res.loss_chunked - res.loss_ref) <= bound * max(
+        1.0, abs(res.loss_ref))
+    dp = parallel_state.get_data_parallel_world_size()
+    out = Output(args.json, quiet=not _is_main())
+    if _is_main():
+        n_dep = sum(1 for n in lengths if n > cfg.chunk_size)
+        out.say(f"{len(lengths)} sequences ({source}), {sum(lengths):,} tokens, {n_dep} longer "
+                f"than C={cfg.chunk_size}; K={cfg.k}, {args.dtype}, TP={args.tp} DP={dp}, "
+                f"backend {args.backend}")
+        out.say(f"{'parameter':<58} rel. grad error")
+        for name, err in res.param_errors:
+            out.say(f"{name:<58} {err:.2e}")
+        out.say(f"loss: unchunked {res.loss_ref:.12f}  chunked {res.loss_chunked:.12f}")
+        out.say(f"max relative gradient error {res.max_rel_grad_err:.2e} ({res.worst_param}); "
+                f"bound {bound:g}: {'PASS' if ok else 'FAIL'}")
+        out.say(f"activation bytes (saved for backward + K/V state), peak: chunked "
+                f"{res.activation_bytes['chunked']:,} vs unchunked "
+                f"{unchunked.activation_bytes['chunked']:,}")
+        out.result({
+            "dtype": args.dtype, "tp": args.tp, "pp": args.pp, "dp": dp,
+            "chunk_size": cfg.chunk_size, "k": cfg.k,
+            "loss_ref": res.loss_ref, "loss_chunked": res.loss_chunked,
+            "max_rel_grad_err": res.max_rel_grad_err, "worst_param": res.worst_param,
+            "activation_bytes": {"chunked": res.activation_bytes["chunked"],
+                                 "unchunked": unchunked.activation_bytes["chunked"]},
+            "passed": ok,
+        })
+    return 0 if ok else 1
+
+
+def _run_memory(args, cfg, shape, dtype) -> int:
+    from megatron_chunkflow.integration.memory import measure_one_sequence
+
+    try:
+        lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--lengths {args.lengths!r}: expected comma-separated integers") from None
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"--lengths {args.lengths!r}: lengths must be positive")
+    rows = []
+    out = Output(args.json, quiet=not _is_main())
+    out.say(f"one sequence per length; C={cfg.chunk_size}, K={cfg.k}, {args.dtype}, "
+            f"backend {args.backend}; bytes saved for backward (no weights) and K/V state")
+    out.say(f"{'length':>8} {'chunked':>14} {'unchunked':>14} {'state':>14} {'state formula':>14}")
+    for n in lengths:
+        chunked = measure_one_sequence(shape, n, cfg.chunk_size, cfg.k, dtype, args.backend)
+        unchunked = measure_one_sequence(shape, n, n, 1, dtype, args.backend)
+        row = {"length": n, "chunked_bytes": chunked.activation, "unchunked_bytes":
+               unchunked.activation + unchunked.state, "state_bytes": chunked.state,
+               "state_formula_bytes": chunked.state_formula}
+        rows.append(row)
+        out.say(f"{n:>8} {row['chunked_bytes']:>14,} {row['unchunked_bytes']:>14,} "
+                f"{row['state_bytes']:>14,} {row['state_formula_bytes']:>14,}")
+    if _is_main():
+        out.result({"chunk_size": cfg.chunk_size, "k": cfg.k, "dtype": args.dtype, "rows": rows})
+    return 0

@@ -1,0 +1,84 @@
+"""Build a Qwen2.5-architecture megatron-core GPTModel from a core.models.ModelShape.
+
+Qwen2.5 features: GQA (num_query_groups), bias on QKV only, RMSNorm, SwiGLU MLP, RoPE with base 1e6,
+tied or untied embeddings. The local layer spec on CPU; Transformer Engine's when it is installed and
+CUDA is present. Fusions that need CUDA kernels are off on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron_chunkflow.core.models import ModelShape
+
+
+def transformer_config(shape: ModelShape, dtype: torch.dtype = torch.float32, **overrides):
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    on_gpu = torch.cuda.is_available()
+    kw = dict(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        kv_channels=shape.head_dim,
+        add_qkv_bias=shape.qkv_bias,
+        add_bias_linear=False,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        use_cpu_initialization=not on_gpu,
+        apply_rope_fusion=False,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        calculate_per_token_loss=True,
+        deallocate_pipeline_outputs=True,
+    )
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def build_gpt_model(shape: ModelShape, config, max_seq_length: int = 1 << 20):
+    """A GPTModel for this pipeline stage, cast to config.params_dtype (norms included)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=shape.vocab_size,
+        max_sequence_length=max_seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=shape.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(shape.rotary_base),
+    )
+    return model.to(dtype=config.params_dtype)
+
+
+def wrap_ddp(model, config):
+    """Megatron's DDP wrapper (grad buffers, no_sync), wired as Megatron-LM's train() wires it."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    ddp = DistributedDataParallel(
+        config, DistributedDataParallelConfig(grad_reduce_in_fp32=False), model)
+    config.no_sync_func = ddp.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    return ddp

@@ -1,0 +1,73 @@
+"""Shims that let megatron-core 0.16.1 run on CPU with gloo (tests, CPU demos).
+
+Applied only when CUDA is absent (`install_cpu_shims` is a no-op on a GPU machine), and nowhere else
+does the package patch torch. Each patch names the Megatron seam it serves
+(../shared/reference/megatron-notes.md section 6 lists them, verified on CPU):
+
+- torch.cuda.current_device: tensor_parallel/layers.py and mappings.py, distributed/
+  param_and_grad_buffer.py, utils.py GlobalMemoryBuffer, rotary_pos_embedding.py allocate there.
+- torch.cuda.synchronize: p2p_communication.py after batched exchanges and shape handshakes.
+- torch.cuda RNG (get/set_rng_state, manual_seed) and tensor_parallel/random.py
+  _get_cuda_rng_state/_set_cuda_rng_state: model_parallel_cuda_manual_seed, the RNG tracker's fork()
+  and CheckpointFunction (full recompute) use the CUDA generator; on CPU they share the CPU one.
+  manual_seed_all becomes a no-op (torch.manual_seed calls it: mapping it back would recurse).
+- device="cuda" in factory functions, Tensor.cuda() and Tensor.to("cuda"), via a TorchFunctionMode:
+  pipeline_parallel/schedules.py (total_num_tokens), optimizer/optimizer.py (found_inf, scale),
+  language_module.py (tied embeddings under PP > 1: weight.data.cuda()), transformer/utils.py masks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_INSTALLED = False
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites CUDA device arguments to CPU in every torch call made while it is active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if _is_cuda(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
+def install_cpu_shims() -> bool:
+    """Patch torch (and megatron-core's CUDA RNG helpers) for CPU; returns True if installed."""
+    global _INSTALLED
+    if _INSTALLED:
+        return True
+    if torch.cuda.is_available():
+        return False
+    cuda = torch.cuda
+    cuda.current_device = lambda: torch.device("cpu")
+    cuda.synchronize = lambda *a, **k: None
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.manual_seed_all = lambda seed: None
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.random.set_rng_state = cuda.set_rng_state
+
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+    _CudaToCpu().__enter__()  # stays active for the life of the process
+    _INSTALLED = True
+    return True

@@ -1,0 +1,54 @@
+"""Per-token loss for data chunks: (sum of masked token losses, token count).
+
+The gradient is divided once, by the global (DP-wide) token count, in Megatron's
+finalize_model_grads (config.calculate_per_token_loss=True), so chunked and unchunked training give
+the same loss and the same gradients.
+
+`vocab_parallel_token_losses` is the cross entropy over TP-sharded logits in the logits' own dtype.
+megatron-core's vocab_parallel_cross_entropy casts logits to fp32 inside its autograd Function, which
+is right for bf16 training and makes float64 exactness checks impossible; this one is used when
+`exact_loss` is set (the verify command, the fp64 tests) and matches it in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def vocab_parallel_token_losses(logits: torch.Tensor, labels: torch.Tensor, tp_group=None):
+    """logits [..., V/tp] (this rank's vocab shard), labels [...] -> per-token losses [...]."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    v_local = logits.size(-1)
+    start = tp_rank * v_local
+    with torch.no_grad():
+        shift = logits.max(dim=-1).values
+        if tp_size > 1:
+            dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=tp_group)
+    z = logits - shift.unsqueeze(-1)
+    sum_exp = z.exp().sum(dim=-1)
+    in_range = (labels >= start) & (labels < start + v_local)
+    local = (labels - start).clamp(0, v_local - 1)
+    picked = z.gather(-1, local.unsqueeze(-1)).squeeze(-1) * in_range
+    if tp_size > 1:
+        sum_exp = reduce_from_tensor_model_parallel_region(sum_exp, tp_group)
+        picked = reduce_from_tensor_model_parallel_region(picked, tp_group)
+    return sum_exp.log() - picked
+
+
+def token_loss_sum(labels: torch.Tensor, loss_mask: torch.Tensor, output: torch.Tensor,
+                   tp_group=None, exact: bool = True):
+    """Megatron loss_func contract (3-tuple): (loss sum, token count, {'lm loss': [sum, count]}).
+
+    `output` is the model's output on the last stage: logits [b, s, V/tp] when `exact`, else the
+    per-token losses [b, s] that GPTModel computes itself when given labels.
+    """
+    losses = vocab_parallel_token_losses(output, labels, tp_group) if exact else output
+    mask = loss_mask.to(losses.dtype)
+    loss = (losses * mask).sum()
+    num_tokens = loss_mask.sum().to(torch.int)
+    report = torch.cat([loss.detach().view(1), num_tokens.to(loss.dtype).view(1)])
+    return loss, num_tokens, {"lm loss": report}
