@@ -40,15 +40,19 @@ class VerifyResult:
 
 
 def make_sequences(lengths: Sequence[int], vocab_size: int, seed: int,
-                   prompt_fraction: float = 0.3) -> list[TokenSequence]:
-    """Random tokens; an SFT-like loss mask: the first `prompt_fraction` of targets masked."""
+                   prompt_fraction: float = 0.3,
+                   fully_masked: Sequence[int] = ()) -> list[TokenSequence]:
+    """Random tokens; an SFT-like loss mask: the first `prompt_fraction` of targets masked, and
+    every target of the sequences in `fully_masked` (prompt-only samples)."""
     g = torch.Generator().manual_seed(seed)
     out = []
-    for n in lengths:
+    for i, n in enumerate(lengths):
         tokens = torch.randint(0, vocab_size, (n,), generator=g)
         mask = torch.ones(n)
         mask[: int(n * prompt_fraction)] = 0
         mask[-1] = 0  # the last token has no target
+        if i in fully_masked:
+            mask.zero_()
         out.append(TokenSequence(tokens, mask))
     return out
 
@@ -78,7 +82,7 @@ def _global_loss(reports) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run_verify(shape: ModelShape, lengths: Sequence[int], chunk_size: int, k: int,
                dtype: torch.dtype = torch.float64, seed: int = 0, backend: str = "torch",
-               meter_cls=None) -> VerifyResult:
+               meter_cls=None, fully_masked: Sequence[int] = ()) -> VerifyResult:
     """One training step both ways in this process group; returns the comparison."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
@@ -93,7 +97,7 @@ def run_verify(shape: ModelShape, lengths: Sequence[int], chunk_size: int, k: in
     if len(lengths) < dp:
         raise ValueError(f"{len(lengths)} sequences for {dp} data-parallel ranks: need at least "
                          "one per rank")
-    sequences = make_sequences(lengths, shape.vocab_size, seed)
+    sequences = make_sequences(lengths, shape.vocab_size, seed, fully_masked=fully_masked)
     step_fn = partial(forward_step, tp_group=tp_group)
 
     cfg_ref, cfg_cf = transformer_config(shape, dtype), transformer_config(shape, dtype)
