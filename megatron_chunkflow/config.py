@@ -32,6 +32,18 @@ class ChunkFlowConfig:
         if self.k < 1:
             raise ValueError(f"--k must be >= 1, got {self.k}")
 
+    def check_layout(self, tensor_parallel: int, sequence_parallel: bool) -> None:
+        """Sequence parallelism splits each chunk's tokens over the TP ranks, so every chunk is
+        padded to a multiple of TP; full dependent chunks cannot be padded (their K/V is state)."""
+        if sequence_parallel and self.chunk_size % tensor_parallel:
+            raise ValueError(
+                f"--chunk-size {self.chunk_size} is not a multiple of the tensor-parallel size "
+                f"{tensor_parallel}, which sequence parallelism requires")
+
+    def pad_multiple(self, tensor_parallel: int, sequence_parallel: bool) -> int:
+        """Chunks are padded to a multiple of this many tokens."""
+        return tensor_parallel if sequence_parallel else 1
+
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ChunkFlowConfig:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

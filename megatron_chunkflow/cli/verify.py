@@ -41,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (DP is the rest)")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="run the chunked model with sequence parallelism (needs --tp > 1)")
     g = parser.add_argument_group("memory")
     g.add_argument("--memory", action="store_true",
                    help="measure activation bytes for one sequence per --lengths value")
@@ -71,6 +73,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.pp != 1:
         raise ValueError("--pp > 1: ChunkFlow's pipeline schedule is not built yet")
+    cfg.check_layout(args.tp, args.sequence_parallel)
+    if args.sequence_parallel and args.tp == 1:
+        raise ValueError("--sequence-parallel needs --tp > 1")
     if shape.num_query_groups % args.tp or shape.num_attention_heads % args.tp:
         raise ValueError(f"--tp {args.tp} does not divide the model's {shape.num_attention_heads} "
                          f"attention heads and {shape.num_query_groups} query groups")
@@ -102,9 +107,10 @@ def _run_check(args, cfg, shape, dtype) -> int:
         lengths = ensure_long(lengths, args.profile, cfg.chunk_size, args.min_long, args.seed,
                               args.scale)
     res = run_verify(shape, lengths, cfg.chunk_size, cfg.k, dtype, args.seed, args.backend,
-                     meter_cls=ActivationMeter)
-    unchunked = run_verify(shape, lengths, max(lengths), 1, dtype, args.seed, args.backend,
-                           meter_cls=ActivationMeter)
+                     meter_cls=ActivationMeter, sequence_parallel=args.sequence_parallel)
+    longest = max(lengths) + (-max(lengths) % args.tp)  # one chunk per sequence
+    unchunked = run_verify(shape, lengths, longest, 1, dtype, args.seed, args.backend,
+                           meter_cls=ActivationMeter, sequence_parallel=args.sequence_parallel)
     bound = BOUNDS[dtype]
     ok = res.max_rel_grad_err <= bound and abs(res.loss_chunked - res.loss_ref) <= bound * max(
         1.0, abs(res.loss_ref))
@@ -113,7 +119,8 @@ def _run_check(args, cfg, shape, dtype) -> int:
     if _is_main():
         n_dep = sum(1 for n in lengths if n > cfg.chunk_size)
         out.say(f"{len(lengths)} sequences ({source}), {sum(lengths):,} tokens, {n_dep} longer "
-                f"than C={cfg.chunk_size}; K={cfg.k}, {args.dtype}, TP={args.tp} DP={dp}, "
+                f"than C={cfg.chunk_size}; K={cfg.k}, {args.dtype}, TP={args.tp}"
+                f"{' (sequence parallel)' if args.sequence_parallel else ''} DP={dp}, "
                 f"backend {args.backend}")
         out.say(f"{'parameter':<58} rel. grad error")
         for name, err in res.param_errors:
@@ -126,6 +133,7 @@ def _run_check(args, cfg, shape, dtype) -> int:
                 f"{unchunked.activation_bytes['chunked']:,}")
         out.result({
             "dtype": args.dtype, "tp": args.tp, "pp": args.pp, "dp": dp,
+            "sequence_parallel": args.sequence_parallel,
             "chunk_size": cfg.chunk_size, "k": cfg.k,
             "loss_ref": res.loss_ref, "loss_chunked": res.loss_chunked,
             "max_rel_grad_err": res.max_rel_grad_err, "worst_param": res.worst_param,

@@ -51,13 +51,43 @@ def transformer_config(shape: ModelShape, dtype: torch.dtype = torch.float32, **
     return TransformerConfig(**kw)
 
 
+class TorchRMSNorm(torch.nn.RMSNorm):
+    """torch RMSNorm as a megatron norm module that also works under sequence parallelism.
+
+    megatron-core's WrappedTorchNorm (the local spec without apex) refuses sequence_parallel; this
+    one tags its weight so finalize_model_grads all-reduces its gradient over the TP group.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def local_layer_spec(config):
+    """The local GPT layer spec; with sequence parallelism, every norm is a TorchRMSNorm."""
+    import dataclasses
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if not config.sequence_parallel:
+        return spec
+    layer = dataclasses.replace(spec, submodules=dataclasses.replace(
+        spec.submodules, input_layernorm=TorchRMSNorm, pre_mlp_layernorm=TorchRMSNorm))
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
+                                      layer_norm=TorchRMSNorm)
+
+
 def build_gpt_model(shape: ModelShape, config, max_seq_length: int = 1 << 20):
     """A GPTModel for this pipeline stage, cast to config.params_dtype (norms included)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = local_layer_spec(config)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

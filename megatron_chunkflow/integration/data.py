@@ -54,16 +54,23 @@ class ChunkedStep:
         return sum(m.num_tokens for m in self.metas.values())
 
 
-def chunk_meta(chunk: DataChunk, chunk_size: int) -> ChunkMeta:
-    pos = torch.tensor(chunk.position_ids(), dtype=torch.long)
+def chunk_meta(chunk: DataChunk, chunk_size: int, pad_multiple: int = 1) -> ChunkMeta:
+    """`pad_multiple`: pad the chunk to a multiple of this many tokens (the TP size under sequence
+    parallelism) with a padding segment that attends only to itself and has no loss."""
+    num_padding = -chunk.num_tokens % pad_multiple
+    assert not (num_padding and chunk.is_dependent and chunk.index + 1 < chunk.num_siblings), \
+        "only a sequence's last chunk can need padding (the chunk size is a multiple of the TP size)"
+    cu = chunk.cu_seqlens() + ([chunk.num_tokens + num_padding] if num_padding else [])
+    pos = torch.tensor(chunk.position_ids() + list(range(num_padding)), dtype=torch.long)
     return ChunkMeta(
         chunk_id=chunk.id,
-        cu_seqlens=tuple(chunk.cu_seqlens()),
+        cu_seqlens=tuple(cu),
         position_ids=pos,
         seq_id=chunk.parent if chunk.is_dependent else None,
         index=chunk.index if chunk.is_dependent else 0,
         num_siblings=chunk.num_siblings if chunk.is_dependent else 1,
         chunk_size=chunk_size,
+        num_padding=num_padding,
     )
 
 
@@ -80,6 +87,11 @@ def chunk_input(chunk: DataChunk, sequences: Sequence[TokenSequence], meta: Chun
             nxt = torch.cat([nxt, nxt.new_zeros(seg.num_tokens - nxt.numel())])
         labels.append(nxt)
         mask.append(seq.loss_mask[seg.start:seg.end])
+    if meta.num_padding:
+        pad = torch.zeros(meta.num_padding, dtype=torch.long)
+        tokens.append(pad)
+        labels.append(pad)
+        mask.append(torch.zeros(meta.num_padding, dtype=mask[0].dtype))
     cu = torch.tensor(meta.cu_seqlens, dtype=torch.int32, device=device)
     max_len = int((cu[1:] - cu[:-1]).max())
     packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
@@ -94,7 +106,7 @@ def chunk_input(chunk: DataChunk, sequences: Sequence[TokenSequence], meta: Chun
 
 
 def build_step(plan: StagePlan, sequences: Sequence[TokenSequence], chunk_size: int,
-               device=None) -> ChunkedStep:
-    metas = {c.id: chunk_meta(c, chunk_size) for c in plan.chunks}
+               device=None, pad_multiple: int = 1) -> ChunkedStep:
+    metas = {c.id: chunk_meta(c, chunk_size, pad_multiple) for c in plan.chunks}
     inputs = {c.id: chunk_input(c, sequences, metas[c.id], device) for c in plan.chunks}
     return ChunkedStep(plan, metas, inputs)

@@ -47,8 +47,10 @@ class ChunkCoreAttention(torch.nn.Module):
         t = query.size(0)
         if meta.dependent:
             key, value = self.store.kv_with_state(self.layer_number, key, value)
-            cu_q = torch.tensor([0, t], dtype=torch.int32)
-            cu_kv = torch.tensor([0, key.size(0)], dtype=torch.int32)
+            real, prefix = t - meta.num_padding, key.size(0) - t
+            cu_q = torch.tensor([0, real, t][: 3 if meta.num_padding else 2], dtype=torch.int32)
+            cu_kv = torch.tensor([0, prefix + real, prefix + t][: 3 if meta.num_padding else 2],
+                                 dtype=torch.int32)
         else:
             cu_q = cu_kv = torch.tensor(meta.cu_seqlens, dtype=torch.int32)
         out = chunk_attention(query, key, value, cu_q.to(query.device), cu_kv.to(query.device),
@@ -63,10 +65,6 @@ def _check_config(config) -> None:
     if getattr(config, "apply_rope_fusion", False):
         raise ValueError("ChunkFlow needs RoPE fusion off (--no-rope-fusion / apply_rope_fusion="
                          "False): the fused THD kernel restarts positions at 0 in every segment")
-    if getattr(config, "sequence_parallel", False):
-        raise ValueError("sequence parallelism is not supported with ChunkFlow yet "
-                         "(--sequence-parallel): chunk lengths would have to be padded to a "
-                         "multiple of the tensor-parallel size")
     if getattr(config, "multi_latent_attention", False):
         raise ValueError("multi-latent attention is not supported with ChunkFlow")
 

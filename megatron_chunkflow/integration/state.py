@@ -36,6 +36,7 @@ class ChunkMeta:
     index: int = 0  # dependent chunks: position among the sequence's chunks
     num_siblings: int = 1
     chunk_size: int = 0  # tokens per dependent chunk (all but the last have exactly this many)
+    num_padding: int = 0  # trailing padding tokens (a segment of their own; sequence parallelism)
 
     @property
     def dependent(self) -> bool:

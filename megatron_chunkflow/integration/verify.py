@@ -82,8 +82,13 @@ def _global_loss(reports) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run_verify(shape: ModelShape, lengths: Sequence[int], chunk_size: int, k: int,
                dtype: torch.dtype = torch.float64, seed: int = 0, backend: str = "torch",
-               meter_cls=None, fully_masked: Sequence[int] = ()) -> VerifyResult:
-    """One training step both ways in this process group; returns the comparison."""
+               meter_cls=None, fully_masked: Sequence[int] = (),
+               sequence_parallel: bool = False) -> VerifyResult:
+    """One training step both ways in this process group; returns the comparison.
+
+    With `sequence_parallel` the chunked model runs with sequence parallelism (chunks padded to a
+    multiple of TP) and the reference without: the mathematics is the same.
+    """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
@@ -91,6 +96,11 @@ def run_verify(shape: ModelShape, lengths: Sequence[int], chunk_size: int, k: in
     from megatron_chunkflow.integration.model import apply_chunkflow
     from megatron_chunkflow.integration.schedules import forward_backward_chunkflow
 
+    from megatron_chunkflow.config import ChunkFlowConfig
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    cf_config = ChunkFlowConfig(chunk_size=chunk_size, k=k)
+    cf_config.check_layout(tp, sequence_parallel)
     dp = parallel_state.get_data_parallel_world_size()
     dp_rank = parallel_state.get_data_parallel_rank()
     tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -100,7 +110,8 @@ def run_verify(shape: ModelShape, lengths: Sequence[int], chunk_size: int, k: in
     sequences = make_sequences(lengths, shape.vocab_size, seed, fully_masked=fully_masked)
     step_fn = partial(forward_step, tp_group=tp_group)
 
-    cfg_ref, cfg_cf = transformer_config(shape, dtype), transformer_config(shape, dtype)
+    cfg_ref = transformer_config(shape, dtype)
+    cfg_cf = transformer_config(shape, dtype, sequence_parallel=sequence_parallel)
     ref = build_gpt_model(shape, cfg_ref)
     chunked = build_gpt_model(shape, cfg_cf)
     chunked.load_state_dict(ref.state_dict())
@@ -115,7 +126,8 @@ def run_verify(shape: ModelShape, lengths: Sequence[int], chunk_size: int, k: in
     batch = build_chunks(lengths, chunk_size, dp, k, shape)
     chunks = batch.chunks_for_rank(dp_rank)
     plan = state_aware_plan(chunks, 1, k, OpCosts.from_model(chunks, shape, 1))
-    step = build_step(plan, sequences, chunk_size)
+    step = build_step(plan, sequences, chunk_size,
+                      pad_multiple=cf_config.pad_multiple(tp, sequence_parallel))
     meter = meter_cls(chunked, store) if meter_cls is not None else None
     reports_cf = forward_backward_chunkflow(
         forward_step_func=step_fn, data_iterator=iter([step]), model=chunked,

@@ -25,9 +25,10 @@ SINGLE = {
     "sdpa_backend": ("tiny", MIXED, 1, torch.float64, "sdpa", ()),
     "float32": ("tiny", MIXED, 1, torch.float32, "torch", ()),
 }
-PAIR = {  # world of 2
-    "tp2": ("tiny", MIXED, 2, 2, torch.float64),
-    "dp2": ("tiny", MIXED, 1, 1, torch.float64),
+PAIR = {  # world of 2: (model, lengths, K, TP, sequence parallel)
+    "tp2": ("tiny", MIXED, 2, 2, False),
+    "tp2_sequence_parallel": ("tiny", MIXED, 1, 2, True),  # odd chunk lengths get padded
+    "dp2": ("tiny", MIXED, 1, 1, False),
 }
 BOUND = {torch.float64: 1e-10, torch.float32: 1e-4}
 
@@ -52,9 +53,10 @@ def _run_pair(rank, name):
     from megatron_chunkflow.integration.dist import init_distributed, shutdown
     from megatron_chunkflow.integration.verify import run_verify
 
-    model, lengths, k, tp, dtype = PAIR[name]
+    model, lengths, k, tp, sp = PAIR[name]
     init_distributed(tp=tp)
-    r = run_verify(get_model_shape(model), lengths, C, k, dtype, seed=2)
+    r = run_verify(get_model_shape(model), lengths, C, k, torch.float64, seed=2,
+                   sequence_parallel=sp)
     shutdown()
     return r.max_rel_grad_err, r.worst_param, r.loss_ref, r.loss_chunked
 

@@ -35,6 +35,9 @@ def test_memory_flat_in_length():
     (["--k", "0"], "--k must be >= 1"),
     (["--chunk-size", "0"], "--chunk-size must be >= 1"),
     (["--tp", "3"], "--tp 3 does not divide"),
+    (["--tp", "2", "--sequence-parallel", "--chunk-size", "15"],
+     "--chunk-size 15 is not a multiple of the tensor-parallel size 2"),
+    (["--sequence-parallel"], "--sequence-parallel needs --tp > 1"),
     (["--model-config", "/nonexistent.json"], "no such file"),
 ])
 def test_verify_bad_input_exits_2(argv, message):
