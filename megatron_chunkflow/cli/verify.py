@@ -80,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--tp {args.tp} does not divide the model's {shape.num_attention_heads} "
                          f"attention heads and {shape.num_query_groups} query groups")
 
+    if args.memory:
+        _memory_lengths(args.lengths)  # bad input stops before any process group starts
     from megatron_chunkflow.integration.dist import init_distributed, shutdown
 
     init_distributed(tp=args.tp, pp=args.pp, seed=args.seed)
@@ -116,43 +118,47 @@ def _run_check(args, cfg, shape, dtype) -> int:
         1.0, abs(res.loss_ref))
     dp = parallel_state.get_data_parallel_world_size()
     out = Output(args.json, quiet=not _is_main())
-    if _is_main():
-        n_dep = sum(1 for n in lengths if n > cfg.chunk_size)
-        out.say(f"{len(lengths)} sequences ({source}), {sum(lengths):,} tokens, {n_dep} longer "
-                f"than C={cfg.chunk_size}; K={cfg.k}, {args.dtype}, TP={args.tp}"
-                f"{' (sequence parallel)' if args.sequence_parallel else ''} DP={dp}, "
-                f"backend {args.backend}")
-        out.say(f"{'parameter':<58} rel. grad error")
-        for name, err in res.param_errors:
-            out.say(f"{name:<58} {err:.2e}")
-        out.say(f"loss: unchunked {res.loss_ref:.12f}  chunked {res.loss_chunked:.12f}")
-        out.say(f"max relative gradient error {res.max_rel_grad_err:.2e} ({res.worst_param}); "
-                f"bound {bound:g}: {'PASS' if ok else 'FAIL'}")
-        out.say(f"activation bytes (saved for backward + K/V state), peak: chunked "
-                f"{res.activation_bytes['chunked']:,} vs unchunked "
-                f"{unchunked.activation_bytes['chunked']:,}")
-        out.result({
-            "dtype": args.dtype, "tp": args.tp, "pp": args.pp, "dp": dp,
-            "sequence_parallel": args.sequence_parallel,
-            "chunk_size": cfg.chunk_size, "k": cfg.k,
-            "loss_ref": res.loss_ref, "loss_chunked": res.loss_chunked,
-            "max_rel_grad_err": res.max_rel_grad_err, "worst_param": res.worst_param,
-            "activation_bytes": {"chunked": res.activation_bytes["chunked"],
-                                 "unchunked": unchunked.activation_bytes["chunked"]},
-            "passed": ok,
-        })
+    n_dep = sum(1 for n in lengths if n > cfg.chunk_size)
+    out.say(f"{len(lengths)} sequences ({source}), {sum(lengths):,} tokens, {n_dep} longer "
+            f"than C={cfg.chunk_size}; K={cfg.k}, {args.dtype}, TP={args.tp}"
+            f"{' (sequence parallel)' if args.sequence_parallel else ''} DP={dp}, "
+            f"backend {args.backend}")
+    out.say(f"{'parameter':<58} rel. grad error")
+    for name, err in res.param_errors:
+        out.say(f"{name:<58} {err:.2e}")
+    out.say(f"loss: unchunked {res.loss_ref:.12f}  chunked {res.loss_chunked:.12f}")
+    out.say(f"max relative gradient error {res.max_rel_grad_err:.2e} ({res.worst_param}); "
+            f"bound {bound:g}: {'PASS' if ok else 'FAIL'}")
+    out.say(f"activation bytes (saved for backward + K/V state), peak: chunked "
+            f"{res.activation_bytes['chunked']:,} vs unchunked "
+            f"{unchunked.activation_bytes['chunked']:,}")
+    out.result({
+        "dtype": args.dtype, "tp": args.tp, "pp": args.pp, "dp": dp,
+        "sequence_parallel": args.sequence_parallel,
+        "chunk_size": cfg.chunk_size, "k": cfg.k,
+        "loss_ref": res.loss_ref, "loss_chunked": res.loss_chunked,
+        "max_rel_grad_err": res.max_rel_grad_err, "worst_param": res.worst_param,
+        "activation_bytes": {"chunked": res.activation_bytes["chunked"],
+                             "unchunked": unchunked.activation_bytes["chunked"]},
+        "passed": ok,
+    })
     return 0 if ok else 1
+
+
+def _memory_lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--lengths {text!r}: expected comma-separated integers") from None
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"--lengths {text!r}: lengths must be positive")
+    return lengths
 
 
 def _run_memory(args, cfg, shape, dtype) -> int:
     from megatron_chunkflow.integration.memory import measure_one_sequence
 
-    try:
-        lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--lengths {args.lengths!r}: expected comma-separated integers") from None
-    if not lengths or min(lengths) < 1:
-        raise ValueError(f"--lengths {args.lengths!r}: lengths must be positive")
+    lengths = _memory_lengths(args.lengths)
     rows = []
     out = Output(args.json, quiet=not _is_main())
     out.say(f"one sequence per length; C={cfg.chunk_size}, K={cfg.k}, {args.dtype}, "
@@ -165,8 +171,9 @@ def _run_memory(args, cfg, shape, dtype) -> int:
                unchunked.activation + unchunked.state, "state_bytes": chunked.state,
                "state_formula_bytes": chunked.state_formula}
         rows.append(row)
+        formula = "n/a (K > 1)" if row["state_formula_bytes"] is None else \
+            f"{row['state_formula_bytes']:,.0f}"
         out.say(f"{n:>8} {row['chunked_bytes']:>14,} {row['unchunked_bytes']:>14,} "
-                f"{row['state_bytes']:>14,} {row['state_formula_bytes']:>14,}")
-    if _is_main():
-        out.result({"chunk_size": cfg.chunk_size, "k": cfg.k, "dtype": args.dtype, "rows": rows})
+                f"{row['state_bytes']:>14,} {formula:>14}")
+    out.result({"chunk_size": cfg.chunk_size, "k": cfg.k, "dtype": args.dtype, "rows": rows})
     return 0

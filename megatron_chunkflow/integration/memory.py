@@ -82,7 +82,7 @@ def kv_state_formula(length: int, chunk_size: int, kv_bytes_per_token: float,
 class MemoryRow:
     activation: int  # peak bytes saved for backward, K/V-sized prefix copies excluded
     state: int  # peak K/V state: stored K/V, gradient accumulators, prefix copies
-    state_formula: float
+    state_formula: float | None  # K = 1 only
 
 
 def measure_one_sequence(shape, length: int, chunk_size: int, k: int, dtype, backend: str,
@@ -115,5 +115,5 @@ def measure_one_sequence(shape, length: int, chunk_size: int, k: int, dtype, bac
     kv = 2 * (shape.num_query_groups // tp) * shape.head_dim * shape.num_layers
     elem = torch.finfo(dtype).bits // 8
     acc = 8 if dtype == torch.float64 else 4
-    formula = kv_state_formula(length, chunk_size, kv * elem, kv * acc) if k == 1 else float("nan")
+    formula = kv_state_formula(length, chunk_size, kv * elem, kv * acc) if k == 1 else None
     return MemoryRow(meter.peak_activation, meter.peak_state, formula)
