@@ -18,9 +18,11 @@ count), at most max(p - s, K) when a dependent chunk enters; one long sequence's
 (the next sequence starts on the first stage once the previous one's backward is complete there);
 no standalone chunk enters the first stage between a sequence's first and last kept forward, so
 every stage sees the K-window contiguously (this is what makes the plan deadlock-free). Ties go to
-B, then R, then F; among B, dependent chunks (the critical chain) first. The first stage prefers the
-next dependent chunk (longest sequence first) and fills with standalone chunks when it must wait.
-Every later stage forwards in the first stage's order. With standalone chunks of equal cost this
+B, then R, then F; on the last stage, among B, dependent chunks (the critical chain) first. The first
+stage prefers the next dependent chunk (longest sequence first) and fills with standalone chunks when
+it must wait. Every later stage forwards in the first stage's order, and every earlier stage runs its
+backwards in the last stage's order: point-to-point messages between two stages are then received
+in the order they are sent (NCCL matches them by order, not by tag). With standalone chunks of equal cost this
 gives exactly Megatron's 1F1B. PP = 1 is the same code with p = 1.
 
 Plans are built by replaying the schedule against a deterministic cost model, so every rank that
@@ -100,7 +102,9 @@ class _Planner:
         self.need_b = [[1 + (s < p - 1) + (self.next_sib[i] >= 0) for s in range(p)]
                        for i in range(m)]
         self.need_r = [[2] * p for _ in range(m)]  # F done here, and B of the K-later sibling
-        self.ready_b = [[] for _ in range(p)]
+        self.ready_b = [[] for _ in range(p)]  # last stage: heap by priority
+        self.b_order = [deque() for _ in range(p)]  # other stages: the next stage's B order
+        self.b_ready = [set() for _ in range(p)]
         self.ready_r = [[] for _ in range(p)]
         self.held = [0] * p
         self.open_seq = None  # the sequence whose state lives (first stage's view)
@@ -114,7 +118,10 @@ class _Planner:
     def _dec_b(self, i: int, s: int) -> None:
         self.need_b[i][s] -= 1
         if self.need_b[i][s] == 0:
-            heapq.heappush(self.ready_b[s], (not self.dep[i], self.fwd_rank[i], i))
+            if s == self.p - 1:
+                heapq.heappush(self.ready_b[s], (not self.dep[i], self.fwd_rank[i], i))
+            else:
+                self.b_ready[s].add(i)
 
     def _dec_r(self, i: int, s: int) -> None:
         self.need_r[i][s] -= 1
@@ -144,6 +151,8 @@ class _Planner:
     def _pick(self, s: int) -> Op | None:
         if self.ready_b[s]:
             return Op("B", heapq.heappop(self.ready_b[s])[2])
+        if self.b_order[s] and self.b_order[s][0] in self.b_ready[s]:
+            return Op("B", self.b_order[s].popleft())
         if self.ready_r[s] and self.held[s] < self.max_cap(s):
             return Op("R", heapq.heappop(self.ready_r[s])[1])
         if s == 0:
@@ -190,6 +199,7 @@ class _Planner:
         else:  # B
             self.held[s] -= 1
             if s > 0:
+                self.b_order[s - 1].append(i)
                 self._dec_b(i, s - 1)
             if self.prev_sib[i] >= 0:
                 self._dec_b(self.prev_sib[i], s)

@@ -38,9 +38,10 @@ def check_batch(batch: ChunkBatch) -> None:
 
 
 def check_plan(plan: StagePlan, k: int) -> None:
-    """Op counts, per-sequence order, the K window, one forward order for all stages."""
+    """Op counts, per-sequence order, the K window, one forward and one backward order for all
+    stages (so point-to-point messages between neighbours arrive in the order they are sent)."""
     chunks = {c.id: c for c in plan.chunks}
-    forward_orders = []
+    forward_orders, backward_orders = [], []
     for s, ops in enumerate(plan.stages):
         seen = defaultdict(list)
         for i, op in enumerate(ops):
@@ -51,6 +52,7 @@ def check_plan(plan: StagePlan, k: int) -> None:
             recompute = c.is_dependent and c.index < c.num_siblings - k
             assert kinds == (["F", "R", "B"] if recompute else ["F", "B"]), (s, cid, kinds)
         forward_orders.append([op.chunk for op in ops if op.kind == "F"])
+        backward_orders.append([op.chunk for op in ops if op.kind == "B"])
         # per sequence: forwards ascend, backwards strictly descend, at most K hold activations
         by_seq_f, by_seq_b, held = defaultdict(list), defaultdict(list), defaultdict(int)
         for op in ops:
@@ -71,3 +73,4 @@ def check_plan(plan: StagePlan, k: int) -> None:
         for parent, idx in by_seq_b.items():
             assert idx == sorted(idx, reverse=True)
     assert all(o == forward_orders[0] for o in forward_orders), "stages forward in different orders"
+    assert all(o == backward_orders[0] for o in backward_orders), "stages backward in different orders"
