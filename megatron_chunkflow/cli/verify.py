@@ -3,6 +3,7 @@
     chunkflow verify                                   # tiny Qwen2.5-shaped model, float64, CPU
     chunkflow verify --chunk-size 128 --k 2 --dtype float32 --json
     torchrun --nproc_per_node 4 -m megatron_chunkflow verify --tp 2     # TP=2 x DP=2 (gloo on CPU)
+    torchrun --nproc_per_node 2 -m megatron_chunkflow verify --pp 2 --steps 3
     chunkflow verify --memory --lengths 4096,16384 --chunk-size 1024 --k 1
 
 Exit 1 when the largest relative gradient error exceeds the dtype's bound (float64 1e-10,
@@ -41,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (DP is the rest)")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    g.add_argument("--steps", type=int, default=1,
+                   help="training steps to check, each a new batch (default: 1)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="run the chunked model with sequence parallelism (needs --tp > 1)")
     g = parser.add_argument_group("memory")
@@ -68,18 +71,17 @@ def run(args: argparse.Namespace) -> int:
     cfg = ChunkFlowConfig.from_args(args)
     shape = _shape(args)
     dtype = DTYPES[args.dtype]
-    for flag, value in (("--tp", args.tp), ("--pp", args.pp)):
+    for flag, value in (("--tp", args.tp), ("--pp", args.pp), ("--steps", args.steps)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    if args.pp != 1:
-        raise ValueError("--pp > 1: ChunkFlow's pipeline schedule is not built yet")
     cfg.check_layout(args.tp, args.sequence_parallel)
     if args.sequence_parallel and args.tp == 1:
         raise ValueError("--sequence-parallel needs --tp > 1")
     if shape.num_query_groups % args.tp or shape.num_attention_heads % args.tp:
         raise ValueError(f"--tp {args.tp} does not divide the model's {shape.num_attention_heads} "
                          f"attention heads and {shape.num_query_groups} query groups")
-
+    if shape.num_layers % args.pp:
+        raise ValueError(f"--pp {args.pp} does not divide the model's {shape.num_layers} layers")
     if args.memory:
         _memory_lengths(args.lengths)  # bad input stops before any process group starts
     from megatron_chunkflow.integration.dist import init_distributed, shutdown
@@ -97,49 +99,74 @@ def _is_main() -> bool:
     return torch.distributed.get_rank() == 0
 
 
+def _step_lengths(args, cfg) -> tuple[list[list[int]], str]:
+    """One list of lengths per step: a lengths file repeats; a profile draws step, step+1, ..."""
+    from megatron_chunkflow.core.profiles import ensure_long
+
+    steps, source = [], ""
+    for i in range(args.steps):
+        args_i = argparse.Namespace(**{**vars(args), "step": args.step + i})
+        lengths, source_i = lengths_from_args(args_i)
+        if not args.lengths_file:
+            lengths = ensure_long(lengths, args.profile, cfg.chunk_size, args.min_long,
+                                  args.seed + i, args.scale)
+        steps.append(lengths)
+        source = source or source_i
+    return steps, source + (f", {args.steps} steps" if args.steps > 1 else "")
+
+
 def _run_check(args, cfg, shape, dtype) -> int:
     from megatron.core import parallel_state
 
-    from megatron_chunkflow.core.profiles import ensure_long
     from megatron_chunkflow.integration.memory import ActivationMeter
     from megatron_chunkflow.integration.verify import BOUNDS, run_verify
 
-    lengths, source = lengths_from_args(args)
-    if not args.lengths_file:
-        lengths = ensure_long(lengths, args.profile, cfg.chunk_size, args.min_long, args.seed,
-                              args.scale)
-    res = run_verify(shape, lengths, cfg.chunk_size, cfg.k, dtype, args.seed, args.backend,
-                     meter_cls=ActivationMeter, sequence_parallel=args.sequence_parallel)
-    longest = max(lengths) + (-max(lengths) % args.tp)  # one chunk per sequence
-    unchunked = run_verify(shape, lengths, longest, 1, dtype, args.seed, args.backend,
-                           meter_cls=ActivationMeter, sequence_parallel=args.sequence_parallel)
+    steps, source = _step_lengths(args, cfg)
+    common = dict(dtype=dtype, seed=args.seed, backend=args.backend, tp=args.tp, pp=args.pp,
+                  sequence_parallel=args.sequence_parallel, meter_cls=ActivationMeter)
+    results = run_verify(shape, steps, cfg.chunk_size, cfg.k, **common)
+    longest = max(max(s) for s in steps)
+    unchunked = run_verify(shape, steps, longest + (-longest % args.tp), 1, **common)
     bound = BOUNDS[dtype]
-    ok = res.max_rel_grad_err <= bound and abs(res.loss_chunked - res.loss_ref) <= bound * max(
-        1.0, abs(res.loss_ref))
+    ok = all(r.max_rel_grad_err <= bound
+             and abs(r.loss_chunked - r.loss_ref) <= bound * max(1.0, abs(r.loss_ref))
+             for r in results)
     dp = parallel_state.get_data_parallel_world_size()
+    worst = max(results, key=lambda r: r.max_rel_grad_err)
     out = Output(args.json, quiet=not _is_main())
-    n_dep = sum(1 for n in lengths if n > cfg.chunk_size)
-    out.say(f"{len(lengths)} sequences ({source}), {sum(lengths):,} tokens, {n_dep} longer "
-            f"than C={cfg.chunk_size}; K={cfg.k}, {args.dtype}, TP={args.tp}"
-            f"{' (sequence parallel)' if args.sequence_parallel else ''} DP={dp}, "
-            f"backend {args.backend}")
-    out.say(f"{'parameter':<58} rel. grad error")
-    for name, err in res.param_errors:
+    n_dep = sum(1 for n in steps[0] if n > cfg.chunk_size)
+    out.say(f"{len(steps[0])} sequences ({source}), {sum(steps[0]):,} tokens, {n_dep} longer than "
+            f"C={cfg.chunk_size}; K={cfg.k}, {args.dtype}, TP={args.tp}"
+            f"{' (sequence parallel)' if args.sequence_parallel else ''} PP={args.pp} DP={dp}, "
+            f"backend {args.backend}; reference: stock Megatron at PP=1")
+    out.say(f"{'parameter':<58} rel. grad error (worst step)")
+    for name, err in worst.param_errors:
         out.say(f"{name:<58} {err:.2e}")
-    out.say(f"loss: unchunked {res.loss_ref:.12f}  chunked {res.loss_chunked:.12f}")
-    out.say(f"max relative gradient error {res.max_rel_grad_err:.2e} ({res.worst_param}); "
+    for i, r in enumerate(results):
+        out.say(f"step {i}: {r.num_chunks} chunks, loss unchunked {r.loss_ref:.12f} chunked "
+                f"{r.loss_chunked:.12f}, max rel. grad error {r.max_rel_grad_err:.2e}, bubble "
+                f"measured {r.bubble_measured:.1%} / predicted {r.bubble_predicted:.1%}, peak "
+                f"bytes per stage {r.activation_bytes_per_stage}")
+    out.say(f"max relative gradient error {worst.max_rel_grad_err:.2e} ({worst.worst_param}); "
             f"bound {bound:g}: {'PASS' if ok else 'FAIL'}")
-    out.say(f"activation bytes (saved for backward + K/V state), peak: chunked "
-            f"{res.activation_bytes['chunked']:,} vs unchunked "
-            f"{unchunked.activation_bytes['chunked']:,}")
+    last, last_unchunked = results[-1], unchunked[-1]
+    out.say(f"activation bytes (saved for backward + K/V state), peak over stages: chunked "
+            f"{max(last.activation_bytes_per_stage):,} vs unchunked "
+            f"{max(last_unchunked.activation_bytes_per_stage):,}")
     out.result({
         "dtype": args.dtype, "tp": args.tp, "pp": args.pp, "dp": dp,
         "sequence_parallel": args.sequence_parallel,
         "chunk_size": cfg.chunk_size, "k": cfg.k,
-        "loss_ref": res.loss_ref, "loss_chunked": res.loss_chunked,
-        "max_rel_grad_err": res.max_rel_grad_err, "worst_param": res.worst_param,
-        "activation_bytes": {"chunked": res.activation_bytes["chunked"],
-                             "unchunked": unchunked.activation_bytes["chunked"]},
+        "loss_ref": worst.loss_ref, "loss_chunked": worst.loss_chunked,
+        "max_rel_grad_err": worst.max_rel_grad_err, "worst_param": worst.worst_param,
+        "activation_bytes": {"chunked": max(last.activation_bytes_per_stage),
+                             "unchunked": max(last_unchunked.activation_bytes_per_stage)},
+        "activation_bytes_per_stage": last.activation_bytes_per_stage,
+        "state_bytes_per_stage": last.state_bytes_per_stage,
+        "bubble_ratio": {"measured": last.bubble_measured, "predicted": last.bubble_predicted},
+        "steps": [{"num_chunks": r.num_chunks, "loss_ref": r.loss_ref,
+                   "loss_chunked": r.loss_chunked, "max_rel_grad_err": r.max_rel_grad_err}
+                  for r in results],
         "passed": ok,
     })
     return 0 if ok else 1

@@ -112,3 +112,20 @@ def wrap_ddp(model, config):
     config.no_sync_func = ddp.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     return ddp
+
+
+def full_model_name(stage_name: str, config, tie_embeddings: bool) -> str:
+    """The name a pipeline stage's parameter has in the PP = 1 model of the same architecture.
+
+    Stage layers are numbered from 0 locally; the global index adds the stage's layer offset. With
+    tied embeddings and PP > 1 the last stage's output_layer.weight is its copy of the embedding.
+    """
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    parts = stage_name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        parts[2] = str(int(parts[2]) + get_transformer_layer_offset(config))
+        return ".".join(parts)
+    if tie_embeddings and stage_name == "output_layer.weight":
+        return "embedding.word_embeddings.weight"
+    return stage_name

@@ -44,7 +44,7 @@ def init_distributed(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                              pipeline_model_parallel_size=pp)
-    model_parallel_cuda_manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
 def shutdown() -> None:

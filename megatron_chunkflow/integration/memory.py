@@ -20,7 +20,9 @@ class ActivationMeter:
         self.store = store
         self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self._held: dict[int, tuple[int, int]] = {}  # chunk -> (activation bytes, state bytes)
+        self._extra: dict[int, int] = {}  # chunk -> saved stage input bytes (state-like)
         self.peak_activation = 0
+        self.max_chunk_activation = 0  # the most one chunk's forward saved
         self.peak_state = 0
         self.peak_total = 0
 
@@ -41,15 +43,25 @@ class ActivationMeter:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
         self._held[chunk] = (counts[0], counts[1])
+        self.max_chunk_activation = max(self.max_chunk_activation, counts[0])
         self._update()
 
     def release(self, chunk: int) -> None:
         self._held.pop(chunk, None)
         self._update()
 
+    def hold_extra(self, chunk: int, tensor: torch.Tensor) -> None:
+        """A stage input kept for a later re-forward (pipeline stages after the first)."""
+        self._extra[chunk] = tensor.numel() * tensor.element_size()
+        self._update()
+
+    def release_extra(self, chunk: int) -> None:
+        self._extra.pop(chunk, None)
+        self._update()
+
     def _update(self) -> None:
         act = sum(a for a, _ in self._held.values())
-        state = sum(s for _, s in self._held.values())
+        state = sum(s for _, s in self._held.values()) + sum(self._extra.values())
         state += self.store.nbytes() if self.store is not None else 0
         self.peak_activation = max(self.peak_activation, act)
         self.peak_state = max(self.peak_state, state)

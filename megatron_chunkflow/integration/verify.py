@@ -1,12 +1,14 @@
 """Chunked against unchunked training on real megatron-core: loss and every parameter gradient.
 
-The reference is stock Megatron: each sequence whole as one micro-batch, the model's own local
-DotProductAttention (causal), Megatron's forward_backward_no_pipelining, DDP and finalize_model_grads.
-The chunked run is a second GPTModel with the same weights, patched by apply_chunkflow, executing the
-core planner's plan through forward_backward_chunkflow. Both use per-token loss, so both gradients are
-(sum of masked token-loss gradients) / (global token count).
+The reference is stock Megatron at PP = 1: each sequence whole as one micro-batch, the model's own
+local DotProductAttention (causal), Megatron's forward_backward_no_pipelining, DDP and
+finalize_model_grads, with DP = world / TP. Then the process groups are rebuilt for the layout under
+test (TP x PP x DP), each pipeline stage's GPTModel takes its slice of the reference weights, is
+patched by apply_chunkflow and executes the core planner's plan through forward_backward_chunkflow.
+Both use per-token loss, so both gradients are (sum of masked token-loss gradients) / (global token
+count). Several steps (batches of different sizes, so different chunk counts) run in one go.
 
-Run in every process of a job (one process, or torchrun with world = TP x DP).
+Run in every process of a job (one process, or torchrun with world = TP x PP x DP).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from megatron_chunkflow.core.costs import OpCosts
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.packer import build_chunks
 from megatron_chunkflow.core.schedule import state_aware_plan
+from megatron_chunkflow.core.simulate import simulate
 from megatron_chunkflow.integration.data import ChunkInput, TokenSequence, build_step
 from megatron_chunkflow.integration.loss import token_loss_sum
 
@@ -35,8 +38,13 @@ class VerifyResult:
     max_rel_grad_err: float
     worst_param: str
     param_errors: list[tuple[str, float]] = field(default_factory=list)
-    activation_bytes: dict[str, int] = field(default_factory=dict)
-    state_bytes: int = 0
+    activation_bytes_per_stage: list[int] = field(default_factory=list)  # peak, incl. K/V state
+    state_bytes_per_stage: list[int] = field(default_factory=list)
+    held_bytes_per_stage: list[int] = field(default_factory=list)  # peak, K/V state excluded
+    chunk_bytes_per_stage: list[int] = field(default_factory=list)  # largest single chunk
+    bubble_measured: float = 0.0
+    bubble_predicted: float = 0.0
+    num_chunks: int = 0
 
 
 def make_sequences(lengths: Sequence[int], vocab_size: int, seed: int,
@@ -71,90 +79,154 @@ def whole_sequence_input(seq: TokenSequence) -> ChunkInput:
                       torch.arange(n).view(1, -1), None)
 
 
-def _global_loss(reports) -> tuple[torch.Tensor, torch.Tensor]:
+def _global_loss(reports) -> tuple[float, float]:
+    """(loss sum, token count) over the whole job: last stages hold the reports."""
+    total = sum((r["lm loss"].double() for r in reports), torch.zeros(2, dtype=torch.float64))
+    dist.all_reduce(total)
     from megatron.core import parallel_state
 
-    total = sum((r["lm loss"] for r in reports), torch.zeros(2, dtype=torch.float64))
-    total = total.to(torch.float64)
-    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
-    return total[0], total[1]
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return float(total[0]) / tp, float(total[1]) / tp  # every TP rank reported the same
 
 
-def run_verify(shape: ModelShape, lengths: Sequence[int], chunk_size: int, k: int,
+def run_verify(shape: ModelShape, steps: Sequence[Sequence[int]], chunk_size: int, k: int,
                dtype: torch.dtype = torch.float64, seed: int = 0, backend: str = "torch",
-               meter_cls=None, fully_masked: Sequence[int] = (),
-               sequence_parallel: bool = False) -> VerifyResult:
-    """One training step both ways in this process group; returns the comparison.
+               tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
+               fully_masked: Sequence[int] = (), meter_cls=None) -> list[VerifyResult]:
+    """One training step per entry of `steps` (sequence lengths), both ways; one result each."""
+    from megatron_chunkflow.config import ChunkFlowConfig
+    from megatron_chunkflow.integration.dist import init_distributed
 
-    With `sequence_parallel` the chunked model runs with sequence parallelism (chunks padded to a
-    multiple of TP) and the reference without: the mathematics is the same.
-    """
+    cf_config = ChunkFlowConfig(chunk_size=chunk_size, k=k)
+    cf_config.check_layout(tp, sequence_parallel)
+    batches = [make_sequences(lengths, shape.vocab_size, seed + i, fully_masked=fully_masked)
+               for i, lengths in enumerate(steps)]
+
+    init_distributed(tp=tp, pp=1, seed=seed)
+    reference = _run_reference(shape, batches, dtype)
+    init_distributed(tp=tp, pp=pp, seed=seed)
+    return _run_chunked(shape, batches, reference, cf_config, dtype, backend, sequence_parallel,
+                        meter_cls)
+
+
+def _run_reference(shape, batches, dtype):
+    """Stock Megatron, PP = 1: per step, (loss sum, count, {param name: gradient})."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
     from megatron_chunkflow.integration.build import build_gpt_model, transformer_config, wrap_ddp
+
+    dp, dp_rank = (parallel_state.get_data_parallel_world_size(),
+                   parallel_state.get_data_parallel_rank())
+    step_fn = partial(forward_step, tp_group=parallel_state.get_tensor_model_parallel_group())
+    config = transformer_config(shape, dtype)
+    model = build_gpt_model(shape, config)
+    state = {k: (v.clone() if v is not None else None) for k, v in model.state_dict().items()}
+    ddp = wrap_ddp(model, config)
+    out = []
+    for sequences in batches:
+        mine = [whole_sequence_input(s) for i, s in enumerate(sequences) if i % dp == dp_rank]
+        ddp.zero_grad_buffer()
+        if mine:
+            reports = forward_backward_no_pipelining(
+                forward_step_func=step_fn, data_iterator=iter(mine), model=ddp,
+                num_microbatches=len(mine), seq_length=max(len(s) for s in sequences),
+                micro_batch_size=1)
+        else:  # more reference ranks than sequences: this one only joins the gradient reduction
+            reports = []
+            config.finalize_model_grads_func([ddp], torch.zeros([], dtype=torch.int))
+        grads = {name: p.main_grad.detach().clone() for name, p in model.named_parameters()}
+        out.append((*_global_loss(reports), grads))
+    return state, out
+
+
+def _run_chunked(shape, batches, reference, cf_config, dtype, backend, sequence_parallel,
+                 meter_cls) -> list[VerifyResult]:
+    from megatron.core import parallel_state
+
+    from megatron_chunkflow.integration.build import (
+        build_gpt_model,
+        full_model_name,
+        transformer_config,
+        wrap_ddp,
+    )
     from megatron_chunkflow.integration.model import apply_chunkflow
+    from megatron_chunkflow.integration.pipeline import StageTimeline
     from megatron_chunkflow.integration.schedules import forward_backward_chunkflow
 
-    from megatron_chunkflow.config import ChunkFlowConfig
-
+    ref_state, ref_steps = reference
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    cf_config = ChunkFlowConfig(chunk_size=chunk_size, k=k)
-    cf_config.check_layout(tp, sequence_parallel)
-    dp = parallel_state.get_data_parallel_world_size()
-    dp_rank = parallel_state.get_data_parallel_rank()
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    if len(lengths) < dp:
-        raise ValueError(f"{len(lengths)} sequences for {dp} data-parallel ranks: need at least "
-                         "one per rank")
-    sequences = make_sequences(lengths, shape.vocab_size, seed, fully_masked=fully_masked)
-    step_fn = partial(forward_step, tp_group=tp_group)
-
-    cfg_ref = transformer_config(shape, dtype)
-    cfg_cf = transformer_config(shape, dtype, sequence_parallel=sequence_parallel)
-    ref = build_gpt_model(shape, cfg_ref)
-    chunked = build_gpt_model(shape, cfg_cf)
-    chunked.load_state_dict(ref.state_dict())
-    store = apply_chunkflow(chunked, backend=backend)
-    ref, chunked = wrap_ddp(ref, cfg_ref), wrap_ddp(chunked, cfg_cf)
-
-    mine = [whole_sequence_input(s) for i, s in enumerate(sequences) if i % dp == dp_rank]
-    reports_ref = forward_backward_no_pipelining(
-        forward_step_func=step_fn, data_iterator=iter(mine), model=ref,
-        num_microbatches=len(mine), seq_length=max(lengths), micro_batch_size=1)
-
-    batch = build_chunks(lengths, chunk_size, dp, k, shape)
-    chunks = batch.chunks_for_rank(dp_rank)
-    plan = state_aware_plan(chunks, 1, k, OpCosts.from_model(chunks, shape, 1))
-    step = build_step(plan, sequences, chunk_size,
-                      pad_multiple=cf_config.pad_multiple(tp, sequence_parallel))
-    meter = meter_cls(chunked, store) if meter_cls is not None else None
-    reports_cf = forward_backward_chunkflow(
-        forward_step_func=step_fn, data_iterator=iter([step]), model=chunked,
-        num_microbatches=len(chunks), seq_length=chunk_size, micro_batch_size=1, meter=meter)
-
-    loss_ref, n_ref = _global_loss(reports_ref)
-    loss_cf, n_cf = _global_loss(reports_cf)
-    assert n_ref == n_cf, f"token counts differ: {n_ref} vs {n_cf}"
-    errors = _grad_errors(ref.module, chunked.module)
-    worst = max(errors, key=lambda e: e[1])
-    result = VerifyResult(
-        loss_ref=float(loss_ref / n_ref.clamp(min=1)),
-        loss_chunked=float(loss_cf / n_cf.clamp(min=1)),
-        max_rel_grad_err=worst[1], worst_param=worst[0], param_errors=errors)
-    if meter is not None:
-        result.activation_bytes = {"chunked": meter.peak_activation + meter.peak_state}
-        result.state_bytes = meter.peak_state
-    return result
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    dp, dp_rank = (parallel_state.get_data_parallel_world_size(),
+                   parallel_state.get_data_parallel_rank())
+    config = transformer_config(shape, dtype, sequence_parallel=sequence_parallel)
+    model = build_gpt_model(shape, config)
+    names = {n: full_model_name(n, config, shape.tie_embeddings) for n in model.state_dict()}
+    model.load_state_dict({n: ref_state[names[n]] for n in names})
+    store = apply_chunkflow(model, backend=backend)
+    ddp = wrap_ddp(model, config)
+    step_fn = partial(forward_step, tp_group=parallel_state.get_tensor_model_parallel_group())
+    pad = cf_config.pad_multiple(tp, sequence_parallel)
+    results = []
+    for sequences, (ref_loss, ref_count, ref_grads) in zip(batches, ref_steps):
+        lengths = [len(s) for s in sequences]
+        batch = build_chunks(lengths, cf_config.chunk_size, dp, cf_config.k, shape)
+        chunks = batch.chunks_for_rank(dp_rank)
+        costs = OpCosts.from_model(chunks, shape, pp)
+        plan = state_aware_plan(chunks, pp, cf_config.k, costs)
+        step = build_step(plan, sequences, cf_config.chunk_size, pad_multiple=pad)
+        meter = meter_cls(model, store) if meter_cls is not None else None
+        timeline = StageTimeline()
+        ddp.zero_grad_buffer()
+        reports = forward_backward_chunkflow(
+            forward_step_func=step_fn, data_iterator=iter([step]), model=ddp,
+            num_microbatches=len(chunks), seq_length=cf_config.chunk_size, micro_batch_size=1,
+            meter=meter, timeline=timeline)
+        loss, count = _global_loss(reports)
+        assert count == ref_count, f"token counts differ: {count} vs {ref_count}"
+        errors = _grad_errors(model, names, ref_grads)
+        worst = max(errors, key=lambda e: e[1])
+        result = VerifyResult(
+            loss_ref=ref_loss / max(ref_count, 1), loss_chunked=loss / max(count, 1),
+            max_rel_grad_err=worst[1], worst_param=worst[0], param_errors=errors,
+            bubble_predicted=simulate(plan, costs).bubble_ratio if chunks else 0.0,
+            num_chunks=len(batch.chunks))
+        _pipeline_stats(result, timeline, meter)
+        results.append(result)
+    return results
 
 
-def _grad_errors(ref, chunked) -> list[tuple[str, float]]:
-    """Per parameter: max |g_chunked - g_ref| / max |g_ref|, maxima taken over all ranks."""
-    names, stats = [], []
-    for (name, p_ref), (_, p_cf) in zip(ref.named_parameters(), chunked.named_parameters()):
-        g_ref, g_cf = p_ref.main_grad.double(), p_cf.main_grad.double()
-        names.append(name)
-        stats.append(torch.stack([(g_cf - g_ref).abs().max(), g_ref.abs().max()]))
-    stats = torch.stack(stats)
+def _grad_errors(model, names, ref_grads) -> list[tuple[str, float]]:
+    """Per parameter: max |g_chunked - g_ref| / max |g_ref|, maxima taken over all ranks.
+
+    Rows are the reference model's parameters; a stage reports the ones it holds."""
+    mine = {names[n]: p.main_grad.double() for n, p in model.named_parameters()}
+    full = sorted(ref_grads)
+    stats = torch.zeros(len(full), 2, dtype=torch.float64)
+    for i, name in enumerate(full):
+        if name in mine:
+            g_ref = ref_grads[name].double()
+            stats[i, 0] = (mine[name] - g_ref).abs().max()
+            stats[i, 1] = g_ref.abs().max()
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-    return [(n, float(d / s) if s > 0 else float(d)) for n, (d, s) in zip(names, stats.tolist())]
+    return [(n, float(d / s) if s > 0 else float(d)) for n, (d, s) in zip(full, stats.tolist())]
+
+
+def _pipeline_stats(result: VerifyResult, timeline, meter) -> None:
+    """Measured bubble of this DP replica's pipeline, and peak bytes per stage."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_pipeline_model_parallel_group()
+    p = dist.get_world_size(group)
+    peaks = ((meter.peak_total, meter.peak_state, meter.peak_activation,
+              meter.max_chunk_activation) if meter else (0, 0, 0, 0))
+    mine = torch.tensor([timeline.busy, timeline.step_time, *peaks], dtype=torch.float64)
+    rows = [torch.zeros_like(mine) for _ in range(p)]
+    dist.all_gather(rows, mine, group=group)
+    busy = sum(float(r[0]) for r in rows)
+    span = max(float(r[1]) for r in rows)
+    result.bubble_measured = 1.0 - busy / (p * span) if span > 0 else 0.0
+    result.activation_bytes_per_stage = [int(r[2]) for r in rows]
+    result.state_bytes_per_stage = [int(r[3]) for r in rows]
+    result.held_bytes_per_stage = [int(r[4]) for r in rows]
+    result.chunk_bytes_per_stage = [int(r[5]) for r in rows]
