@@ -1,8 +1,7 @@
 """Sequences -> data chunks -> the tensors one forward of each chunk consumes.
 
-A `TokenSequence` is one training sample: token ids and a loss mask aligned with the *targets*:
-loss_mask[t] = 1 when predicting token t+1 from tokens[:t+1] counts (an assistant token in SFT). The
-last position has no target and is always masked. A chunk holding tokens [s, e) of a sequence gets
+A `TokenSequence` (data/sequence.py) is one training sample: token ids and a loss mask aligned with
+the *targets*. A chunk holding tokens [s, e) of a sequence gets
 labels tokens[s+1 : e+1]; for a dependent chunk the label of its last token is the first token of the
 next chunk, so no target is lost at chunk boundaries.
 
@@ -18,16 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from megatron_chunkflow.core.types import DataChunk, StagePlan
+from megatron_chunkflow.data.sequence import TokenSequence
 from megatron_chunkflow.integration.state import ChunkMeta
-
-
-@dataclass(frozen=True)
-class TokenSequence:
-    tokens: torch.Tensor  # [L] int64
-    loss_mask: torch.Tensor  # [L] target-aligned; loss_mask[L-1] == 0
-
-    def __len__(self) -> int:
-        return self.tokens.numel()
 
 
 @dataclass
