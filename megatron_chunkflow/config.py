@@ -63,14 +63,16 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type = ChunkFlowConfig,
-                         prefix: str = "", defaults: dict | None = None) -> None:
+                         prefix: str = "", defaults: dict | None = None,
+                         flags: dict | None = None) -> None:
     """Add one `--<prefix><field-name>` flag per dataclass field, help from its docstring.
 
-    `defaults` overrides field defaults for one command (e.g. a small chunk size for CPU checks).
+    `defaults` overrides field defaults for one command (e.g. a small chunk size for CPU checks);
+    `flags` renames a field's flag (Megatron-LM style `--chunkflow-k` for `k`).
     """
     docs = field_docs(cls)
     for f in dataclasses.fields(cls):
-        flag = "--" + prefix + f.name.replace("_", "-")
+        flag = (flags or {}).get(f.name) or "--" + prefix + f.name.replace("_", "-")
         default = (defaults or {}).get(f.name, f.default)
         parser.add_argument(flag, dest=f.name, type=type(f.default), default=default,
                             metavar=f.name.upper(), help=f"{docs[f.name]} (default: {default})")

@@ -16,6 +16,8 @@ import sys
 SUBCOMMANDS = {
     "plan": ("megatron_chunkflow.cli.plan",
              "cut, pack and schedule one global batch; compare with stock Megatron's 1F1B"),
+    "train": ("megatron_chunkflow.cli.train",
+              "fine-tune with ChunkFlow (or --no-chunkflow: stock Megatron); the main job"),
     "verify": ("megatron_chunkflow.cli.verify",
                "check chunked training against unchunked megatron-core: loss, gradients, memory"),
 }

@@ -54,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
-def _shape(args):
+def load_shape(args):
+    """The --model preset, or --model-config FILE (our field names or an HF config.json)."""
     if not args.model_config:
         return get_model_shape(args.model)
     path = Path(args.model_config)
@@ -69,7 +70,7 @@ def _shape(args):
 
 def run(args: argparse.Namespace) -> int:
     cfg = ChunkFlowConfig.from_args(args)
-    shape = _shape(args)
+    shape = load_shape(args)
     dtype = DTYPES[args.dtype]
     for flag, value in (("--tp", args.tp), ("--pp", args.pp), ("--steps", args.steps)):
         if value < 1:

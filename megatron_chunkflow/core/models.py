@@ -51,6 +51,8 @@ TINY = {
     # that is not a multiple of 128 (like Qwen's 151,646 tokens before padding).
     "tiny": ModelShape(4, 64, 176, 4, 2, 1000, tie_embeddings=True),
     "tiny-untied": ModelShape(4, 64, 176, 4, 2, 1000),
+    # `chunkflow train`'s CPU default: the real Qwen2.5 vocabulary (151,936 padded ids), tiny body
+    "qwen2.5-tiny": ModelShape(4, 64, 176, 4, 2, 151936, tie_embeddings=True),
 }
 
 MODEL_SHAPES = {**QWEN25, **TINY}

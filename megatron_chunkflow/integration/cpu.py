@@ -14,6 +14,8 @@ does the package patch torch. Each patch names the Megatron seam it serves
 - device="cuda" in factory functions, Tensor.cuda() and Tensor.to("cuda"), via a TorchFunctionMode:
   pipeline_parallel/schedules.py (total_num_tokens), optimizer/optimizer.py (found_inf, scale),
   language_module.py (tied embeddings under PP > 1: weight.data.cuda()), transformer/utils.py masks.
+- optimizer/clip_grads.py clip_grad_by_total_norm_fp32 asserts grads are torch.cuda.FloatTensor; the
+  CPU version below is the same scaling without that assert (looked up by optimizer/optimizer.py).
 """
 
 from __future__ import annotations
@@ -46,6 +48,18 @@ class _CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _clip_grad_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """megatron-core's clip_grad_by_total_norm_fp32 without its CUDA-type assert."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for g in grads:
+            g.mul_(clip_coeff)
+
+
 def install_cpu_shims() -> bool:
     """Patch torch (and megatron-core's CUDA RNG helpers) for CPU; returns True if installed."""
     global _INSTALLED
@@ -67,6 +81,11 @@ def install_cpu_shims() -> bool:
 
     mcore_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mcore_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm
+    optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm
 
     _CudaToCpu().__enter__()  # stays active for the life of the process
     _INSTALLED = True

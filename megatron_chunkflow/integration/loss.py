@@ -52,3 +52,16 @@ def token_loss_sum(labels: torch.Tensor, loss_mask: torch.Tensor, output: torch.
     num_tokens = loss_mask.sum().to(torch.int)
     report = torch.cat([loss.detach().view(1), num_tokens.to(loss.dtype).view(1)])
     return loss, num_tokens, {"lm loss": report}
+
+
+def global_loss(reports) -> tuple[float, float]:
+    """(loss sum, token count) over the whole job from the last stages' loss reports.
+
+    A collective over all ranks: every rank must call it, those without reports add nothing.
+    """
+    from megatron.core import parallel_state
+
+    total = sum((r["lm loss"].double() for r in reports), torch.zeros(2, dtype=torch.float64))
+    dist.all_reduce(total)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return float(total[0]) / tp, float(total[1]) / tp  # every TP rank reports the same

@@ -5,7 +5,9 @@
 Works on the local and the Transformer Engine layer specs alike (it walks the built modules). After it:
 - every SelfAttention's `core_attention` is a `ChunkCoreAttention`: a standalone chunk attends causally
   within each packed segment; a dependent chunk's queries attend to its sequence's stored K/V and then
-  causally to its own (bottom-right aligned), through the relay of integration/state.py;
+  causally to its own (bottom-right aligned), through the relay of integration/state.py. Called by a
+  stock Megatron schedule (no chunk context), it is plain THD attention, causal within each packed
+  sequence of packed_seq_params: what TE's THD attention computes on GPU, for the baseline on CPU;
 - `rotary_pos_emb` returns per-token frequencies for the current chunk's position ids (continuing
   across a sequence's chunks, restarting at 0 per packed segment). Megatron's THD RoPE uses them one row
   per token (rope_utils._apply_rotary_pos_emb_thd, "CASE 1").
@@ -37,15 +39,14 @@ class ChunkCoreAttention(torch.nn.Module):
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
         meta = self.store.current
-        if meta is None:
-            raise RuntimeError("ChunkFlow attention ran outside a data chunk: use ChunkFlow's "
-                               "forward_backward function (integration/schedules.py)")
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
             raise RuntimeError("ChunkFlow attention expects THD inputs (packed_seq_params)")
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported with ChunkFlow")
         t = query.size(0)
-        if meta.dependent:
+        if meta is None:  # a stock schedule (the baseline): causal within each packed sequence
+            cu_q = cu_kv = packed_seq_params.cu_seqlens_q.cpu()
+        elif meta.dependent:
             key, value = self.store.kv_with_state(self.layer_number, key, value)
             real, prefix = t - meta.num_padding, key.size(0) - t
             cu_q = torch.tensor([0, real, t][: 3 if meta.num_padding else 2], dtype=torch.int32)

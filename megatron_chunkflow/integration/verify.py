@@ -26,7 +26,7 @@ from megatron_chunkflow.core.packer import build_chunks
 from megatron_chunkflow.core.schedule import state_aware_plan
 from megatron_chunkflow.core.simulate import simulate
 from megatron_chunkflow.integration.data import ChunkInput, TokenSequence, build_step
-from megatron_chunkflow.integration.loss import token_loss_sum
+from megatron_chunkflow.integration.loss import global_loss, token_loss_sum
 
 BOUNDS = {torch.float64: 1e-10, torch.float32: 1e-4}
 
@@ -65,11 +65,18 @@ def make_sequences(lengths: Sequence[int], vocab_size: int, seed: int,
     return out
 
 
-def forward_step(data_iterator, model, tp_group=None):
-    """A Megatron forward_step_func: THD for chunks, SBHD [s, b=1] for whole sequences."""
+def forward_step(data_iterator, model, tp_group=None, exact_loss: bool = True):
+    """A Megatron forward_step_func: THD for chunks, SBHD [s, b=1] for whole sequences.
+
+    exact_loss: cross entropy in the logits' dtype (loss.py); otherwise GPTModel computes the
+    per-token loss itself from labels (Megatron's fp32 vocab-parallel cross entropy).
+    """
     inp = next(data_iterator)
-    output = model(inp.tokens, inp.position_ids, None, packed_seq_params=inp.packed_seq_params)
-    return output, partial(token_loss_sum, inp.labels, inp.loss_mask, tp_group=tp_group)
+    labels = None if exact_loss else inp.labels
+    output = model(inp.tokens, inp.position_ids, None, labels=labels,
+                   packed_seq_params=inp.packed_seq_params)
+    return output, partial(token_loss_sum, inp.labels, inp.loss_mask, tp_group=tp_group,
+                           exact=exact_loss)
 
 
 def whole_sequence_input(seq: TokenSequence) -> ChunkInput:
@@ -77,16 +84,6 @@ def whole_sequence_input(seq: TokenSequence) -> ChunkInput:
     labels = torch.cat([seq.tokens[1:], seq.tokens.new_zeros(1)])
     return ChunkInput(seq.tokens.view(1, -1), labels.view(1, -1), seq.loss_mask.view(1, -1),
                       torch.arange(n).view(1, -1), None)
-
-
-def _global_loss(reports) -> tuple[float, float]:
-    """(loss sum, token count) over the whole job: last stages hold the reports."""
-    total = sum((r["lm loss"].double() for r in reports), torch.zeros(2, dtype=torch.float64))
-    dist.all_reduce(total)
-    from megatron.core import parallel_state
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    return float(total[0]) / tp, float(total[1]) / tp  # every TP rank reported the same
 
 
 def run_verify(shape: ModelShape, steps: Sequence[Sequence[int]], chunk_size: int, k: int,
@@ -136,7 +133,7 @@ def _run_reference(shape, batches, dtype):
             reports = []
             config.finalize_model_grads_func([ddp], torch.zeros([], dtype=torch.int))
         grads = {name: p.main_grad.detach().clone() for name, p in model.named_parameters()}
-        out.append((*_global_loss(reports), grads))
+        out.append((*global_loss(reports), grads))
     return state, out
 
 
@@ -182,7 +179,7 @@ def _run_chunked(shape, batches, reference, cf_config, dtype, backend, sequence_
             forward_step_func=step_fn, data_iterator=iter([step]), model=ddp,
             num_microbatches=len(chunks), seq_length=cf_config.chunk_size, micro_batch_size=1,
             meter=meter, timeline=timeline)
-        loss, count = _global_loss(reports)
+        loss, count = global_loss(reports)
         assert count == ref_count, f"token counts differ: {count} vs {ref_count}"
         errors = _grad_errors(model, names, ref_grads)
         worst = max(errors, key=lambda e: e[1])
