@@ -68,6 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ("--clip-grad", float, 1.0, "gradient clipping by global norm (0: off)"),
         ("--seed", int, 1234, "seed for initialisation and data order"),
         ("--save-interval", int, None, "save every N steps (and at the end)"),
+        ("--exit-interval", int, None, "stop after N steps of this run (then --load resumes)"),
     ]:
         g.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
     g.add_argument("--sequence-parallel", action="store_true")
@@ -118,7 +119,8 @@ def settings_from_args(args):
         sequence_parallel=args.sequence_parallel, chunkflow=args.chunkflow,
         chunk_size=cfg.chunk_size, k=cfg.k, dtype=dtype,
         recompute_granularity=args.recompute_granularity, backend=args.attention_backend,
-        save=args.save, load=args.load, save_interval=args.save_interval)
+        save=args.save, load=args.load, save_interval=args.save_interval,
+        exit_interval=args.exit_interval)
 
 
 def run(args: argparse.Namespace) -> int:

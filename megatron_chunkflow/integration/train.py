@@ -55,6 +55,7 @@ class TrainSettings:
     save: str | None = None
     load: str | None = None
     save_interval: int | None = None
+    exit_interval: int | None = None  # stop after this many steps of this run (Megatron-LM's flag)
 
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -167,7 +168,8 @@ def train(s: TrainSettings, dataset, on_step=None) -> list[dict]:
         start, consumed, _ = load_checkpoint(s.load, model, optimizer, scheduler)
     sampler = BatchSampler(len(dataset), s.global_batch_size, s.seed)
     history = []
-    for it in range(start, s.train_iters):
+    stop = s.train_iters if not s.exit_interval else min(s.train_iters, start + s.exit_interval)
+    for it in range(start, stop):
         sequences = [dataset[i] for i in sampler.batch_at(consumed)]
         t0 = time.perf_counter()
         ddp.zero_grad_buffer()
@@ -193,7 +195,7 @@ def train(s: TrainSettings, dataset, on_step=None) -> list[dict]:
         if s.save and s.save_interval and (it + 1) % s.save_interval == 0:
             save_checkpoint(s.save, it + 1, model, optimizer, scheduler, consumed,
                             dataclasses.asdict(s))
-    if s.save and (not s.save_interval or s.train_iters % s.save_interval):
-        save_checkpoint(s.save, s.train_iters, model, optimizer, scheduler, consumed,
+    if s.save and history and (not s.save_interval or stop % s.save_interval):
+        save_checkpoint(s.save, stop, model, optimizer, scheduler, consumed,
                         dataclasses.asdict(s))
     return history

@@ -35,7 +35,7 @@ def run_gloo(fn, world_size: int, *args, timeout: float = 300.0):
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue))
              for r in range(world_size)]
     for p in procs:
         p.start()
