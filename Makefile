@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo plan test bench clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -14,9 +14,14 @@ $(STAMP): setup.py
 	$(BIN)/pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
-# The main job on its embedded default: plan a profile-B global batch on PP=4 x DP=2, compare
-# with stock Megatron's 1F1B, and draw both timelines.
+# The main job on its embedded default: fine-tune a tiny Qwen2.5-architecture model on real
+# ShareGPT conversations (Qwen2.5 vocabulary, ChatML, assistant-only loss) with ChunkFlow, on CPU.
 demo: $(STAMP)
+	mkdir -p out
+	$(BIN)/chunkflow train --log-json out/train.jsonl
+
+# Plan a profile-B global batch on PP=4 x DP=2, compare with stock Megatron's 1F1B, draw both.
+plan: $(STAMP)
 	mkdir -p out
 	$(BIN)/chunkflow plan --profile B --num-sequences 2000 --chunk-size 8192 --k 1 \
 		--pp 4 --dp 2 --png out/plan.png
@@ -26,6 +31,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python scripts/benchmarks/bench_planner.py
+	$(BIN)/python scripts/benchmarks/soak_train.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis

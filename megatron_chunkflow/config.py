@@ -45,8 +45,16 @@ class ChunkFlowConfig:
         return tensor_parallel if sequence_parallel else 1
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> ChunkFlowConfig:
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    def from_args(cls, args: argparse.Namespace, flags: dict | None = None) -> ChunkFlowConfig:
+        """Build from parsed flags; `flags` as given to add_config_arguments, so that errors
+        name the flag the user typed."""
+        try:
+            return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        except ValueError as e:
+            message = str(e)
+            for name, flag in (flags or {}).items():
+                message = message.replace(f"--{name.replace('_', '-')} ", f"{flag} ")
+            raise ValueError(message) from None
 
 
 @cache

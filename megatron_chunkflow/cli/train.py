@@ -30,6 +30,9 @@ DEFAULTS = dict(model="qwen2.5-tiny", train_iters=16, global_batch_size=4, seq_l
                 chunk_size=1024, max_samples=400, lr=1e-2, min_lr=1e-3, lr_warmup_iters=2)
 
 
+FLAGS = {"k": "--chunkflow-k"}  # Megatron-LM style names for ChunkFlowConfig fields
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=DEFAULTS["model"], choices=sorted(MODEL_SHAPES),
@@ -79,7 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunkflow", action=argparse.BooleanOptionalAction, default=True,
                    help="ChunkFlow (default) or --no-chunkflow for stock Megatron's path")
     add_config_arguments(g, ChunkFlowConfig, defaults={"chunk_size": DEFAULTS["chunk_size"]},
-                         flags={"k": "--chunkflow-k"})
+                         flags=FLAGS)
     g = p.add_argument_group("logging")
     g.add_argument("--log-json", metavar="PATH", help="one JSON line of metrics per step")
     g.add_argument("--tensorboard-dir", metavar="DIR", help="TensorBoard event files")
@@ -90,7 +93,7 @@ def settings_from_args(args):
     from megatron_chunkflow.cli.verify import load_shape
     from megatron_chunkflow.integration.train import TrainSettings
 
-    cfg = ChunkFlowConfig.from_args(args)
+    cfg = ChunkFlowConfig.from_args(args, FLAGS)
     shape = load_shape(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
