@@ -82,8 +82,14 @@ def run_stage(*, ops, step, model, config, p2p, store, forward_step_func, num_mi
             grad = None if is_last else p2p.recv_backward(_shape(meta, config, sp), False)
             start = time.perf_counter()
             input_tensor, output = held.pop(op.chunk)
-            with (contextlib.nullcontext() if i == last_backward else no_sync()):
-                input_grad = backward_step(input_tensor, output, grad, model_type, config)
+            # Megatron's activation recompute (full or selective) re-runs attention inside the
+            # backward: it needs the chunk's context too (reading the state, storing nothing).
+            store.begin(meta, reforward=True)
+            try:
+                with (contextlib.nullcontext() if i == last_backward else no_sync()):
+                    input_grad = backward_step(input_tensor, output, grad, model_type, config)
+            finally:
+                store.end()
             if meter is not None:
                 meter.release(op.chunk)
             record(op, start)

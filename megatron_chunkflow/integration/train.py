@@ -81,18 +81,17 @@ def build_training(s: TrainSettings):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron_chunkflow.integration.build import build_gpt_model, transformer_config, wrap_ddp
+    from megatron_chunkflow.integration.build import (
+        build_gpt_model,
+        recompute_settings,
+        transformer_config,
+        wrap_ddp,
+    )
     from megatron_chunkflow.integration.model import apply_chunkflow
 
     dtype = DTYPES[s.dtype]
-    recompute = {}
-    if s.recompute_granularity == "full":
-        recompute = dict(recompute_granularity="full", recompute_method="uniform",
-                         recompute_num_layers=1)
-    elif s.recompute_granularity == "selective":
-        recompute = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
     config = transformer_config(s.shape, dtype, sequence_parallel=s.sequence_parallel,
-                                **recompute)
+                                **recompute_settings(s.recompute_granularity))
     model = build_gpt_model(s.shape, config)
     store = apply_chunkflow(model, backend=s.backend)  # the baseline uses it as THD attention
     ddp = wrap_ddp(model, config)

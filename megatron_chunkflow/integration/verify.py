@@ -89,7 +89,8 @@ def whole_sequence_input(seq: TokenSequence) -> ChunkInput:
 def run_verify(shape: ModelShape, steps: Sequence[Sequence[int]], chunk_size: int, k: int,
                dtype: torch.dtype = torch.float64, seed: int = 0, backend: str = "torch",
                tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
-               fully_masked: Sequence[int] = (), meter_cls=None) -> list[VerifyResult]:
+               fully_masked: Sequence[int] = (), meter_cls=None,
+               recompute: str | None = None) -> list[VerifyResult]:
     """One training step per entry of `steps` (sequence lengths), both ways; one result each."""
     from megatron_chunkflow.config import ChunkFlowConfig
     from megatron_chunkflow.integration.dist import init_distributed
@@ -103,7 +104,7 @@ def run_verify(shape: ModelShape, steps: Sequence[Sequence[int]], chunk_size: in
     reference = _run_reference(shape, batches, dtype)
     init_distributed(tp=tp, pp=pp, seed=seed)
     return _run_chunked(shape, batches, reference, cf_config, dtype, backend, sequence_parallel,
-                        meter_cls)
+                        meter_cls, recompute)
 
 
 def _run_reference(shape, batches, dtype):
@@ -138,12 +139,13 @@ def _run_reference(shape, batches, dtype):
 
 
 def _run_chunked(shape, batches, reference, cf_config, dtype, backend, sequence_parallel,
-                 meter_cls) -> list[VerifyResult]:
+                 meter_cls, recompute=None) -> list[VerifyResult]:
     from megatron.core import parallel_state
 
     from megatron_chunkflow.integration.build import (
         build_gpt_model,
         full_model_name,
+        recompute_settings,
         transformer_config,
         wrap_ddp,
     )
@@ -156,7 +158,8 @@ def _run_chunked(shape, batches, reference, cf_config, dtype, backend, sequence_
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     dp, dp_rank = (parallel_state.get_data_parallel_world_size(),
                    parallel_state.get_data_parallel_rank())
-    config = transformer_config(shape, dtype, sequence_parallel=sequence_parallel)
+    config = transformer_config(shape, dtype, sequence_parallel=sequence_parallel,
+                                **recompute_settings(recompute))
     model = build_gpt_model(shape, config)
     names = {n: full_model_name(n, config, shape.tie_embeddings) for n in model.state_dict()}
     model.load_state_dict({n: ref_state[names[n]] for n in names})

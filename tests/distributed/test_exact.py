@@ -19,8 +19,10 @@ DEPENDENT = [100, 37, 17]
 SINGLE_CHUNK = [5, 7]  # one standalone chunk: fewer chunks than stages
 STEPS = [MIXED, STANDALONE, DEPENDENT, SINGLE_CHUNK]
 
-# PP = 1, one process: name -> (model, steps, K, dtype, backend, fully masked sequences)
+# PP = 1, one process: name -> (model, steps, K, dtype, backend, fully masked sequences[, recompute])
 SINGLE = {
+    "recompute_full": ("tiny", [MIXED], 1, torch.float64, "torch", (), "full"),
+    "recompute_selective": ("tiny", [MIXED], 2, torch.float64, "torch", (), "selective"),
     "k1": ("tiny", STEPS, 1, torch.float64, "torch", ()),
     "k2": ("tiny", [MIXED, DEPENDENT], 2, torch.float64, "torch", ()),
     "k_ge_n": ("tiny", [MIXED], 8, torch.float64, "torch", ()),
@@ -53,9 +55,10 @@ def _run_single(rank):
     from megatron_chunkflow.integration.verify import run_verify
 
     out = {}
-    for name, (model, steps, k, dtype, backend, masked) in SINGLE.items():
+    for name, (model, steps, k, dtype, backend, masked, *recompute) in SINGLE.items():
         out[name] = _summary(run_verify(get_model_shape(model), steps, C, k, dtype, seed=1,
-                                        backend=backend, fully_masked=masked))
+                                        backend=backend, fully_masked=masked,
+                                        recompute=recompute[0] if recompute else None))
     shutdown()
     return out
 
