@@ -47,12 +47,23 @@ def test_chunkflow_trains_like_stock_megatron(pp):
     assert chunkflow[-1] < chunkflow[0]
 
 
+def _losses_with_crashed_save(rank, ckpt):
+    """Run 10 steps saving at 10; leave what a crash in the middle of the next save leaves (a
+    half-written iter_*.tmp, tracker untouched); then resume."""
+    from pathlib import Path
+
+    first = _losses(rank, [dict(save=ckpt, save_interval=10, exit_interval=10)])[0]
+    partial = Path(ckpt) / "iter_0000015.tmp"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"half a shard")
+    return first, _losses(rank, [dict(load=ckpt)])[0]
+
+
 def test_resume_gives_the_same_losses(tmp_path):
-    """Save at step 10, resume in a new run: steps 11-20 match an uninterrupted run."""
+    """Save at step 10, crash during a later save, resume: steps 11-20 match an uninterrupted run."""
     ckpt = str(tmp_path / "ckpt")
-    whole, first, resumed = run_gloo(_losses, 1, [
-        dict(), dict(save=ckpt, save_interval=10, exit_interval=10), dict(load=ckpt)],
-        timeout=900)[0]
+    (whole,) = run_gloo(_losses, 1, [dict()], timeout=900)[0]
+    first, resumed = run_gloo(_losses_with_crashed_save, 1, ckpt, timeout=900)[0]
     assert len(first) == 10 and len(resumed) == 10
     assert first == pytest.approx(whole[:10], rel=1e-12)
     assert resumed == pytest.approx(whole[10:], rel=1e-10)
