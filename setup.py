@@ -24,9 +24,9 @@ setup(
         "psutil",  # megatron dist_checkpointing's file writer needs it
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6"],
+        "test": ["pytest>=8", "hypothesis>=6", "transformers", "safetensors"],
         "gpu": ["flash-attn", "transformer-engine[pytorch]"],
-        "hf": ["tokenizers"],  # --tokenizer DIR: a local Hugging Face tokenizer.json
+        "hf": ["tokenizers", "safetensors"],  # --tokenizer DIR; integration/hf.py checkpoints
         "parquet": ["pyarrow"],  # --data-path *.parquet
     },
     entry_points={"console_scripts": ["chunkflow = megatron_chunkflow.cli:main"]},
