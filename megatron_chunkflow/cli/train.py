@@ -42,6 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--bf16", action="store_true", help="bfloat16 training (GPU)")
     g.add_argument("--fp64", action="store_true", help="float64 training (exactness checks)")
     g.add_argument("--attention-backend", default="torch", help="chunk attention backend")
+    g.add_argument("--load-hf", metavar="DIR",
+                   help="start from a Hugging Face Qwen2/Qwen2.5 checkpoint (its config.json sets "
+                        "the model; overrides --model)")
+    g.add_argument("--save-hf", metavar="DIR",
+                   help="write the trained model as a Hugging Face checkpoint (safetensors)")
     g = p.add_argument_group("data")
     g.add_argument("--data-path", metavar="PATH",
                    help="JSONL/JSON/Parquet conversations or text, a directory of them, or a "
@@ -94,8 +99,17 @@ def settings_from_args(args):
     from megatron_chunkflow.integration.train import TrainSettings
 
     cfg = ChunkFlowConfig.from_args(args, FLAGS)
-    shape = load_shape(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    hf_shape = None
+    if args.load_hf:
+        import dataclasses
+
+        from megatron_chunkflow.integration.hf import padded_vocab_size, shape_from_hf_dir
+
+        hf_shape = shape_from_hf_dir(args.load_hf)
+        shape = dataclasses.replace(hf_shape, vocab_size=padded_vocab_size(hf_shape.vocab_size, tp))
+    else:
+        shape = load_shape(args)
     for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
                         ("--global-batch-size", args.global_batch_size),
                         ("--seq-length", args.seq_length), ("--train-iters", args.train_iters)):
@@ -115,7 +129,8 @@ def settings_from_args(args):
         raise ValueError("--bf16 needs a GPU; CPU runs train in float32 (or --fp64)")
     dtype = "bfloat16" if args.bf16 else "float64" if args.fp64 else "float32"
     return TrainSettings(
-        shape=shape, model_name=args.model_config or args.model, train_iters=args.train_iters,
+        shape=shape, model_name=args.load_hf or args.model_config or args.model,
+        train_iters=args.train_iters,
         global_batch_size=args.global_batch_size, seq_length=args.seq_length, lr=args.lr,
         min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters, weight_decay=args.weight_decay,
         clip_grad=args.clip_grad, seed=args.seed, tp=tp, pp=pp,
@@ -123,7 +138,8 @@ def settings_from_args(args):
         chunk_size=cfg.chunk_size, k=cfg.k, dtype=dtype,
         recompute_granularity=args.recompute_granularity, backend=args.attention_backend,
         save=args.save, load=args.load, save_interval=args.save_interval,
-        exit_interval=args.exit_interval)
+        exit_interval=args.exit_interval, load_hf=args.load_hf, save_hf=args.save_hf,
+        hf_shape=hf_shape)
 
 
 def run(args: argparse.Namespace) -> int:

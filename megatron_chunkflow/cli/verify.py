@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model-config", metavar="FILE",
                    help="JSON with ModelShape fields, or a Hugging Face Qwen2 config.json")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
+    g.add_argument("--hf-reference", metavar="DIR",
+                   help="compare with transformers' Qwen2ForCausalLM loaded from this Hugging Face "
+                        "checkpoint (float64; needs transformers) instead of megatron-core")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (DP is the rest)")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     g.add_argument("--steps", type=int, default=1,
@@ -89,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
 
     init_distributed(tp=args.tp, pp=args.pp, seed=args.seed)
     try:
+        if args.hf_reference:
+            return _run_hf(args, cfg)
         if args.memory:
             return _run_memory(args, cfg, shape, dtype)
         return _run_check(args, cfg, shape, dtype)
@@ -170,6 +175,32 @@ def _run_check(args, cfg, shape, dtype) -> int:
                   for r in results],
         "passed": ok,
     })
+    return 0 if ok else 1
+
+
+def _run_hf(args, cfg) -> int:
+    from megatron.core import parallel_state
+
+    from megatron_chunkflow.integration.hf_verify import run_hf_verify
+
+    steps, source = _step_lengths(args, cfg)
+    r = run_hf_verify(args.hf_reference, steps[0], cfg.chunk_size, cfg.k, args.seed, args.backend,
+                      args.tp, args.pp)
+    ok = r.max_rel_grad_err <= 1e-10
+    out = Output(args.json, quiet=not _is_main())
+    out.say(f"{len(steps[0])} sequences ({source}); C={cfg.chunk_size} K={cfg.k}, float64, "
+            f"TP={args.tp} PP={args.pp}; reference: transformers Qwen2ForCausalLM from "
+            f"{args.hf_reference}, unchunked")
+    for name, err in r.param_errors:
+        out.say(f"{name:<58} {err:.2e}")
+    out.say(f"loss: transformers {r.loss_ref:.12f}  chunked {r.loss_chunked:.12f}")
+    out.say(f"max relative gradient error {r.max_rel_grad_err:.2e} ({r.worst_param}); bound 1e-10: "
+            f"{'PASS' if ok else 'FAIL'}")
+    out.result({"dtype": "float64", "tp": args.tp, "pp": args.pp,
+                "dp": parallel_state.get_data_parallel_world_size(), "chunk_size": cfg.chunk_size,
+                "k": cfg.k, "loss_ref": r.loss_ref, "loss_chunked": r.loss_chunked,
+                "max_rel_grad_err": r.max_rel_grad_err, "worst_param": r.worst_param,
+                "reference": "transformers", "passed": ok})
     return 0 if ok else 1
 
 

@@ -16,14 +16,22 @@ import torch
 import torch.distributed as dist
 
 
-def vocab_parallel_token_losses(logits: torch.Tensor, labels: torch.Tensor, tp_group=None):
-    """logits [..., V/tp] (this rank's vocab shard), labels [...] -> per-token losses [...]."""
+def vocab_parallel_token_losses(logits: torch.Tensor, labels: torch.Tensor, tp_group=None,
+                                vocab_size: int | None = None):
+    """logits [..., V/tp] (this rank's vocab shard), labels [...] -> per-token losses [...].
+
+    `vocab_size`: the tokenizer's vocabulary; logits of Megatron's padding rows beyond it are left
+    out of the softmax (as a Hugging Face model, which has no padding rows, computes it).
+    """
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
     v_local = logits.size(-1)
     start = tp_rank * v_local
+    if vocab_size is not None and start + v_local > vocab_size:
+        padding = torch.arange(start, start + v_local, device=logits.device) >= vocab_size
+        logits = logits.masked_fill(padding, float("-inf"))
     with torch.no_grad():
         shift = logits.max(dim=-1).values
         if tp_size > 1:
@@ -40,13 +48,14 @@ def vocab_parallel_token_losses(logits: torch.Tensor, labels: torch.Tensor, tp_g
 
 
 def token_loss_sum(labels: torch.Tensor, loss_mask: torch.Tensor, output: torch.Tensor,
-                   tp_group=None, exact: bool = True):
+                   tp_group=None, exact: bool = True, vocab_size: int | None = None):
     """Megatron loss_func contract (3-tuple): (loss sum, token count, {'lm loss': [sum, count]}).
 
     `output` is the model's output on the last stage: logits [b, s, V/tp] when `exact`, else the
     per-token losses [b, s] that GPTModel computes itself when given labels.
     """
-    losses = vocab_parallel_token_losses(output, labels, tp_group) if exact else output
+    losses = (vocab_parallel_token_losses(output, labels, tp_group, vocab_size) if exact
+              else output)
     mask = loss_mask.to(losses.dtype)
     loss = (losses * mask).sum()
     num_tokens = loss_mask.sum().to(torch.int)

@@ -56,6 +56,9 @@ class TrainSettings:
     load: str | None = None
     save_interval: int | None = None
     exit_interval: int | None = None  # stop after this many steps of this run (Megatron-LM's flag)
+    load_hf: str | None = None  # a Hugging Face Qwen2 checkpoint to start from
+    save_hf: str | None = None  # write the trained model as a Hugging Face checkpoint here
+    hf_shape: ModelShape | None = None  # the HF checkpoint's shape (unpadded vocabulary)
 
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -93,6 +96,10 @@ def build_training(s: TrainSettings):
     config = transformer_config(s.shape, dtype, sequence_parallel=s.sequence_parallel,
                                 **recompute_settings(s.recompute_granularity))
     model = build_gpt_model(s.shape, config)
+    if s.load_hf:
+        from megatron_chunkflow.integration.hf import import_hf_weights
+
+        import_hf_weights(model, s.load_hf, config, s.hf_shape)
     store = apply_chunkflow(model, backend=s.backend)  # the baseline uses it as THD attention
     ddp = wrap_ddp(model, config)
     opt_config = OptimizerConfig(
@@ -197,4 +204,11 @@ def train(s: TrainSettings, dataset, on_step=None) -> list[dict]:
     if s.save and history and (not s.save_interval or stop % s.save_interval):
         save_checkpoint(s.save, stop, model, optimizer, scheduler, consumed,
                         dataclasses.asdict(s))
+    if s.save_hf:
+        from pathlib import Path
+
+        from megatron_chunkflow.integration.hf import save_hf_checkpoint
+
+        source = Path(s.load_hf) / "config.json" if s.load_hf else None
+        save_hf_checkpoint(model, config, s.hf_shape or s.shape, s.save_hf, source)
     return history

@@ -65,18 +65,20 @@ def make_sequences(lengths: Sequence[int], vocab_size: int, seed: int,
     return out
 
 
-def forward_step(data_iterator, model, tp_group=None, exact_loss: bool = True):
+def forward_step(data_iterator, model, tp_group=None, exact_loss: bool = True,
+                 vocab_size: int | None = None):
     """A Megatron forward_step_func: THD for chunks, SBHD [s, b=1] for whole sequences.
 
     exact_loss: cross entropy in the logits' dtype (loss.py); otherwise GPTModel computes the
     per-token loss itself from labels (Megatron's fp32 vocab-parallel cross entropy).
+    vocab_size: with exact_loss, leave Megatron's padded vocabulary rows out of the softmax.
     """
     inp = next(data_iterator)
     labels = None if exact_loss else inp.labels
     output = model(inp.tokens, inp.position_ids, None, labels=labels,
                    packed_seq_params=inp.packed_seq_params)
     return output, partial(token_loss_sum, inp.labels, inp.loss_mask, tp_group=tp_group,
-                           exact=exact_loss)
+                           exact=exact_loss, vocab_size=vocab_size)
 
 
 def whole_sequence_input(seq: TokenSequence) -> ChunkInput:
