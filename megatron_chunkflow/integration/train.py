@@ -70,12 +70,19 @@ class BatchSampler:
 
     def __init__(self, num_samples: int, batch_size: int, seed: int):
         self.n, self.batch, self.seed = num_samples, batch_size, seed
+        self._epoch, self._order = -1, None
+
+    def _permutation(self, epoch: int):
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._order = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        return self._order
 
     def batch_at(self, consumed: int) -> list[int]:
         out = []
         for pos in range(consumed, consumed + self.batch):
             epoch, offset = divmod(pos, self.n)
-            out.append(int(np.random.default_rng([self.seed, epoch]).permutation(self.n)[offset]))
+            out.append(int(self._permutation(epoch)[offset]))
         return out
 
 
