@@ -5,6 +5,7 @@
     torchrun --nproc_per_node 4 -m megatron_chunkflow verify --tp 2     # TP=2 x DP=2 (gloo on CPU)
     torchrun --nproc_per_node 2 -m megatron_chunkflow verify --pp 2 --steps 3
     chunkflow verify --memory --lengths 4096,16384 --chunk-size 1024 --k 1
+    chunkflow verify --hf-reference /models/Qwen2.5-0.5B    # against transformers, float64
 
 Exit 1 when the largest relative gradient error exceeds the dtype's bound (float64 1e-10,
 float32 1e-4). With --memory: activation bytes for one sequence per length, chunked and unchunked.
@@ -33,7 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "redrawing the last ones from the profile's tail (default: 1)")
     g = parser.add_argument_group("chunkflow")
     add_config_arguments(g, ChunkFlowConfig, defaults={"chunk_size": 256})
-    g.add_argument("--backend", default="torch", help="attention backend: torch (memory-efficient, the CPU default), sdpa, flash, te (default: torch)")
+    g.add_argument("--backend", default="torch",
+                   help="attention backend: torch (memory-efficient, the CPU default), sdpa, "
+                        "flash, te (default: torch)")
     g = parser.add_argument_group("model and layout")
     g.add_argument("--model", default="tiny", choices=sorted(MODEL_SHAPES),
                    help="model shape (default: tiny, Qwen2.5-shaped)")
