@@ -21,7 +21,8 @@ def add_length_arguments(parser: argparse.ArgumentParser, default_sequences: int
     g.add_argument("--seed", type=int, default=0, help="profile seed (default: 0)")
     g.add_argument("--step", type=int, default=0, help="training step to draw (default: 0)")
     g.add_argument("--scale", type=float, default=default_scale, metavar="F",
-                   help=f"multiply every length by F, e.g. 0.125 on CPU (default: {default_scale:g})")
+                   help="multiply every length by F, e.g. 0.125 on CPU "
+                        f"(default: {default_scale:g})")
 
 
 def read_lengths_file(path: str) -> list[int]:

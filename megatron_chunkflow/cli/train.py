@@ -110,7 +110,8 @@ def settings_from_args(args):
         shape = dataclasses.replace(hf_shape, vocab_size=padded_vocab_size(hf_shape.vocab_size, tp))
     else:
         shape = load_shape(args)
-    for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+    for flag, value in (("--tensor-model-parallel-size", tp),
+                        ("--pipeline-model-parallel-size", pp),
                         ("--global-batch-size", args.global_batch_size),
                         ("--seq-length", args.seq_length), ("--train-iters", args.train_iters)):
         if value < 1:

@@ -143,7 +143,9 @@ class StagePlan:
     @property
     def recomputed(self) -> frozenset[int]:
         """Chunk ids whose F runs without a graph (they have an R)."""
-        return frozenset(op.chunk for op in self.stages[0] if op.kind == "R") if self.stages else frozenset()
+        if not self.stages:
+            return frozenset()
+        return frozenset(op.chunk for op in self.stages[0] if op.kind == "R")
 
     def to_json(self) -> list[list[dict]]:
         return [[op.to_json() for op in stage] for stage in self.stages]

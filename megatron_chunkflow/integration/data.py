@@ -50,7 +50,7 @@ def chunk_meta(chunk: DataChunk, chunk_size: int, pad_multiple: int = 1) -> Chun
     parallelism) with a padding segment that attends only to itself and has no loss."""
     num_padding = -chunk.num_tokens % pad_multiple
     assert not (num_padding and chunk.is_dependent and chunk.index + 1 < chunk.num_siblings), \
-        "only a sequence's last chunk can need padding (the chunk size is a multiple of the TP size)"
+        "only a sequence's last chunk can need padding (C is a multiple of the TP size)"
     cu = chunk.cu_seqlens() + ([chunk.num_tokens + num_padding] if num_padding else [])
     pos = torch.tensor(chunk.position_ids() + list(range(num_padding)), dtype=torch.long)
     return ChunkMeta(

@@ -62,7 +62,8 @@ class ChunkCoreAttention(torch.nn.Module):
 def _check_config(config) -> None:
     if getattr(config, "context_parallel_size", 1) > 1:
         raise ValueError("context parallelism (--context-parallel-size > 1) is not supported with "
-                         "ChunkFlow yet: a long sequence's K/V prefix would be split across CP ranks")
+                         "ChunkFlow yet: a long sequence's K/V prefix would be split across CP "
+                         "ranks")
     if getattr(config, "apply_rope_fusion", False):
         raise ValueError("ChunkFlow needs RoPE fusion off (--no-rope-fusion / apply_rope_fusion="
                          "False): the fused THD kernel restarts positions at 0 in every segment")
@@ -70,7 +71,8 @@ def _check_config(config) -> None:
         raise ValueError("multi-latent attention is not supported with ChunkFlow")
 
 
-def apply_chunkflow(model, backend: str = "torch", store: KVStateStore | None = None) -> KVStateStore:
+def apply_chunkflow(model, backend: str = "torch",
+                    store: KVStateStore | None = None) -> KVStateStore:
     """Patch a built GPTModel (or its DDP/Float16 wrapper) in place; returns the K/V state store."""
     store = store or KVStateStore()
     from megatron.core.transformer.attention import SelfAttention

@@ -254,7 +254,8 @@ def test_verify_against_transformers_float64(checkpoints, case, tp, pp):
     (mapped back to HF names) within 1e-10, and the same loss."""
     for err, worst, loss_ref, loss_cf in run_gloo(_hf_verify, tp * pp, checkpoints[case][0], tp,
                                                   pp, timeout=600):
-        assert err <= 1e-10, f"max relative grad error {err:.2e} at {worst}; loss {loss_ref} vs {loss_cf}"
+        assert err <= 1e-10, (f"max relative grad error {err:.2e} at {worst}; "
+                              f"loss {loss_ref} vs {loss_cf}")
         assert loss_cf == pytest.approx(loss_ref, rel=1e-12)
 
 

@@ -73,4 +73,5 @@ def check_plan(plan: StagePlan, k: int) -> None:
         for parent, idx in by_seq_b.items():
             assert idx == sorted(idx, reverse=True)
     assert all(o == forward_orders[0] for o in forward_orders), "stages forward in different orders"
-    assert all(o == backward_orders[0] for o in backward_orders), "stages backward in different orders"
+    assert all(o == backward_orders[0] for o in backward_orders), \
+        "stages backward in different orders"

@@ -13,7 +13,8 @@ def run_train(*argv):
 
 def test_malformed_jsonl_line(tmp_path):
     data = tmp_path / "sft.jsonl"
-    good = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}'
+    good = ('{"messages": [{"role": "user", "content": "hi"}, '
+            '{"role": "assistant", "content": "yo"}]}')
     data.write_text(good + "\n" + good + "\n{not json\n")
     proc = run_train("--data-path", str(data))
     assert proc.returncode == 2 and f"{data}:3" in proc.stderr, proc.stderr[-2000:]

@@ -13,19 +13,22 @@ from tests.unit.plan_checks import check_batch
 
 # long-tailed: mostly short, sometimes far longer than the chunk size
 lengths_st = st.lists(
-    st.one_of(st.integers(1, 300), st.integers(1, 300), st.integers(1, 300), st.integers(300, 5000)),
+    st.one_of(st.integers(1, 300), st.integers(1, 300), st.integers(1, 300),
+              st.integers(300, 5000)),
     min_size=1, max_size=60,
 )
 
 
 @settings(max_examples=200, deadline=None)
-@given(lengths=lengths_st, chunk_size=st.integers(1, 700), dp=st.integers(1, 4), k=st.integers(1, 4))
+@given(lengths=lengths_st, chunk_size=st.integers(1, 700), dp=st.integers(1, 4),
+       k=st.integers(1, 4))
 def test_every_token_in_exactly_one_chunk(lengths, chunk_size, dp, k):
     batch = build_chunks(lengths, chunk_size, dp, k, get_model_shape("tiny"))
     check_batch(batch)
     # any-fit packing: at most one standalone chunk is half empty or less
     assert batch.num_standalone <= max(2 * batch.bins_lower_bound, 0)
-    assert batch.bins_lower_bound == math.ceil(sum(n for n in lengths if n <= chunk_size) / chunk_size)
+    short_tokens = sum(n for n in lengths if n <= chunk_size)
+    assert batch.bins_lower_bound == math.ceil(short_tokens / chunk_size)
 
 
 @pytest.mark.parametrize("profile", ["A", "B", "C", "dcp"])
