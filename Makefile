@@ -4,6 +4,7 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: demo plan test bench clean
 
@@ -11,8 +12,13 @@ $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH)"
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet -e .
 	touch $(STAMP)
+
+# the test extra (pytest, hypothesis, transformers for the Hugging Face checks) on top
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $(TEST_STAMP)
 
 # The main job on its embedded default: fine-tune a tiny Qwen2.5-architecture model on real
 # ShareGPT conversations (Qwen2.5 vocabulary, ChatML, assistant-only loss) with ChunkFlow, on CPU.
@@ -26,7 +32,7 @@ plan: $(STAMP)
 	$(BIN)/chunkflow plan --profile B --num-sequences 2000 --chunk-size 8192 --k 1 \
 		--pp 4 --dp 2 --png out/plan.png
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest tests -m "not gpu" -q
 
 bench: $(STAMP)
