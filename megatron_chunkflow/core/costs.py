@@ -61,9 +61,14 @@ def chunk_flops(chunk: DataChunk, shape: ModelShape) -> ChunkFlops:
     return ChunkFlops(float(per_layer), float(tokens * logits_flops_per_token(shape)))
 
 
-def model_flops(chunks, shape: ModelShape) -> float:
-    """Model FLOPs of one training step over `chunks`: forward + backward (2x), no recompute."""
-    return 3.0 * sum(chunk_flops(c, shape).forward(shape.num_layers) for c in chunks)
+def sequence_model_flops(lengths, shape: ModelShape) -> float:
+    """Model FLOPs of one training step on whole sequences: forward + backward (2x), attention per
+    sequence, recompute not counted."""
+    per_token = shape.num_layers * linear_flops_per_token_per_layer(shape) \
+        + logits_flops_per_token(shape)
+    pairs = sum(attention_pairs(0, n) for n in lengths)
+    attention = shape.num_layers * attention_flops_per_pair_per_layer(shape) * pairs
+    return 3.0 * (sum(lengths) * per_token + attention)
 
 
 # ---- memory model -------------------------------------------------------------------------------

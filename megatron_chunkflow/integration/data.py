@@ -101,3 +101,18 @@ def build_step(plan: StagePlan, sequences: Sequence[TokenSequence], chunk_size: 
     metas = {c.id: chunk_meta(c, chunk_size, pad_multiple) for c in plan.chunks}
     inputs = {c.id: chunk_input(c, sequences, metas[c.id], device) for c in plan.chunks}
     return ChunkedStep(plan, metas, inputs)
+
+
+def plan_step(sequences: Sequence[TokenSequence], chunk_size: int, k: int, num_stages: int,
+              num_dp_ranks: int, dp_rank: int, shape, pad_multiple: int = 1):
+    """Cut, pack and distribute the global batch, plan this DP rank's chunks for the pipeline, and
+    build their inputs: (ChunkedStep, the global ChunkBatch, the cost model the plan used)."""
+    from megatron_chunkflow.core.costs import OpCosts
+    from megatron_chunkflow.core.packer import build_chunks
+    from megatron_chunkflow.core.schedule import state_aware_plan
+
+    batch = build_chunks([len(s) for s in sequences], chunk_size, num_dp_ranks, k, shape)
+    chunks = batch.chunks_for_rank(dp_rank)
+    costs = OpCosts.from_model(chunks, shape, num_stages)
+    plan = state_aware_plan(chunks, num_stages, k, costs)
+    return build_step(plan, sequences, chunk_size, pad_multiple=pad_multiple), batch, costs

@@ -74,11 +74,8 @@ def run_hf_verify(hf_dir: str, lengths: Sequence[int], chunk_size: int, k: int, 
     """One step of ChunkFlow (megatron-core, float64) against transformers on the same batch."""
     from megatron.core import parallel_state
 
-    from megatron_chunkflow.core.costs import OpCosts
-    from megatron_chunkflow.core.packer import build_chunks
-    from megatron_chunkflow.core.schedule import state_aware_plan
     from megatron_chunkflow.integration.build import build_gpt_model, transformer_config, wrap_ddp
-    from megatron_chunkflow.integration.data import build_step
+    from megatron_chunkflow.integration.data import plan_step
     from megatron_chunkflow.integration.dist import init_distributed
     from megatron_chunkflow.integration.hf import (
         export_hf_weights,
@@ -105,13 +102,12 @@ def run_hf_verify(hf_dir: str, lengths: Sequence[int], chunk_size: int, k: int, 
     ddp = wrap_ddp(model, config)
     dp, dp_rank = (parallel_state.get_data_parallel_world_size(),
                    parallel_state.get_data_parallel_rank())
-    chunks = build_chunks(lengths, chunk_size, dp, k, padded).chunks_for_rank(dp_rank)
-    plan = state_aware_plan(chunks, pp, k, OpCosts.from_model(chunks, padded, pp))
+    step, _, _ = plan_step(sequences, chunk_size, k, pp, dp, dp_rank, padded)
     step_fn = partial(forward_step, tp_group=parallel_state.get_tensor_model_parallel_group(),
                       vocab_size=shape.vocab_size)
     reports = forward_backward_chunkflow(
-        forward_step_func=step_fn, data_iterator=iter([build_step(plan, sequences, chunk_size)]),
-        model=ddp, num_microbatches=len(chunks))
+        forward_step_func=step_fn, data_iterator=iter([step]), model=ddp,
+        num_microbatches=len(step.metas))
     loss, count = global_loss(reports)
 
     params = list(model.parameters())
@@ -132,4 +128,4 @@ def run_hf_verify(hf_dir: str, lengths: Sequence[int], chunk_size: int, k: int, 
     worst = max(errors, key=lambda e: e[1])
     return VerifyResult(loss_ref=ref_loss, loss_chunked=loss / max(count, 1.0),
                         max_rel_grad_err=worst[1], worst_param=worst[0], param_errors=errors,
-                        num_chunks=len(chunks))
+                        num_chunks=len(step.metas))

@@ -102,11 +102,8 @@ def measure_one_sequence(shape, length: int, chunk_size: int, k: int, dtype, bac
     """One training step of one sequence through ChunkFlow's schedule, metered (PP=1)."""
     from megatron.core import parallel_state
 
-    from megatron_chunkflow.core.costs import OpCosts
-    from megatron_chunkflow.core.packer import build_chunks
-    from megatron_chunkflow.core.schedule import state_aware_plan
     from megatron_chunkflow.integration.build import build_gpt_model, transformer_config, wrap_ddp
-    from megatron_chunkflow.integration.data import build_step
+    from megatron_chunkflow.integration.data import plan_step
     from megatron_chunkflow.integration.model import apply_chunkflow
     from megatron_chunkflow.integration.schedules import forward_backward_chunkflow
     from megatron_chunkflow.integration.verify import forward_step, make_sequences
@@ -116,13 +113,10 @@ def measure_one_sequence(shape, length: int, chunk_size: int, k: int, dtype, bac
     store = apply_chunkflow(model, backend=backend)
     model = wrap_ddp(model, config)
     sequences = make_sequences([length], shape.vocab_size, seed)
-    chunks = build_chunks([length], chunk_size, 1, k, shape).chunks
-    plan = state_aware_plan(chunks, 1, k, OpCosts.from_model(chunks, shape, 1))
+    step, _, _ = plan_step(sequences, chunk_size, k, 1, 1, 0, shape)
     meter = ActivationMeter(model, store)
-    forward_backward_chunkflow(
-        forward_step_func=forward_step, data_iterator=iter([build_step(plan, sequences,
-                                                                       chunk_size)]),
-        model=model, num_microbatches=len(chunks), meter=meter)
+    forward_backward_chunkflow(forward_step_func=forward_step, data_iterator=iter([step]),
+                               model=model, num_microbatches=len(step.metas), meter=meter)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     kv = 2 * (shape.num_query_groups // tp) * shape.head_dim * shape.num_layers
     elem = torch.finfo(dtype).bits // 8

@@ -20,12 +20,10 @@ from functools import partial
 import numpy as np
 import torch
 
-from megatron_chunkflow.core.costs import OpCosts, model_flops
+from megatron_chunkflow.core.costs import sequence_model_flops
 from megatron_chunkflow.core.models import ModelShape
-from megatron_chunkflow.core.packer import build_chunks
-from megatron_chunkflow.core.schedule import state_aware_plan
 from megatron_chunkflow.core.step import baseline_microbatches
-from megatron_chunkflow.integration.data import build_step, chunk_input, chunk_meta
+from megatron_chunkflow.integration.data import chunk_input, chunk_meta, plan_step
 from megatron_chunkflow.integration.loss import global_loss
 from megatron_chunkflow.integration.verify import forward_step
 
@@ -138,13 +136,10 @@ def run_step(s: TrainSettings, sequences, ddp, config):
                       exact_loss=s.dtype == "float64")
     lengths = [len(x) for x in sequences]
     if s.chunkflow:
-        batch = build_chunks(lengths, s.chunk_size, dp, s.k, s.shape)
-        chunks = batch.chunks_for_rank(dp_rank)
-        plan = state_aware_plan(chunks, s.pp, s.k, OpCosts.from_model(chunks, s.shape, s.pp))
-        step = build_step(plan, sequences, s.chunk_size, pad_multiple=pad)
+        step, batch, _ = plan_step(sequences, s.chunk_size, s.k, s.pp, dp, dp_rank, s.shape, pad)
         reports = forward_backward_chunkflow(
             forward_step_func=step_fn, data_iterator=iter([step]), model=ddp,
-            num_microbatches=len(chunks), seq_length=s.chunk_size, micro_batch_size=1)
+            num_microbatches=len(step.metas), seq_length=s.chunk_size, micro_batch_size=1)
         return reports, len(batch.chunks)
     mbs = baseline_microbatches(lengths, s.seq_length, dp)
     mine = [c for c in mbs if c.dp_rank == dp_rank]
@@ -194,11 +189,11 @@ def train(s: TrainSettings, dataset, on_step=None) -> list[dict]:
         elapsed = time.perf_counter() - t0
         consumed += s.global_batch_size
         tokens = sum(len(x) for x in sequences)
-        whole = build_chunks([len(x) for x in sequences], max(len(x) for x in sequences)).chunks
         metrics = {
             "step": it + 1, "loss": loss_sum / max(count, 1), "tokens": tokens,
             "loss_tokens": int(count), "tokens_per_s": tokens / elapsed,
-            "model_tflops": model_flops(whole, s.shape) / elapsed / 1e12,
+            "model_tflops": sequence_model_flops([len(x) for x in sequences], s.shape)
+            / elapsed / 1e12,
             "peak_mem_bytes": peak_memory_bytes(), "num_chunks": num_chunks,
             "lr": optimizer.param_groups[0]["lr"], "grad_norm": grad_norm, "step_s": elapsed,
         }

@@ -20,12 +20,9 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megatron_chunkflow.core.costs import OpCosts
 from megatron_chunkflow.core.models import ModelShape
-from megatron_chunkflow.core.packer import build_chunks
-from megatron_chunkflow.core.schedule import state_aware_plan
 from megatron_chunkflow.core.simulate import simulate
-from megatron_chunkflow.integration.data import ChunkInput, TokenSequence, build_step
+from megatron_chunkflow.integration.data import ChunkInput, TokenSequence, plan_step
 from megatron_chunkflow.integration.loss import global_loss, token_loss_sum
 
 BOUNDS = {torch.float64: 1e-10, torch.float32: 1e-4}
@@ -171,12 +168,9 @@ def _run_chunked(shape, batches, reference, cf_config, dtype, backend, sequence_
     pad = cf_config.pad_multiple(tp, sequence_parallel)
     results = []
     for sequences, (ref_loss, ref_count, ref_grads) in zip(batches, ref_steps):
-        lengths = [len(s) for s in sequences]
-        batch = build_chunks(lengths, cf_config.chunk_size, dp, cf_config.k, shape)
-        chunks = batch.chunks_for_rank(dp_rank)
-        costs = OpCosts.from_model(chunks, shape, pp)
-        plan = state_aware_plan(chunks, pp, cf_config.k, costs)
-        step = build_step(plan, sequences, cf_config.chunk_size, pad_multiple=pad)
+        step, batch, costs = plan_step(sequences, cf_config.chunk_size, cf_config.k, pp, dp,
+                                       dp_rank, shape, pad)
+        plan, chunks = step.plan, step.plan.chunks
         meter = meter_cls(model, store) if meter_cls is not None else None
         timeline = StageTimeline()
         ddp.zero_grad_buffer()

@@ -37,3 +37,15 @@ def test_dp_step_time_is_slowest_rank():
     _, cf = plan_chunkflow([5000] * 7 + [40000], 4096, 1, 2, 3, SHAPE)
     assert cf.step_time == max(s.step_time for s in cf.sims)
     assert len({s.step_time for s in cf.sims}) > 1
+
+
+def test_sequence_model_flops_counts_attention_per_sequence():
+    """Equal to the chunk cost model on one standalone chunk per sequence; packing does not add
+    cross-sequence attention."""
+    from megatron_chunkflow.core.costs import chunk_flops, sequence_model_flops
+    from megatron_chunkflow.core.packer import build_chunks
+
+    lengths = [700, 5, 3000]
+    chunks = build_chunks(lengths, max(lengths) + 1).chunks
+    by_chunk = 3.0 * sum(chunk_flops(c, SHAPE).forward(SHAPE.num_layers) for c in chunks)
+    assert sequence_model_flops(lengths, SHAPE) == pytest.approx(by_chunk, rel=1e-12)
