@@ -29,5 +29,8 @@ setup(
         "hf": ["tokenizers", "safetensors"],  # --tokenizer DIR; integration/hf.py checkpoints
         "parquet": ["pyarrow"],  # --data-path *.parquet
     },
-    entry_points={"console_scripts": ["chunkflow = megatron_chunkflow.cli:main"]},
+    entry_points={"console_scripts": [
+        "chunkflow = megatron_chunkflow.cli:main",
+        "chunkflow-megatron = megatron_chunkflow.launch:main",
+    ]},
 )

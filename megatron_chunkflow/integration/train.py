@@ -158,7 +158,9 @@ def run_step(s: TrainSettings, sequences, ddp, config):
 
 def peak_memory_bytes() -> int:
     """GPU: torch.cuda.max_memory_allocated; CPU: the process's peak resident set size."""
-    if torch.cuda.is_available():
+    from megatron_chunkflow.integration.cpu import has_real_cuda
+
+    if has_real_cuda():
         return int(torch.cuda.max_memory_allocated())
     import resource
 
