@@ -70,17 +70,24 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+_ANNOTATION_TYPES = {"int": int, "float": float, "str": str}
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type = ChunkFlowConfig,
                          prefix: str = "", defaults: dict | None = None,
-                         flags: dict | None = None) -> None:
+                         flags: dict | None = None, dest_prefix: str = "") -> None:
     """Add one `--<prefix><field-name>` flag per dataclass field, help from its docstring.
 
     `defaults` overrides field defaults for one command (e.g. a small chunk size for CPU checks);
-    `flags` renames a field's flag (Megatron-LM style `--chunkflow-k` for `k`).
+    `flags` renames a field's flag (Megatron-LM style `--chunkflow-k` for `k`); `dest_prefix`
+    prefixes the argparse destination (`lora_rank` for LoRAConfig.rank). A field whose default is
+    None (off unless given) takes its type from its annotation (`int | None` -> int).
     """
     docs = field_docs(cls)
     for f in dataclasses.fields(cls):
         flag = (flags or {}).get(f.name) or "--" + prefix + f.name.replace("_", "-")
         default = (defaults or {}).get(f.name, f.default)
-        parser.add_argument(flag, dest=f.name, type=type(f.default), default=default,
+        kind = type(f.default) if f.default is not None else \
+            _ANNOTATION_TYPES[str(f.type).split("|")[0].strip()]
+        parser.add_argument(flag, dest=dest_prefix + f.name, type=kind, default=default,
                             metavar=f.name.upper(), help=f"{docs[f.name]} (default: {default})")

@@ -257,6 +257,9 @@ def export_hf_weights(model, config, shape: ModelShape) -> dict[str, torch.Tenso
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    if any(".lora_" in name for name, _ in _unwrap(model).named_parameters()):
+        raise ValueError("the model has LoRA adapters: merge them into the base weights first "
+                         "(integration.lora.merge_lora), or they would be left out")
     mine = {}
     for name, param in _unwrap(model).named_parameters():
         t = param.detach()

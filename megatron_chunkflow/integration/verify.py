@@ -89,8 +89,11 @@ def run_verify(shape: ModelShape, steps: Sequence[Sequence[int]], chunk_size: in
                dtype: torch.dtype = torch.float64, seed: int = 0, backend: str = "torch",
                tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
                fully_masked: Sequence[int] = (), meter_cls=None,
-               recompute: str | None = None) -> list[VerifyResult]:
-    """One training step per entry of `steps` (sequence lengths), both ways; one result each."""
+               recompute: str | None = None, lora=None) -> list[VerifyResult]:
+    """One training step per entry of `steps` (sequence lengths), both ways; one result each.
+
+    `lora` (integration.lora.LoRAConfig): both models get the same adapters, B initialised at
+    random (LORA_B_STD) so that A's gradient is not zero, and only the adapters are compared."""
     from megatron_chunkflow.config import ChunkFlowConfig
     from megatron_chunkflow.integration.dist import init_distributed
 
@@ -100,13 +103,16 @@ def run_verify(shape: ModelShape, steps: Sequence[Sequence[int]], chunk_size: in
                for i, lengths in enumerate(steps)]
 
     init_distributed(tp=tp, pp=1, seed=seed)
-    reference = _run_reference(shape, batches, dtype)
+    reference = _run_reference(shape, batches, dtype, lora, seed)
     init_distributed(tp=tp, pp=pp, seed=seed)
     return _run_chunked(shape, batches, reference, cf_config, dtype, backend, sequence_parallel,
-                        meter_cls, recompute)
+                        meter_cls, recompute, lora)
 
 
-def _run_reference(shape, batches, dtype):
+LORA_B_STD = 0.05
+
+
+def _run_reference(shape, batches, dtype, lora=None, seed: int = 0):
     """Stock Megatron, PP = 1: per step, (loss sum, count, {param name: gradient})."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
@@ -118,6 +124,10 @@ def _run_reference(shape, batches, dtype):
     step_fn = partial(forward_step, tp_group=parallel_state.get_tensor_model_parallel_group())
     config = transformer_config(shape, dtype)
     model = build_gpt_model(shape, config)
+    if lora is not None:
+        from megatron_chunkflow.integration.lora import apply_lora
+
+        apply_lora(model, lora, seed, b_init_std=LORA_B_STD)
     state = {k: (v.clone() if v is not None else None) for k, v in model.state_dict().items()}
     ddp = wrap_ddp(model, config)
     out = []
@@ -132,15 +142,16 @@ def _run_reference(shape, batches, dtype):
         else:  # more reference ranks than sequences: this one only joins the gradient reduction
             reports = []
             config.finalize_model_grads_func([ddp], torch.zeros([], dtype=torch.int))
-        grads = {name: p.main_grad.detach().clone() for name, p in model.named_parameters()}
+        grads = {name: p.main_grad.detach().clone() for name, p in model.named_parameters()
+                 if p.requires_grad}
         out.append((*global_loss(reports), grads))
     return state, out
 
 
-def _run_chunked(shape, batches, reference, cf_config, dtype, backend, sequence_parallel,
-                 meter_cls, recompute=None) -> list[VerifyResult]:
-    from megatron.core import parallel_state
-
+def build_chunked_model(shape, ref_state, dtype, backend, sequence_parallel, recompute=None,
+                        lora=None):
+    """This stage's GPTModel with the reference weights (and adapters), patched for ChunkFlow and
+    wrapped in DDP: (model, ddp, {stage name: PP = 1 name}, K/V store)."""
     from megatron_chunkflow.integration.build import (
         build_gpt_model,
         full_model_name,
@@ -149,6 +160,24 @@ def _run_chunked(shape, batches, reference, cf_config, dtype, backend, sequence_
         wrap_ddp,
     )
     from megatron_chunkflow.integration.model import apply_chunkflow
+
+    config = transformer_config(shape, dtype, sequence_parallel=sequence_parallel,
+                                **recompute_settings(recompute))
+    model = build_gpt_model(shape, config)
+    if lora is not None:
+        from megatron_chunkflow.integration.lora import apply_lora
+
+        apply_lora(model, lora)
+    names = {n: full_model_name(n, config, shape.tie_embeddings) for n in model.state_dict()}
+    model.load_state_dict({n: ref_state[names[n]] for n in names})
+    store = apply_chunkflow(model, backend=backend)
+    return model, wrap_ddp(model, config), names, store
+
+
+def _run_chunked(shape, batches, reference, cf_config, dtype, backend, sequence_parallel,
+                 meter_cls, recompute=None, lora=None) -> list[VerifyResult]:
+    from megatron.core import parallel_state
+
     from megatron_chunkflow.integration.pipeline import StageTimeline
     from megatron_chunkflow.integration.schedules import forward_backward_chunkflow
 
@@ -157,13 +186,8 @@ def _run_chunked(shape, batches, reference, cf_config, dtype, backend, sequence_
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     dp, dp_rank = (parallel_state.get_data_parallel_world_size(),
                    parallel_state.get_data_parallel_rank())
-    config = transformer_config(shape, dtype, sequence_parallel=sequence_parallel,
-                                **recompute_settings(recompute))
-    model = build_gpt_model(shape, config)
-    names = {n: full_model_name(n, config, shape.tie_embeddings) for n in model.state_dict()}
-    model.load_state_dict({n: ref_state[names[n]] for n in names})
-    store = apply_chunkflow(model, backend=backend)
-    ddp = wrap_ddp(model, config)
+    model, ddp, names, store = build_chunked_model(shape, ref_state, dtype, backend,
+                                                   sequence_parallel, recompute, lora)
     step_fn = partial(forward_step, tp_group=parallel_state.get_tensor_model_parallel_group())
     pad = cf_config.pad_multiple(tp, sequence_parallel)
     results = []
@@ -196,7 +220,8 @@ def _grad_errors(model, names, ref_grads) -> list[tuple[str, float]]:
     """Per parameter: max |g_chunked - g_ref| / max |g_ref|, maxima taken over all ranks.
 
     Rows are the reference model's parameters; a stage reports the ones it holds."""
-    mine = {names[n]: p.main_grad.double() for n, p in model.named_parameters()}
+    mine = {names[n]: p.main_grad.double() for n, p in model.named_parameters()
+            if p.requires_grad}
     full = sorted(ref_grads)
     stats = torch.zeros(len(full), 2, dtype=torch.float64)
     for i, name in enumerate(full):
