@@ -1,0 +1,40 @@
+# Qwen2.5-7B architecture for Megatron-LM core_v0.16.1 (pretrain_gpt.py flags).
+#
+#   source configs/models/qwen2.5-7b.sh && torchrun ... pretrain_gpt.py "${MODEL_ARGS[@]}" ...
+#
+# Transcribed from https://huggingface.co/Qwen/Qwen2.5-7B/blob/main/config.json
+#   num_hidden_layers 28, hidden_size 3584, intermediate_size 18944, num_attention_heads 28,
+#   num_key_value_heads 4 (head_dim 128), hidden_act silu, rms_norm_eps 1e-06,
+#   rope_theta 1000000.0, max_position_embeddings 131072, vocab_size 152064,
+#   tie_word_embeddings false, attention_dropout 0.0, initializer_range 0.02,
+#   use_sliding_window false. Qwen2 layers: bias on Q/K/V only, SwiGLU MLP, RMSNorm.
+# TOKENIZER: a Hugging Face model directory or hub id (default Qwen/Qwen2.5-7B). Its tokenizer has
+# fewer ids than the checkpoint's 152064 embedding rows, so the padded vocabulary is given
+# explicitly (configs/README.md, "Vocabulary").
+
+MODEL_ARGS=(
+    --num-layers 28
+    --hidden-size 3584
+    --ffn-hidden-size 18944
+    --num-attention-heads 28
+    --group-query-attention
+    --num-query-groups 4
+    --kv-channels 128
+    --position-embedding-type rope
+    --rotary-base 1000000
+    --rotary-percent 1.0
+    --max-position-embeddings 131072
+    --normalization RMSNorm
+    --norm-epsilon 1e-6
+    --swiglu
+    --disable-bias-linear
+    --add-qkv-bias
+    --untie-embeddings-and-output-weights  # tie_word_embeddings false
+    --attention-dropout 0.0
+    --hidden-dropout 0.0
+    --attention-softmax-in-fp32
+    --init-method-std 0.02
+    --tokenizer-type HuggingFaceTokenizer
+    --tokenizer-model "${TOKENIZER:-Qwen/Qwen2.5-7B}"
+    --padded-vocab-size 152064
+)
