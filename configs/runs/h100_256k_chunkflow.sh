@@ -1,0 +1,25 @@
+# ChunkFlow, SFT at 256K context, on nodes of 8x H100 80GB (fits H200 141GB unchanged).
+# CP = 1; a 256K sequence becomes 16-32 dependent chunks whose K/V state stays on the GPU, which is
+# why TP (and PP for 32B/72B) is higher than at 32K (configs/README.md, "ChunkFlow at 256K").
+#
+#   source configs/runs/h100_256k_chunkflow.sh && run_config qwen2.5-7b
+
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+RUN_NAME=h100_256k_chunkflow
+SYSTEM=chunkflow
+SEQ_LENGTH=262144       # the longest sequence accepted (longer ones follow --overlong)
+GLOBAL_BATCH_SIZE=2048  # sequences: about 2.4M tokens per step on profile B
+MOCK_PROFILE=B          # --mock-data lengths: DESIGN.md section 5, profile B (tail up to 256K)
+RUN_TRAINING_ARGS=(
+    --no-rope-fusion  # ChunkFlow applies RoPE by position ids (integration/model.py)
+    --max-position-embeddings "$SEQ_LENGTH"  # see h100_256k_stock.sh
+)
+
+#                      nodes  TP  PP  CP  recompute  chunk  K
+declare -gA LAYOUT=(
+    [qwen2.5-7b]="         2   4   1   1  none       16384  1"
+    [qwen2.5-14b]="        4   8   1   1  none       16384  1"
+    [qwen2.5-32b]="        8   8   2   1  none        8192  2"
+    [qwen2.5-72b]="       16   8   4   1  none        8192  2"
+)
