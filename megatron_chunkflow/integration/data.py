@@ -39,6 +39,7 @@ class ChunkedStep:
     plan: StagePlan
     metas: dict[int, ChunkMeta]
     inputs: dict[int, ChunkInput]
+    forward_only: frozenset[int] = frozenset()  # SpaCO: chunks without backward (sparse.py)
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,8 @@ backward_step and its P2PCommunicator:
   in one order and backwards in another shared order, so each receive is matched by a send that is
   posted: no deadlock. An output is sent from a copy, so deallocate_output_tensor can free the output
   at once without racing the send.
+- SpaCO (integration/sparse.py): chunks in `step.forward_only` have an F without graph and no R or
+  B; their loss and tokens still count. A chunk's loss is multiplied by its `grad_weight`.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def run_stage(*, ops, step, model, config, p2p, store, forward_step_func, num_mi
     model_type = get_model_type(model)
     sp = config.tensor_model_parallel_size if config.sequence_parallel else 1
     recomputed = step.plan.recomputed
+    sparse_dropped = step.forward_only
     last_backward = max((i for i, op in enumerate(ops) if op.kind == "B"), default=-1)
     no_sync = config.no_sync_func or contextlib.nullcontext
     forward_data_store: list = []
@@ -97,7 +100,8 @@ def run_stage(*, ops, step, model, config, p2p, store, forward_step_func, num_mi
                 send(input_grad, forward=False)
             continue
 
-        keep = not forward_only and not (op.kind == "F" and op.chunk in recomputed)
+        dropped = op.chunk in sparse_dropped
+        keep = not forward_only and not (op.kind == "F" and (op.chunk in recomputed or dropped))
         if op.kind == "R":
             input_tensor = None if is_first else saved_inputs.pop(op.chunk).requires_grad_()
             if meter is not None and not is_first:
@@ -105,17 +109,19 @@ def run_stage(*, ops, step, model, config, p2p, store, forward_step_func, num_mi
         else:
             input_tensor = None if is_first else p2p.recv_forward(_shape(meta, config, sp), False)
         start = time.perf_counter()
-        if op.kind == "F" and not keep and not is_first and not forward_only:
+        if op.kind == "F" and op.chunk in recomputed and not is_first and not forward_only:
             saved_inputs[op.chunk] = input_tensor.detach()
             if meter is not None:
                 meter.hold_extra(op.chunk, input_tensor)
         track = meter.track(op.chunk) if (meter is not None and keep) else contextlib.nullcontext()
+        step_func = forward_step_func if meta.grad_weight == 1 else \
+            _weighted_loss(forward_step_func, meta.grad_weight)
         store.begin(meta, reforward=op.kind == "R")
         try:
             with (contextlib.nullcontext() if keep else torch.no_grad()), track:
                 output, num_tokens = forward_step(
-                    forward_step_func, iter([step.inputs[op.chunk]]), model, num_microbatches,
-                    input_tensor, forward_data_store if (keep or forward_only) else [], config, 1,
+                    step_func, iter([step.inputs[op.chunk]]), model, num_microbatches, input_tensor,
+                    forward_data_store if (keep or forward_only or dropped) else [], config, 1,
                     collect_non_loss_data, is_first_microbatch=(i == 0), current_microbatch=i,
                     is_last_stage=is_last)
         finally:
@@ -128,6 +134,8 @@ def run_stage(*, ops, step, model, config, p2p, store, forward_step_func, num_mi
             if not is_last:
                 deallocate_output_tensor(output, config.deallocate_pipeline_outputs)
             held[op.chunk] = (input_tensor, output)
+        elif dropped and not forward_only:
+            total_num_tokens += num_tokens
 
     for _, reqs in pending_sends:
         for req in (reqs.values() if isinstance(reqs, dict) else reqs or []):
@@ -136,3 +144,18 @@ def run_stage(*, ops, step, model, config, p2p, store, forward_step_func, num_mi
     if timeline is not None:
         timeline.step_time = time.perf_counter() - t0
     return forward_data_store, total_num_tokens
+
+
+def _weighted_loss(forward_step_func, weight: float):
+    """The same forward step with its loss (not the reported value) multiplied by `weight`."""
+
+    def step_func(data_iterator, model):
+        output, loss_func = forward_step_func(data_iterator, model)
+
+        def weighted(*args, **kwargs):
+            loss, *rest = loss_func(*args, **kwargs)
+            return (loss * weight, *rest)
+
+        return output, weighted
+
+    return step_func

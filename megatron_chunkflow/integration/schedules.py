@@ -112,7 +112,7 @@ def check_same_plan(step: ChunkedStep, group) -> None:
     if group is None or dist.get_world_size(group) == 1:
         return
     text = repr([[(op.kind, op.chunk) for op in ops] for ops in step.plan.stages]) + repr(
-        sorted((c, m.cu_seqlens, m.seq_id, m.index) for c, m in step.metas.items()))
+        sorted((c, m.cu_seqlens, m.seq_id, m.index, m.grad_weight) for c, m in step.metas.items()))
     digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
     mine = torch.tensor([digest], dtype=torch.int64)
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]

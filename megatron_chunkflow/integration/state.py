@@ -16,6 +16,13 @@ reads it. There are no extra backward roots: Megatron's backward_step works unch
 Freeing: chunk j's stored K/V are last read by the final forward of chunk j+1, so chunk j+1's backward
 frees them; each backward frees its own accumulator. After chunk 0's backward nothing of the
 sequence remains.
+
+SpaCO (integration/sparse.py, docs/sparse.md): a chunk in `meta.dropped` runs forward only.
+Nothing accumulates for it (the gradient that would reach its K/V is cut); the backward of chunk j
+frees the stored K/V of j-1 and of every chunk below it down to the next back-propagated one; the
+forward of the last chunk, when it is dropped, frees the K/V that only dropped chunks still read.
+A back-propagated chunk's whole backward is scaled by `meta.grad_weight` (1 / its inclusion
+probability): its loss by the schedule, the gradient relayed into its K/V here.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ class ChunkMeta:
     num_siblings: int = 1
     chunk_size: int = 0  # tokens per dependent chunk (all but the last have exactly this many)
     num_padding: int = 0  # trailing padding tokens (a segment of their own; sequence parallelism)
+    grad_weight: float = 1.0  # SpaCO: this chunk's backward is scaled by this (1 / inclusion prob.)
+    dropped: frozenset[int] = frozenset()  # SpaCO: indices of this sequence's forward-only chunks
 
     @property
     def dependent(self) -> bool:
@@ -78,7 +87,7 @@ class KVStateStore:
         """For the current dependent chunk: (cat(prefix k, k), cat(prefix v, v)), relayed."""
         meta = self.current
         assert meta is not None and meta.dependent
-        return _ChunkKV.apply(self, layer, meta.seq_id, meta.index, meta.num_siblings, k, v)
+        return _ChunkKV.apply(self, layer, meta, k, v)
 
     def _prefix(self, layer: int, seq: int, index: int):
         ks, vs = [], []
@@ -117,12 +126,20 @@ class _ChunkKV(torch.autograd.Function):
     """Identity on the chunk's own K/V, concatenated after its sequence's stored prefix."""
 
     @staticmethod
-    def forward(ctx, store, layer, seq, index, num_siblings, k, v):
+    def forward(ctx, store, layer, meta, k, v):
+        seq, index, dropped = meta.seq_id, meta.index, meta.dropped
         key = (layer, seq, index)
-        if index + 1 < num_siblings and not store.reforward:
+        last = index + 1 == meta.num_siblings
+        if not last and not store.reforward:
             store._kv[key] = (k.detach(), v.detach())
         ks, vs = store._prefix(layer, seq, index)
+        if last and index in dropped and not store.reforward:
+            # SpaCO: chunks from the last back-propagated one on are read only by forwards (done)
+            first = max((j for j in range(index) if j not in dropped), default=0)
+            for j in range(first, index):
+                store._kv.pop((layer, seq, j), None)
         ctx.store, ctx.key = store, key
+        ctx.weight, ctx.dropped = meta.grad_weight, dropped
         ctx.lengths = [t.size(0) for t in ks]
         if not ks:
             return k.view_as(k), v.view_as(v)
@@ -138,14 +155,20 @@ class _ChunkKV(torch.autograd.Function):
         for n in ctx.lengths:
             offsets.append(offsets[-1] + n)
         for j in range(index):
-            lo, hi = offsets[j], offsets[j + 1]
-            store._accumulate((layer, seq, j), gk_all[lo:hi], gv_all[lo:hi])
+            if j not in ctx.dropped:
+                lo, hi = offsets[j], offsets[j + 1]
+                store._accumulate((layer, seq, j), gk_all[lo:hi], gv_all[lo:hi])
         p = offsets[-1]
         gk, gv = gk_all[p:], gv_all[p:]
         relayed = store._grad.pop(ctx.key, None)
         if relayed is not None:
-            gk = gk + relayed[0].to(gk.dtype)
-            gv = gv + relayed[1].to(gv.dtype)
-        if index > 0:  # the predecessor's K/V were last read by this chunk's final forward
-            store._kv.pop((layer, seq, index - 1), None)
-        return None, None, None, None, None, gk, gv
+            w = ctx.weight
+            gk = gk + (relayed[0].to(gk.dtype) if w == 1 else relayed[0].to(gk.dtype) * w)
+            gv = gv + (relayed[1].to(gv.dtype) if w == 1 else relayed[1].to(gv.dtype) * w)
+        j = index - 1  # the predecessor's K/V were last read by this chunk's final forward,
+        while j >= 0:  # and so were those of chunks below a dropped (forward-only) one
+            store._kv.pop((layer, seq, j), None)
+            if j not in ctx.dropped:
+                break
+            j -= 1
+        return None, None, None, gk, gv
