@@ -10,7 +10,7 @@ slowest rank ends, so step_time is the maximum over ranks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from megatron_chunkflow.core.costs import (
@@ -53,6 +53,14 @@ def _held_bytes(chunks, shape: ModelShape, num_stages: int):
     return lambda chunk, stage: per_token[stage] * tokens[chunk]
 
 
+def _flop_costs(shape: ModelShape) -> CostHook:
+    return lambda chunks, num_stages: OpCosts.from_model(chunks, shape, num_stages)
+
+
+def _default_held(shape: ModelShape) -> CostHook:
+    return lambda chunks, num_stages: _held_bytes(chunks, shape, num_stages)
+
+
 def _state_bytes(chunks, shape: ModelShape, num_stages: int) -> tuple[float, ...]:
     """One long sequence's state lives at a time: its K/V (bf16) and relayed grads (fp32), plus
     the stage inputs saved for re-forwards on stages after the first."""
@@ -64,16 +72,25 @@ def _state_bytes(chunks, shape: ModelShape, num_stages: int) -> tuple[float, ...
     return tuple(out)
 
 
+# Optional cost hooks, both called with (one DP rank's chunks, num_stages): `costs_for` returns
+# the per-op costs to plan and replay with (OpCosts or any callable (kind, chunk, stage) with a
+# `comm` attribute; default: FLOPs), `held_bytes_for` the activation bytes a chunk holds per
+# stage (default: _held_bytes). core/predict.py passes the roofline model's seconds and bytes.
+CostHook = Callable[[Sequence[DataChunk], int], Callable]
+
+
 def plan_chunkflow(seq_lengths: Sequence[int], chunk_size: int, k: int, num_stages: int,
-                   num_dp_ranks: int, shape: ModelShape) -> tuple[ChunkBatch, RankPlans]:
+                   num_dp_ranks: int, shape: ModelShape, costs_for: CostHook | None = None,
+                   held_bytes_for: CostHook | None = None) -> tuple[ChunkBatch, RankPlans]:
     batch = build_chunks(seq_lengths, chunk_size, num_dp_ranks, k, shape)
     per_rank = tuple(tuple(batch.chunks_for_rank(r)) for r in range(num_dp_ranks))
     plans, sims = [], []
     for chunks in per_rank:
-        costs = OpCosts.from_model(chunks, shape, num_stages)
+        costs = (costs_for or _flop_costs(shape))(chunks, num_stages)
+        held = (held_bytes_for or _default_held(shape))(chunks, num_stages)
         plan = state_aware_plan(chunks, num_stages, k, costs)
         plans.append(plan)
-        sims.append(simulate(plan, costs, held_bytes=_held_bytes(chunks, shape, num_stages)))
+        sims.append(simulate(plan, costs, held_bytes=held))
     state = tuple(_state_bytes(c, shape, num_stages) for c in per_rank)
     return batch, RankPlans(per_rank, tuple(plans), tuple(sims), state)
 
@@ -94,15 +111,17 @@ def baseline_microbatches(seq_lengths: Sequence[int], seq_length: int,
 
 
 def plan_baseline(seq_lengths: Sequence[int], seq_length: int, num_stages: int,
-                  num_dp_ranks: int, shape: ModelShape) -> RankPlans:
+                  num_dp_ranks: int, shape: ModelShape, costs_for: CostHook | None = None,
+                  held_bytes_for: CostHook | None = None) -> RankPlans:
     mbs = baseline_microbatches(seq_lengths, seq_length, num_dp_ranks)
     per_rank = tuple(tuple(c for c in mbs if c.dp_rank == r) for r in range(num_dp_ranks))
     plans, sims = [], []
     for chunks in per_rank:
-        costs = OpCosts.from_model(chunks, shape, num_stages)
+        costs = (costs_for or _flop_costs(shape))(chunks, num_stages)
+        held = (held_bytes_for or _default_held(shape))(chunks, num_stages)
         plan = megatron_1f1b_plan(chunks, num_stages)
         plans.append(plan)
-        sims.append(simulate(plan, costs, held_bytes=_held_bytes(chunks, shape, num_stages)))
+        sims.append(simulate(plan, costs, held_bytes=held))
     no_state = tuple((0.0,) * num_stages for _ in per_rank)
     return RankPlans(per_rank, tuple(plans), tuple(sims), no_state)
 

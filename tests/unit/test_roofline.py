@@ -1,0 +1,182 @@
+"""The roofline cost model, memory model and device descriptions (core/roofline.py,
+core/footprint.py, core/hardware.py, core/predict.py): properties that would catch a wrong
+formula, not golden numbers."""
+
+import dataclasses
+import json
+import math
+import random
+
+import pytest
+
+from megatron_chunkflow.core.costs import attention_pairs
+from megatron_chunkflow.core.footprint import (
+    chunkflow_memory_floor,
+    layer_activation_bytes,
+    stage_params,
+    static_bytes,
+    total_params,
+)
+from megatron_chunkflow.core.hardware import (
+    apply_calibration,
+    get_gpu,
+    hardware_from_measurements,
+    with_overrides,
+)
+from megatron_chunkflow.core.layout import Layout, make_layout
+from megatron_chunkflow.core.models import get_model_shape
+from megatron_chunkflow.core.predict import predict_chunkflow, predict_megatron
+from megatron_chunkflow.core.profiles import sample_lengths
+from megatron_chunkflow.core.roofline import (
+    attention_tiles,
+    computed_pairs,
+    gemm_efficiency,
+    gemm_shape_factor,
+)
+
+H100 = get_gpu("h100")
+Q7B = get_model_shape("qwen2.5-7b")
+Q05B = get_model_shape("qwen2.5-0.5b")
+LENGTHS = sample_lengths("B", 300, seed=1)
+
+
+def test_qwen_parameter_counts():
+    """Published sizes: Qwen2.5-7B 7.61B, 0.5B 0.49B, 72B 72.7B parameters."""
+    assert total_params(Q7B) / 1e9 == pytest.approx(7.61, abs=0.01)
+    assert total_params(Q05B) / 1e9 == pytest.approx(0.49, abs=0.01)
+    assert total_params(get_model_shape("qwen2.5-72b")) / 1e9 == pytest.approx(72.7, abs=0.1)
+    assert sum(stage_params(Q7B, 4)) == total_params(Q7B)  # untied: no copy
+
+
+def test_gemm_efficiency_bounds_and_quantization():
+    rng = random.Random(0)
+    for _ in range(300):
+        m, n, k = (rng.randint(1, 40000) for _ in range(3))
+        assert 0 < gemm_efficiency(m, n, k, H100) <= H100.gemm_max_eff
+    assert gemm_efficiency(32768, 4608, 3584, H100) > 0.95 * H100.gemm_max_eff
+    # wave quantization: one tile more than the SMs can run at once costs a second wave
+    full = gemm_shape_factor(128 * 132, 128, 8192, 132)
+    one_more = gemm_shape_factor(128 * 133, 128, 8192, 132)
+    assert one_more < 0.8 * full  # smaller tiles soften it, but cannot remove it
+    # tile quantization: 129 rows pad to 256 in 128-row tiles
+    assert gemm_shape_factor(129 * 132, 128, 8192, 132) < gemm_shape_factor(128 * 132, 128,
+                                                                               8192, 132)
+    assert gemm_shape_factor(7, 9, 11, 0) == 1.0  # CPU: no tiles
+
+
+def test_attention_tiles_match_brute_force():
+    rng = random.Random(1)
+    for _ in range(200):
+        block = rng.choice([16, 32, 128])
+        prefix, q = rng.randint(0, 700), rng.randint(1, 700)
+        brute = sum(math.ceil((prefix + min((i + 1) * block, q)) / block)
+                    for i in range(math.ceil(q / block)))
+        assert attention_tiles(prefix, q, block) == brute
+        assert computed_pairs(prefix, q, block) >= attention_pairs(prefix, q)
+    for length in (100, 5000):
+        for cp in (2, 4):
+            assert computed_pairs(0, length, 128, cp) >= attention_pairs(0, length)
+    # short sequences waste most of their diagonal tile
+    assert attention_pairs(0, 100) / computed_pairs(0, 100, 128) < 0.35
+
+
+@pytest.mark.parametrize("system", ["megatron", "chunkflow"])
+def test_mfu_below_max_efficiency(system):
+    ceiling = max(H100.gemm_max_eff, H100.attn_fwd_eff, H100.attn_bwd_eff)
+    for layout in (Layout(1, 1, 1, 8), Layout(2, 1, 2, 2, "full")):
+        if system == "megatron":
+            p = predict_megatron(LENGTHS, Q05B, H100, layout, 32768)
+        else:
+            p = predict_chunkflow(LENGTHS, Q05B, H100, layout, 4096, 2)
+        assert 0 < p.mfu <= ceiling
+        assert p.step_s >= p.pipeline_s > 0
+
+
+def test_more_tp_less_weight_memory_per_gpu():
+    stat = [static_bytes(total_params(Q7B), Layout(tp, 1, 1, 1), H100) for tp in (1, 2, 4)]
+    assert stat[0] > stat[1] > stat[2] and stat[0] / stat[2] == pytest.approx(4)
+    preds = [predict_megatron(LENGTHS, Q7B, H100, make_layout(tp, 1, 1, "none", 8, Q7B), 32768)
+             for tp in (1, 2, 4)]
+    assert preds[0].memory["static"] > preds[1].memory["static"] > preds[2].memory["static"]
+    assert preds[0].peak_mem_bytes > preds[2].peak_mem_bytes
+
+
+def test_full_recompute_costs_about_a_third_more():
+    """Full recompute re-runs every layer's forward inside the backward: (F + B + F)/(F + B) =
+    4/3 when B = 2F. Without TP it is a bit less (attention's backward is 2.5x its forward, the
+    output layer is not recomputed); with TP a bit more (the replayed forward brings its 4
+    exposed collectives, while the backward hides 4 of its 6)."""
+    for seq in (32768, 131072):
+        lengths = [min(n, seq) for n in sample_lengths("B", 200, seed=2)]
+        for tp in (1, 4):
+            none, full = (predict_megatron(lengths, Q7B, H100, Layout(tp, 1, 1, 1, rc), seq)
+                          for rc in ("none", "full"))
+            ratio = full.pipeline_s / none.pipeline_s
+            assert ratio == pytest.approx(4 / 3, abs=0.04)
+            if tp == 1:
+                assert ratio <= 4 / 3
+            assert full.peak_mem_bytes < none.peak_mem_bytes
+    assert layer_activation_bytes(Q7B, Layout(4), H100, "full") == 2 * Q7B.hidden_size / 4
+
+
+def test_selective_recompute_costs_time_saves_little():
+    lengths = [min(n, 32768) for n in LENGTHS]
+    none, sel = (predict_megatron(lengths, Q7B, H100, Layout(4, 1, 1, 2, rc), 32768)
+                 for rc in ("none", "selective"))
+    assert sel.pipeline_s > none.pipeline_s
+    assert 0.95 * none.peak_mem_bytes < sel.peak_mem_bytes < none.peak_mem_bytes
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_7b_at_256k_without_cp_does_not_fit_on_80gb(tp):
+    lengths = [262144] + [1000] * 50
+    for recompute in ("none", "full"):
+        p = predict_megatron(lengths, Q7B, H100, Layout(tp, 1, 1, 1, recompute), 262144)
+        assert not p.fits and p.peak_mem_bytes > get_gpu("h100").hbm_bytes
+
+
+def test_chunkflow_memory_floor_is_a_lower_bound():
+    lengths = [200000] + [min(n, 8000) for n in LENGTHS]
+    for layout in (Layout(2, 1, 1, 2), Layout(4, 1, 2, 1, "full")):
+        for c, k in ((4096, 1), (4096, 4), (16384, 2)):
+            p = predict_chunkflow(lengths, Q7B, H100, layout, c, k)
+            floor = chunkflow_memory_floor(lengths, Q7B, layout, H100, c, k)
+            assert 0.5 * p.peak_mem_bytes < floor <= p.peak_mem_bytes * (1 + 1e-9)
+
+
+def test_chunkflow_refuses_cp():
+    with pytest.raises(ValueError, match="CP 1"):
+        predict_chunkflow(LENGTHS, Q7B, H100, Layout(1, 2, 1, 1), 4096, 1)
+
+
+def test_measured_device_scales_with_its_rates():
+    """A CPU-like device built from measured rates: doubling every rate halves the step."""
+    tiny = get_model_shape("tiny")
+    kw = dict(gemm_flops=50e9, attn_fwd_flops=20e9, attn_bwd_flops=15e9, memory_bytes=8e9,
+              p2p_bytes_per_s=2e9, p2p_latency_s=0.0, mem_bytes_per_s=10e9)
+    slow = hardware_from_measurements(**kw)
+    fast = hardware_from_measurements(**{k: (2 * v if k.endswith("_s") or "flops" in k else v)
+                                         for k, v in kw.items()})
+    assert slow.dtype_bytes == 4 and slow.num_sms == 0 and slow.gemm_max_eff == 1.0
+    lengths = [min(n // 8, 4096) for n in LENGTHS]
+    layout = Layout(1, 1, 2, 1)
+    for predict in (lambda hw: predict_megatron(lengths, tiny, hw, layout, 4096),
+                    lambda hw: predict_chunkflow(lengths, tiny, hw, layout, 512, 2)):
+        assert predict(fast).step_s == pytest.approx(predict(slow).step_s / 2, rel=1e-9)
+
+
+def test_overrides_and_calibration(tmp_path):
+    hw = with_overrides(H100, ["nvlink_gb_s=400", "num_sms=100"])
+    assert hw.nvlink_gb_s == 400.0 and hw.num_sms == 100 and hw.hbm_gb == H100.hbm_gb
+    for bad, msg in ((["nope=1"], "KEY=VALUE with KEY one of"), (["gemm_max_eff=x"], "not a"),
+                     (["gemm_max_eff=1.5"], "fraction of peak"), (["hbm_gb=-1"], ">= 0")):
+        with pytest.raises(ValueError, match=msg):
+            with_overrides(H100, bad)
+    f = tmp_path / "cal.json"
+    f.write_text(json.dumps({"gpu": "h100", "hardware": {"gemm_max_eff": 0.7,
+                                                         "attn_fwd_eff": 0.5, "peak_tflops": 1}}))
+    cal = apply_calibration(H100, f)
+    assert (cal.gemm_max_eff, cal.attn_fwd_eff, cal.peak_tflops) == (0.7, 0.5, H100.peak_tflops)
+    assert cal == dataclasses.replace(H100, gemm_max_eff=0.7, attn_fwd_eff=0.5)
+    with pytest.raises(ValueError, match="measured on 'h100'"):
+        apply_calibration(get_gpu("a100"), f)
