@@ -2,13 +2,15 @@
 # run_config, which reads a run file's LAYOUT table for one model.
 #
 #   source configs/models/qwen2.5-7b.sh
-#   source configs/runs/h100_32k_chunkflow.sh      # sources this file
-#   run_config qwen2.5-7b                          # sets the variables below, or fails naming the model
-#   torchrun ... "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${CHUNKFLOW_ARGS[@]}"
+#   source configs/runs/h100_32k_chunkflow.sh   # sources this file
+#   run_config qwen2.5-7b                       # sets the variables below, or fails naming MODEL
+#   torchrun ... "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" \
+#       "${CHUNKFLOW_ARGS[@]}"
 #
-# run_config sets NODES (8-GPU nodes), TP, PP, CP, DP, RECOMPUTE, CHUNK_SIZE and CHUNKFLOW_K ("" for
-# stock runs), and the arrays PARALLEL_ARGS, TRAINING_ARGS, CHUNKFLOW_ARGS (empty for stock runs).
-# configs/README.md explains every choice. Data flags are the launcher's (scripts/slurm/train.sbatch).
+# run_config sets NODES (8-GPU nodes), TP, PP, CP, DP, RECOMPUTE, CHUNK_SIZE and CHUNKFLOW_K
+# ("" for stock runs), and the arrays PARALLEL_ARGS, TRAINING_ARGS and CHUNKFLOW_ARGS (empty for
+# stock runs). configs/README.md explains every choice. Data flags are added by the launcher
+# (scripts/slurm/train.sbatch).
 
 GPUS_PER_NODE=8
 

@@ -20,7 +20,7 @@ RUN_TRAINING_ARGS=(
 #                      nodes  TP  PP  CP  recompute
 declare -gA LAYOUT=(
     [qwen2.5-7b]="         2   4   1   4  full"
-    [qwen2.5-14b]="        4   8   1   4  full"
+    [qwen2.5-14b]="        4   8   1   2  full"
     [qwen2.5-32b]="        8   8   2   4  full"
     [qwen2.5-72b]="       16   8   4   4  full"
 )
