@@ -1,0 +1,612 @@
+"""Shipped configs, SLURM scripts and scripts/compare_runs.py.
+
+    .venv/bin/python -m pytest tests/unit/test_configs.py -q
+
+Every configs/models/qwen2.5-*.sh is parsed by bash and checked against core/models.QWEN25 (the
+Hugging Face shapes), then built at 2 layers as a real megatron-core GPTModel on the meta device
+(no memory: the 72B embedding alone is 1.2B parameters). With a Megatron-LM checkout
+(MEGATRON_LM_DIR, or third_party/Megatron-LM) its own parser, validate_args and gpt_builder also
+read every model and run config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_chunkflow.core.models import QWEN25, ModelShape
+from tests.distributed._dist import run_gloo
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_FILES = {p.stem: p for p in sorted((REPO / "configs" / "models").glob("qwen2.5-*.sh"))}
+RUN_FILES = sorted((REPO / "configs" / "runs").glob("h100_*.sh"))
+RUN_MODELS = ["qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b"]
+SBATCH = REPO / "scripts" / "slurm" / "train.sbatch"
+SUBMIT = REPO / "scripts" / "slurm" / "submit.sh"
+SHELL_FILES = [*MODEL_FILES.values(), REPO / "configs" / "runs" / "common.sh", *RUN_FILES,
+               SBATCH, SUBMIT]
+SYSTEMS_CONTEXTS = [(c, s) for c in ("32k", "256k") for s in ("stock", "chunkflow")]
+
+
+def bash(script: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", "set -euo pipefail\n" + script], cwd=REPO, text=True,
+                          capture_output=True, check=check,
+                          env={**os.environ, **(env or {})})
+
+
+def bash_arrays(script: str, *names: str) -> list[list[str]]:
+    """The bash arrays `names` after running `script`, each as a list of words."""
+    out = bash(f"{script}\n{_print_arrays(names)}").stdout
+    return [part.split("\0")[:-1] for part in out.split("@@")]
+
+
+def _print_arrays(names) -> str:
+    """Bash that prints each array's words NUL-terminated, arrays separated by '@@'."""
+    return "; echo -n '@@'; ".join(f'for w in "${{{n}[@]}}"; do printf "%s\\0" "$w"; done'
+                                   for n in names)
+
+
+def flags(argv: list[str]) -> dict[str, str | bool]:
+    """--flag value / --flag (True); a later occurrence wins, as in argparse."""
+    out, i = {}, 0
+    while i < len(argv):
+        assert argv[i].startswith("--"), f"stray word {argv[i]!r} in {argv}"
+        if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            out[argv[i]], i = argv[i + 1], i + 2
+        else:
+            out[argv[i]], i = True, i + 1
+    return out
+
+
+def model_args(name: str) -> list[str]:
+    return bash_arrays(f"source {MODEL_FILES[name]}", "MODEL_ARGS")[0]
+
+
+def shape_from_flags(f: dict) -> ModelShape:
+    """The ModelShape a parsed MODEL_ARGS describes (vocabulary: the padded one)."""
+    return ModelShape(
+        num_layers=int(f["--num-layers"]), hidden_size=int(f["--hidden-size"]),
+        ffn_hidden_size=int(f["--ffn-hidden-size"]),
+        num_attention_heads=int(f["--num-attention-heads"]),
+        num_query_groups=int(f["--num-query-groups"]), vocab_size=int(f["--padded-vocab-size"]),
+        tie_embeddings="--untie-embeddings-and-output-weights" not in f,
+        qkv_bias="--add-qkv-bias" in f, rotary_base=float(f["--rotary-base"]),
+        norm_eps=float(f["--norm-epsilon"]))
+
+
+# ---- shell syntax -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", SHELL_FILES, ids=lambda p: str(p.relative_to(REPO)))
+def test_bash_syntax(path):
+    result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+# ---- model configs ------------------------------------------------------------------------------
+
+
+def test_every_qwen25_size_has_a_model_config():
+    assert sorted(MODEL_FILES) == sorted(QWEN25)
+
+
+@pytest.mark.parametrize("name", sorted(QWEN25))
+def test_model_config_matches_hf_shape(name):
+    shape = QWEN25[name]
+    f = flags(model_args(name))
+    assert shape_from_flags(f) == shape  # layers, sizes, heads, groups, tie, bias, eps, base
+    assert int(f["--kv-channels"]) == shape.head_dim
+    assert f["--group-query-attention"] is True and f["--swiglu"] is True
+    assert f["--disable-bias-linear"] is True and f["--add-qkv-bias"] is True
+    assert f["--normalization"] == "RMSNorm" and f["--position-embedding-type"] == "rope"
+    assert float(f["--attention-dropout"]) == 0.0 and float(f["--hidden-dropout"]) == 0.0
+    assert f["--tokenizer-type"] == "HuggingFaceTokenizer"
+    # the padded vocabulary is the checkpoint's, and splits evenly over TP = 1, 2, 4, 8
+    assert int(f["--padded-vocab-size"]) == shape.vocab_size and shape.vocab_size % 8 == 0
+
+
+@pytest.mark.parametrize("name", sorted(QWEN25))
+def test_model_config_header_cites_its_hf_config(name):
+    text = MODEL_FILES[name].read_text()
+    size = name.split("-")[1].upper()
+    assert f"https://huggingface.co/Qwen/Qwen2.5-{size}/blob/main/config.json" in text
+    shape = QWEN25[name]
+    for key, value in [("num_hidden_layers", shape.num_layers), ("hidden_size", shape.hidden_size),
+                       ("intermediate_size", shape.ffn_hidden_size),
+                       ("num_key_value_heads", shape.num_query_groups),
+                       ("vocab_size", shape.vocab_size)]:
+        assert re.search(rf"\b{key} {value}\b", text), f"{key} {value} not in the header"
+    assert f"tie_word_embeddings {str(shape.tie_embeddings).lower()}" in text
+
+
+def test_tokenizer_variable_reaches_the_flags():
+    argv = bash_arrays(f"TOKENIZER=/ckpt/tok; source {MODEL_FILES['qwen2.5-7b']}", "MODEL_ARGS")[0]
+    assert flags(argv)["--tokenizer-model"] == "/ckpt/tok"
+
+
+def _build_on_meta(shapes):
+    """(child) Build each shape with integration/build.py on the meta device."""
+    import torch
+
+    from megatron_chunkflow.integration.build import build_gpt_model, transformer_config
+
+    out = {}
+    for name, shape in shapes.items():
+        config = transformer_config(shape, dtype=torch.bfloat16)
+        with torch.device("meta"):
+            model = build_gpt_model(shape, config, max_seq_length=4096)
+        out[name] = {k: (tuple(p.shape), p.device.type) for k, p in model.named_parameters()}
+    return out
+
+
+def _child(rank, shapes, megatron_lm_dir, model_argvs, run_argvs):
+    """One child process (world of one, gloo) for everything that needs process groups."""
+    import torch
+
+    from megatron_chunkflow.integration.dist import init_distributed, shutdown
+
+    has_cuda = torch.cuda.is_available()  # before integration/cpu.py's shims
+    init_distributed(1, 1)
+    try:
+        out = {"core": _build_on_meta(shapes)}
+        if megatron_lm_dir is not None:
+            out.update(_megatron_lm_parse(megatron_lm_dir, model_argvs, run_argvs, has_cuda))
+        return out
+    finally:
+        shutdown()
+
+
+@pytest.fixture(scope="module")
+def child_results():
+    """Every model config built at 2 layers by build.py and, with a checkout, by Megatron-LM's
+    gpt_builder; every run config through Megatron-LM's validate_args."""
+    shapes = {name: dataclasses.replace(shape_from_flags(flags(model_args(name))), num_layers=2)
+              for name in MODEL_FILES}
+    model_argvs, run_argvs = {}, {}
+    if MEGATRON_LM_OK:
+        model_argvs = {name: model_args(name) for name in MODEL_FILES}
+        for run_file in RUN_FILES:
+            for model in RUN_MODELS:
+                rc = run_config(run_file, model)
+                # Megatron-LM's own flags only: --chunkflow-* belong to the launcher's parser
+                run_argvs[(run_file.stem, model)] = (
+                    rc["model_args"] + rc["parallel_args"] + rc["training_args"],
+                    rc["nodes"] * rc["gpus"])
+    megatron_lm = MEGATRON_LM if MEGATRON_LM_OK else None
+    return run_gloo(_child, 1, shapes, megatron_lm, model_argvs, run_argvs, timeout=300)[0]
+
+
+def check_parameter_shapes(params: dict, shape: ModelShape) -> None:
+    """QKV, MLP, embedding and output rows of a Qwen2.5 GPTModel (TP = 1)."""
+    h, hd, f = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size
+    qkv_rows = (shape.num_attention_heads + 2 * shape.num_query_groups) * hd
+    layer = "decoder.layers.0."
+    assert params[layer + "self_attention.linear_qkv.weight"] == (qkv_rows, h)
+    assert params[layer + "self_attention.linear_qkv.bias"] == (qkv_rows,)
+    proj = params[layer + "self_attention.linear_proj.weight"]
+    assert proj == (h, shape.num_attention_heads * hd)
+    assert layer + "self_attention.linear_proj.bias" not in params  # --disable-bias-linear
+    assert params[layer + "mlp.linear_fc1.weight"] == (2 * f, h)  # gate and up (SwiGLU)
+    assert params[layer + "mlp.linear_fc2.weight"] == (h, f)
+    assert params["embedding.word_embeddings.weight"] == (shape.vocab_size, h)
+    assert ("output_layer.weight" in params) == (not shape.tie_embeddings)
+    if not shape.tie_embeddings:
+        assert params["output_layer.weight"] == (shape.vocab_size, h)
+    assert "embedding.position_embeddings.weight" not in params  # RoPE
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("name", sorted(QWEN25))
+def test_model_config_builds_at_reduced_depth(name, child_results):
+    built = child_results["core"][name]
+    assert {device for _, device in built.values()} == {"meta"}
+    check_parameter_shapes({k: s for k, (s, _) in built.items()}, QWEN25[name])
+
+
+# ---- run configs --------------------------------------------------------------------------------
+
+
+def run_config(run_file: Path, model: str) -> dict:
+    script = (f"source {MODEL_FILES[model]}; source {run_file}; run_config {model}; "
+              "echo $NODES $GPUS_PER_NODE $TP $PP $CP $DP $RECOMPUTE $SYSTEM $SEQ_LENGTH "
+              "$GLOBAL_BATCH_SIZE ${CHUNK_SIZE:-0} ${CHUNKFLOW_K:-0} >&2")
+    names = ("model_args", "parallel_args", "training_args", "chunkflow_args")
+    result = bash(f"{script}\n{_print_arrays(n.upper() for n in names)}")
+    keys = "nodes gpus tp pp cp dp recompute system seq gbs chunk k".split()
+    out = dict(zip(keys, result.stderr.split()))
+    out = {k: (v if k in ("recompute", "system") else int(v)) for k, v in out.items()}
+    out.update({n: part.split("\0")[:-1] for n, part in zip(names, result.stdout.split("@@"))})
+    return out
+
+
+@pytest.mark.parametrize("model", RUN_MODELS)
+@pytest.mark.parametrize("run_file", RUN_FILES, ids=lambda p: p.stem)
+def test_run_config_layout_is_consistent(run_file, model):
+    rc = run_config(run_file, model)
+    shape = QWEN25[model]
+    tp, pp, cp, world = rc["tp"], rc["pp"], rc["cp"], rc["nodes"] * rc["gpus"]
+    assert tp * pp * cp * rc["dp"] == world
+    assert rc["gbs"] % rc["dp"] == 0  # micro-batch size 1
+    assert shape.num_layers % pp == 0
+    assert shape.num_query_groups % tp == 0 and shape.num_attention_heads % tp == 0
+    assert shape.vocab_size % tp == 0
+    f = flags(rc["model_args"] + rc["parallel_args"] + rc["training_args"])
+    assert int(f["--seq-length"]) == rc["seq"] == {"32k": 32768, "256k": 262144}[
+        run_file.stem.split("_")[1]]
+    assert int(f["--max-position-embeddings"]) >= rc["seq"]  # Megatron asserts it
+    assert int(f["--tensor-model-parallel-size"]) == tp
+    assert int(f["--context-parallel-size"]) == cp
+    assert ("--sequence-parallel" in f) == (tp > 1)
+    if rc["system"] == "chunkflow":
+        c = flags(rc["chunkflow_args"])
+        assert cp == 1, "ChunkFlow runs must use --context-parallel-size 1"
+        assert int(c["--chunk-size"]) == rc["chunk"] and int(c["--chunkflow-k"]) == rc["k"]
+        assert rc["chunk"] % tp == 0, "sequence parallelism splits every chunk over TP"
+        assert c["--chunkflow"] is True and "--no-rope-fusion" in f
+        assert c["--chunkflow-attention-backend"] in {"torch", "sdpa", "flex", "flash", "te"}
+    else:
+        assert rc["chunkflow_args"] == [] and "--chunkflow" not in f
+        if rc["seq"] > 32768:
+            assert cp > 1 and rc["recompute"] == "full"
+
+
+@pytest.mark.parametrize("context", ["32k", "256k"])
+@pytest.mark.parametrize("model", RUN_MODELS)
+def test_stock_and_chunkflow_runs_get_the_same_nodes(context, model):
+    runs = REPO / "configs" / "runs"
+    stock = run_config(runs / f"h100_{context}_stock.sh", model)
+    chunkflow = run_config(runs / f"h100_{context}_chunkflow.sh", model)
+    assert stock["nodes"] == chunkflow["nodes"]
+
+
+def test_run_config_names_an_unknown_model():
+    result = bash(f"source {RUN_FILES[0]}; run_config qwen2.5-3b", check=False)
+    assert result.returncode != 0
+    assert "no layout for model 'qwen2.5-3b'" in result.stderr and "qwen2.5-7b" in result.stderr
+
+
+# ---- SLURM scripts ------------------------------------------------------------------------------
+
+
+def dry_run(tmp_path, **env) -> subprocess.CompletedProcess:
+    base = {"DRY_RUN": "1", "MEGATRON_LM_DIR": "/opt/Megatron-LM", "OUT": str(tmp_path),
+            "DATA": "/data/sft/prefix", "REPO_DIR": str(REPO)}
+    return subprocess.run(["bash", str(SBATCH)], capture_output=True, text=True,
+                          env={**os.environ, **base, **env})
+
+
+@pytest.mark.parametrize("model", RUN_MODELS)
+@pytest.mark.parametrize("context,system", SYSTEMS_CONTEXTS)
+def test_sbatch_dry_run_command(tmp_path, context, system, model):
+    result = dry_run(tmp_path, MODEL=model, CONTEXT=context, SYSTEM=system,
+                     CHECKPOINT="/ckpt/megatron", TOKENIZER="/ckpt/hf")
+    assert result.returncode == 0, result.stderr
+    words = shlex.split(result.stdout.splitlines()[-1])
+    rc = run_config(REPO / "configs" / "runs" / f"h100_{context}_{system}.sh", model)
+    assert words[:3] == ["srun", "--nodes", str(rc["nodes"])]
+    torchrun = words.index("torchrun")
+    assert words[torchrun + 1:torchrun + 5] == ["--nnodes", str(rc["nodes"]),
+                                                "--nproc-per-node", "8"]
+    if system == "chunkflow":
+        start = words.index("-m")
+        assert words[start:start + 3] == ["-m", "megatron_chunkflow.launch",
+                                          "/opt/Megatron-LM/pretrain_gpt.py"]
+        argv = words[start + 3:]
+    else:
+        assert "-m" not in words and "--chunkflow" not in words
+        argv = words[words.index("/opt/Megatron-LM/pretrain_gpt.py") + 1:]
+    f = flags(argv)
+    assert f["--load"] == "/ckpt/megatron" and f["--finetune"] is True
+    assert f["--tokenizer-model"] == "/ckpt/hf"
+    assert f["--data-path"] == "/data/sft/prefix"
+    assert f["--tensorboard-dir"].startswith(str(tmp_path))
+    assert f == {**f, **flags(rc["parallel_args"] + rc["training_args"] + rc["chunkflow_args"])}
+    if system == "chunkflow":
+        assert f["--dataloader-type"] == "external"
+
+
+def test_sbatch_refuses_jsonl_for_stock(tmp_path):
+    result = dry_run(tmp_path, MODEL="qwen2.5-7b", CONTEXT="32k", SYSTEM="stock",
+                     DATA="/data/sft.jsonl")
+    assert result.returncode == 2 and "indexed dataset" in result.stderr
+
+
+def test_sbatch_mock_data_uses_the_context_profile(tmp_path):
+    result = dry_run(tmp_path, MODEL="qwen2.5-7b", CONTEXT="256k", SYSTEM="chunkflow", MOCK="1",
+                     DATA="")
+    assert result.returncode == 0, result.stderr
+    words = shlex.split(result.stdout.splitlines()[-1])
+    f = flags(words[words.index("-m") + 3:])
+    assert f["--mock-data"] is True and f["--chunkflow-mock-profile"] == "B"
+    assert "--data-path" not in f
+
+
+def test_sbatch_names_missing_variables(tmp_path):
+    result = dry_run(tmp_path, MODEL="qwen2.5-7b", CONTEXT="64k", SYSTEM="stock")
+    assert result.returncode == 2 and "h100_64k_stock.sh" in result.stderr
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    result = subprocess.run(["bash", str(SBATCH)], capture_output=True, text=True,
+                            env={**env, "MODEL": "qwen2.5-7b", "CONTEXT": "32k",
+                                 "SYSTEM": "stock", "MEGATRON_LM_DIR": "/x"})
+    assert result.returncode != 0 and "OUT" in result.stderr
+
+
+def test_submit_all_dry_run():
+    result = subprocess.run([str(SUBMIT), "all", "all", "both", "--time", "04:00:00"],
+                            capture_output=True, text=True, env={**os.environ, "DRY_RUN": "1"})
+    assert result.returncode == 0, result.stderr
+    lines = [shlex.split(line) for line in result.stdout.splitlines()]
+    assert len(lines) == 16
+    for words in lines:
+        model, context, system = words[words.index("--job-name") + 1].split("_")
+        rc = run_config(REPO / "configs" / "runs" / f"h100_{context}_{system}.sh", model)
+        assert words[:3] == ["sbatch", "--nodes", str(rc["nodes"])]
+        assert words[-3:] == ["--time", "04:00:00", str(SBATCH)]
+
+
+# ---- compare_runs.py ----------------------------------------------------------------------------
+
+
+def _load_compare_runs():
+    spec = importlib.util.spec_from_file_location("compare_runs",
+                                                  REPO / "scripts" / "compare_runs.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+compare_runs = _load_compare_runs()
+
+
+def megatron_args_dump(**values) -> list[str]:
+    """megatron/training/arguments.py _print_args."""
+    lines = ["------------------------ arguments ------------------------"]
+    for name in sorted(values):
+        lines.append("  {} {} {}".format(name, "." * (48 - len(name)), values[name]))
+    return lines + ["-------------------- end of arguments ---------------------"]
+
+
+def megatron_iteration(it, total, ms, tflops, loss, gbs, consumed) -> str:
+    """megatron/training/training.py training_log, with --log-throughput."""
+    s = f" [2025-06-01 10:00:{it % 60:02d}.123456]"
+    s += " iteration {:8d}/{:8d} |".format(it, total)
+    s += " consumed samples: {:12d} |".format(consumed)
+    s += " elapsed time per iteration (ms): {:.1f} |".format(ms)
+    s += f" throughput per GPU (TFLOP/s/GPU): {tflops:.1f} |"
+    s += f" learning rate: {1e-5:.6E} |"
+    s += f" global batch size: {gbs:5d} |"
+    s += " {}: {:.6E} |".format("lm loss", loss)
+    s += f" loss scale: {1.0:.1f} |"
+    s += f" grad norm: {1.234:.3f} |"
+    s += " number of skipped iterations: {:3d} |".format(0)
+    s += " number of nan iterations: {:3d} |".format(0)
+    return s
+
+
+def megatron_memory(rank, it, max_allocated_mb) -> str:
+    """megatron/training/utils.py report_memory."""
+    s = f"(after {it} iterations) memory (MB)"
+    s += f" | allocated: {max_allocated_mb / 2:.2f} | max allocated: {max_allocated_mb:.2f}"
+    s += f" | reserved: {max_allocated_mb * 1.1:.2f} | max reserved: {max_allocated_mb * 1.1:.2f}"
+    return "[Rank {}] {}".format(rank, s)
+
+
+def chunkflow_line(it, tokens, tps, peak_gib) -> str:
+    return (f"[chunkflow] iteration {it} | tokens {tokens} | tokens/s/GPU {tps:.1f} | "
+            f"model TFLOP/s/GPU 312.5 | chunks 40 | recompute 0.12 | "
+            f"peak allocated GiB {peak_gib:.1f}")
+
+
+@pytest.fixture
+def logs(tmp_path):
+    """A stock and a ChunkFlow log: 10 iterations, the first 2 slow (warm-up)."""
+    stock = megatron_args_dump(world_size=16, seq_length=32768, global_batch_size=32,
+                               micro_batch_size=1)
+    for it in range(1, 11):
+        warm = it <= 2
+        stock.append(megatron_iteration(it, 10, 20000.0 if warm else 10000.0,
+                                        100.0 if warm else 300.0, 2.0 - 0.1 * it, 32, 32 * it))
+        if it in (1, 2, 10):
+            stock += [megatron_memory(0, it, 70000.0), megatron_memory(8, it, 72000.0)]
+    cf = megatron_args_dump(world_size=16, seq_length=32768, global_batch_size=1024,
+                            micro_batch_size=1, chunkflow=True)
+    for it in range(1, 11):
+        warm = it <= 2
+        cf.append(chunkflow_line(it, 1048576, 1000.0 if warm else 8192.0, 39.0))
+        cf.append(megatron_iteration(it, 10, 8000.0, 250.0, 2.0 - 0.1 * it, 1024, 1024 * it))
+        if it in (1, 2, 10):
+            cf.append(megatron_memory(0, it, 40960.0))
+    (tmp_path / "stock.log").write_text("\n".join(stock) + "\n")
+    (tmp_path / "cf.log").write_text("\n".join(cf) + "\n")
+    return tmp_path / "stock.log", tmp_path / "cf.log"
+
+
+def test_compare_runs_figures_and_ratios(logs, capsys):
+    assert compare_runs.main([str(logs[0]), str(logs[1]), "--skip", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    stock, cf = out["runs"]
+    kept = stock["first_iteration"], stock["last_iteration"], stock["num_iterations"]
+    assert kept == (3, 10, 8)
+    assert stock["elapsed_ms_per_iteration"] == pytest.approx(10000.0)
+    assert stock["megatron_tflops_per_gpu"] == pytest.approx(300.0)
+    # 32 rows x 32768 tokens every 10 s on 16 GPUs
+    assert stock["tokens_per_s_per_gpu"] == pytest.approx(32 * 32768 / (10.0 * 16))
+    assert "counts padding" in stock["tokens_source"]
+    assert stock["peak_allocated_gib"] == pytest.approx(72000.0 / 1024)
+    assert stock["lm_loss_mean"] == pytest.approx(2.0 - 0.1 * 6.5)
+    assert stock["lm_loss_last"] == pytest.approx(1.0)
+    assert cf["tokens_per_s_per_gpu"] == pytest.approx(8192.0)
+    assert cf["tokens_source"].startswith("[chunkflow] lines")
+    assert cf["peak_allocated_gib"] == pytest.approx(40.0)
+    assert cf["chunkflow_peak_allocated_gib"] == pytest.approx(39.0)
+    ratios = out["ratios"]
+    assert ratios["tokens_per_s_per_gpu"] == pytest.approx(8192.0 / 6553.6)
+    assert ratios["peak_allocated_gib"] == pytest.approx(40.0 / (72000.0 / 1024))
+    assert ratios["elapsed_ms_per_iteration"] == pytest.approx(0.8)
+    assert ratios["megatron_tflops_per_gpu"] == pytest.approx(250.0 / 300.0)
+
+
+def test_compare_runs_table_and_tokens_override(logs, capsys):
+    assert compare_runs.main([str(logs[0]), str(logs[1]), "--tokens-per-iter", "524288"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s/GPU" in out and "--tokens-per-iter 524288" in out
+    row = next(line for line in out.splitlines() if line.startswith("tokens/s/GPU"))
+    assert row.split()[-3:] == ["3276.8", "8192.0", "2.500"]  # 524288 / (10 s x 16 GPUs)
+
+
+def test_compare_runs_weights_log_intervals(tmp_path):
+    # --log-interval 4: lines at 1 (first iteration), 4 and 8 average 1, 3 and 4 iterations
+    lines = [megatron_iteration(it, 8, ms, 100.0, 1.0, 8, 8 * it)
+             for it, ms in ((1, 100.0), (4, 200.0), (8, 300.0))]
+    (tmp_path / "a.log").write_text("\n".join(lines) + "\n")
+    summary = compare_runs.summarize(compare_runs.parse_log(str(tmp_path / "a.log")), skip=0)
+    assert summary["num_iterations"] == 8
+    assert summary["elapsed_ms_per_iteration"] == pytest.approx((100 + 3 * 200 + 4 * 300) / 8)
+    assert summary["tokens_per_s_per_gpu"] is None  # no arguments dump
+
+
+def _cli(*argv):
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "compare_runs.py"), *argv],
+                          capture_output=True, text=True)
+
+
+def test_compare_runs_exits_2_on_garbage(logs, tmp_path):
+    garbage = tmp_path / "garbage.log"
+    garbage.write_bytes(b"\x00\xff not a log\nTraceback (most recent call last):\n")
+    result = _cli(str(logs[0]), str(garbage))
+    assert result.returncode == 2
+    assert str(garbage) in result.stderr and "none of its 2 lines" in result.stderr
+    result = _cli(str(tmp_path / "missing.log"), str(logs[1]))
+    assert result.returncode == 2 and "missing.log: cannot read" in result.stderr
+
+
+def test_compare_runs_names_the_bad_line(logs, tmp_path):
+    lines = logs[0].read_text().splitlines()
+    bad_index = next(i for i, line in enumerate(lines) if "iteration        5/" in line)
+    lines[bad_index] = lines[bad_index].replace("(ms): 10000.0", "(ms): fast")
+    bad = tmp_path / "bad.log"
+    bad.write_text("\n".join(lines) + "\n")
+    result = _cli(str(bad), str(logs[1]))
+    assert result.returncode == 2
+    assert f"{bad}:{bad_index + 1}: elapsed time per iteration (ms) is 'fast'" in result.stderr
+
+
+def test_compare_runs_ignores_a_truncated_last_line(logs, tmp_path):
+    text = logs[1].read_text() + megatron_iteration(11, 11, 8000.0, 250.0, 1.0, 1024, 0)[:60]
+    cut = tmp_path / "cut.log"
+    cut.write_text(text)  # no final newline: the job died while writing
+    assert compare_runs.summarize(compare_runs.parse_log(str(cut)), 2)["last_iteration"] == 10
+
+
+def test_compare_runs_skip_leaving_nothing(logs):
+    result = _cli(str(logs[0]), str(logs[1]), "--skip", "10")
+    assert result.returncode == 2 and "--skip 10 leaves none" in result.stderr
+
+
+# ---- Megatron-LM's own parser (needs a core_v0.16.1 checkout) ------------------------------------
+
+
+def _megatron_lm_dir() -> Path | None:
+    for candidate in (os.environ.get("MEGATRON_LM_DIR"), REPO / "third_party" / "Megatron-LM"):
+        if candidate and (Path(candidate) / "pretrain_gpt.py").is_file():
+            return Path(candidate)
+    return None
+
+
+MEGATRON_LM = _megatron_lm_dir()
+MEGATRON_LM_OK = MEGATRON_LM is not None and importlib.util.find_spec("six") is not None
+needs_megatron_lm = pytest.mark.skipif(
+    not MEGATRON_LM_OK,
+    reason="needs a Megatron-LM core_v0.16.1 checkout (MEGATRON_LM_DIR or third_party/Megatron-LM)"
+           " and the `six` package that megatron.training imports")
+
+# CPU stand-ins for runtime flags whose kernels need CUDA / Transformer Engine (not model shape)
+CPU_FLAGS = ["--transformer-impl", "local", "--no-rope-fusion", "--no-bias-swiglu-fusion",
+             "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion",
+             "--no-persist-layer-norm", "--use-cpu-initialization"]
+
+
+def _megatron_lm_parse(megatron_lm_dir, model_argvs, run_argvs, has_cuda):
+    """(child) Megatron-LM's parser + validate_args on every config; gpt_builder on meta."""
+    import argparse
+    import contextlib
+    import io
+    import types
+
+    import torch
+
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # validate_args asserts it when TP/CP > 1
+    if importlib.util.find_spec("triton") is None:
+        # megatron/training/initialize.py imports these kernels at import time; they need triton
+        stub = types.ModuleType("batch_invariant_kernels")
+        stub.enable_batch_invariant_mode = None
+        sys.modules["megatron.core.transformer.custom_layers.batch_invariant_kernels"] = stub
+    importlib.import_module("megatron.core")  # the installed copy before the checkout's (notes 6.3)
+
+    sys.path.append(str(megatron_lm_dir))
+    from megatron.training import arguments, global_vars
+
+    if not has_cuda:
+        arguments.get_device_arch_version = lambda: 9  # the configs' target: Hopper
+    import gpt_builders
+
+    def parse(argv, world_size):
+        parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+        args = parser.parse_args(argv)
+        args.rank, args.world_size = 0, world_size
+        with contextlib.redirect_stdout(io.StringIO()):
+            arguments.validate_args(args, {})
+        return args
+
+    models = {}
+    for name, argv in model_argvs.items():
+        args = parse(argv + ["--num-layers", "2", "--seq-length", "4096", "--micro-batch-size",
+                             "1", "--train-iters", "1", "--lr", "1e-5", "--mock-data"]
+                     + CPU_FLAGS, 1)
+        global_vars.set_args(args)
+        with torch.device("meta"), contextlib.redirect_stdout(io.StringIO()):
+            model = gpt_builders.gpt_builder(args, True, True)
+        global_vars.set_args(None)
+        models[name] = {"params": {k: tuple(p.shape) for k, p in model.named_parameters()},
+                        "padded_vocab_size": args.padded_vocab_size,
+                        "layernorm_epsilon": args.layernorm_epsilon}
+    runs = {}
+    for key, (argv, world_size) in run_argvs.items():
+        args = parse(argv + ["--mock-data"], world_size)
+        runs[key] = {"data_parallel_size": args.data_parallel_size,
+                     "sequence_parallel": args.sequence_parallel,
+                     "context_parallel_size": args.context_parallel_size}
+    return {"models": models, "runs": runs}
+
+
+@pytest.mark.megatron
+@needs_megatron_lm
+@pytest.mark.parametrize("name", sorted(QWEN25))
+def test_megatron_lm_builds_each_model_config(name, child_results):
+    built = child_results["models"][name]
+    shape = QWEN25[name]
+    assert built["padded_vocab_size"] == shape.vocab_size  # --padded-vocab-size is honoured
+    assert built["layernorm_epsilon"] == shape.norm_eps
+    check_parameter_shapes(built["params"], shape)
+
+
+@pytest.mark.megatron
+@needs_megatron_lm
+@pytest.mark.parametrize("model", RUN_MODELS)
+@pytest.mark.parametrize("run_file", RUN_FILES, ids=lambda p: p.stem)
+def test_megatron_lm_validates_each_run_config(run_file, model, child_results):
+    rc = run_config(run_file, model)
+    got = child_results["runs"][(run_file.stem, model)]
+    assert got["data_parallel_size"] == rc["dp"]
+    assert got["context_parallel_size"] == rc["cp"]
+    assert got["sequence_parallel"] == (rc["tp"] > 1)
