@@ -82,7 +82,7 @@ run_config() {
             --chunkflow
             --chunk-size "$CHUNK_SIZE"
             --chunkflow-k "$CHUNKFLOW_K"
-            --chunkflow-attention-backend "${CHUNKFLOW_ATTENTION_BACKEND:-te}"
+            --chunkflow-attention-backend "${CHUNKFLOW_ATTENTION_BACKEND:-auto}"
             --overlong "${OVERLONG:-error}"
         )
     else
