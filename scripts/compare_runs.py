@@ -14,7 +14,7 @@ warm-up and left out. Each figure is time-weighted over the iterations kept:
   global batch size x sequence length (or --tokens-per-iter), which counts padding and, for packed
   rows, every token of the row;
 - peak memory: the largest `max allocated` of any rank's memory report (torch's peak since the
-  start of the run, so warm-up is included);
+  start of the run, so warm-up is included), and the [chunkflow] lines' own peak;
 - lm loss: mean over the iterations kept, and the last value.
 
 Exit status 2, with FILE:LINE where one is at fault, when a log cannot be read or has no usable
@@ -144,22 +144,24 @@ def summarize(run: Run, skip: int, tokens_per_iter: int | None = None) -> dict:
     out["lm_loss_last"] = run.iterations[losses[-1]]["lm loss"] if losses else None
     out["peak_allocated_gib"] = (run.max_allocated_mb / 1024
                                  if run.max_allocated_mb is not None else None)
-    out.update(_tokens(run, kept, total_s, total_n, tokens_per_iter))
+    out.update(_tokens(run, kept, n, total_s, total_n, tokens_per_iter))
     return out
 
 
-def _tokens(run: Run, kept: list[int], total_s: float, total_n: int,
+def _tokens(run: Run, kept: list[int], n: dict[int, int], total_s: float, total_n: int,
             tokens_per_iter: int | None) -> dict:
     """tokens/s/GPU and where the token count came from."""
     cf = [i for i in kept if i in run.chunkflow and "tokens/s/GPU" in run.chunkflow[i]]
     if cf:
-        tokens = sum(run.chunkflow[i]["tokens"] for i in cf)
-        gpu_seconds = sum(run.chunkflow[i]["tokens"] / run.chunkflow[i]["tokens/s/GPU"]
+        # a line averages the iterations since Megatron's previous line, as Megatron's own does
+        tokens = sum(run.chunkflow[i]["tokens"] * n[i] for i in cf)
+        gpu_seconds = sum(run.chunkflow[i]["tokens"] * n[i] / run.chunkflow[i]["tokens/s/GPU"]
                           for i in cf)
-        peaks = [run.chunkflow[i]["peak allocated GiB"] for i in cf
-                 if "peak allocated GiB" in run.chunkflow[i]]
+        peaks = [run.chunkflow[i].get("peak allocated GiB", run.chunkflow[i].get("peak RSS GiB"))
+                 for i in cf]
+        peaks = [p for p in peaks if p is not None]
         return {"tokens_per_s_per_gpu": tokens / gpu_seconds,
-                "tokens_per_iteration": tokens / len(cf),
+                "tokens_per_iteration": tokens / sum(n[i] for i in cf),
                 "tokens_source": f"[chunkflow] lines ({len(cf)} iterations): real tokens",
                 "chunkflow_peak_allocated_gib": max(peaks) if peaks else None}
     world = run.args.get("world_size")
@@ -209,12 +211,12 @@ def format_table(labels: list[str], runs: list[dict], ratios: dict) -> str:
         rows.append((name, *[_fmt(r[key], f) for r in runs], _fmt(ratios[key], ".3f")))
     rows.append(("lm loss (last)", *[_fmt(r["lm_loss_last"], ".4f") for r in runs], ""))
     if any(r.get("chunkflow_peak_allocated_gib") is not None for r in runs):
-        rows.append(("[chunkflow] peak GiB", *[_fmt(r.get("chunkflow_peak_allocated_gib"), ".2f")
-                                               for r in runs], ""))
+        peaks = [_fmt(r.get("chunkflow_peak_allocated_gib"), ".2f") for r in runs]
+        rows.append(("[chunkflow] line peak GiB", *peaks, ""))
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    lines.append("[1] as Megatron logs it: its formula counts global batch x seq length tokens, "
-                 "attention over whole rows (unless the ChunkFlow launcher replaces it)")
+    lines.append("[1] as Megatron logs it: stock counts global batch x seq length tokens with "
+                 "attention over whole rows; the ChunkFlow launcher counts the real sequences")
     for label, r in zip(labels, runs):
         lines.append(f"[2] {label}: {r['tokens_source']}")
     lines.append("Compare tokens/s/GPU: ms/iteration differ when the global batches differ "

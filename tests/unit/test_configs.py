@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from megatron_chunkflow.core.models import QWEN25, ModelShape
+from megatron_chunkflow.integration.megatron_lm_args import BACKENDS
 from tests.distributed._dist import run_gloo
 
 REPO = Path(__file__).resolve().parents[2]
@@ -177,9 +178,11 @@ def child_results():
         for run_file in RUN_FILES:
             for model in RUN_MODELS:
                 rc = run_config(run_file, model)
-                # Megatron-LM's own flags only: --chunkflow-* belong to the launcher's parser
+                # what train.sbatch passes, data flags aside (mock data here)
                 run_argvs[(run_file.stem, model)] = (
-                    rc["model_args"] + rc["parallel_args"] + rc["training_args"],
+                    rc["model_args"] + rc["parallel_args"] + rc["training_args"]
+                    + rc["chunkflow_args"] + (["--dataloader-type", "external"]
+                                              if rc["chunkflow_args"] else []),
                     rc["nodes"] * rc["gpus"])
     megatron_lm = MEGATRON_LM if MEGATRON_LM_OK else None
     return run_gloo(_child, 1, shapes, megatron_lm, model_argvs, run_argvs, timeout=300)[0]
@@ -252,7 +255,7 @@ def test_run_config_layout_is_consistent(run_file, model):
         assert int(c["--chunk-size"]) == rc["chunk"] and int(c["--chunkflow-k"]) == rc["k"]
         assert rc["chunk"] % tp == 0, "sequence parallelism splits every chunk over TP"
         assert c["--chunkflow"] is True and "--no-rope-fusion" in f
-        assert c["--chunkflow-attention-backend"] in {"torch", "sdpa", "flex", "flash", "te"}
+        assert c["--chunkflow-attention-backend"] in BACKENDS
     else:
         assert rc["chunkflow_args"] == [] and "--chunkflow" not in f
         if rc["seq"] > 32768:
@@ -473,6 +476,12 @@ def test_compare_runs_weights_log_intervals(tmp_path):
     assert summary["num_iterations"] == 8
     assert summary["elapsed_ms_per_iteration"] == pytest.approx((100 + 3 * 200 + 4 * 300) / 8)
     assert summary["tokens_per_s_per_gpu"] is None  # no arguments dump
+    # [chunkflow] lines average the same intervals: 1 step at 1000 tokens/s/GPU, 3 at 2000, 4 at 4K
+    cf = [chunkflow_line(it, 1000, tps, 1.0) for it, tps in ((1, 1000.0), (4, 2000.0), (8, 4000.0))]
+    (tmp_path / "b.log").write_text("\n".join(x for pair in zip(cf, lines) for x in pair) + "\n")
+    summary = compare_runs.summarize(compare_runs.parse_log(str(tmp_path / "b.log")), skip=0)
+    gpu_seconds = 1000 * (1 / 1000 + 3 / 2000 + 4 / 4000)
+    assert summary["tokens_per_s_per_gpu"] == pytest.approx(8 * 1000 / gpu_seconds)
 
 
 def _cli(*argv):
@@ -537,7 +546,8 @@ CPU_FLAGS = ["--transformer-impl", "local", "--no-rope-fusion", "--no-bias-swigl
 
 
 def _megatron_lm_parse(megatron_lm_dir, model_argvs, run_argvs, has_cuda):
-    """(child) Megatron-LM's parser + validate_args on every config; gpt_builder on meta."""
+    """(child) Megatron-LM's parser with the launcher's flags, validate_args and the launcher's
+    checks on every config; gpt_builder on meta."""
     import argparse
     import contextlib
     import io
@@ -556,16 +566,22 @@ def _megatron_lm_parse(megatron_lm_dir, model_argvs, run_argvs, has_cuda):
     sys.path.append(str(megatron_lm_dir))
     from megatron.training import arguments, global_vars
 
+    from megatron_chunkflow.integration.megatron_lm_args import (
+        add_chunkflow_arguments,
+        check_chunkflow_args,
+    )
+
     if not has_cuda:
         arguments.get_device_arch_version = lambda: 9  # the configs' target: Hopper
     import gpt_builders
 
     def parse(argv, world_size):
         parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
-        args = parser.parse_args(argv)
+        args = add_chunkflow_arguments(parser).parse_args(argv)
         args.rank, args.world_size = 0, world_size
         with contextlib.redirect_stdout(io.StringIO()):
             arguments.validate_args(args, {})
+            check_chunkflow_args(args, args.dataloader_type)
         return args
 
     models = {}
@@ -585,7 +601,8 @@ def _megatron_lm_parse(megatron_lm_dir, model_argvs, run_argvs, has_cuda):
         args = parse(argv + ["--mock-data"], world_size)
         runs[key] = {"data_parallel_size": args.data_parallel_size,
                      "sequence_parallel": args.sequence_parallel,
-                     "context_parallel_size": args.context_parallel_size}
+                     "context_parallel_size": args.context_parallel_size,
+                     "chunkflow": args.chunkflow}
     return {"models": models, "runs": runs}
 
 
@@ -610,3 +627,4 @@ def test_megatron_lm_validates_each_run_config(run_file, model, child_results):
     assert got["data_parallel_size"] == rc["dp"]
     assert got["context_parallel_size"] == rc["cp"]
     assert got["sequence_parallel"] == (rc["tp"] > 1)
+    assert got["chunkflow"] == (rc["system"] == "chunkflow")
