@@ -20,6 +20,8 @@ SUBCOMMANDS = {
               "fine-tune with ChunkFlow (or --no-chunkflow: stock Megatron); the main job"),
     "verify": ("megatron_chunkflow.cli.verify",
                "check chunked training against unchunked megatron-core: loss, gradients, memory"),
+    "simulate": ("megatron_chunkflow.cli.simulate",
+                 "predict step time, MFU and memory per GPU on a cluster: Megatron vs ChunkFlow"),
 }
 
 

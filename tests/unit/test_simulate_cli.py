@@ -1,0 +1,145 @@
+"""`chunkflow simulate`: JSON contract, memory verdicts, --auto, and bad flags (exit 2 naming the
+flag). Small batches and fixed layouts keep each run well under a second."""
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_chunkflow.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["--global-batch-size", "200", "--gpus", "8"]
+
+
+def run_json(capsys, *argv):
+    rc = main(["simulate", *argv, "--json"])
+    out = capsys.readouterr()
+    return rc, json.loads(out.out), out.err
+
+
+def test_json_contract(capsys):
+    rc, obj, err = run_json(capsys, *SMALL, "--megatron-parallel", "4,1,1,none",
+                            "--chunkflow-parallel", "2,1,2,selective", "--chunk-size", "4096",
+                            "--k", "2")
+    assert rc == 0 and "stock Megatron" in err and "ChunkFlow" in err
+    assert {"megatron", "chunkflow", "speedup", "chunk_size", "k"} <= set(obj)
+    for system in ("megatron", "chunkflow"):
+        p = obj[system]
+        assert {"step_s", "mfu", "peak_mem_gib", "fits", "tokens_per_s", "bubble",
+                "layout"} <= set(p)
+        assert p["step_s"] > 0 and 0 < p["mfu"] < 1 and p["peak_mem_gib"] > 0 and p["fits"]
+    assert obj["megatron"]["layout"] == {"tp": 4, "cp": 1, "pp": 1, "dp": 2, "recompute": "none"}
+    assert obj["chunkflow"]["layout"] == {"tp": 2, "cp": 1, "pp": 2, "dp": 2,
+                                          "recompute": "selective"}
+    assert (obj["chunk_size"], obj["k"]) == (4096, 2)
+    assert obj["speedup"] == pytest.approx(obj["megatron"]["step_s"] / obj["chunkflow"]["step_s"])
+    # same sequences, so the speedup is also the ratio of MFUs
+    assert obj["speedup"] == pytest.approx(obj["chunkflow"]["mfu"] / obj["megatron"]["mfu"])
+    assert obj["setup"]["global_batch_size"] == 200 and obj["setup"]["gpu"] == "h100"
+
+
+def test_does_not_fit_is_reported(tmp_path, capsys):
+    f = tmp_path / "lengths.txt"
+    f.write_text("\n".join(["250000"] + ["800"] * 100) + "\n")
+    rc, obj, err = run_json(capsys, "--lengths-file", str(f), "--seq-length", "262144",
+                            "--megatron-parallel", "4,1,1,full",
+                            "--chunkflow-parallel", "4,1,1,none")
+    assert rc == 0
+    assert obj["megatron"]["fits"] is False and obj["chunkflow"]["fits"] is True
+    assert obj["megatron"]["peak_mem_gib"] > obj["setup"]["usable_gib"]
+    assert obj["speedup"] is None and obj["step_time_ratio"] > 0
+    assert "stock Megatron does not fit" in err and " NO" in err
+
+
+def test_auto_fits_the_budget(capsys):
+    rc, obj, err = run_json(capsys, "--model", "qwen2.5-1.5b", *SMALL, "--seq-length", "65536",
+                            "--megatron-parallel", "2,1,1,none",
+                            "--chunkflow-parallel", "1,1,1,none", "--auto")
+    cf = obj["chunkflow"]
+    assert rc == 0 and cf["fits"] and cf["peak_mem_gib"] <= obj["setup"]["usable_gib"]
+    assert (cf["chunk_size"], cf["k"]) == (obj["chunk_size"], obj["k"])
+    assert f"--chunk-size {obj['chunk_size']} --k {obj['k']}" in err
+    # a tighter budget still gets a fitting choice, with a smaller footprint
+    rc, tight, _ = run_json(capsys, "--model", "qwen2.5-1.5b", *SMALL, "--seq-length", "65536",
+                            "--megatron-parallel", "2,1,1,none", "--chunkflow-parallel",
+                            "1,1,1,none", "--auto", "--gpu-set", "hbm_gb=32")
+    assert tight["chunkflow"]["fits"]
+    assert tight["chunkflow"]["peak_mem_gib"] <= tight["setup"]["usable_gib"] < cf["peak_mem_gib"]
+
+
+def test_auto_layouts_and_lengths_file(tmp_path, capsys):
+    f = tmp_path / "lengths.txt"
+    f.write_text("\n".join(["900"] * 60 + ["20000", "3000"]) + "\n")
+    rc, obj, err = run_json(capsys, "--model", "qwen2.5-0.5b", "--gpus", "4", "--lengths-file",
+                            str(f), "--seq-length", "16384", "--chunk-size", "4096")
+    assert rc == 0 and obj["setup"]["truncated"] == 1 and obj["setup"]["tokens"] == 73384
+    assert obj["chunkflow"]["layout"]["cp"] == 1 and obj["megatron"]["fits"]
+    assert "chosen by search" in err and "--megatron-parallel" in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--megatron-parallel", "3,1,1,none"], "does not divide --gpus 8"),
+    (["--megatron-parallel", "8,1,1,none"], "--megatron-parallel 8,1,1,none: TP 8 must divide"),
+    (["--megatron-parallel", "2,1,1,some"], "RECOMPUTE must be one of none, selective, full"),
+    (["--megatron-parallel", "2,1"], "--megatron-parallel '2,1': expected TP,CP,PP,RECOMPUTE"),
+    (["--chunkflow-parallel", "2,2,1,none"], "--chunkflow-parallel 2,2,1,none: CP must be 1"),
+    (["--chunkflow-parallel", "4,1,1,none", "--chunk-size", "4098"],
+     "--chunk-size 4098 is not a multiple of the tensor-parallel size 4"),
+    (["--gpus", "0"], "--gpus must be >= 1"),
+    (["--seq-length", "0"], "--seq-length must be >= 1"),
+    (["--global-batch-size", "0"], "--global-batch-size must be >= 1"),
+    (["--k", "0"], "--k must be >= 1"),
+    (["--gpu-set", "tflops=3"], "--gpu-set 'tflops=3': expected KEY=VALUE"),
+    (["--gpu-set", "hbm_gb=lots"], "--gpu-set 'hbm_gb=lots': 'lots' is not a valid float"),
+    (["--calibration", "/nonexistent.json"], "--calibration /nonexistent.json: no such file"),
+    (["--lengths-file", "/nonexistent"], "--lengths-file /nonexistent: no such file"),
+    (["--lengths-file", "x", "--global-batch-size", "9"], "with --lengths-file the file is"),
+])
+def test_bad_input_exits_2(capsys, argv, message):
+    assert main(["simulate", "--gpus", "8", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,flag", [(["--gpu", "v100"], "--gpu"),
+                                       (["--model", "gpt-9"], "--model"),
+                                       (["--seq-length", "long"], "--seq-length")])
+def test_usage_errors_exit_2(capsys, argv, flag):
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", *argv])
+    assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_calibration_file_changes_the_prediction(tmp_path, capsys):
+    argv = [*SMALL, "--megatron-parallel", "2,1,1,none", "--chunkflow-parallel", "2,1,1,none"]
+    _, base, _ = run_json(capsys, *argv)
+    f = tmp_path / "cal.json"
+    f.write_text(json.dumps({"gpu": "h100", "hardware": {"gemm_max_eff": 0.5}}))
+    _, cal, _ = run_json(capsys, *argv, "--calibration", str(f))
+    assert cal["megatron"]["step_s"] > 1.2 * base["megatron"]["step_s"]
+    assert cal["setup"]["hardware"]["gemm_max_eff"] == 0.5
+    f.write_text(json.dumps({"gpu": "a100", "hardware": {}}))
+    assert main(["simulate", *argv, "--calibration", str(f)]) == 2
+    assert "measured on 'a100'" in capsys.readouterr().err
+
+
+def test_gpu_calibrate_script(tmp_path, monkeypatch, capsys):
+    """Without a GPU it says so and exits 1; its CPU smoke mode writes a file simulate reads.
+    Run in-process (the module's main) to spare two torch imports."""
+    import torch
+
+    script = runpy.run_path(str(ROOT / "scripts/benchmarks/gpu_calibrate.py"), run_name="calib")
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(sys, "argv", ["gpu_calibrate.py"])
+        assert script["main"]() == 1 and "no CUDA GPU found" in capsys.readouterr().err
+    out = tmp_path / "cal.json"
+    monkeypatch.setattr(sys, "argv", ["gpu_calibrate.py", "--device", "cpu", "--quick", "--gpu",
+                                      "a100", "--repeats", "1", "--warmup", "0", "--out", str(out)])
+    assert script["main"]() == 0
+    data = json.loads(out.read_text())
+    assert data["gpu"] == "a100" and len(data["gemm"]) == 2 and len(data["attention"]) == 2
+    assert set(data["hardware"]) == {"gemm_max_eff", "attn_fwd_eff", "attn_bwd_eff", "mem_eff"}
+    assert main(["simulate", *SMALL, "--gpu", "a100", "--megatron-parallel", "2,1,1,none",
+                 "--chunkflow-parallel", "2,1,1,none", "--calibration", str(out)]) == 0
