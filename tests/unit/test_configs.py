@@ -323,6 +323,14 @@ def test_sbatch_refuses_jsonl_for_stock(tmp_path):
     assert result.returncode == 2 and "indexed dataset" in result.stderr
 
 
+def test_sbatch_chunkflow_text_data_needs_a_tokenizer_directory(tmp_path):
+    kw = dict(MODEL="qwen2.5-7b", CONTEXT="32k", SYSTEM="chunkflow", DATA="/data/sft.jsonl")
+    result = dry_run(tmp_path, **kw)
+    assert result.returncode == 2 and "needs TOKENIZER" in result.stderr
+    result = dry_run(tmp_path, **kw, TOKENIZER=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+
+
 def test_sbatch_mock_data_uses_the_context_profile(tmp_path):
     result = dry_run(tmp_path, MODEL="qwen2.5-7b", CONTEXT="256k", SYSTEM="chunkflow", MOCK="1",
                      DATA="")
