@@ -1,0 +1,215 @@
+"""Megatron-LM's own pretrain_gpt.py (tag core_v0.16.1) with the plugin, on CPU with gloo.
+
+Needs a Megatron-LM checkout: MEGATRON_LM_DIR, or third_party/Megatron-LM (`make megatron-lm`);
+skipped with that reason otherwise. Each run is a real torchrun job of the unmodified script through
+`python -m megatron_chunkflow.launch`; losses are compared with `chunkflow train` on the same
+indexed data and the same Hugging Face weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_chunkflow.integration.megatron_lm import check_versions, checkout_version
+from megatron_chunkflow.integration.megatron_lm_args import LaunchError
+
+ROOT = Path(__file__).resolve().parents[2]
+MEGATRON_LM = Path(os.environ.get("MEGATRON_LM_DIR", ROOT / "third_party" / "Megatron-LM"))
+needs_megatron_lm = pytest.mark.skipif(
+    not (MEGATRON_LM / "pretrain_gpt.py").is_file(),
+    reason=f"no Megatron-LM checkout at {MEGATRON_LM} (set MEGATRON_LM_DIR, or `make megatron-lm`)")
+
+LENGTHS = (40, 300, 13, 90, 150, 7, 64, 33, 500, 21, 77, 260, 5, 120, 48, 199)
+MODEL = ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "176",
+         "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
+         "--max-position-embeddings", "512", "--position-embedding-type", "rope",
+         "--rotary-base", "1000000", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6",
+         "--swiglu", "--disable-bias-linear", "--add-qkv-bias", "--attention-dropout", "0",
+         "--hidden-dropout", "0"]
+# what megatron-notes.md section 6.3 found pretrain_gpt.py needs on CPU
+CPU = ["--distributed-backend", "gloo", "--transformer-impl", "local", "--no-persist-layer-norm",
+       "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+       "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-bias-swiglu-fusion",
+       "--use-cpu-initialization", "--tokenizer-type", "NullTokenizer", "--vocab-size", "999",
+       "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1"]
+ITERS, GBS, SEQ, C = 4, 4, 512, 128
+SCHEDULE = {"--train-iters": ITERS, "--global-batch-size": GBS, "--lr": "1e-3", "--min-lr": "1e-4",
+            "--lr-warmup-iters": 1, "--weight-decay": "0.1", "--clip-grad": "1.0", "--seed": 1234,
+            "--seq-length": SEQ, "--chunk-size": C, "--chunkflow-k": 1}
+
+
+def _flags(d: dict) -> list[str]:
+    return [str(x) for kv in d.items() for x in kv]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A tiny random Qwen2 checkpoint (vocab 1000, tied) and an indexed corpus of LENGTHS."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    path = tmp_path_factory.mktemp("megatron_lm")
+    config = Qwen2Config(hidden_size=64, num_hidden_layers=4, intermediate_size=176,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+                         tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6,
+                         attention_dropout=0.0, dtype=torch.float32)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in n else 0.05 * torch.randn_like(p))
+    model.save_pretrained(path / "hf")
+    builder = IndexedDatasetBuilder(str(path / "corpus.bin"), dtype=np.int32)
+    g = torch.Generator().manual_seed(0)
+    for n in LENGTHS:
+        builder.add_item(torch.randint(0, 1000, (n,), generator=g))
+        builder.end_document()
+    builder.finalize(str(path / "corpus.idx"))
+    return path
+
+
+def _torchrun(nproc: int, module_args: list[str], cwd, timeout=600, env=None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(_free_port()), "-m", *module_args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _megatron_losses(log: str) -> list[float]:
+    return [float(x) for x in re.findall(r"\| lm loss: ([0-9.E+-]+) \|", log)]
+
+
+LAYOUTS = {"pp1": (1, 1), "pp2": (1, 2), "tp2": (2, 1)}
+
+
+@needs_megatron_lm
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pretrain_gpt_chunkflow_matches_chunkflow_train(workdir, layout):
+    """The same weights, data, sampler and schedule: the losses agree at float32 precision."""
+    tp, pp = LAYOUTS[layout]
+    nproc = tp * pp
+    par = {"--tensor-model-parallel-size": tp, "--pipeline-model-parallel-size": pp}
+    mlm = _torchrun(nproc, [
+        "megatron_chunkflow.launch", str(MEGATRON_LM / "pretrain_gpt.py"), *MODEL, *CPU,
+        *_flags(SCHEDULE), *_flags(par), "--micro-batch-size", "1", "--lr-decay-style", "cosine",
+        "--data-path", "corpus", "--chunkflow", "--chunkflow-load-hf", "hf"], workdir)
+    assert mlm.returncode == 0, mlm.stdout[-3000:] + mlm.stderr[-3000:]
+    ours = _torchrun(nproc, [
+        "megatron_chunkflow", "train", "--load-hf", "hf", "--data-path", "corpus",
+        *_flags(SCHEDULE), *_flags(par), "--log-json", f"train_{layout}.jsonl"], workdir)
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    steps = [json.loads(line) for line in (workdir / f"train_{layout}.jsonl").open()]
+    expected = [s["loss"] for s in steps]
+    # Megatron-LM logs the first iteration without resetting its running sums, so its second
+    # line is the mean of iterations 1 and 2.
+    expected[1] = (expected[0] + expected[1]) / 2
+    assert _megatron_losses(mlm.stdout) == pytest.approx(expected, rel=1e-5)
+    tokens = [s["tokens"] for s in steps]
+    tokens[1] = (tokens[0] + tokens[1]) // 2  # the [chunkflow] line keeps Megatron's intervals
+    lines = re.findall(r"\[chunkflow\] iteration (\d+) \| tokens (\d+) \|", mlm.stdout)
+    assert [int(t) for _, t in lines] == tokens
+    assert "--dataloader-type external" in mlm.stdout  # the settings ChunkFlow made are announced
+
+
+@needs_megatron_lm
+@pytest.mark.slow
+def test_stock_path_is_untouched(workdir):
+    """Without --chunkflow the plugin's hooks delegate: Megatron's own mock data and schedule."""
+    run = _torchrun(1, ["megatron_chunkflow.launch", str(MEGATRON_LM / "pretrain_gpt.py"), *MODEL,
+                        *CPU, "--seq-length", "256", "--micro-batch-size", "2",
+                        "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-3",
+                        "--mock-data"], workdir)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    losses = _megatron_losses(run.stdout)
+    assert len(losses) == 2 and all(6 < x < 8 for x in losses)  # ~ln(1000) at the start
+    assert "[chunkflow]" not in run.stdout
+
+
+def _launch_one(workdir, args: list[str], world_size: int = 1, timeout: int = 120):
+    """One process that believes it is rank 0 of `world_size`: flag checks run before the
+    rendezvous, so a refused run exits without waiting for the other ranks."""
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    return subprocess.run([sys.executable, "-m", "megatron_chunkflow.launch",
+                           str(MEGATRON_LM / "pretrain_gpt.py"), *args], cwd=workdir,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@needs_megatron_lm
+@pytest.mark.slow
+def test_refused_layouts_name_every_flag(workdir):
+    run = _launch_one(workdir, [
+        *MODEL, *CPU, *_flags(SCHEDULE), "--chunk-size", "127", "--micro-batch-size", "2",
+        "--global-batch-size", "8", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+        "--context-parallel-size", "2", "--dataloader-type", "cyclic", "--data-path", "corpus",
+        "--chunkflow"], world_size=4)
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    err = run.stderr
+    assert "chunkflow-megatron: error: --chunkflow cannot run with" in err
+    for needle in ("--context-parallel-size 2", "--micro-batch-size 2", "--chunk-size 127",
+                   "--sequence-parallel", "--dataloader-type cyclic"):
+        assert needle in err, needle
+
+
+@needs_megatron_lm
+@pytest.mark.slow
+def test_unknown_backend_lists_the_choices(workdir):
+    run = _launch_one(workdir, [*MODEL, *CPU, *_flags(SCHEDULE), "--micro-batch-size", "1",
+                                "--mock-data", "--chunkflow",
+                                "--chunkflow-attention-backend", "cudnn"])
+    assert run.returncode == 2
+    assert "--chunkflow-attention-backend: invalid choice: 'cudnn'" in run.stderr
+    assert "'auto', 'torch', 'sdpa', 'flex', 'flash', 'te'" in run.stderr
+
+
+@needs_megatron_lm
+@pytest.mark.slow
+def test_overlong_document_is_named_not_cut(workdir):
+    args = {**SCHEDULE, "--seq-length": 256, "--max-position-embeddings": 256}
+    run = _launch_one(workdir, [*MODEL, *CPU, *_flags(args), "--micro-batch-size", "1",
+                                "--data-path", "corpus", "--chunkflow"])
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "corpus:doc 1: 300 tokens, more than --seq-length 256" in run.stderr
+    assert "--overlong split" in run.stderr
+
+
+def test_version_check_names_both_versions(tmp_path, monkeypatch):
+    """Another Megatron-LM version stops with both versions named, unless allowed (a warning)."""
+    core = tmp_path / "megatron" / "core"
+    core.mkdir(parents=True)
+    (core / "package_info.py").write_text("MAJOR = 0\nMINOR = 17\nPATCH = 0\nPRE_RELEASE = 'rc1'\n")
+    assert checkout_version(tmp_path) == "0.17.0rc1"
+    with pytest.raises(LaunchError, match=r"core_v0\.16\.1.*is 0\.17\.0rc1.*"
+                                          r"--chunkflow-allow-untested-megatron"):
+        check_versions(tmp_path, allow_untested=False)
+    with pytest.warns(UserWarning, match="0.17.0rc1"):
+        check_versions(tmp_path, allow_untested=True)
+    with pytest.raises(LaunchError, match="not a Megatron-LM checkout"):
+        checkout_version(tmp_path / "elsewhere")
+
+
+def test_launcher_usage_errors(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "megatron_chunkflow.launch",
+                          str(tmp_path / "pretrain_gpt.py")], capture_output=True, text=True)
+    assert run.returncode == 2 and "no such script" in run.stderr
+    run = subprocess.run([sys.executable, "-m", "megatron_chunkflow.launch"],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "usage:" in run.stderr
