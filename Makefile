@@ -6,7 +6,12 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: demo plan test bench clean
+# Megatron-LM (pretrain_gpt.py, megatron/training) is not on PyPI: `make megatron-lm` clones the
+# tested tag into third_party/ (git-ignored), where the launcher tests find it (or MEGATRON_LM_DIR).
+MEGATRON_LM_GIT ?= https://github.com/NVIDIA/Megatron-LM.git
+MEGATRON_LM_TAG := core_v0.16.1
+
+.PHONY: demo plan test bench clean megatron-lm
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +43,12 @@ test: $(TEST_STAMP)
 bench: $(STAMP)
 	$(BIN)/python scripts/benchmarks/bench_planner.py
 	$(BIN)/python scripts/benchmarks/soak_train.py
+
+megatron-lm: third_party/Megatron-LM/pretrain_gpt.py
+
+third_party/Megatron-LM/pretrain_gpt.py:
+	git -c advice.detachedHead=false clone --quiet --depth 1 --branch $(MEGATRON_LM_TAG) \
+		$(MEGATRON_LM_GIT) third_party/Megatron-LM
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis

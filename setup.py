@@ -24,7 +24,8 @@ setup(
         "psutil",  # megatron dist_checkpointing's file writer needs it
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6", "transformers", "safetensors"],
+        "test": ["pytest>=8", "hypothesis>=6", "transformers", "safetensors",
+                 "six"],  # six: Megatron-LM's megatron/training imports it
         "gpu": ["flash-attn", "transformer-engine[pytorch]"],
         "hf": ["tokenizers", "safetensors"],  # --tokenizer DIR; integration/hf.py checkpoints
         "parquet": ["pyarrow"],  # --data-path *.parquet

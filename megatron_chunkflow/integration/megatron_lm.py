@@ -79,10 +79,13 @@ class _Hooks:
 _HOOKS = _Hooks()
 
 
-def install(megatron_lm_dir: str | Path, allow_untested: bool = False) -> None:
-    """Patch megatron/training so that pretrain_gpt.py honours --chunkflow; idempotent."""
+def install(megatron_lm_dir: str | Path, allow_untested: bool | None = None) -> None:
+    """Patch megatron/training so that pretrain_gpt.py honours --chunkflow; idempotent.
+    `allow_untested` None: whether --chunkflow-allow-untested-megatron is on the command line."""
     from megatron_chunkflow.integration import cpu
 
+    if allow_untested is None:
+        allow_untested = "--chunkflow-allow-untested-megatron" in sys.argv
     megatron_lm_dir = Path(megatron_lm_dir).resolve()
     cpu.install_megatron_lm_cpu_shims()
     import megatron.core  # noqa: F401  the installed megatron-core, before the checkout's copy

@@ -213,3 +213,29 @@ def test_launcher_usage_errors(tmp_path):
     run = subprocess.run([sys.executable, "-m", "megatron_chunkflow.launch"],
                          capture_output=True, text=True)
     assert run.returncode == 2 and "usage:" in run.stderr
+
+
+@needs_megatron_lm
+@pytest.mark.slow
+def test_patched_pretrain_gpt_runs_chunkflow(workdir, tmp_path):
+    """patches/pretrain_gpt.chunkflow.patch applies to core_v0.16.1, and the patched script, run
+    directly (no launcher), trains with --chunkflow."""
+    patch = ROOT / "patches" / "pretrain_gpt.chunkflow.patch"
+    checkout = tmp_path / "Megatron-LM"  # the checkout's modules, the patched script beside them
+    checkout.mkdir()
+    for name in ("megatron", "gpt_builders.py", "model_provider.py"):
+        (checkout / name).symlink_to(MEGATRON_LM / name)
+    (checkout / "pretrain_gpt.py").write_text((MEGATRON_LM / "pretrain_gpt.py").read_text())
+    applied = subprocess.run(["git", "apply", str(patch)], cwd=checkout,
+                             capture_output=True, text=True)
+    assert applied.returncode == 0, applied.stderr
+    assert "install_chunkflow(" in (checkout / "pretrain_gpt.py").read_text()
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    run = subprocess.run([sys.executable, str(checkout / "pretrain_gpt.py"), *MODEL, *CPU,
+                          *_flags(SCHEDULE), "--train-iters", "2", "--micro-batch-size", "1",
+                          "--mock-data", "--chunkflow"], cwd=workdir, capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert len(_megatron_losses(run.stdout)) == 2
+    assert len(re.findall(r"\[chunkflow\] iteration", run.stdout)) == 2
