@@ -239,3 +239,58 @@ def test_patched_pretrain_gpt_runs_chunkflow(workdir, tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert len(_megatron_losses(run.stdout)) == 2
     assert len(re.findall(r"\[chunkflow\] iteration", run.stdout)) == 2
+
+
+def _chat_corpus(directory: Path) -> None:
+    """A word-level Hugging Face tokenizer with the ChatML specials, a Qwen2 checkpoint of its
+    vocabulary, and a JSONL of conversations (one longer than the chunk size)."""
+    import tokenizers
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    words = ["[UNK]", "system", "user", "assistant", "hello", "there", "you", "are", "qwen"]
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)},
+                                                           unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    (directory / "tok").mkdir()
+    tok.save(str(directory / "tok" / "tokenizer.json"))
+    (directory / "tok" / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}))
+    config = Qwen2Config(hidden_size=64, num_hidden_layers=4, intermediate_size=176,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=12,
+                         tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6,
+                         dtype=torch.float32)
+    torch.manual_seed(1)
+    Qwen2ForCausalLM(config).save_pretrained(directory / "hf_chat")
+    g = torch.Generator().manual_seed(1)
+    with (directory / "chat.jsonl").open("w") as f:
+        for i in range(12):
+            n = int(torch.randint(2, 60, (1,), generator=g)) * (8 if i == 3 else 1)
+            reply = " ".join(words[4 + int(j)] for j in torch.randint(0, 5, (n,), generator=g))
+            f.write(json.dumps({"messages": [{"role": "user", "content": "hello you"},
+                                             {"role": "assistant", "content": reply}]}) + "\n")
+
+
+@needs_megatron_lm
+@pytest.mark.slow
+def test_jsonl_conversations_with_hf_tokenizer(workdir):
+    """SFT JSONL through Megatron's HuggingFaceTokenizer flags: ChatML, assistant-only loss, the
+    same losses as `chunkflow train --tokenizer DIR` on the same file and weights."""
+    pytest.importorskip("tokenizers")
+    if not (workdir / "chat.jsonl").exists():
+        _chat_corpus(workdir)
+    sched = {**SCHEDULE, "--train-iters": 3}
+    cpu = [x for x in CPU if x not in ("NullTokenizer", "--vocab-size", "999")]
+    cpu[cpu.index("--tokenizer-type") + 1:cpu.index("--tokenizer-type") + 1] = [
+        "HuggingFaceTokenizer", "--tokenizer-model", "tok"]
+    mlm = _torchrun(1, ["megatron_chunkflow.launch", str(MEGATRON_LM / "pretrain_gpt.py"), *MODEL,
+                        *cpu, *_flags(sched), "--micro-batch-size", "1", "--data-path",
+                        "chat.jsonl", "--chunkflow", "--chunkflow-load-hf", "hf_chat"], workdir)
+    assert mlm.returncode == 0, mlm.stdout[-3000:] + mlm.stderr[-3000:]
+    ours = _torchrun(1, ["megatron_chunkflow", "train", "--load-hf", "hf_chat", "--tokenizer",
+                         "tok", "--data-path", "chat.jsonl", *_flags(sched), "--log-json",
+                         "chat.jsonl.log"], workdir)
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    expected = [json.loads(line)["loss"] for line in (workdir / "chat.jsonl.log").open()]
+    expected[1] = (expected[0] + expected[1]) / 2
+    assert _megatron_losses(mlm.stdout) == pytest.approx(expected, rel=1e-5)
