@@ -150,6 +150,20 @@ class _HFSource:
                                  f"the model config expects {list(want)}")
 
 
+# Transformer Engine's layer spec (Megatron-LM's GPU default) fuses the norms into the next linear
+# layer: the same tensors under other names.
+TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+            "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+
+
+def local_spec_name(name: str) -> str:
+    """A parameter's name in the local layer spec, for TE-spec and local-spec models alike."""
+    for te, local in TE_NAMES.items():
+        if name.endswith("." + te):
+            return name[: -len(te)] + local
+    return name
+
+
 def _megatron_from_hf(name: str, src: _HFSource, shape: ModelShape) -> torch.Tensor:
     """The TP = 1 megatron tensor `name` (a PP = 1 name), unpadded vocabulary."""
     if name == "embedding.word_embeddings.weight":
@@ -226,7 +240,7 @@ def import_hf_weights(model, hf_dir_or_state_dict, config, shape: ModelShape) ->
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
     for name, param in _unwrap(model).named_parameters():
-        full_name = full_model_name(name, config, shape.tie_embeddings)
+        full_name = local_spec_name(full_model_name(name, config, shape.tie_embeddings))
         full = _megatron_from_hf(full_name, src, shape)
         if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
             rows = param.shape[0] * tp
@@ -271,7 +285,7 @@ def export_hf_weights(model, config, shape: ModelShape) -> dict[str, torch.Tenso
                 t = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
             else:
                 t = torch.cat(shards, dim=param.partition_dim)
-        mine[full_model_name(name, config, shape.tie_embeddings)] = t.cpu()
+        mine[local_spec_name(full_model_name(name, config, shape.tie_embeddings))] = t.cpu()
     stages = [mine]
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     if dist.get_world_size(pp_group) > 1:
