@@ -6,6 +6,8 @@
     chunkflow train --data-path sft.jsonl --tokenizer /models/Qwen2.5-7B --model qwen2.5-7b \\
         --seq-length 32768 --chunk-size 8192 --chunkflow-k 2 --global-batch-size 64 --bf16 \\
         --save ckpt --save-interval 100 --log-json metrics.jsonl
+    chunkflow train --lora-rank 8 --lora-alpha 16 --save-hf out/   # LoRA; --save-hf merges it
+    chunkflow train --chunkflow-sparse-backward 2                  # SpaCO: APPROXIMATE gradients
 
 Each step prints loss, tokens/s, model TFLOP/s (attention counted per sequence, recompute not
 counted), peak memory and chunks per step; --log-json writes the same as one JSON line per step.
@@ -23,6 +25,8 @@ import torch
 from megatron_chunkflow.cli.output import Output
 from megatron_chunkflow.config import ChunkFlowConfig, add_config_arguments
 from megatron_chunkflow.core.models import MODEL_SHAPES
+from megatron_chunkflow.integration.lora import LoRAConfig
+from megatron_chunkflow.integration.sparse import SparseConfig
 
 # The embedded default: a few minutes on 2 CPU cores, the loss falls from ~11.9 (uniform over the
 # Qwen2.5 vocabulary) to ~8-9.
@@ -31,6 +35,7 @@ DEFAULTS = dict(model="qwen2.5-tiny", train_iters=16, global_batch_size=4, seq_l
 
 
 FLAGS = {"k": "--chunkflow-k"}  # Megatron-LM style names for ChunkFlowConfig fields
+SPARSE_FLAG = "--chunkflow-sparse-backward"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -88,6 +93,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ChunkFlow (default) or --no-chunkflow for stock Megatron's path")
     add_config_arguments(g, ChunkFlowConfig, defaults={"chunk_size": DEFAULTS["chunk_size"]},
                          flags=FLAGS)
+    add_config_arguments(g, SparseConfig, flags={"sparse_backward": SPARSE_FLAG})
+    g = p.add_argument_group("LoRA (adapters on a frozen model)")
+    add_config_arguments(g, LoRAConfig, prefix="lora-", defaults={"rank": None},
+                         dest_prefix="lora_")
     g = p.add_argument_group("logging")
     g.add_argument("--log-json", metavar="PATH", help="one JSON line of metrics per step")
     g.add_argument("--tensorboard-dir", metavar="DIR", help="TensorBoard event files")
@@ -99,6 +108,8 @@ def settings_from_args(args):
     from megatron_chunkflow.integration.train import TrainSettings
 
     cfg = ChunkFlowConfig.from_args(args, FLAGS)
+    lora = LoRAConfig.from_args(args)
+    sparse = SparseConfig.from_args(args, SPARSE_FLAG)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     hf_shape = None
     if args.load_hf:
@@ -123,6 +134,9 @@ def settings_from_args(args):
         raise ValueError(f"--chunk-size {cfg.chunk_size} is larger than --seq-length "
                          f"{args.seq_length}")
     cfg.check_layout(tp, args.sequence_parallel)
+    max_chunks = -(-args.seq_length // cfg.chunk_size)
+    sparse.check(max_chunks, SPARSE_FLAG, args.chunkflow,
+                 f" (--seq-length {args.seq_length} / --chunk-size {cfg.chunk_size})")
     if shape.num_layers % pp:
         raise ValueError(f"--pipeline-model-parallel-size {pp} does not divide the model's "
                          f"{shape.num_layers} layers")
@@ -140,7 +154,7 @@ def settings_from_args(args):
         recompute_granularity=args.recompute_granularity, backend=args.attention_backend,
         save=args.save, load=args.load, save_interval=args.save_interval,
         exit_interval=args.exit_interval, load_hf=args.load_hf, save_hf=args.save_hf,
-        hf_shape=hf_shape)
+        hf_shape=hf_shape, lora=lora, sparse_backward=sparse.sparse_backward)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -172,6 +186,13 @@ def run(args: argparse.Namespace) -> int:
     out.say(f"chunkflow train: {path}; model {s.model_name} ({s.dtype}), TP={s.tp} PP={s.pp} "
             f"DP={world // (s.tp * s.pp)}, global batch {s.global_batch_size} sequences, "
             f"{s.train_iters} steps")
+    if s.lora is not None:
+        out.say(f"LoRA: rank {s.lora.rank}, alpha {s.lora.alpha:g}, on {s.lora.targets}; every "
+                "other weight frozen (DDP buffers and Adam state for the adapters only)")
+    if s.sparse_backward is not None:
+        out.say(f"SpaCO sparse backward, APPROXIMATE: each dependent chunk of a k-chunk sequence "
+                f"back-propagated with probability {s.sparse_backward}/k, weighted k/"
+                f"{s.sparse_backward} (unbiased, not exact; docs/sparse.md)")
     for line in dataset.report().splitlines():
         out.say(line)
     logger = _StepLogger(out, s.train_iters, args.log_json if rank0 else None,
@@ -183,9 +204,22 @@ def run(args: argparse.Namespace) -> int:
         shutdown()
     if history:
         out.say(f"done: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f} over "
-                f"{len(history)} steps")
-    out.result({"path": "chunkflow" if s.chunkflow else "megatron", "steps": history})
+                f"{len(history)} steps"
+                + (" (APPROXIMATE gradients: SpaCO)" if s.sparse_backward is not None else ""))
+    out.result({"path": "chunkflow" if s.chunkflow else "megatron",
+                "approximate": s.sparse_backward is not None,
+                "sparse_backward": s.sparse_backward,
+                "lora": None if s.lora is None else {"rank": s.lora.rank, "alpha": s.lora.alpha,
+                                                     "targets": list(s.lora.target_names)},
+                "steps": history})
     return 0
+
+
+def _sparse_note(m: dict) -> str:
+    if not m.get("approximate"):
+        return ""
+    return (f" | APPROXIMATE (SpaCO T={m['sparse_backward']}): {m['backward_chunks']}/"
+            f"{m['dependent_chunks']} dependent chunks back-propagated")
 
 
 class _StepLogger:
@@ -210,15 +244,18 @@ class _StepLogger:
             print(f"step {m['step']:>4}/{self.total} [{'#' * done}{'.' * (20 - done)}] "
                   f"loss {m['loss']:.4f} | {m['tokens_per_s']:,.0f} tok/s | "
                   f"{m['model_tflops']:.3f} TFLOP/s | peak {m['peak_mem_bytes'] / 2**30:.2f} GiB | "
-                  f"{m['num_chunks']} chunks | lr {m['lr']:.2e}", file=sys.stderr, flush=True)
+                  f"{m['num_chunks']} chunks | lr {m['lr']:.2e}{_sparse_note(m)}",
+                  file=sys.stderr, flush=True)
         row = {k: m[k] for k in ("step", "loss", "tokens", "tokens_per_s", "model_tflops",
-                                 "peak_mem_bytes", "num_chunks", "lr")}
+                                 "peak_mem_bytes", "num_chunks", "lr", "approximate",
+                                 "sparse_backward", "backward_chunks", "dependent_chunks")
+               if k in m}
         if self.json_file:
             self.json_file.write(json.dumps(row) + "\n")
             self.json_file.flush()
         if self.tb:
             for k, v in row.items():
-                if k != "step":
+                if k not in ("step", "approximate"):
                     self.tb.add_scalar(f"train/{k}", v, m["step"])
 
     def close(self) -> None:

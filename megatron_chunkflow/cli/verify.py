@@ -6,9 +6,13 @@
     torchrun --nproc_per_node 2 -m megatron_chunkflow verify --pp 2 --steps 3
     chunkflow verify --memory --lengths 4096,16384 --chunk-size 1024 --k 1
     chunkflow verify --hf-reference /models/Qwen2.5-0.5B    # against transformers, float64
+    chunkflow verify --lora-rank 8                     # LoRA adapters: chunked == unchunked
+    chunkflow verify --sparse-backward 2 --draws 64    # SpaCO (approximate): mean vs exact
 
 Exit 1 when the largest relative gradient error exceeds the dtype's bound (float64 1e-10,
 float32 1e-4). With --memory: activation bytes for one sequence per length, chunked and unchunked.
+With --sparse-backward T: exit 1 when the mean of --draws SpaCO gradients is further from the exact
+gradient than 4 x its expected error (estimated from the draws' variance), or the loss differs.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from megatron_chunkflow.cli.inputs import add_length_arguments, lengths_from_arg
 from megatron_chunkflow.cli.output import Output
 from megatron_chunkflow.config import ChunkFlowConfig, add_config_arguments
 from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape, model_shape_from_dict
+from megatron_chunkflow.integration.lora import LoRAConfig
+from megatron_chunkflow.integration.sparse import SparseConfig
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
@@ -52,6 +58,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="training steps to check, each a new batch (default: 1)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="run the chunked model with sequence parallelism (needs --tp > 1)")
+    g = parser.add_argument_group("LoRA (adapters on a frozen model)")
+    add_config_arguments(g, LoRAConfig, prefix="lora-", defaults={"rank": None},
+                         dest_prefix="lora_")
+    g = parser.add_argument_group("SpaCO sparse backward (approximate)")
+    add_config_arguments(g, SparseConfig)
+    g.add_argument("--draws", type=int, default=16, metavar="N",
+                   help="with --sparse-backward: SpaCO gradients (random draws) to average "
+                        "(default: 16)")
     g = parser.add_argument_group("memory")
     g.add_argument("--memory", action="store_true",
                    help="measure activation bytes for one sequence per --lengths value")
@@ -91,6 +105,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--pp {args.pp} does not divide the model's {shape.num_layers} layers")
     if args.memory:
         _memory_lengths(args.lengths)  # bad input stops before any process group starts
+    lora = LoRAConfig.from_args(args)
+    sparse = SparseConfig.from_args(args)
+    if sparse.enabled:
+        _check_sparse_args(args, cfg, sparse)
+    elif args.draws != 16:
+        raise ValueError("--draws needs --sparse-backward")
+    if lora is not None and args.hf_reference:
+        raise ValueError("--lora-rank cannot be combined with --hf-reference")
     from megatron_chunkflow.integration.dist import init_distributed, shutdown
 
     init_distributed(tp=args.tp, pp=args.pp, seed=args.seed)
@@ -98,8 +120,12 @@ def run(args: argparse.Namespace) -> int:
         if args.hf_reference:
             return _run_hf(args, cfg)
         if args.memory:
-            return _run_memory(args, cfg, shape, dtype)
-        return _run_check(args, cfg, shape, dtype)
+            return _run_memory(args, cfg, shape, dtype, lora)
+        if sparse.enabled:
+            from megatron_chunkflow.cli.verify_sparse import run_sparse_check
+
+            return run_sparse_check(args, cfg, shape, dtype, lora, _step_lengths(args, cfg))
+        return _run_check(args, cfg, shape, dtype, lora)
     finally:
         shutdown()
 
@@ -124,7 +150,23 @@ def _step_lengths(args, cfg) -> tuple[list[list[int]], str]:
     return steps, source + (f", {args.steps} steps" if args.steps > 1 else "")
 
 
-def _run_check(args, cfg, shape, dtype) -> int:
+def _check_sparse_args(args, cfg, sparse) -> None:
+    """--sparse-backward T: one batch, checked against the exact gradient, T below its longest
+    sequence's chunk count; no --memory or --hf-reference."""
+    for flag in ("--memory", "--hf-reference"):
+        if getattr(args, flag[2:].replace("-", "_")):
+            raise ValueError(f"--sparse-backward cannot be combined with {flag}")
+    if args.steps != 1:
+        raise ValueError(f"--sparse-backward checks one batch; --steps must be 1, got {args.steps}")
+    if args.draws < 2:
+        raise ValueError(f"--draws must be >= 2 (the variance needs two draws), got {args.draws}")
+    steps, _ = _step_lengths(args, cfg)
+    longest = max(steps[0])
+    sparse.check(-(-longest // cfg.chunk_size),
+                 what=f" in this batch (longest {longest} tokens, --chunk-size {cfg.chunk_size})")
+
+
+def _run_check(args, cfg, shape, dtype, lora=None) -> int:
     from megatron.core import parallel_state
 
     from megatron_chunkflow.integration.memory import ActivationMeter
@@ -132,7 +174,7 @@ def _run_check(args, cfg, shape, dtype) -> int:
 
     steps, source = _step_lengths(args, cfg)
     common = dict(dtype=dtype, seed=args.seed, backend=args.backend, tp=args.tp, pp=args.pp,
-                  sequence_parallel=args.sequence_parallel, meter_cls=ActivationMeter)
+                  sequence_parallel=args.sequence_parallel, meter_cls=ActivationMeter, lora=lora)
     results = run_verify(shape, steps, cfg.chunk_size, cfg.k, **common)
     longest = max(max(s) for s in steps)
     unchunked = run_verify(shape, steps, longest + (-longest % args.tp), 1, **common)
@@ -147,7 +189,9 @@ def _run_check(args, cfg, shape, dtype) -> int:
     out.say(f"{len(steps[0])} sequences ({source}), {sum(steps[0]):,} tokens, {n_dep} longer than "
             f"C={cfg.chunk_size}; K={cfg.k}, {args.dtype}, TP={args.tp}"
             f"{' (sequence parallel)' if args.sequence_parallel else ''} PP={args.pp} DP={dp}, "
-            f"backend {args.backend}; reference: stock Megatron at PP=1")
+            f"backend {args.backend}; reference: stock Megatron at PP=1"
+            + (f"; LoRA rank {lora.rank} on {lora.targets} (adapter gradients compared, base "
+               "frozen)" if lora else ""))
     out.say(f"{'parameter':<58} rel. grad error (worst step)")
     for name, err in worst.param_errors:
         out.say(f"{name:<58} {err:.2e}")
@@ -165,7 +209,7 @@ def _run_check(args, cfg, shape, dtype) -> int:
     out.result({
         "dtype": args.dtype, "tp": args.tp, "pp": args.pp, "dp": dp,
         "sequence_parallel": args.sequence_parallel,
-        "chunk_size": cfg.chunk_size, "k": cfg.k,
+        "chunk_size": cfg.chunk_size, "k": cfg.k, "lora": _lora_json(lora),
         "loss_ref": worst.loss_ref, "loss_chunked": worst.loss_chunked,
         "max_rel_grad_err": worst.max_rel_grad_err, "worst_param": worst.worst_param,
         "activation_bytes": {"chunked": max(last.activation_bytes_per_stage),
@@ -217,18 +261,26 @@ def _memory_lengths(text: str) -> list[int]:
     return lengths
 
 
-def _run_memory(args, cfg, shape, dtype) -> int:
+def _lora_json(lora) -> dict | None:
+    if lora is None:
+        return None
+    return {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.target_names)}
+
+
+def _run_memory(args, cfg, shape, dtype, lora=None) -> int:
     from megatron_chunkflow.integration.memory import measure_one_sequence
 
     lengths = _memory_lengths(args.lengths)
     rows = []
     out = Output(args.json, quiet=not _is_main())
     out.say(f"one sequence per length; C={cfg.chunk_size}, K={cfg.k}, {args.dtype}, "
-            f"backend {args.backend}; bytes saved for backward (no weights) and K/V state")
+            f"backend {args.backend}; bytes saved for backward (no weights) and K/V state"
+            + (f"; LoRA rank {lora.rank} on {lora.targets}, base frozen" if lora else ""))
     out.say(f"{'length':>8} {'chunked':>14} {'unchunked':>14} {'state':>14} {'state formula':>14}")
     for n in lengths:
-        chunked = measure_one_sequence(shape, n, cfg.chunk_size, cfg.k, dtype, args.backend)
-        unchunked = measure_one_sequence(shape, n, n, 1, dtype, args.backend)
+        chunked = measure_one_sequence(shape, n, cfg.chunk_size, cfg.k, dtype, args.backend,
+                                       lora=lora)
+        unchunked = measure_one_sequence(shape, n, n, 1, dtype, args.backend, lora=lora)
         row = {"length": n, "chunked_bytes": chunked.activation, "unchunked_bytes":
                unchunked.activation + unchunked.state, "state_bytes": chunked.state,
                "state_formula_bytes": chunked.state_formula}
@@ -237,5 +289,6 @@ def _run_memory(args, cfg, shape, dtype) -> int:
             f"{row['state_formula_bytes']:,.0f}"
         out.say(f"{n:>8} {row['chunked_bytes']:>14,} {row['unchunked_bytes']:>14,} "
                 f"{row['state_bytes']:>14,} {formula:>14}")
-    out.result({"chunk_size": cfg.chunk_size, "k": cfg.k, "dtype": args.dtype, "rows": rows})
+    out.result({"chunk_size": cfg.chunk_size, "k": cfg.k, "dtype": args.dtype,
+                "lora": _lora_json(lora), "rows": rows})
     return 0

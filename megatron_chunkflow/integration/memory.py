@@ -98,8 +98,9 @@ class MemoryRow:
 
 
 def measure_one_sequence(shape, length: int, chunk_size: int, k: int, dtype, backend: str,
-                         seed: int = 0) -> MemoryRow:
-    """One training step of one sequence through ChunkFlow's schedule, metered (PP=1)."""
+                         seed: int = 0, lora=None) -> MemoryRow:
+    """One training step of one sequence through ChunkFlow's schedule, metered (PP=1); with
+    `lora` (integration.lora.LoRAConfig) the base is frozen and only adapters train."""
     from megatron.core import parallel_state
 
     from megatron_chunkflow.integration.build import build_gpt_model, transformer_config, wrap_ddp
@@ -110,6 +111,10 @@ def measure_one_sequence(shape, length: int, chunk_size: int, k: int, dtype, bac
 
     config = transformer_config(shape, dtype)
     model = build_gpt_model(shape, config)
+    if lora is not None:
+        from megatron_chunkflow.integration.lora import apply_lora
+
+        apply_lora(model, lora, seed)
     store = apply_chunkflow(model, backend=backend)
     model = wrap_ddp(model, config)
     sequences = make_sequences([length], shape.vocab_size, seed)

@@ -10,7 +10,9 @@ coordinate, the sum of squared deviations (Welford). Reported, over every traina
 - rel_err_of_mean = ||mean - g|| / ||g||;
 - expected_rel_err = sqrt(trace(Var) / N) / ||g||, trace(Var) estimated from the draws (sample
   variance about their own mean, so a bias would show as rel_err_of_mean >> expected_rel_err);
-- the same error after the first 1, 4, 16, ... draws (it should fall like 1 / sqrt(draws)).
+- the same error after the first 1, 4, 16, ... draws (it should fall like 1 / sqrt(draws));
+- with `blocks` (tests): for each block size b, the squared relative error of the mean of every
+  disjoint block of b consecutive draws (E = sigma^2 / b for unbiased i.i.d. draws).
 `exhaustive=True` replaces the random draws by every selection with its probability: the mean is
 then E[sparse gradient] itself (exact up to rounding) and `rel_std` is sqrt(E||g_hat - g||^2)/||g||.
 """
@@ -47,6 +49,7 @@ class SparseVerifyResult:
     expected_rel_err: float  # random draws: sqrt(trace Var / N) / ||g||; exhaustive: 0
     rel_std: float  # one draw's RMS relative error: sqrt(E||g_hat - g||^2) / ||g||
     curve: list[tuple[int, float]] = field(default_factory=list)  # (n, rel err of first n)
+    block_sq_errors: dict[int, list[float]] = field(default_factory=dict)  # b -> per block
     backward_fraction: float = 0.0  # mean share of dependent chunks back-propagated
     num_dependent: int = 0
 
@@ -54,8 +57,8 @@ class SparseVerifyResult:
 def run_sparse_verify(shape, lengths: Sequence[int], chunk_size: int, k: int, t: int,
                       draws: int = 16, dtype=torch.float64, seed: int = 0, draw_seed: int = 0,
                       backend: str = "torch", tp: int = 1, pp: int = 1,
-                      sequence_parallel: bool = False, lora=None,
-                      exhaustive: bool = False) -> SparseVerifyResult:
+                      sequence_parallel: bool = False, lora=None, exhaustive: bool = False,
+                      blocks: Sequence[int] = ()) -> SparseVerifyResult:
     """One batch: the exact gradient, then `draws` SpaCO gradients (or all selections)."""
     from megatron.core import parallel_state
 
@@ -90,6 +93,8 @@ def run_sparse_verify(shape, lengths: Sequence[int], chunk_size: int, k: int, t:
     mean, m2 = torch.zeros_like(g), torch.zeros_like(g)
     weight_sum, sq_err, n, kept, dep = 0.0, 0.0, 0, 0, 0
     curve, loss = [], 0.0
+    block_sums = {b: torch.zeros_like(g) for b in blocks}
+    block_errors: dict[int, list[float]] = {b: [] for b in blocks}
     for how, prob in samples:
         step = sparsify(base, t, **how)
         kept += sum(1 for c, m in step.metas.items() if m.dependent and c not in step.forward_only)
@@ -113,6 +118,11 @@ def run_sparse_verify(shape, lengths: Sequence[int], chunk_size: int, k: int, t:
         m2 += delta * (x - mean)
         if n & (n - 1) == 0 and (n.bit_length() - 1) % 2 == 0 or n == draws:  # 1, 4, 16, ...
             curve.append((n, math.sqrt(norm2(mean - g)) / g_norm))
+        for b, acc in block_sums.items():
+            acc += x
+            if n % b == 0:
+                block_errors[b].append(norm2(acc / b - g) / g_norm ** 2)
+                acc.zero_()
     counts = torch.tensor([kept, dep], dtype=torch.float64)
     dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
     rel_err = math.sqrt(norm2(mean - g)) / g_norm
@@ -121,7 +131,7 @@ def run_sparse_verify(shape, lengths: Sequence[int], chunk_size: int, k: int, t:
     return SparseVerifyResult(
         t=t, draws=n, loss_ref=ref_loss / max(ref_count, 1), loss_sparse=loss,
         rel_err_of_mean=rel_err, expected_rel_err=expected, rel_std=math.sqrt(sq_err) / g_norm,
-        curve=curve if not exhaustive else [(n, rel_err)],
+        curve=curve if not exhaustive else [(n, rel_err)], block_sq_errors=block_errors,
         backward_fraction=float(counts[0] / counts[1]) if counts[1] else 1.0,
         num_dependent=int(counts[1]) // max(n, 1))
 

@@ -57,6 +57,8 @@ class TrainSettings:
     load_hf: str | None = None  # a Hugging Face Qwen2 checkpoint to start from
     save_hf: str | None = None  # write the trained model as a Hugging Face checkpoint here
     hf_shape: ModelShape | None = None  # the HF checkpoint's shape (unpadded vocabulary)
+    lora: object | None = None  # integration.lora.LoRAConfig: adapters only, base frozen
+    sparse_backward: int | None = None  # SpaCO T (approximate; integration/sparse.py)
 
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -105,6 +107,10 @@ def build_training(s: TrainSettings):
         from megatron_chunkflow.integration.hf import import_hf_weights
 
         import_hf_weights(model, s.load_hf, config, s.hf_shape)
+    if s.lora is not None:
+        from megatron_chunkflow.integration.lora import apply_lora
+
+        apply_lora(model, s.lora, s.seed)  # freezes the rest: DDP and Adam see adapters only
     store = apply_chunkflow(model, backend=s.backend)  # the baseline uses it as THD attention
     ddp = wrap_ddp(model, config)
     opt_config = OptimizerConfig(
@@ -121,8 +127,9 @@ def build_training(s: TrainSettings):
     return model, store, ddp, optimizer, scheduler
 
 
-def run_step(s: TrainSettings, sequences, ddp, config):
-    """Forward and backward of one global batch; returns (loss reports, chunks or micro-batches)."""
+def run_step(s: TrainSettings, sequences, ddp, config, step_index: int = 0):
+    """Forward and backward of one global batch; returns (loss reports, chunks or micro-batches,
+    (dependent chunks back-propagated, dependent chunks) on this rank)."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -137,10 +144,14 @@ def run_step(s: TrainSettings, sequences, ddp, config):
     lengths = [len(x) for x in sequences]
     if s.chunkflow:
         step, batch, _ = plan_step(sequences, s.chunk_size, s.k, s.pp, dp, dp_rank, s.shape, pad)
+        from megatron_chunkflow.integration.sparse import num_backward_chunks, sparsify
+
+        if s.sparse_backward is not None:
+            step = sparsify(step, s.sparse_backward, s.seed, step_index)
         reports = forward_backward_chunkflow(
             forward_step_func=step_fn, data_iterator=iter([step]), model=ddp,
             num_microbatches=len(step.metas), seq_length=s.chunk_size, micro_batch_size=1)
-        return reports, len(batch.chunks)
+        return reports, len(batch.chunks), num_backward_chunks(step)
     mbs = baseline_microbatches(lengths, s.seq_length, dp)
     mine = [c for c in mbs if c.dp_rank == dp_rank]
     if not mine:
@@ -153,7 +164,7 @@ def run_step(s: TrainSettings, sequences, ddp, config):
         forward_step_func=step_fn, data_iterator=iter(inputs), model=ddp,
         num_microbatches=len(inputs), seq_length=max(x.tokens.size(1) for x in inputs),
         micro_batch_size=1)
-    return reports, len(mbs)
+    return reports, len(mbs), (0, 0)
 
 
 def peak_memory_bytes() -> int:
@@ -184,7 +195,7 @@ def train(s: TrainSettings, dataset, on_step=None) -> list[dict]:
         t0 = time.perf_counter()
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        reports, num_chunks = run_step(s, sequences, ddp, config)
+        reports, num_chunks, backward = run_step(s, sequences, ddp, config, it)
         _, grad_norm, _ = optimizer.step()
         scheduler.step(increment=1)
         loss_sum, count = global_loss(reports)
@@ -199,6 +210,8 @@ def train(s: TrainSettings, dataset, on_step=None) -> list[dict]:
             "peak_mem_bytes": peak_memory_bytes(), "num_chunks": num_chunks,
             "lr": optimizer.param_groups[0]["lr"], "grad_norm": grad_norm, "step_s": elapsed,
         }
+        if s.sparse_backward is not None:  # approximate: say so in every record
+            metrics.update(_sparse_metrics(s, backward))
         history.append(metrics)
         if on_step is not None:
             on_step(metrics)
@@ -214,5 +227,21 @@ def train(s: TrainSettings, dataset, on_step=None) -> list[dict]:
         from megatron_chunkflow.integration.hf import save_hf_checkpoint
 
         source = Path(s.load_hf) / "config.json" if s.load_hf else None
+        if s.lora is not None:
+            from megatron_chunkflow.integration.lora import merge_lora
+
+            merge_lora(model)  # the exported weights are W + (alpha / r) B A
         save_hf_checkpoint(model, config, s.hf_shape or s.shape, s.save_hf, source)
     return history
+
+
+def _sparse_metrics(s: TrainSettings, backward: tuple[int, int]) -> dict:
+    """SpaCO's per-step record: labelled approximate, with the chunks that ran backward (all DP
+    ranks)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    counts = torch.tensor(backward, dtype=torch.int64)
+    dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+    return {"approximate": True, "sparse_backward": s.sparse_backward,
+            "backward_chunks": int(counts[0]), "dependent_chunks": int(counts[1])}
