@@ -559,16 +559,14 @@ def _megatron_lm_parse(megatron_lm_dir, model_argvs, run_argvs, has_cuda):
     import argparse
     import contextlib
     import io
-    import types
 
     import torch
 
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # validate_args asserts it when TP/CP > 1
-    if importlib.util.find_spec("triton") is None:
-        # megatron/training/initialize.py imports these kernels at import time; they need triton
-        stub = types.ModuleType("batch_invariant_kernels")
-        stub.enable_batch_invariant_mode = None
-        sys.modules["megatron.core.transformer.custom_layers.batch_invariant_kernels"] = stub
+    if not has_cuda:  # what the launcher installs on CPU (triton-only kernels, CUDA queries)
+        from megatron_chunkflow.integration.cpu import install_megatron_lm_cpu_shims
+
+        install_megatron_lm_cpu_shims()
     importlib.import_module("megatron.core")  # the installed copy before the checkout's (notes 6.3)
 
     sys.path.append(str(megatron_lm_dir))
