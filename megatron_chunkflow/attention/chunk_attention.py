@@ -47,7 +47,8 @@ def chunk_attention(
             every segment. Lists or CPU tensors avoid a device sync; CUDA tensors are read back
             to the host for validation.
         softmax_scale: float, the scaling of QK^T before the softmax; default 1 / sqrt(hd).
-        backend: one of BACKENDS: "sdpa" (reference, any device and dtype), "flex", "flash",
+        backend: one of BACKENDS: "sdpa" (reference, any device and dtype), "torch" and
+            "cpu_flash" (memory-efficient; cpu_flash: CPU only, fast), "flex", "flash",
             "te". See backends.py for what each needs.
 
     The causal mask is aligned to the bottom-right corner of each segment's [lq, lk] block, as in

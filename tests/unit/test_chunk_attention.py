@@ -72,7 +72,7 @@ def max_err(xs, refs):
     return [(x.double() - r).abs().max().item() for x, r in zip(xs, refs, strict=True)]
 
 
-TRAINABLE = ["sdpa", "torch"]  # the backends with a CPU backward
+TRAINABLE = ["sdpa", "torch", "cpu_flash"]  # the backends with a CPU backward
 
 
 @pytest.mark.parametrize("backend", TRAINABLE)
@@ -265,19 +265,21 @@ def test_validation_errors_name_the_argument(label):
 
 
 def test_registry_and_availability():
-    """Five registered backends; torch, sdpa and flex (pure torch) are always available here."""
-    assert set(BACKENDS) == {"torch", "sdpa", "flex", "flash", "te"}
+    """Six registered backends; torch, cpu_flash, sdpa and flex (pure torch) are always available
+    here."""
+    assert set(BACKENDS) == {"torch", "cpu_flash", "sdpa", "flex", "flash", "te"}
     available = available_backends()
-    assert {"torch", "sdpa", "flex"} <= set(available) <= set(BACKENDS)
+    assert {"torch", "cpu_flash", "sdpa", "flex"} <= set(available) <= set(BACKENDS)
 
 
-def test_torch_backend_saves_no_score_sized_tensor():
-    """The torch backend keeps memory linear in the prefix: nothing [lq, lk]-sized is saved."""
+@pytest.mark.parametrize("backend", ["torch", "cpu_flash"])
+def test_backend_saves_no_score_sized_tensor(backend):
+    """torch and cpu_flash keep memory linear in the prefix: nothing [lq, lk]-sized is saved."""
     lq, lk, nh, ng, hd = [32], [512], 4, 2, 8
     q, k, v, _ = make_inputs(lq, lk, nh, ng, hd, torch.float64)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        chunk_attention(q, k, v, cumsum(lq), cumsum(lk), backend="torch")
+        chunk_attention(q, k, v, cumsum(lq), cumsum(lk), backend=backend)
     biggest = max(t.numel() for t in saved)
     assert biggest == k.numel() and all(t.dim() != 2 or t.shape != (32, 512) for t in saved)
 

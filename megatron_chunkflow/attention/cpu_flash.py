@@ -1,0 +1,120 @@
+"""The `cpu_flash` backend: torch's own fused CPU flash-attention kernel, for chunks with a prefix.
+
+    out = chunk_attention(q, k, v, cu_q, cu_kv, backend="cpu_flash")   # CPU tensors, fp32/fp64
+
+ATen ships a blocked, online-softmax attention kernel for CPU
+(`aten::_scaled_dot_product_flash_attention_for_cpu` and its `_backward`; the one
+F.scaled_dot_product_attention picks on CPU when there is no mask). It saves only q, k, v, the
+output and the log-sum-exp, and it is 20-40x faster than the plain-torch `torch` backend. Its
+causal mask is top-left aligned, so a segment whose queries follow a prefix (lk > lq) is computed
+in two calls and merged:
+
+    prefix keys [0, lk - lq)   every query sees all of them        causal=False
+    own keys    [lk - lq, lk)  lq x lq, top-left == bottom-right    causal=True
+
+and the partial results are combined by log-sum-exp (`merge_partial`, the sigmoid form of
+ring-flash-attention's `update_out_and_lse`, derived in
+https://github.com/zhuzilin/ring-flash-attention/pull/34). The backward calls the kernel's
+backward once per part with the *merged* output and log-sum-exp: the probabilities it rebuilds,
+exp(s - lse), are then those of the full softmax, and delta = rowsum(dout * out) is the full
+row's, so the parts' dq add up and each part's dk, dv are exact (as in ring attention).
+No mask and nothing [lq, lk]-sized is ever saved, so memory stays linear in the prefix.
+"""
+
+# Shape suffixes: T packed tokens, N query heads, G key/value heads, H head dim; B = 1 batch,
+# Q / K one segment's queries / keys; e.g. q_BNQH, lse_BNQ.
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _bnqh(x_TNH: torch.Tensor) -> torch.Tensor:
+    return x_TNH.transpose(0, 1).unsqueeze(0)
+
+
+def merge_partial(out_a, lse_a, out_b, lse_b):
+    """Attention over keys A and keys B from the two partial results (out [B, N, Q, H], lse
+    [B, N, Q]): out = (e^lse_a out_a + e^lse_b out_b) / (e^lse_a + e^lse_b), in the stable form."""
+    out = out_a - torch.sigmoid(lse_b - lse_a).unsqueeze(-1) * (out_a - out_b)
+    lse = lse_a - F.logsigmoid(lse_a - lse_b)
+    return out, lse
+
+
+def _expand_kv(k_BGKH, num_heads: int):
+    """GQA: query head h reads K/V head h // (N // G); the kernel wants N heads on both sides."""
+    groups = k_BGKH.shape[1]
+    return k_BGKH if groups == num_heads else k_BGKH.repeat_interleave(num_heads // groups, dim=1)
+
+
+def _fold_kv_grad(dk_BNKH, groups: int):
+    b, n, lk, h = dk_BNKH.shape
+    return dk_BNKH if groups == n else dk_BNKH.view(b, groups, n // groups, lk, h).sum(2)
+
+
+class CpuFlashChunkAttention(torch.autograd.Function):
+    """All segments of a chunk through ATen's CPU flash kernel; saves q, k, v, out and lse."""
+
+    @staticmethod
+    def forward(ctx, q_TNH, k_TGH, v_TGH, cu_q, cu_kv, scale):
+        nh = q_TNH.shape[1]
+        out_TNH = torch.empty_like(q_TNH)
+        lses = []
+        for i in range(len(cu_q) - 1):
+            q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_kv[i], cu_kv[i + 1]
+            if q1 == q0:
+                continue
+            split = k1 - (q1 - q0)  # own keys start here
+            q_BNQH = _bnqh(q_TNH[q0:q1])
+            k_own, v_own = (_expand_kv(_bnqh(x[split:k1]), nh) for x in (k_TGH, v_TGH))
+            out_BNQH, lse_BNQ = _fwd(q_BNQH, k_own, v_own, 0.0, True, scale=scale)
+            if split > k0:
+                k_pre, v_pre = (_expand_kv(_bnqh(x[k0:split]), nh) for x in (k_TGH, v_TGH))
+                out_pre, lse_pre = _fwd(q_BNQH, k_pre, v_pre, 0.0, False, scale=scale)
+                out_BNQH, lse_BNQ = merge_partial(out_BNQH, lse_BNQ, out_pre, lse_pre)
+            out_TNH[q0:q1] = out_BNQH[0].transpose(0, 1)
+            lses.append(lse_BNQ.contiguous())
+        ctx.save_for_backward(q_TNH, k_TGH, v_TGH, out_TNH, *lses)
+        ctx.cu_q, ctx.cu_kv, ctx.scale = cu_q, cu_kv, scale
+        return out_TNH
+
+    @staticmethod
+    def backward(ctx, dout_TNH):
+        q_TNH, k_TGH, v_TGH, out_TNH, *lses = ctx.saved_tensors
+        nh, ng = q_TNH.shape[1], k_TGH.shape[1]
+        dq_TNH, dk_TGH, dv_TGH = (torch.zeros_like(t) for t in (q_TNH, k_TGH, v_TGH))
+        lse_iter = iter(lses)
+        cu_q, cu_kv, scale = ctx.cu_q, ctx.cu_kv, ctx.scale
+        for i in range(len(cu_q) - 1):
+            q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_kv[i], cu_kv[i + 1]
+            if q1 == q0:
+                continue
+            split = k1 - (q1 - q0)
+            lse_BNQ = next(lse_iter)
+            q_BNQH, o_BNQH = _bnqh(q_TNH[q0:q1]), _bnqh(out_TNH[q0:q1])
+            do_BNQH = _bnqh(dout_TNH[q0:q1].contiguous())
+            parts = [(split, k1, True)] + ([(k0, split, False)] if split > k0 else [])
+            for a, b, causal in parts:
+                k_part, v_part = (_expand_kv(_bnqh(x[a:b]), nh) for x in (k_TGH, v_TGH))
+                dq, dk, dv = _bwd(do_BNQH, q_BNQH, k_part, v_part, o_BNQH, lse_BNQ, 0.0, causal,
+                                  scale=scale)
+                dq_TNH[q0:q1] += dq[0].transpose(0, 1)
+                dk_TGH[a:b] = _fold_kv_grad(dk, ng)[0].transpose(0, 1)
+                dv_TGH[a:b] = _fold_kv_grad(dv, ng)[0].transpose(0, 1)
+        return dq_TNH, dk_TGH, dv_TGH, None, None, None
+
+
+def cpu_flash_attention(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, softmax_scale):
+    """Bottom-right causal attention per segment through ATen's CPU flash kernel (CPU only)."""
+    if q_TNH.device.type != "cpu":
+        raise ValueError(f"backend 'cpu_flash' runs on CPU tensors; got {q_TNH.device} (use "
+                         "'flash' or 'te' on CUDA)")
+    if q_TNH.dtype not in (torch.float32, torch.float64, torch.bfloat16):
+        raise ValueError(f"backend 'cpu_flash' supports float32, float64 and bfloat16; got "
+                         f"{q_TNH.dtype}")
+    return CpuFlashChunkAttention.apply(q_TNH, k_TGH, v_TGH, list(cu_q), list(cu_kv),
+                                        softmax_scale)
