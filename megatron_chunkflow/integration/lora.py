@@ -26,7 +26,8 @@ Tensor parallelism (Megatron letters: [s, b, h] activations, tp ranks):
 Initialisation is TP- and PP-invariant: each adapter is drawn whole from a generator seeded by
 (seed, its PP = 1 parameter name), A uniform in +-1/sqrt(in) (PEFT's kaiming default), B zero (or
 N(0, b_init_std) for gradient checks, where B = 0 would make A's gradient 0), then sliced.
-No LoRA dropout (the adapters are deterministic, as the exactness checks need).
+No LoRA dropout (the adapters are deterministic, as the exactness checks need). With Megatron's full
+activation recompute the embedding output is made to require grad (see apply_lora).
 """
 
 from __future__ import annotations
@@ -167,7 +168,16 @@ def apply_lora(model, lora: LoRAConfig, seed: int = 0, b_init_std: float = 0.0) 
         added += [f"{name}.lora_a", f"{name}.lora_b"]
     if not added:
         raise ValueError(f"--lora-targets {lora.targets!r} matched no layer of this model")
+    if config.recompute_granularity == "full" and getattr(gpt, "pre_process", False):
+        # Megatron's full recompute is a reentrant autograd Function: with a frozen embedding no
+        # input of the first checkpointed block needs grad, so autograd would skip the block's
+        # backward and its adapters would get no gradient (HF's enable_input_require_grads fix).
+        gpt.embedding.register_forward_hook(_input_requires_grad)
     return added
+
+
+def _input_requires_grad(module, inputs, output):
+    return output.requires_grad_(True) if not output.requires_grad else output
 
 
 def _column_forward(self, input_, weight=None, runtime_gather_output=None):
