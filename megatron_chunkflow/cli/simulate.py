@@ -23,7 +23,8 @@ from megatron_chunkflow.config import ChunkFlowConfig, add_config_arguments
 from megatron_chunkflow.core.hardware import GPUS, apply_calibration, get_gpu, with_overrides
 from megatron_chunkflow.core.layout import parse_layout
 from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape
-from megatron_chunkflow.core.predict import GIB, Prediction, best_chunkflow, best_megatron
+from megatron_chunkflow.core.predict import GIB, Prediction
+from megatron_chunkflow.core.search import best_chunkflow, best_megatron
 from megatron_chunkflow.core.profiles import PROFILES, sample_lengths
 
 DEFAULT_BATCH = 2048

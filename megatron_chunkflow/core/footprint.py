@@ -158,3 +158,15 @@ def chunkflow_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: La
                     + transient_bytes(min(chunk_size, longest), shape, layout, hw,
                                       s == layout.pp - 1))
     return floor
+
+
+def megatron_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: Layout,
+                          hw: Hardware) -> float:
+    """A lower bound of stock Megatron's peak memory per GPU, without planning: on every stage
+    the micro-batch with the longest sequence holds activations at some point."""
+    tokens = math.ceil(max(lengths) / layout.cp)
+    per_token = per_token_bytes(shape, layout, hw, layout.pp)
+    params = stage_params(shape, layout.pp)
+    return max(static_bytes(params[s], layout, hw) + tokens * per_token[s]
+               + transient_bytes(tokens, shape, layout, hw, s == layout.pp - 1)
+               for s in range(layout.pp))

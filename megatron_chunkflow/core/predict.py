@@ -17,12 +17,12 @@ speedup = ratio of step times = ratio of MFUs.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from megatron_chunkflow.core.costs import sequence_model_flops
 from megatron_chunkflow.core.footprint import (
-    chunkflow_memory_floor,
     chunkflow_state_bytes,
     held_bytes_fn,
     stage_params,
@@ -30,10 +30,11 @@ from megatron_chunkflow.core.footprint import (
     transient_bytes,
 )
 from megatron_chunkflow.core.hardware import Hardware
-from megatron_chunkflow.core.layout import Layout, make_layout
+from megatron_chunkflow.core.layout import Layout
 from megatron_chunkflow.core.models import ModelShape
-from megatron_chunkflow.core.roofline import Roofline
+from megatron_chunkflow.core.roofline import Roofline, chunk_work
 from megatron_chunkflow.core.step import RankPlans, plan_baseline, plan_chunkflow
+from megatron_chunkflow.core.types import DataChunk
 
 GIB = 2.0**30
 
@@ -118,6 +119,41 @@ def _finish(system: str, rp: RankPlans, model: Roofline, shape: ModelShape, hw: 
         recompute_chunks=sum(s.num_recompute for s in rp.sims), **extra)
 
 
+@lru_cache(maxsize=256)
+def roofline(shape: ModelShape, layout: Layout, hw: Hardware) -> Roofline:
+    """One Roofline per (model, layout, device), so searches reuse its per-chunk cost cache."""
+    return Roofline(shape, layout, hw)
+
+
+def chunk_work_items(chunks: Sequence[DataChunk], block: int, cp: int = 1,
+                     k: int = 1) -> list[tuple[int, bool, int, float]]:
+    """(DP rank, re-forwarded, tokens, pairs) per chunk: what time_floor needs, independent
+    of TP, PP and recompute, so a search computes it once per chunking."""
+    return [(c.dp_rank, c.is_dependent and c.index < c.num_siblings - k,
+             *chunk_work(c, block, cp)) for c in chunks]
+
+
+def time_floor(items: Sequence[tuple[int, bool, int, float]], model: Roofline) -> float:
+    """A lower bound of the step time without planning. Stage s of a DP rank runs all its ops
+    (F and B of every chunk, R of every re-forwarded one), cannot start before some chunk has
+    gone forward through stages 0..s-1 and, after its last B, that chunk still runs backward
+    through stages s-1..0 before stage 0's optimizer step (or stage s's own, if longer)."""
+    pp = model.layout.pp
+    opt = [model.optimizer_time(p) for p in stage_params(model.shape, pp)]
+    rows: dict[int, list[list[float]]] = {}  # rank -> [busy, min F prefix, min B prefix]
+    for rank, reforward, tokens, pairs in items:
+        fwd, bwd = model.work_costs(tokens, pairs, pp)
+        busy, f_pre, b_pre = rows.setdefault(rank, [[0.0] * pp, [math.inf] * pp,
+                                                    [math.inf] * pp])
+        f_acc = b_acc = 0.0
+        for s in range(pp):
+            busy[s] += fwd[s] * (2 if reforward else 1) + bwd[s]
+            f_pre[s], b_pre[s] = min(f_pre[s], f_acc), min(b_pre[s], b_acc)
+            f_acc, b_acc = f_acc + fwd[s], b_acc + bwd[s]
+    return max((busy[s] + f_pre[s] + max(opt[s], b_pre[s] + opt[0])
+                for busy, f_pre, b_pre in rows.values() for s in range(pp)), default=0.0)
+
+
 def _hooks(model: Roofline, p2p_tokens: int):
     shape, layout, hw = model.shape, model.layout, model.hw
     return (lambda chunks, p: model.stage_costs(chunks, p, p2p_tokens),
@@ -127,7 +163,7 @@ def _hooks(model: Roofline, p2p_tokens: int):
 def predict_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware, layout: Layout,
                      seq_length: int) -> Prediction:
     """Stock Megatron: whole sequences packed into micro-batches of `seq_length`, 1F1B."""
-    model = Roofline(shape, layout, hw)
+    model = roofline(shape, layout, hw)
     costs_for, held_for = _hooks(model, seq_length)
     rp = plan_baseline(lengths, seq_length, layout.pp, layout.dp, shape, costs_for, held_for)
     no_state = [[0.0] * layout.pp for _ in rp.chunks]
@@ -143,129 +179,9 @@ def predict_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware, l
     if layout.sequence_parallel and chunk_size % layout.tp:
         raise ValueError(f"--chunk-size {chunk_size} is not a multiple of the tensor-parallel "
                          f"size {layout.tp}, which sequence parallelism requires")
-    model = Roofline(shape, layout, hw)
+    model = roofline(shape, layout, hw)
     costs_for, held_for = _hooks(model, chunk_size)
     _, rp = plan_chunkflow(lengths, chunk_size, k, layout.pp, layout.dp, shape, costs_for,
                            held_for)
     state = [chunkflow_state_bytes(c, shape, layout, hw, layout.pp) for c in rp.chunks]
     return _finish("chunkflow", rp, model, shape, hw, lengths, state, chunk_size=chunk_size, k=k)
-
-
-# ---- searches --------------------------------------------------------------------------------
-
-
-def _divisors(n: int, limit: int) -> list[int]:
-    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
-
-
-def candidate_layouts(shape: ModelShape, hw: Hardware, num_gpus: int, allow_cp: bool,
-                      max_pp: int = 16, max_cp: int = 32) -> list[tuple[int, int, int]]:
-    """(TP, CP, PP) that Megatron accepts: TP inside a node and dividing heads and K/V groups."""
-    heads = math.gcd(shape.num_attention_heads, shape.num_query_groups)
-    out = []
-    for tp in _divisors(math.gcd(heads, num_gpus), hw.gpus_per_node):
-        for cp in (_divisors(num_gpus // tp, max_cp) if allow_cp else [1]):
-            for pp in _divisors(num_gpus // (tp * cp), min(max_pp, shape.num_layers)):
-                out.append((tp, cp, pp))
-    return out
-
-
-def best_of(predictions: list[Prediction]) -> Prediction:
-    """The fastest that fits; if none fits, the one needing the least memory."""
-    fitting = [p for p in predictions if p.fits]
-    if fitting:
-        return min(fitting, key=lambda p: p.step_s)
-    return min(predictions, key=lambda p: p.peak_mem_bytes)
-
-
-def layout_trials(predict: Callable[[Layout], Prediction], shape: ModelShape, hw: Hardware,
-                  num_gpus: int, allow_cp: bool,
-                  tp_ok: Callable[[int], bool] = lambda tp: True) -> list[Prediction]:
-    """Every candidate (TP, CP, PP) without recompute, and with full recompute where that does
-    not fit. Selective recompute is not tried: with a fused attention kernel it saves only the
-    log-sum-exp (core/footprint.py) and costs an attention forward."""
-    tried = []
-    for tp, cp, pp in candidate_layouts(shape, hw, num_gpus, allow_cp):
-        if not tp_ok(tp):
-            continue
-        for recompute in ("none", "full"):
-            pred = predict(make_layout(tp, cp, pp, recompute, num_gpus, shape))
-            tried.append(pred)
-            if pred.fits:
-                break
-    if not tried:
-        raise ValueError(f"no parallel layout of {num_gpus} GPUs suits this model and chunk size")
-    return tried
-
-
-def search_layout(predict: Callable[[Layout], Prediction], shape: ModelShape, hw: Hardware,
-                  num_gpus: int, allow_cp: bool,
-                  tp_ok: Callable[[int], bool] = lambda tp: True) -> Prediction:
-    """The fastest layout that fits (layout_trials)."""
-    return best_of(layout_trials(predict, shape, hw, num_gpus, allow_cp, tp_ok))
-
-
-def chunking_candidates(lengths: Sequence[int], seq_length: int, tp: int,
-                        sizes: Sequence[int] = (2048, 4096, 8192, 16384, 32768, 65536, 131072,
-                                                262144),
-                        ks: Sequence[int] = (1, 2, 4, 8)) -> list[tuple[int, int]]:
-    """(chunk size, K) pairs worth simulating: C up to seq_length, K only while it changes
-    something (K below the longest sequence's number of chunks)."""
-    longest = max(lengths)
-    out = []
-    for c in sizes:
-        if c > max(seq_length, sizes[0]) or c % tp:
-            continue
-        n = math.ceil(longest / c)
-        out.extend((c, k) for k in ks if k == 1 or k < n)
-    return out
-
-
-def search_chunking(predict: Callable[[int, int], Prediction], lengths: Sequence[int],
-                    seq_length: int, tp: int, floor: Callable[[int, int], float] | None = None,
-                    budget: float = math.inf) -> Prediction:
-    """Choose (chunk size, K) for the memory budget: the fastest that fits. Candidates whose
-    memory `floor` (a lower bound) exceeds `budget` are not simulated, unless none is left."""
-    candidates = chunking_candidates(lengths, seq_length, tp)
-    if not candidates:
-        raise ValueError(f"--auto: no candidate chunk size is a multiple of TP {tp}")
-    if floor is not None:
-        bounds = {ck: floor(*ck) for ck in candidates}
-        hopeful = [ck for ck in candidates if bounds[ck] <= budget]
-        candidates = hopeful or [min(candidates, key=bounds.__getitem__)]
-    return best_of([predict(c, k) for c, k in candidates])
-
-
-def best_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_gpus: int,
-                  seq_length: int, layout: Layout | None = None) -> Prediction:
-    """Stock Megatron on `layout`, or on the fastest layout that fits (search_layout)."""
-    def predict(lay: Layout) -> Prediction:
-        return predict_megatron(lengths, shape, hw, lay, seq_length)
-
-    if layout is not None:
-        return predict(layout)
-    return search_layout(predict, shape, hw, num_gpus, allow_cp=True)
-
-
-def best_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_gpus: int,
-                   seq_length: int, layout: Layout | None = None, chunk_size: int = 8192,
-                   k: int = 1, auto_chunking: bool = False) -> Prediction:
-    """ChunkFlow on `layout` (or the fastest fitting one, CP 1) with (chunk_size, k), or with
-    the fastest fitting (chunk size, K) when `auto_chunking`."""
-    def fixed(lay: Layout) -> Prediction:
-        return predict_chunkflow(lengths, shape, hw, lay, chunk_size, k)
-
-    def floor(lay: Layout, c: int, kk: int) -> float:
-        return chunkflow_memory_floor(lengths, shape, lay, hw, c, kk)
-
-    def searched(lay: Layout) -> Prediction:
-        return search_chunking(lambda c, kk: predict_chunkflow(lengths, shape, hw, lay, c, kk),
-                               lengths, seq_length, lay.tp, lambda c, kk: floor(lay, c, kk),
-                               hw.usable_bytes)
-
-    if layout is not None:
-        return searched(layout) if auto_chunking else fixed(layout)
-    if auto_chunking:  # every layout, every (chunk size, K) whose memory floor fits
-        return search_layout(searched, shape, hw, num_gpus, allow_cp=False)
-    return search_layout(fixed, shape, hw, num_gpus, allow_cp=False,
-                         tp_ok=lambda tp: chunk_size % tp == 0)

@@ -107,6 +107,15 @@ def computed_pairs(prefix: int, num_q: int, block: int, cp: int = 1) -> float:
     return float((full + pieces * attention_tiles(0, piece, block)) * block * block)
 
 
+def chunk_work(chunk: DataChunk, block: int, cp: int = 1) -> tuple[int, float]:
+    """(tokens, computed attention pairs) of a chunk on one of its CP ranks: what its op costs
+    depend on."""
+    dep = chunk.is_dependent
+    pairs = sum(computed_pairs(s.start if dep else 0, s.num_tokens, block, cp)
+                for s in chunk.segments)
+    return math.ceil(chunk.num_tokens / cp), pairs / cp
+
+
 def ring_time(nbytes: float, n: int, link: tuple[float, float]) -> float:
     """All-gather or reduce-scatter of a tensor of `nbytes` (whole) over a ring of n ranks."""
     if n <= 1 or nbytes <= 0:
@@ -144,14 +153,15 @@ class Roofline:
         self.cp_link = hw.link(layout.span("cp"))
         self.pp_link = hw.link(layout.span("pp"))
         self.dp_link = hw.link(layout.span("dp"))
-        self._dense: dict[int, tuple[float, float]] = {}
+        self._layer: dict[int, tuple[float, float]] = {}  # caches, by tokens
+        self._dense: dict[tuple[int, int], tuple] = {}
 
     # ---- one layer, without the attention core --------------------------------------------------
     def dense_layer(self, tokens: int) -> tuple[float, float]:
         """(forward, backward) seconds of one layer's GEMMs, elementwise work and TP
         collectives for `tokens` tokens on this GPU (already divided by CP)."""
-        if tokens in self._dense:
-            return self._dense[tokens]
+        if tokens in self._layer:
+            return self._layer[tokens]
         hw, h, T = self.hw, self.shape.hidden_size, tokens
         col = [(self.qkv_out, h), (2 * self.ffn, h)]  # (N out, K in): QKV, fc1
         row = [(h, self.attn_width), (h, self.ffn)]  # projection, fc2
@@ -168,23 +178,20 @@ class Roofline:
         elems = 10 * h / self.layout.tp + 2 * (self.attn_width + self.kv) + 3 * self.ffn
         ew = T * elems * hw.dtype_bytes / self.mem_bw
         out = (fwd + tp_fwd + ew, bwd + 2 * ew)
-        self._dense[tokens] = out
+        self._layer[tokens] = out
         return out
 
     # ---- attention core --------------------------------------------------------------------------
-    def attention(self, chunk: DataChunk) -> tuple[float, float]:
-        """(forward, backward) seconds of one layer's attention core on one GPU, CP ring
-        passing included."""
+    def attention(self, tokens: int, pairs: float) -> tuple[float, float]:
+        """(forward, backward) seconds of one layer's attention core on one GPU for `tokens`
+        tokens and `pairs` computed (query, key) pairs on it (chunk_work), CP ring included."""
         hw, cp = self.hw, self.layout.cp
-        dep = chunk.is_dependent
-        pairs = sum(computed_pairs(s.start if dep else 0, s.num_tokens, hw.attn_block, cp)
-                    for s in chunk.segments) / cp
         flops = 4.0 * pairs * self.heads * self.shape.head_dim
         fwd = flops / (hw.peak_flops * hw.attn_fwd_eff)
         bwd = ATTN_BWD_FLOPS * flops / (hw.peak_flops * hw.attn_bwd_eff)
         if cp > 1:
             bw, latency = self.cp_link
-            kv_bytes = chunk.num_tokens / cp * 2 * self.kv * hw.dtype_bytes
+            kv_bytes = tokens * 2 * self.kv * hw.dtype_bytes
             fwd = max(fwd, (cp - 1) * kv_bytes / bw) + latency
             bwd = max(bwd, (cp - 1) * 2 * kv_bytes / bw) + latency
         return fwd, bwd
@@ -208,25 +215,28 @@ class Roofline:
     # ---- per chunk, per stage ----------------------------------------------------------------
     def chunk_costs(self, chunk: DataChunk, num_stages: int) -> tuple[list[float], list[float]]:
         """Forward (F and R) and backward (B, recompute included) seconds per stage."""
-        tokens = math.ceil(chunk.num_tokens / self.layout.cp)
-        d_fwd, d_bwd = self.dense_layer(tokens)
-        a_fwd, a_bwd = self.attention(chunk)
+        return self.work_costs(*chunk_work(chunk, self.hw.attn_block, self.layout.cp),
+                               num_stages)
+
+    def work_costs(self, tokens: int, pairs: float,
+                   num_stages: int) -> tuple[list[float], list[float]]:
+        """chunk_costs of a chunk with `tokens` tokens and `pairs` computed pairs per GPU."""
+        key = (tokens, num_stages)
+        if key not in self._dense:
+            layers = layers_per_stage(self.shape.num_layers, num_stages)
+            self._dense[key] = (self.dense_layer(tokens), self.embedding(tokens),
+                                self.head(tokens), layers)
+        (d_fwd, d_bwd), emb, head, layers = self._dense[key]
+        a_fwd, a_bwd = self.attention(tokens, pairs)
         layer_fwd, layer_bwd = d_fwd + a_fwd, d_bwd + a_bwd
         if self.layout.recompute == "full":
             layer_bwd += layer_fwd
         elif self.layout.recompute == "selective":
             layer_bwd += a_fwd
-        fwd, bwd = [], []
-        for s, n in enumerate(layers_per_stage(self.shape.num_layers, num_stages)):
-            f, b = n * layer_fwd, n * layer_bwd
-            if s == 0:
-                e = self.embedding(tokens)
-                f, b = f + e[0], b + e[1]
-            if s == num_stages - 1:
-                o = self.head(tokens)
-                f, b = f + o[0], b + o[1]
-            fwd.append(f)
-            bwd.append(b)
+        fwd = [n * layer_fwd for n in layers]
+        bwd = [n * layer_bwd for n in layers]
+        fwd[0], bwd[0] = fwd[0] + emb[0], bwd[0] + emb[1]
+        fwd[-1], bwd[-1] = fwd[-1] + head[0], bwd[-1] + head[1]
         return fwd, bwd
 
     def p2p_time(self, tokens: int) -> float:
