@@ -94,3 +94,38 @@ def test_same_draws_under_tensor_and_pipeline_parallelism(single_process_draws, 
         assert fraction == base[2] and loss == pytest.approx(base[1], rel=1e-12)
         for (n, err), (n0, err0) in zip(curve, base[0]):
             assert n == n0 and err == pytest.approx(err0, rel=1e-9)
+
+
+def _train(rank, ckpt):
+    from megatron_chunkflow.core.models import get_model_shape
+    from megatron_chunkflow.integration.dist import init_distributed, shutdown
+    from megatron_chunkflow.integration.train import TrainSettings, train
+    from megatron_chunkflow.integration.verify import make_sequences
+
+    dataset = make_sequences([70, 5, 33, 100, 12, 64, 2, 16, 48, 9, 130, 21], 1000, seed=3)
+    base = dict(shape=get_model_shape("tiny"), model_name="tiny", train_iters=4,
+                global_batch_size=6, seq_length=160, chunk_size=C, lr=1e-2, min_lr=1e-3,
+                lr_warmup_iters=0, dtype="float64", seed=5, sparse_backward=2)
+    runs = {"exact": dict(sparse_backward=None, train_iters=1), "whole": {},
+            "first": dict(save=ckpt, save_interval=2, exit_interval=2), "resumed": dict(load=ckpt)}
+    out = {}
+    for name, kw in runs.items():
+        init_distributed(seed=5)
+        out[name] = train(TrainSettings(**{**base, **kw}), dataset)
+    shutdown()
+    return out
+
+
+def test_sparse_training_is_seeded_and_counts_every_token(tmp_path):
+    """Step 1's loss (same weights) equals exact training's: every chunk runs forward and counts;
+    each step's draw depends on (seed, step) only, so a resumed run draws the same chunks."""
+    out = run_gloo(_train, 1, str(tmp_path / "ckpt"), timeout=900)[0]
+    (exact,), whole = out["exact"], out["whole"]
+    assert whole[0]["loss"] == pytest.approx(exact["loss"], rel=1e-12)
+    assert whole[0]["loss_tokens"] == exact["loss_tokens"]
+    assert all(m["approximate"] and m["sparse_backward"] == 2 for m in whole)
+    assert any(m["backward_chunks"] < m["dependent_chunks"] for m in whole)
+    assert whole[-1]["loss"] < whole[0]["loss"]
+    resumed = out["first"] + out["resumed"]
+    assert [m["backward_chunks"] for m in resumed] == [m["backward_chunks"] for m in whole]
+    assert [m["loss"] for m in resumed] == pytest.approx([m["loss"] for m in whole], rel=1e-10)
