@@ -24,7 +24,8 @@ Per transformer layer, per micro-batch of T tokens on one GPU (T / CP tokens und
 - CP (stock Megatron only): ring attention passes K/V of T/CP tokens CP-1 times forward (K/V and
   their gradients backward), overlapped with the attention compute: time = max(compute, comm).
   Every sequence is split into 2*CP pieces (load-balanced causal), so tiles are charged on
-  pieces of L / (2 CP) tokens: CP is costly on short packed sequences.
+  pieces of L / (2 CP) tokens. On packed short sequences CP is costly: little attention to hide
+  the transfers behind (across nodes when TP * CP exceeds a node), and mostly-padding tiles.
 - Recompute: selective re-runs core attention forward inside B; full re-runs the whole layer
   forward (with its TP collectives) inside B, about 4/3 of forward + backward.
 
