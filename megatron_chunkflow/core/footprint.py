@@ -25,9 +25,9 @@ Transient: while a layer runs backward (or is recomputed) its activations and th
 live at once; we add one layer's full activations of the largest micro-batch, or the bf16
 logits on the last stage if larger.
 
-ChunkFlow adds, per stage, the K/V state of the one long sequence in flight (bf16 K/V and fp32
-gradients, core/costs.py: kv_state_bytes_per_token) and, after the first stage, the stage
-inputs saved for its re-forwards.
+ChunkFlow adds, per stage, the state of the one long sequence in flight (sequence_state_bytes:
+its K/V, their fp32 gradient accumulators, the prefix copies its held chunks' attention saves)
+and, after the first stage, the stage inputs saved for its re-forwards.
 """
 
 from __future__ import annotations
@@ -121,17 +121,39 @@ def transient_bytes(max_tokens: int, shape: ModelShape, layout: Layout, hw: Hard
     return max_tokens * max(layer, logits)
 
 
-def chunkflow_state_bytes(chunks: Sequence[DataChunk], shape: ModelShape, layout: Layout,
-                          hw: Hardware, num_stages: int) -> list[float]:
-    """Per stage: the K/V state (+ fp32 gradients) of the longest long sequence on this DP
-    rank, and after the first stage the inputs saved for its re-forwards."""
-    longest = max((c.segments[0].end for c in chunks if c.is_dependent), default=0)
+def sequence_state_bytes(longest: int, chunk_size: int, k: int, shape: ModelShape,
+                         layout: Layout, hw: Hardware, num_stages: int) -> list[float]:
+    """Per stage, an upper bound of the state of a long sequence of `longest` tokens, as the
+    plugin keeps it (docs/exactness.md, "Memory"): its stored K/V (u bytes per token) and fp32
+    gradient accumulators (a), the cat(prefix, own) K/V copy the attention of each of the K
+    chunks holding activations saves ((j+1) C tokens for chunk j), and after the first stage the
+    inputs kept for the re-forwarded chunks (h per token):
+
+        L (u + a)  +  u * sum over the last K chunks of min((j+1) C, L)  +  (L - kept) h
+
+    For K = 1 this is 2 L u + L a, above the exact peak docs/exactness.md derives."""
+    if longest <= chunk_size:
+        return [0.0] * num_stages
+    n = math.ceil(longest / chunk_size)
+    first_kept = max(0, n - k)
+    copies = sum(min((j + 1) * chunk_size, longest) for j in range(first_kept, n))
+    reforwarded = first_kept * chunk_size
     out = []
-    for s, n in enumerate(layers_per_stage(shape.num_layers, num_stages)):
-        kv = kv_state_bytes_per_token(shape, n, hw.dtype_bytes, layout.tp)
-        saved_input = hw.dtype_bytes * shape.hidden_size / layout.tp if s > 0 else 0.0
-        out.append(longest * (kv + saved_input))
+    for s, layers in enumerate(layers_per_stage(shape.num_layers, num_stages)):
+        u = kv_state_bytes_per_token(shape, layers, hw.dtype_bytes, layout.tp, with_grad=False)
+        a = kv_state_bytes_per_token(shape, layers, hw.dtype_bytes, layout.tp) - u
+        inputs = reforwarded * hw.dtype_bytes * shape.hidden_size / layout.tp if s > 0 else 0.0
+        out.append(longest * (u + a) + copies * u + inputs)
     return out
+
+
+def chunkflow_state_bytes(chunks: Sequence[DataChunk], shape: ModelShape, layout: Layout,
+                          hw: Hardware, num_stages: int, chunk_size: int,
+                          k: int) -> list[float]:
+    """sequence_state_bytes of the longest long sequence on this DP rank (one sequence's state
+    lives at a time)."""
+    longest = max((c.segments[0].end for c in chunks if c.is_dependent), default=0)
+    return sequence_state_bytes(longest, chunk_size, k, shape, layout, hw, num_stages)
 
 
 def chunkflow_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: Layout,
@@ -139,25 +161,19 @@ def chunkflow_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: La
     """A lower bound of ChunkFlow's peak memory per GPU, without planning (to skip hopeless
     (chunk size, K) candidates): on every stage the last K chunks of the longest sequence hold
     activations at once (all are forwarded before the first of them runs backward), beside its
-    K/V state, the static memory and the transient of one chunk."""
+    state, the static memory and the transient of one chunk."""
     longest = max(lengths)
     if longest > chunk_size:
         n = math.ceil(longest / chunk_size)
         held = longest - (n - min(k, n)) * chunk_size
-        state_tokens = longest
     else:
-        held, state_tokens = longest, 0
+        held = longest
     per_token = per_token_bytes(shape, layout, hw, layout.pp)
     params = stage_params(shape, layout.pp)
-    floor = 0.0
-    for s, n in enumerate(layers_per_stage(shape.num_layers, layout.pp)):
-        kv = kv_state_bytes_per_token(shape, n, hw.dtype_bytes, layout.tp)
-        saved_input = hw.dtype_bytes * shape.hidden_size / layout.tp if s > 0 else 0.0
-        floor = max(floor, static_bytes(params[s], layout, hw) + held * per_token[s]
-                    + state_tokens * (kv + saved_input)
-                    + transient_bytes(min(chunk_size, longest), shape, layout, hw,
-                                      s == layout.pp - 1))
-    return floor
+    state = sequence_state_bytes(longest, chunk_size, k, shape, layout, hw, layout.pp)
+    return max(static_bytes(params[s], layout, hw) + held * per_token[s] + state[s]
+               + transient_bytes(min(chunk_size, longest), shape, layout, hw, s == layout.pp - 1)
+               for s in range(layout.pp))
 
 
 def megatron_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: Layout,

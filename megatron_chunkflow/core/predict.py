@@ -183,5 +183,6 @@ def predict_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware, l
     costs_for, held_for = _hooks(model, chunk_size)
     _, rp = plan_chunkflow(lengths, chunk_size, k, layout.pp, layout.dp, shape, costs_for,
                            held_for)
-    state = [chunkflow_state_bytes(c, shape, layout, hw, layout.pp) for c in rp.chunks]
+    state = [chunkflow_state_bytes(c, shape, layout, hw, layout.pp, chunk_size, k)
+             for c in rp.chunks]
     return _finish("chunkflow", rp, model, shape, hw, lengths, state, chunk_size=chunk_size, k=k)

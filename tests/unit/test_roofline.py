@@ -9,10 +9,11 @@ import random
 
 import pytest
 
-from megatron_chunkflow.core.costs import attention_pairs
+from megatron_chunkflow.core.costs import attention_pairs, kv_state_bytes_per_token
 from megatron_chunkflow.core.footprint import (
     chunkflow_memory_floor,
     layer_activation_bytes,
+    sequence_state_bytes,
     stage_params,
     static_bytes,
     total_params,
@@ -142,6 +143,24 @@ def test_chunkflow_memory_floor_is_a_lower_bound():
             p = predict_chunkflow(lengths, Q7B, H100, layout, c, k)
             floor = chunkflow_memory_floor(lengths, Q7B, layout, H100, c, k)
             assert 0.5 * p.peak_mem_bytes < floor <= p.peak_mem_bytes * (1 + 1e-9)
+
+
+def test_sequence_state_bounds_the_measured_peak():
+    """K = 1: 2 L u + L a, above docs/exactness.md's exact peak (measured on CPU there); more K,
+    more prefix copies; stages after the first add the re-forwarded chunks' inputs."""
+    layout, C = Layout(4, 1, 2, 1), 4096
+    u = kv_state_bytes_per_token(Q7B, 14, 2, 4, with_grad=False)
+    a = kv_state_bytes_per_token(Q7B, 14, 2, 4) - u
+    for n in (2, 3, 10):
+        L = n * C - 100
+        state = sequence_state_bytes(L, C, 1, Q7B, layout, H100, 2)
+        assert state[0] == pytest.approx(L * (2 * u + a))
+        exact = max(((n - 1) * C + L) * u, ((n - 2) * C + (n - 1) * C) * u + (n - 1) * C * a)
+        assert exact <= state[0]
+        assert state[1] == pytest.approx(state[0] + (n - 1) * C * 2 * Q7B.hidden_size / 4)
+        more = sequence_state_bytes(L, C, 2, Q7B, layout, H100, 2)
+        assert more[0] > state[0] and more[1] - more[0] < state[1] - state[0]
+    assert sequence_state_bytes(C, C, 1, Q7B, layout, H100, 2) == [0.0, 0.0]
 
 
 def test_chunkflow_refuses_cp():
