@@ -53,6 +53,9 @@ TINY = {
     "tiny-untied": ModelShape(4, 64, 176, 4, 2, 1000),
     # `chunkflow train`'s CPU default: the real Qwen2.5 vocabulary (151,936 padded ids), tiny body
     "qwen2.5-tiny": ModelShape(4, 64, 176, 4, 2, 151936, tie_embeddings=True),
+    # `chunkflow bench`'s CPU default: head dim 64 (Qwen2.5's is 64-128) and GQA 2:1, an MLP of
+    # 5.25 h (Qwen2.5-7B's ratio); wide enough that a step's time is kernels, not Python
+    "tiny-bench": ModelShape(4, 128, 672, 2, 1, 1000, tie_embeddings=True),
 }
 
 MODEL_SHAPES = {**QWEN25, **TINY}

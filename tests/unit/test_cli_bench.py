@@ -1,0 +1,96 @@
+"""`chunkflow bench` without running it: the budget rules (core/budget.py) and bad flags (exit 2
+naming the flag, before any process starts)."""
+
+import pytest
+
+from megatron_chunkflow.cli import main
+from megatron_chunkflow.core.budget import (
+    ActivationRates,
+    baseline_peak,
+    baseline_recompute,
+    chunk_size_candidates,
+    chunkflow_peak,
+    choose_chunking,
+    state_bound,
+)
+from megatron_chunkflow.core.models import get_model_shape
+
+SHAPE = get_model_shape("tiny-bench")
+RATES = ActivationRates(per_token=(40_000.0, 45_000.0), kv_per_token=(1024.0, 1024.0),
+                        acc_per_token=(1024.0, 1024.0), hidden_per_token=512.0)
+LENGTHS = [20_000] + [500] * 60  # one long sequence; 32K micro-batches: 20K + 25 x 500, 17.5K
+
+
+def test_baseline_recompute_switches_at_the_largest_microbatch():
+    largest = baseline_peak(LENGTHS, 32768, 1, RATES)
+    assert largest == 32_500 * 45_000.0  # 20,000 + 25 x 500 tokens, on the last stage's rate
+    assert baseline_recompute(LENGTHS, 32768, 1, RATES, budget=largest) == "none"
+    assert baseline_recompute(LENGTHS, 32768, 1, RATES, budget=largest - 1) == "full"
+
+
+def test_state_bound_covers_the_exact_k1_peak():
+    """K = 1: the bound is >= docs/exactness.md's exact peak of stored K/V, prefix copies and
+    accumulators; zero for a sequence that is not cut; stage inputs only after the first stage."""
+    u = a = 1024.0
+    for length, c in [(20_000, 1024), (4096, 1024), (3000, 2048)]:
+        n = -(-length // c)
+        exact = max(((n - 1) * c + length) * u,
+                    ((n - 2) * c + ((n - 1) * c if n >= 3 else 0)) * u + (n - 1) * c * a)
+        assert state_bound(length, c, 1, RATES, 0) >= exact
+    assert state_bound(1000, 1024, 1, RATES, 1) == 0.0
+    assert state_bound(4096, 1024, 1, RATES, 1) - state_bound(4096, 1024, 1, RATES, 0) == \
+        (4096 - 1024) * RATES.hidden_per_token
+
+
+def test_choose_chunking_takes_the_fastest_that_fits():
+    budget = 300 * 2**20
+    chosen = choose_chunking(LENGTHS, 32768, 1, SHAPE, RATES, budget,
+                             predict_s=lambda c, k: 1.0 / c + 0.01 / k)  # big C, big K fastest
+    fitting = [x for x in chosen.candidates if x.fits]
+    assert fitting and all(x.peak_bytes <= budget for x in fitting)
+    assert all(x.predicted_s is None for x in chosen.candidates if x.peak_bytes > budget)
+    assert chosen.peak_bytes <= budget
+    assert chosen.predicted_s == min(x.predicted_s for x in fitting)
+    assert any(x.chunk_size > chosen.chunk_size for x in chosen.candidates)  # too big to fit
+    assert chosen.peak_bytes == chunkflow_peak(LENGTHS, chosen.chunk_size, chosen.k, 1, SHAPE,
+                                               RATES)
+    # a peak grows with C at fixed K
+    peaks = [chunkflow_peak(LENGTHS, c, 1, 1, SHAPE, RATES) for c in (1024, 2048, 4096)]
+    assert peaks == sorted(peaks)
+
+
+def test_choose_chunking_nothing_fits_names_the_budget():
+    with pytest.raises(ValueError, match=r"--budget-mib 1: no \(chunk size, K\) fits"):
+        choose_chunking(LENGTHS, 32768, 1, SHAPE, RATES, 2**20, predict_s=lambda c, k: 1.0)
+
+
+def test_chunk_size_candidates():
+    assert chunk_size_candidates(32768) == [1024, 2048, 4096, 8192, 16384, 32768]
+    assert chunk_size_candidates(1000) == [64, 128, 256, 512]
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--pp", "0"], "--pp"),
+    (["--repeats", "0"], "--repeats"),
+    (["--warmup", "-1"], "--warmup"),
+    (["--budget-mib", "0"], "--budget-mib"),
+    (["--chunk-size", "65536"], "--chunk-size"),
+    (["--k", "0"], "--k"),
+    (["--chunk-size", "0"], "--chunk-size"),
+    (["--threads", "0"], "--threads"),
+    (["--backend", "nope"], "--backend"),
+    (["--nproc", "3"], "--nproc"),
+    (["--pp", "3", "--nproc", "3"], "--pp"),
+    (["--num-sequences", "0"], "--num-sequences"),
+    (["--lengths-file", "/nonexistent/lengths.txt"], "--lengths-file"),
+])
+def test_bad_flags_exit_2_naming_the_flag(capsys, argv, flag):
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("chunkflow bench: error:") and flag in err
+
+
+def test_unknown_choice_is_argparse_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--megatron-recompute", "sometimes"])
+    assert e.value.code == 2 and "--megatron-recompute" in capsys.readouterr().err
