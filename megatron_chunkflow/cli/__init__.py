@@ -20,6 +20,9 @@ SUBCOMMANDS = {
               "fine-tune with ChunkFlow (or --no-chunkflow: stock Megatron); the main job"),
     "verify": ("megatron_chunkflow.cli.verify",
                "check chunked training against unchunked megatron-core: loss, gradients, memory"),
+    "bench": ("megatron_chunkflow.cli.bench",
+              "measure stock Megatron against ChunkFlow on this machine: same model, data, "
+              "layout and memory budget"),
     "simulate": ("megatron_chunkflow.cli.simulate",
                  "predict step time, MFU and memory per GPU on a cluster: Megatron vs ChunkFlow"),
 }

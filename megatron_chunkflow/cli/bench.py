@@ -1,0 +1,174 @@
+"""`chunkflow bench`: stock Megatron against ChunkFlow, measured on this machine in one run.
+
+    chunkflow bench                               # the default scenario (below), ~3 min on 2 cores
+    chunkflow bench --json --png out/bench        # JSON on stdout; throughput, memory, timelines
+    chunkflow bench --budget-mib 2048 --chunk-size 4096 --k 2 --repeats 3
+    chunkflow bench --lengths-file lengths.txt --seq-length 16384 --nproc 4   # PP=2 x DP=2
+    torchrun --nproc_per_node 2 -m megatron_chunkflow bench            # under any launcher
+
+Default scenario: the tiny-bench model (Qwen2.5-shaped, 4 layers) on PP=2 over 2 processes (spawned
+here, or the launcher's), one global batch of 256 profile-B sequences scaled by 1/8 to a 32K
+context (at least one longer than 4K), float32 on CPU, the `cpu_flash` attention kernel for both
+systems, and an activation budget of 1 GiB per rank, under which stock Megatron's 32K micro-batch
+needs full recompute (1.4 GiB without). One warm-up step of each, then 3 measured steps of each,
+alternated. How the budget decides recompute: core/budget.py; what is measured and how:
+integration/bench.py; results: docs/benchmarks.md ("CPU measurements").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from megatron_chunkflow.cli.inputs import add_length_arguments, lengths_from_args
+from megatron_chunkflow.cli.output import Output
+from megatron_chunkflow.core.models import MODEL_SHAPES
+
+DEFAULTS = dict(model="tiny-bench", num_sequences=256, scale=1 / 8, seq_length=32768,
+                budget_mib=1024.0, pp=2, nproc=2, warmup=1, repeats=3, min_long=1)
+MIB = 2.0**20
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_length_arguments(p, default_sequences=DEFAULTS["num_sequences"],
+                         default_scale=DEFAULTS["scale"])
+    p.add_argument("--min-long", type=int, default=DEFAULTS["min_long"], metavar="N",
+                   help="redraw the last sequences from the profile's tail until N are longer "
+                        "than --seq-length / 8 (default: 1)")
+    g = p.add_argument_group("model and layout")
+    g.add_argument("--model", default=DEFAULTS["model"], choices=sorted(MODEL_SHAPES),
+                   help=f"model shape (default: {DEFAULTS['model']})")
+    g.add_argument("--model-config", metavar="FILE",
+                   help="JSON with ModelShape fields, or a Hugging Face Qwen2 config.json")
+    g.add_argument("--pp", type=int, default=DEFAULTS["pp"], help="pipeline stages (default: 2)")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: 1)")
+    g.add_argument("--nproc", type=int, default=DEFAULTS["nproc"], metavar="N",
+                   help="processes to spawn when not under torchrun; DP = N / (TP x PP) "
+                        "(default: 2)")
+    g.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch threads per process (default: CPU cores / processes)")
+    g = p.add_argument_group("memory budget and recompute")
+    g.add_argument("--seq-length", type=int, default=DEFAULTS["seq_length"], metavar="N",
+                   help="maximum context: stock Megatron's micro-batch length; longer sequences "
+                        "are truncated to it (default: 32768)")
+    g.add_argument("--budget-mib", type=float, default=DEFAULTS["budget_mib"], metavar="MIB",
+                   help="activation memory per rank (bytes saved for backward + K/V state) "
+                        "that decides recompute (default: 1024)")
+    g.add_argument("--megatron-recompute", choices=("auto", "none", "full"), default="auto",
+                   help="stock Megatron's recompute; auto: none if its largest micro-batch fits "
+                        "the budget, else full (default: auto)")
+    g.add_argument("--chunk-size", type=int, default=None, metavar="C",
+                   help="ChunkFlow's chunk size (default: the fastest that fits the budget)")
+    g.add_argument("--k", type=int, default=None, metavar="K",
+                   help="chunks of a long sequence holding activations (default: chosen)")
+    g = p.add_argument_group("measurement")
+    g.add_argument("--warmup", type=int, default=DEFAULTS["warmup"], metavar="N",
+                   help="unmeasured steps of each system first (default: 1)")
+    g.add_argument("--repeats", type=int, default=DEFAULTS["repeats"], metavar="N",
+                   help="measured steps of each system, alternated (default: 3)")
+    g.add_argument("--backend", default="cpu_flash",
+                   help="attention kernel of both systems (default: cpu_flash)")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    g.add_argument("--png", metavar="DIR", help="write throughput, memory and timeline plots")
+
+
+def settings_from_args(args: argparse.Namespace):
+    """Validate every flag (ValueError naming it) and build the BenchSettings."""
+    from megatron_chunkflow.attention.backends import get_backend
+    from megatron_chunkflow.cli.verify import load_shape
+    from megatron_chunkflow.core.profiles import ensure_long
+    from megatron_chunkflow.integration.bench import BenchSettings
+
+    for flag, value, low in (("--pp", args.pp, 1), ("--tp", args.tp, 1),
+                             ("--nproc", args.nproc, 1), ("--seq-length", args.seq_length, 2),
+                             ("--warmup", args.warmup, 0), ("--repeats", args.repeats, 1),
+                             ("--min-long", args.min_long, 0), ("--threads", args.threads, 1),
+                             ("--chunk-size", args.chunk_size, 1), ("--k", args.k, 1)):
+        if value is not None and value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if not args.budget_mib > 0:
+        raise ValueError(f"--budget-mib must be > 0, got {args.budget_mib}")
+    if args.chunk_size is not None and args.chunk_size > args.seq_length:
+        raise ValueError(f"--chunk-size {args.chunk_size} is larger than --seq-length "
+                         f"{args.seq_length}")
+    try:
+        get_backend(args.backend)
+    except ValueError as e:
+        raise ValueError(f"--backend: {e}") from None
+    shape = load_shape(args)
+    world = int(os.environ.get("WORLD_SIZE", args.nproc))
+    if world % (args.tp * args.pp):
+        raise ValueError(f"--nproc {world} is not a multiple of --tp {args.tp} x --pp {args.pp}")
+    if shape.num_layers % args.pp:
+        raise ValueError(f"--pp {args.pp} does not divide the model's {shape.num_layers} layers")
+    if shape.num_attention_heads % args.tp or shape.num_query_groups % args.tp:
+        raise ValueError(f"--tp {args.tp} does not divide the model's attention heads and K/V "
+                         "groups")
+    lengths, source = lengths_from_args(args)
+    if args.min_long and not args.lengths_file:
+        lengths = ensure_long(lengths, args.profile, args.seq_length // 8, args.min_long,
+                              args.seed, args.scale)
+    truncated = sum(n > args.seq_length for n in lengths)
+    lengths = [min(n, args.seq_length) for n in lengths]
+    threads = args.threads or max(1, (os.cpu_count() or 1) // world)
+    settings = BenchSettings(
+        shape=shape, model_name=args.model_config or args.model, lengths=lengths,
+        seq_length=args.seq_length, budget_bytes=args.budget_mib * MIB,
+        chunk_size=args.chunk_size, k=args.k, megatron_recompute=args.megatron_recompute,
+        tp=args.tp, pp=args.pp, warmup=args.warmup, repeats=args.repeats,
+        backend=args.backend, seed=args.seed, threads=threads)
+    return settings, source + (f"; {truncated} truncated to --seq-length" if truncated else "")
+
+
+def _job(settings) -> dict:
+    """Every rank of the job: process groups, the comparison, teardown."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning, module="megatron")  # no apex / TE
+    import torch.distributed as dist
+
+    from megatron_chunkflow.integration.bench import run_bench
+    from megatron_chunkflow.integration.dist import init_distributed, shutdown
+
+    init_distributed(tp=settings.tp, pp=settings.pp, seed=settings.seed)
+    rank0 = dist.get_rank() == 0
+
+    def log(text: str) -> None:
+        if rank0:
+            print(f"chunkflow bench: {text}", file=sys.stderr, flush=True)
+
+    try:
+        return run_bench(settings, log)
+    finally:
+        shutdown()
+
+
+def run(args: argparse.Namespace) -> int:
+    settings, source = settings_from_args(args)
+    if args.png:
+        os.makedirs(args.png, exist_ok=True)
+    if "WORLD_SIZE" in os.environ or args.nproc == 1:
+        result = _job(settings)
+        if int(os.environ.get("RANK", 0)) != 0:
+            return 0
+    else:
+        from megatron_chunkflow.integration.dist import run_processes
+
+        try:
+            result = run_processes(_job, args.nproc, settings)
+        except RuntimeError as e:  # a rank crashed: its traceback, exit 1
+            print(f"chunkflow bench: {e}", file=sys.stderr)
+            return 1
+    result["setup"]["source"] = source
+    out = Output(args.json)
+    from megatron_chunkflow.cli.bench_report import report_lines, write_plots
+
+    for line in report_lines(result):
+        out.say(line)
+    if args.png:
+        for path in write_plots(result, args.png):
+            out.say(f"wrote {path}")
+    out.result(result)
+    return 0

@@ -1,0 +1,352 @@
+"""Stock Megatron against ChunkFlow: one model, batch, layout and memory budget (`chunkflow bench`).
+
+Run in every process of a job (cli/bench.py spawns them, or torchrun). Per run:
+1. Calibrate: this CPU's GEMM, attention, memory and point-to-point rates (integration/calibrate.py)
+   make a `cpu` device for the simulator; a probe micro-batch through the real model measures the
+   activation bytes per token of each pipeline stage (saved-tensor hooks, integration/memory.py).
+2. Budget (core/budget.py): stock Megatron gets no recompute when its largest micro-batch fits,
+   else Megatron's full recompute; ChunkFlow the fastest (chunk size, K) whose modelled peak fits.
+3. Both systems are built (same model shape and seed; Megatron's DDP, Adam and scheduler, the same
+   attention kernel) and stepped on the same global batch, alternately: warm-up pairs, then
+   measured pairs. Stock Megatron is integration/train.py's path (sequences packed THD into
+   micro-batches of --seq-length, Megatron's get_forward_backward_func); ChunkFlow is
+   forward_backward_chunkflow on the core planner's plan.
+Measured per step: wall time of forward, backward and optimizer (slowest rank); per-op compute
+intervals (bubble = 1 - busy / (p x span)); activation bytes (ActivationMeter: bytes saved for
+backward plus K/V state; for Megatron the meter wraps its forward_step and is released at its
+backward_step, and the tensors that full recompute saves *during* the backward are counted while
+they are alive); peak RSS (VmHWM reset before each step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron_chunkflow.core.budget import (
+    ActivationRates,
+    Chunking,
+    baseline_peak,
+    baseline_recompute,
+    chunkflow_peak,
+    choose_chunking,
+)
+from megatron_chunkflow.core.costs import chunk_flops, layers_per_stage, sequence_model_flops
+from megatron_chunkflow.core.layout import Layout
+from megatron_chunkflow.core.models import ModelShape
+from megatron_chunkflow.core.packer import build_chunks
+from megatron_chunkflow.core.predict import predict_chunkflow, predict_megatron
+from megatron_chunkflow.core.step import baseline_microbatches
+from megatron_chunkflow.integration.instrument import (
+    BenchMeter,
+    instrument_megatron,
+    peak_rss,
+    reset_peak_rss,
+)
+from megatron_chunkflow.integration.pipeline import StageTimeline
+
+PROBE_TOKENS = 1024
+
+
+@dataclass
+class BenchSettings:
+    shape: ModelShape
+    model_name: str
+    lengths: list[int]
+    seq_length: int
+    budget_bytes: float
+    chunk_size: int | None = None  # None: chosen by the budget
+    k: int | None = None
+    megatron_recompute: str = "auto"  # auto (by the budget), none, full
+    tp: int = 1
+    pp: int = 2
+    warmup: int = 1
+    repeats: int = 2
+    backend: str = "cpu_flash"
+    seed: int = 0
+    threads: int = 1
+
+
+
+
+@dataclass
+class System:
+    """One trained system: its settings and Megatron's model, DDP, optimizer and scheduler."""
+
+    name: str  # "megatron" or "chunkflow"
+    settings: object  # integration.train.TrainSettings
+    model: object
+    store: object
+    ddp: object
+    optimizer: object
+    scheduler: object
+
+
+def build_system(name: str, ts) -> System:
+    from megatron_chunkflow.integration.train import build_training
+
+    torch.manual_seed(ts.seed)
+    return System(name, ts, *build_training(ts))
+
+
+def _train_settings(s: BenchSettings, **kw):
+    from megatron_chunkflow.integration.train import TrainSettings
+
+    steps = s.warmup + s.repeats
+    return TrainSettings(shape=s.shape, model_name=s.model_name, train_iters=steps + 1,
+                         global_batch_size=len(s.lengths), seq_length=s.seq_length, lr=1e-4,
+                         min_lr=1e-5, lr_warmup_iters=0, seed=s.seed, tp=s.tp, pp=s.pp,
+                         backend=s.backend, **kw)
+
+
+def step_system(system: System, sequences, meter: BenchMeter, timeline: StageTimeline) -> int:
+    """One training step (forward, backward, optimizer); returns micro-batches or chunks."""
+    from megatron.core import parallel_state
+
+    from megatron_chunkflow.integration.data import plan_step
+    from megatron_chunkflow.integration.schedules import forward_backward_chunkflow
+    from megatron_chunkflow.integration.train import run_step
+    from megatron_chunkflow.integration.verify import forward_step
+
+    ts = system.settings
+    system.ddp.zero_grad_buffer()
+    system.optimizer.zero_grad()
+    if ts.chunkflow:  # integration/train.py's run_step, with the meter and timeline passed in
+        dp, dp_rank = (parallel_state.get_data_parallel_world_size(),
+                       parallel_state.get_data_parallel_rank())
+        step, batch, _ = plan_step(sequences, ts.chunk_size, ts.k, ts.pp, dp, dp_rank, ts.shape)
+        step_fn = partial(forward_step, tp_group=parallel_state.get_tensor_model_parallel_group(),
+                          exact_loss=False)
+        forward_backward_chunkflow(
+            forward_step_func=step_fn, data_iterator=iter([step]), model=system.ddp,
+            num_microbatches=len(step.metas), seq_length=ts.chunk_size, micro_batch_size=1,
+            meter=meter, timeline=timeline)
+        count = len(batch.chunks)
+    else:
+        with instrument_megatron(meter, timeline):
+            _, count, _ = run_step(ts, sequences, system.ddp, system.model.config)
+    system.optimizer.step()
+    system.scheduler.step(increment=1)
+    return count
+
+
+def _gather(row: dict) -> list[dict]:
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, row)
+    return rows
+
+
+def _timed_step(system: System, sequences) -> list[dict]:
+    """One step of `system`, measured on every rank; every rank's record."""
+    from megatron.core import parallel_state
+
+    meter, timeline = BenchMeter(system.model, system.store), StageTimeline()
+    gc.collect()
+    reset_peak_rss()
+    dist.barrier()
+    t0 = time.perf_counter()
+    count = step_system(system, sequences, meter, timeline)
+    elapsed = time.perf_counter() - t0
+    return _gather({
+        "stage": parallel_state.get_pipeline_model_parallel_rank(),
+        "dp_rank": parallel_state.get_data_parallel_rank(),
+        "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+        "elapsed": elapsed, "ops": timeline.ops, "span": timeline.step_time,
+        "peak_total": meter.peak_total, "peak_state": meter.peak_state,
+        "peak_activation": meter.peak_activation, "peak_recompute": meter.peak_recompute,
+        "rss": peak_rss(), "count": count})
+
+
+def probe_rates(system: System, s: BenchSettings) -> ActivationRates:
+    """Bytes per token per stage, measured: one micro-batch of PROBE_TOKENS tokens (4 packed
+    sequences) through `system`'s model (no recompute) on Megatron's schedule, metered; K/V,
+    accumulator and hidden bytes from the tensors' shapes and dtypes."""
+    from megatron.core import parallel_state
+
+    from megatron_chunkflow.integration.train import run_step
+    from megatron_chunkflow.integration.verify import make_sequences
+
+    probe = make_sequences([PROBE_TOKENS // 4] * 4, s.shape.vocab_size, s.seed)
+    ts = dataclasses.replace(system.settings, chunkflow=False, seq_length=PROBE_TOKENS,
+                             recompute_granularity=None)
+    meter = BenchMeter(system.model, system.store)
+    with instrument_megatron(meter, StageTimeline()):
+        run_step(ts, probe, system.ddp, system.model.config)
+    system.ddp.zero_grad_buffer()
+    rows = _gather({"stage": parallel_state.get_pipeline_model_parallel_rank(),
+                    "per_token": meter.max_chunk_activation / PROBE_TOKENS})
+    per_token = [0.0] * s.pp
+    for r in rows:
+        per_token[r["stage"]] = max(per_token[r["stage"]], r["per_token"])
+    elem = torch.finfo(system.model.config.params_dtype).bits // 8
+    kv = 2 * (s.shape.num_query_groups // s.tp) * s.shape.head_dim
+    layers = layers_per_stage(s.shape.num_layers, s.pp)
+    return ActivationRates(tuple(per_token), tuple(kv * n * elem for n in layers),
+                           tuple(kv * n * 4 for n in layers), s.shape.hidden_size * elem)
+
+
+def recompute_flops(system: str, lengths, shape: ModelShape, seq_length: int, dp: int,
+                    chunk_size: int = 0, k: int = 1, recompute: str = "none") -> float:
+    """FLOPs re-run in one step: Megatron's full recompute re-runs every transformer layer's
+    forward; ChunkFlow re-forwards (whole stage, logits included) every dependent chunk but the
+    last K of its sequence."""
+    if system == "megatron":
+        if recompute != "full":
+            return 0.0
+        mbs = baseline_microbatches(lengths, seq_length, dp)
+        return sum(chunk_flops(c, shape).per_layer * shape.num_layers for c in mbs)
+    chunks = build_chunks(lengths, chunk_size, dp, k, shape).chunks
+    return sum(chunk_flops(c, shape).forward(shape.num_layers) for c in chunks
+               if c.is_dependent and c.index < c.num_siblings - k)
+
+
+def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
+    """The whole comparison on an initialised job (every rank); the same result on every rank."""
+    from megatron.core import parallel_state
+
+    from megatron_chunkflow.integration.calibrate import (
+        average_rates,
+        cpu_hardware,
+        measure_cpu_rates,
+    )
+    from megatron_chunkflow.integration.verify import make_sequences
+
+    torch.set_num_threads(s.threads)
+    dp = parallel_state.get_data_parallel_world_size()
+    log("calibrating: GEMM, attention, memory and point-to-point rates of this CPU")
+    rates = average_rates(measure_cpu_rates(
+        s.shape, s.backend, parallel_state.get_pipeline_model_parallel_group(),
+        tokens=min(2048, max(128, s.seq_length // 16))))
+    hw = cpu_hardware(rates, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+    chunkflow = build_system("chunkflow", _train_settings(s, chunkflow=True))
+    act = probe_rates(chunkflow, s)
+    recompute = s.megatron_recompute
+    if recompute == "auto":
+        recompute = baseline_recompute(s.lengths, s.seq_length, dp, act, s.budget_bytes)
+    layout = Layout(s.tp, 1, s.pp, dp, "none")
+    if s.chunk_size is None:
+        chunking = choose_chunking(
+            s.lengths, s.seq_length, dp, s.shape, act, s.budget_bytes,
+            lambda c, k: predict_chunkflow(s.lengths, s.shape, hw, layout, c, k).step_s,
+            ks=(s.k,) if s.k else (1, 2, 4))
+    else:
+        k = s.k or 1
+        peak = chunkflow_peak(s.lengths, s.chunk_size, k, dp, s.shape, act)
+        chunking = Chunking(s.chunk_size, k, peak, predict_chunkflow(
+            s.lengths, s.shape, hw, layout, s.chunk_size, k).step_s)
+    chunkflow.settings = dataclasses.replace(chunkflow.settings, chunk_size=chunking.chunk_size,
+                                             k=chunking.k)
+    megatron = build_system("megatron", _train_settings(
+        s, chunkflow=False, recompute_granularity=None if recompute == "none" else recompute))
+    log(f"budget {s.budget_bytes / 2**20:.0f} MiB: stock Megatron recompute {recompute} "
+        f"(largest micro-batch {baseline_peak(s.lengths, s.seq_length, dp, act) / 2**20:.0f} "
+        f"MiB without); ChunkFlow C={chunking.chunk_size} K={chunking.k} (modelled peak "
+        f"{chunking.peak_bytes / 2**20:.0f} MiB)")
+
+    sequences = make_sequences(s.lengths, s.shape.vocab_size, s.seed)
+    measured: dict[str, list[list[dict]]] = {"megatron": [], "chunkflow": []}
+    for i in range(s.warmup + s.repeats):
+        phase = f"warm-up {i + 1}/{s.warmup}" if i < s.warmup else \
+            f"repeat {i - s.warmup + 1}/{s.repeats}"
+        for system in (megatron, chunkflow):
+            rows = _timed_step(system, sequences)
+            if i >= s.warmup:
+                measured[system.name].append(rows)
+            log(f"{phase}  {system.name:<9}  {max(r['elapsed'] for r in rows):7.2f} s")
+
+    preds = {"megatron": predict_megatron(s.lengths, s.shape, hw,
+                                          dataclasses.replace(layout, recompute=recompute),
+                                          s.seq_length),
+             "chunkflow": predict_chunkflow(s.lengths, s.shape, hw, layout, chunking.chunk_size,
+                                            chunking.k)}
+    out = {}
+    for name, system in (("megatron", megatron), ("chunkflow", chunkflow)):
+        re_flops = recompute_flops(name, s.lengths, s.shape, s.seq_length, dp,
+                                   chunking.chunk_size, chunking.k, recompute)
+        out[name] = summarize(measured[name], s, preds[name], re_flops)
+    out["megatron"].update(recompute=recompute, modelled_peak_activation_bytes=(
+        baseline_peak(s.lengths, s.seq_length, dp, act) if recompute == "none" else None))
+    out["chunkflow"].update(chunk_size=chunking.chunk_size, k=chunking.k,
+                            modelled_peak_activation_bytes=chunking.peak_bytes)
+    mg, cf = out["megatron"], out["chunkflow"]
+    return {
+        "baseline": mg, "chunkflow": cf,
+        "speedup": mg["step_s"] / cf["step_s"],
+        "activation_memory_ratio": cf["peak_activation_bytes"] / mg["peak_activation_bytes"],
+        "rss_ratio": cf["peak_rss_bytes"] / mg["peak_rss_bytes"],
+        "predicted_speedup": mg["predicted_step_s"] / cf["predicted_step_s"],
+        "setup": _setup(s, dp, act, rates, hw, chunking),
+    }
+
+
+def summarize(repeats: list[list[dict]], s: BenchSettings, pred, re_flops: float) -> dict:
+    """One system's numbers from its measured repeats (each a list of every rank's record)."""
+    steps = [max(r["elapsed"] for r in rows) for rows in repeats]
+    step_s = statistics.median(steps)
+    median_rows = repeats[steps.index(sorted(steps)[(len(steps) - 1) // 2])]
+    replica = sorted((r for r in median_rows if r["dp_rank"] == 0 and r["tp_rank"] == 0),
+                     key=lambda r: r["stage"])
+    bubbles = [_bubble(rows) for rows in repeats]
+    busy = [sum(end - start for _, _, start, end in r["ops"]) for r in replica]
+    flops = sequence_model_flops(s.lengths, s.shape)
+    peak = [max(rows[i]["peak_total"] for rows in repeats) for i in range(len(repeats[0]))]
+    stage_peak = [0] * s.pp
+    stage_state = [0] * s.pp
+    for i, r in enumerate(repeats[0]):
+        stage_peak[r["stage"]] = max(stage_peak[r["stage"]], peak[i])
+        stage_state[r["stage"]] = max(stage_state[r["stage"]],
+                                      max(rows[i]["peak_state"] for rows in repeats))
+    return {
+        "step_s": step_s, "step_s_repeats": steps,
+        "tokens_per_s": sum(s.lengths) / step_s, "model_tflops": flops / step_s / 1e12,
+        "peak_activation_bytes": max(peak), "peak_activation_bytes_per_stage": stage_peak,
+        "kv_state_bytes_per_stage": stage_state,
+        "recompute_working_set_bytes": max(r["peak_recompute"] for rows in repeats
+                                           for r in rows),
+        "peak_rss_bytes": max(r["rss"] for rows in repeats for r in rows),
+        "bubble": statistics.median(bubbles), "bubble_repeats": bubbles,
+        "busy_s_per_stage": busy,
+        "recompute_fraction": re_flops / flops, "recompute_flops": re_flops,
+        "model_flops": flops, "num_microbatches": repeats[0][0]["count"],
+        "predicted_step_s": pred.step_s, "predicted_bubble": pred.bubble,
+        "prediction_error": pred.step_s / step_s - 1.0,
+        "timeline": [{"stage": r["stage"], "span": r["span"],
+                      "ops": [list(op) for op in r["ops"]]} for r in replica],
+    }
+
+
+def _bubble(rows: list[dict]) -> float:
+    """1 - busy / (p x span) over the first model replica's stages."""
+    replica = [r for r in rows if r["dp_rank"] == 0 and r["tp_rank"] == 0]
+    span = max(r["span"] for r in replica)
+    busy = sum(end - start for r in replica for _, _, start, end in r["ops"])
+    return 1.0 - busy / (len(replica) * span) if span > 0 else 0.0
+
+
+def _setup(s: BenchSettings, dp: int, act: ActivationRates, rates, hw, chunking) -> dict:
+    import megatron.core
+
+    lengths = s.lengths
+    return {
+        "model": s.model_name, "shape": dataclasses.asdict(s.shape),
+        "layout": {"tp": s.tp, "pp": s.pp, "dp": dp, "world": dist.get_world_size()},
+        "threads_per_rank": s.threads, "backend": s.backend, "dtype": "float32",
+        "num_sequences": len(lengths), "tokens": sum(lengths), "longest": max(lengths),
+        "seq_length": s.seq_length, "budget_bytes": s.budget_bytes,
+        "warmup": s.warmup, "repeats": s.repeats, "seed": s.seed,
+        "activation_bytes_per_token": list(act.per_token),
+        "kv_bytes_per_token": list(act.kv_per_token),
+        "cpu_rates": rates.to_json(), "hardware": dataclasses.asdict(hw),
+        "chunking_candidates": [dataclasses.asdict(c) for c in chunking.candidates],
+        "load_average": os.getloadavg(), "torch": torch.__version__,
+        "megatron_core": megatron.core.__version__,
+    }
