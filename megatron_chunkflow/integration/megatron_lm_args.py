@@ -17,7 +17,7 @@ from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.profiles import PROFILES
 
 TESTED_VERSION = "0.16.1"
-BACKENDS = ("auto", "torch", "sdpa", "flex", "flash", "te")
+BACKENDS = ("auto", "torch", "sdpa", "flex", "flash", "te", "cpu_flash")
 FLAGS = {"k": "--chunkflow-k"}
 
 
@@ -35,7 +35,8 @@ def add_chunkflow_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     g.add_argument("--chunkflow-attention-backend", choices=BACKENDS, default="auto",
                    help="chunk attention kernel: auto = flash (flash-attn) or te (Transformer "
                         "Engine) on GPU, whichever is installed, else torch (plain torch, "
-                        "memory-efficient; the CPU default); sdpa is the reference")
+                        "memory-efficient; the CPU default); sdpa is the reference; cpu_flash is ATen's "
+                        "fused CPU kernel (CPU only, faster than torch)")
     g.add_argument("--chunkflow-mock-profile", choices=sorted(PROFILES), default="B",
                    help="with --mock-data: the length profile (DESIGN.md section 5), scaled so its "
                         "longest sequence is --seq-length (default: B)")
