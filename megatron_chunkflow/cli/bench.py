@@ -69,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="measured steps of each system, alternated (default: 3)")
     g.add_argument("--backend", default="cpu_flash",
                    help="attention kernel of both systems (default: cpu_flash)")
+    g.add_argument("--system-malloc", action="store_true",
+                   help="leave glibc malloc as it is; by default it keeps freed memory for reuse "
+                        "in every rank, as a GPU caching allocator does, instead of page-faulting "
+                        "every large allocation in afresh (a cost that falls on big micro-batches)")
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     g.add_argument("--png", metavar="DIR", help="write throughput, memory and timeline plots")
@@ -118,7 +122,8 @@ def settings_from_args(args: argparse.Namespace):
         seq_length=args.seq_length, budget_bytes=args.budget_mib * MIB,
         chunk_size=args.chunk_size, k=args.k, megatron_recompute=args.megatron_recompute,
         tp=args.tp, pp=args.pp, warmup=args.warmup, repeats=args.repeats,
-        backend=args.backend, seed=args.seed, threads=threads)
+        backend=args.backend, seed=args.seed, threads=threads,
+        caching_malloc=not args.system_malloc)
     return settings, source + (f"; {truncated} truncated to --seq-length" if truncated else "")
 
 

@@ -52,14 +52,21 @@ def report_lines(r: dict) -> list[str]:
     row("bubble (measured)", mg["bubble"], cf["bubble"], lambda x: f"{x:.1%}")
     row("recompute (FLOPs re-run / model)", mg["recompute_fraction"], cf["recompute_fraction"],
         lambda x: f"{x:.1%}")
+    row("GFLOP/s per rank while busy", mg["busy_flops_per_s"] / 1e9,
+        cf["busy_flops_per_s"] / 1e9, lambda x: f"{x:.1f}")
     row("micro-batches / chunks", mg["num_microbatches"], cf["num_microbatches"], str)
     row("predicted step (s), simulator", mg["predicted_step_s"], cf["predicted_step_s"],
         lambda x: f"{x:.2f}", f"predicted {r['predicted_speedup']:.2f}x")
     row("  predicted / measured - 1", mg["prediction_error"], cf["prediction_error"],
         lambda x: f"{x:+.0%}")
     row("predicted bubble", mg["predicted_bubble"], cf["predicted_bubble"], lambda x: f"{x:.1%}")
+    f = r["speedup_factors"]
+    lines += ["", f"where the time goes: speedup {r['speedup']:.2f}x = less work (recompute) "
+              f"{f['work']:.2f}x * faster work while busy {f['busy_rate']:.2f}x * less idle "
+              f"(bubble) {f['utilization']:.2f}x * outside the pipeline (optimizer, planning) "
+              f"{f['outside_pipeline']:.2f}x"]
     within = all(abs(x["prediction_error"]) <= 0.25 for x in (mg, cf))
-    lines += ["", f"speedup {r['speedup']:.2f}x, activation memory ratio "
+    lines += [f"speedup {r['speedup']:.2f}x, activation memory ratio "
               f"{r['activation_memory_ratio']:.2f}; simulator "
               f"{'within' if within else 'NOT within'} 25% of both measured step times"]
     fits = [name for name, x in (("stock Megatron", mg), ("ChunkFlow", cf))

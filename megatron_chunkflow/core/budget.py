@@ -11,8 +11,9 @@ activations fit in the budget on every stage, else Megatron's full recompute (ea
 layer keeps only its input and re-runs in the backward).
 
 ChunkFlow: among chunk sizes C (powers of two from 1/32 of the context up to it) and K, those
-whose modelled peak fits in the budget; of these the fastest by the simulator (`predict_s`), a
-tie going to the smaller peak. The modelled peak on stage s is the most activation bytes the plan
+whose modelled peak fits in the budget; of these the fastest by the simulator (`predict_s`),
+where predictions within 3% of the fastest count as a tie (the simulator is no better than that)
+and a tie goes to the smaller peak. The modelled peak on stage s is the most activation bytes the plan
 holds at once there (core/simulate.py replays the plan with per-token bytes) plus an upper bound
 of the state of the longest sequence of L tokens in C-token chunks:
 
@@ -130,8 +131,9 @@ def choose_chunking(lengths: Sequence[int], seq_length: int, num_dp_ranks: int,
                     shape: ModelShape, rates: ActivationRates, budget: float,
                     predict_s: Callable[[int, int], float],
                     sizes: Sequence[int] | None = None, ks: Sequence[int] = (1, 2, 4),
-                    ) -> Chunking:
-    """The fastest (C, K) by `predict_s(C, K)` whose modelled peak fits in `budget` bytes.
+                    tie: float = 0.03) -> Chunking:
+    """The fastest (C, K) by `predict_s(C, K)` whose modelled peak fits in `budget` bytes; those
+    within `tie` (relative) of the fastest are equals, and the smallest peak among them wins.
 
     K values that change nothing (K >= the longest sequence's chunk count, other than K = 1) are
     skipped. ValueError when nothing fits, naming the smallest peak found."""
@@ -150,5 +152,7 @@ def choose_chunking(lengths: Sequence[int], seq_length: int, num_dp_ranks: int,
         raise ValueError(f"--budget-mib {budget / 2**20:.0f}: no (chunk size, K) fits; the "
                          f"smallest modelled peak is {best.peak_bytes / 2**20:.0f} MiB "
                          f"(C={best.chunk_size}, K={best.k})")
-    best = min(fitting, key=lambda x: (x.predicted_s, x.peak_bytes))
+    fastest = min(x.predicted_s for x in fitting)
+    best = min((x for x in fitting if x.predicted_s <= fastest * (1 + tie)),
+               key=lambda x: (x.peak_bytes, x.predicted_s))
     return Chunking(best.chunk_size, best.k, best.peak_bytes, best.predicted_s, candidates)

@@ -47,6 +47,7 @@ from megatron_chunkflow.core.predict import predict_chunkflow, predict_megatron
 from megatron_chunkflow.core.step import baseline_microbatches
 from megatron_chunkflow.integration.instrument import (
     BenchMeter,
+    cache_freed_memory,
     instrument_megatron,
     peak_rss,
     reset_peak_rss,
@@ -73,6 +74,7 @@ class BenchSettings:
     backend: str = "cpu_flash"
     seed: int = 0
     threads: int = 1
+    caching_malloc: bool = True  # instrument.cache_freed_memory in every rank
 
 
 
@@ -144,13 +146,14 @@ def _gather(row: dict) -> list[dict]:
     return rows
 
 
-def _timed_step(system: System, sequences) -> list[dict]:
-    """One step of `system`, measured on every rank; every rank's record."""
+def _timed_step(system: System, sequences, trim: bool = True) -> list[dict]:
+    """One step of `system`, measured on every rank; every rank's record. `trim`: return freed
+    heap to the OS first, so the step's peak RSS is its own (and its pages fault in again)."""
     from megatron.core import parallel_state
 
     meter, timeline = BenchMeter(system.model, system.store), StageTimeline()
     gc.collect()
-    reset_peak_rss()
+    reset_peak_rss(trim)
     dist.barrier()
     t0 = time.perf_counter()
     count = step_system(system, sequences, meter, timeline)
@@ -220,6 +223,7 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
     from megatron_chunkflow.integration.verify import make_sequences
 
     torch.set_num_threads(s.threads)
+    caching = s.caching_malloc and cache_freed_memory()
     dp = parallel_state.get_data_parallel_world_size()
     log("calibrating: GEMM, attention, memory and point-to-point rates of this CPU")
     rates = average_rates(measure_cpu_rates(
@@ -253,14 +257,19 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
         f"{chunking.peak_bytes / 2**20:.0f} MiB)")
 
     sequences = make_sequences(s.lengths, s.shape.vocab_size, s.seed)
+    # Peak RSS comes from steps after a malloc_trim (the warm-up ones when there are any); the
+    # measured steps then reuse the heap the warm-up grew, as a caching allocator would.
     measured: dict[str, list[list[dict]]] = {"megatron": [], "chunkflow": []}
+    rss = {"megatron": 0, "chunkflow": 0}
     for i in range(s.warmup + s.repeats):
-        phase = f"warm-up {i + 1}/{s.warmup}" if i < s.warmup else \
-            f"repeat {i - s.warmup + 1}/{s.repeats}"
+        warm = i < s.warmup
+        phase = f"warm-up {i + 1}/{s.warmup}" if warm else f"repeat {i - s.warmup + 1}/{s.repeats}"
         for system in (megatron, chunkflow):
-            rows = _timed_step(system, sequences)
-            if i >= s.warmup:
+            rows = _timed_step(system, sequences, trim=warm or not s.warmup)
+            if not warm:
                 measured[system.name].append(rows)
+            if warm or not s.warmup:
+                rss[system.name] = max(rss[system.name], max(r["rss"] for r in rows))
             log(f"{phase}  {system.name:<9}  {max(r['elapsed'] for r in rows):7.2f} s")
 
     preds = {"megatron": predict_megatron(s.lengths, s.shape, hw,
@@ -273,6 +282,7 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
         re_flops = recompute_flops(name, s.lengths, s.shape, s.seq_length, dp,
                                    chunking.chunk_size, chunking.k, recompute)
         out[name] = summarize(measured[name], s, preds[name], re_flops)
+        out[name]["peak_rss_bytes"] = rss[name]
     out["megatron"].update(recompute=recompute, modelled_peak_activation_bytes=(
         baseline_peak(s.lengths, s.seq_length, dp, act) if recompute == "none" else None))
     out["chunkflow"].update(chunk_size=chunking.chunk_size, k=chunking.k,
@@ -281,10 +291,11 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
     return {
         "baseline": mg, "chunkflow": cf,
         "speedup": mg["step_s"] / cf["step_s"],
+        "speedup_factors": speedup_factors(mg, cf),
         "activation_memory_ratio": cf["peak_activation_bytes"] / mg["peak_activation_bytes"],
         "rss_ratio": cf["peak_rss_bytes"] / mg["peak_rss_bytes"],
         "predicted_speedup": mg["predicted_step_s"] / cf["predicted_step_s"],
-        "setup": _setup(s, dp, act, rates, hw, chunking),
+        "setup": _setup(s, dp, act, rates, hw, chunking, caching),
     }
 
 
@@ -297,6 +308,7 @@ def summarize(repeats: list[list[dict]], s: BenchSettings, pred, re_flops: float
                      key=lambda r: r["stage"])
     bubbles = [_bubble(rows) for rows in repeats]
     busy = [sum(end - start for _, _, start, end in r["ops"]) for r in replica]
+    span = max(r["span"] for r in replica)
     flops = sequence_model_flops(s.lengths, s.shape)
     peak = [max(rows[i]["peak_total"] for rows in repeats) for i in range(len(repeats[0]))]
     stage_peak = [0] * s.pp
@@ -312,9 +324,9 @@ def summarize(repeats: list[list[dict]], s: BenchSettings, pred, re_flops: float
         "kv_state_bytes_per_stage": stage_state,
         "recompute_working_set_bytes": max(r["peak_recompute"] for rows in repeats
                                            for r in rows),
-        "peak_rss_bytes": max(r["rss"] for rows in repeats for r in rows),
         "bubble": statistics.median(bubbles), "bubble_repeats": bubbles,
-        "busy_s_per_stage": busy,
+        "busy_s_per_stage": busy, "span_s": span,
+        "busy_flops_per_s": (flops + re_flops) / sum(busy),  # per rank, while computing
         "recompute_fraction": re_flops / flops, "recompute_flops": re_flops,
         "model_flops": flops, "num_microbatches": repeats[0][0]["count"],
         "predicted_step_s": pred.step_s, "predicted_bubble": pred.bubble,
@@ -322,6 +334,21 @@ def summarize(repeats: list[list[dict]], s: BenchSettings, pred, re_flops: float
         "timeline": [{"stage": r["stage"], "span": r["span"],
                       "ops": [list(op) for op in r["ops"]]} for r in replica],
     }
+
+
+def speedup_factors(mg: dict, cf: dict) -> dict:
+    """Where the time goes: the speedup as a product of less work (model + recompute FLOPs), work
+    done faster while busy, less idle time (the median step's bubble), and the rest of the step
+    outside the pipeline (optimizer, planning, waits for the last sends)."""
+    def parts(x):
+        work = x["model_flops"] + x["recompute_flops"]
+        busy = sum(x["busy_s_per_stage"])
+        p = len(x["busy_s_per_stage"])
+        return work, work / busy, busy / (p * x["span_s"]), x["step_s"] / x["span_s"]
+
+    (w_mg, r_mg, u_mg, o_mg), (w_cf, r_cf, u_cf, o_cf) = parts(mg), parts(cf)
+    return {"work": w_mg / w_cf, "busy_rate": r_cf / r_mg, "utilization": u_cf / u_mg,
+            "outside_pipeline": o_mg / o_cf}
 
 
 def _bubble(rows: list[dict]) -> float:
@@ -332,12 +359,13 @@ def _bubble(rows: list[dict]) -> float:
     return 1.0 - busy / (len(replica) * span) if span > 0 else 0.0
 
 
-def _setup(s: BenchSettings, dp: int, act: ActivationRates, rates, hw, chunking) -> dict:
+def _setup(s: BenchSettings, dp: int, act: ActivationRates, rates, hw, chunking,
+           caching: bool) -> dict:
     import megatron.core
 
     lengths = s.lengths
     return {
-        "model": s.model_name, "shape": dataclasses.asdict(s.shape),
+        "model": s.model_name, "shape": dataclasses.asdict(s.shape), "caching_malloc": caching,
         "layout": {"tp": s.tp, "pp": s.pp, "dp": dp, "world": dist.get_world_size()},
         "threads_per_rank": s.threads, "backend": s.backend, "dtype": "float32",
         "num_sequences": len(lengths), "tokens": sum(lengths), "longest": max(lengths),

@@ -50,13 +50,25 @@ def test_choose_chunking_takes_the_fastest_that_fits():
     assert fitting and all(x.peak_bytes <= budget for x in fitting)
     assert all(x.predicted_s is None for x in chosen.candidates if x.peak_bytes > budget)
     assert chosen.peak_bytes <= budget
-    assert chosen.predicted_s == min(x.predicted_s for x in fitting)
+    assert chosen.predicted_s == min(x.predicted_s for x in fitting)  # no ties here
     assert any(x.chunk_size > chosen.chunk_size for x in chosen.candidates)  # too big to fit
     assert chosen.peak_bytes == chunkflow_peak(LENGTHS, chosen.chunk_size, chosen.k, 1, SHAPE,
                                                RATES)
     # a peak grows with C at fixed K
     peaks = [chunkflow_peak(LENGTHS, c, 1, 1, SHAPE, RATES) for c in (1024, 2048, 4096)]
     assert peaks == sorted(peaks)
+
+
+def test_choose_chunking_near_ties_go_to_the_smaller_peak():
+    """Predictions within 3% of the fastest are a tie: the smallest modelled peak wins."""
+    budget = 2**40
+    times = {1024: 1.02, 2048: 1.0, 4096: 1.05, 8192: 1.2, 16384: 1.3, 32768: 1.4}
+    chosen = choose_chunking(LENGTHS, 32768, 1, SHAPE, RATES, budget, ks=(1,),
+                             predict_s=lambda c, k: times[c])
+    assert (chosen.chunk_size, chosen.k) == (1024, 1)
+    chosen = choose_chunking(LENGTHS, 32768, 1, SHAPE, RATES, budget, ks=(1,), tie=0.01,
+                             predict_s=lambda c, k: times[c])
+    assert (chosen.chunk_size, chosen.k) == (2048, 1)
 
 
 def test_choose_chunking_nothing_fits_names_the_budget():
