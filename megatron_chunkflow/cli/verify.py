@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          dest_prefix="lora_")
     g = parser.add_argument_group("SpaCO sparse backward (approximate)")
     add_config_arguments(g, SparseConfig)
-    g.add_argument("--draws", type=int, default=16, metavar="N",
+    g.add_argument("--draws", type=int, default=None, metavar="N",
                    help="with --sparse-backward: SpaCO gradients (random draws) to average "
                         "(default: 16)")
     g = parser.add_argument_group("memory")
@@ -108,8 +108,9 @@ def run(args: argparse.Namespace) -> int:
     lora = LoRAConfig.from_args(args)
     sparse = SparseConfig.from_args(args)
     if sparse.enabled:
+        args.draws = 16 if args.draws is None else args.draws
         _check_sparse_args(args, cfg, sparse)
-    elif args.draws != 16:
+    elif args.draws is not None:
         raise ValueError("--draws needs --sparse-backward")
     if lora is not None and args.hf_reference:
         raise ValueError("--lora-rank cannot be combined with --hf-reference")

@@ -137,7 +137,8 @@ def apply_lora(model, lora: LoRAConfig, seed: int = 0, b_init_std: float = 0.0) 
             continue
         mode = wanted[".".join(parts[3:])]
         cls = ColumnParallelLinear if mode == "column" else RowParallelLinear
-        if not isinstance(module, cls) or (mode == "row" and not module.input_is_parallel):
+        if not isinstance(module, cls) or (mode == "row" and not module.input_is_parallel) or \
+                (mode == "column" and module.gather_output):
             raise ValueError(f"LoRA supports megatron-core's {cls.__name__} (the local layer "
                              f"spec); {name} is a {type(module).__name__}")
         out_full, in_full = module.output_size, module.input_size

@@ -14,6 +14,8 @@ chunks' inputs for this DP rank) from `data_iterator`, checks that every rank of
 Forwards go through Megatron's forward_step with config.calculate_per_token_loss, so every chunk's
 loss_func returns (sum, count, report); finalize_model_grads divides the gradients once by the
 DP-wide token count. Only the graph-enabled forward of each chunk contributes to the reported loss.
+With SpaCO (integration/sparse.py: sparsify) some chunks are forward-only: their forward reports
+the loss and tokens, and they have no R or B (approximate; docs/sparse.md).
 """
 
 from __future__ import annotations
