@@ -285,7 +285,8 @@ def export_hf_weights(model, config, shape: ModelShape) -> dict[str, torch.Tenso
                 t = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
             else:
                 t = torch.cat(shards, dim=param.partition_dim)
-        mine[local_spec_name(full_model_name(name, config, shape.tie_embeddings))] = t.cpu()
+        mine[local_spec_name(full_model_name(name, config, shape.tie_embeddings))] = t.to(
+            "cpu", copy=True)  # a copy even on CPU: the export must not alias live weights
     stages = [mine]
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     if dist.get_world_size(pp_group) > 1:
