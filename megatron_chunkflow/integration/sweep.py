@@ -4,7 +4,7 @@
                             {"system": "megatron", "recompute": "full"}])
 
 Run in every process of a job (integration/dist.py: run_processes). Each configuration is a
-system of integration/bench.py (ChunkFlow with its (C, K), or stock Megatron with its recompute),
+system of integration/bench_systems.py (ChunkFlow with its (C, K), or stock Megatron with its recompute),
 stepped `warmup + repeats` times on the same batch with the same meters as `chunkflow bench`; a
 row holds the median step time, the measured peaks (activations and K/V state, per stage) and,
 for ChunkFlow, the budget model's modelled peak (core/budget.py) beside the measured one.
@@ -18,12 +18,12 @@ import statistics
 import torch
 
 from megatron_chunkflow.core.budget import chunkflow_peak
-from megatron_chunkflow.integration.bench import (
+from megatron_chunkflow.integration.bench_systems import (
     BenchSettings,
-    _timed_step,
-    _train_settings,
     build_system,
     probe_rates,
+    timed_step,
+    train_settings,
 )
 from megatron_chunkflow.integration.instrument import cache_freed_memory
 
@@ -48,7 +48,7 @@ def sweep(s: BenchSettings, configs: list[dict], log=lambda text: None) -> list[
         if cfg["system"] == "chunkflow":
             key = "chunkflow"
             if key not in systems:
-                systems[key] = build_system(key, _train_settings(s, chunkflow=True))
+                systems[key] = build_system(key, train_settings(s, chunkflow=True))
                 act = probe_rates(systems[key], s)
             system = systems[key]
             system.settings = dataclasses.replace(system.settings, chunk_size=cfg["chunk_size"],
@@ -57,10 +57,10 @@ def sweep(s: BenchSettings, configs: list[dict], log=lambda text: None) -> list[
             key = f"megatron-{cfg['recompute']}"
             if key not in systems:
                 recompute = None if cfg["recompute"] == "none" else cfg["recompute"]
-                systems[key] = build_system("megatron", _train_settings(
+                systems[key] = build_system("megatron", train_settings(
                     s, chunkflow=False, recompute_granularity=recompute))
             system = systems[key]
-        records = [_timed_step(system, sequences, trim=i < s.warmup or not s.warmup)
+        records = [timed_step(system, sequences, trim=i < s.warmup or not s.warmup)
                    for i in range(s.warmup + s.repeats)]
         row = dict(cfg, **_summary(records[s.warmup:], s.pp))
         if cfg["system"] == "chunkflow":

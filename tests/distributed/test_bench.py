@@ -53,18 +53,22 @@ def _peaks(rank, lengths_list):
     """Per batch: (stock Megatron's and ChunkFlow's peak activation bytes without state, and
     ChunkFlow's peak state) on this stage, no recompute, C = 64, K = 1."""
     from megatron_chunkflow.core.models import get_model_shape
-    from megatron_chunkflow.integration.bench import BenchSettings, _train_settings, build_system
+    from megatron_chunkflow.integration.bench_systems import (
+        BenchSettings,
+        build_system,
+        step_system,
+        train_settings,
+    )
     from megatron_chunkflow.integration.dist import init_distributed, shutdown
     from megatron_chunkflow.integration.instrument import BenchMeter
     from megatron_chunkflow.integration.pipeline import StageTimeline
-    from megatron_chunkflow.integration.bench import step_system
     from megatron_chunkflow.integration.verify import make_sequences
 
     init_distributed(pp=2)
     s = BenchSettings(shape=get_model_shape("tiny"), model_name="tiny", lengths=[1],
                       seq_length=1024, budget_bytes=0, pp=2)
-    systems = [build_system("megatron", _train_settings(s, chunkflow=False)),
-               build_system("chunkflow", _train_settings(s, chunkflow=True, chunk_size=64))]
+    systems = [build_system("megatron", train_settings(s, chunkflow=False)),
+               build_system("chunkflow", train_settings(s, chunkflow=True, chunk_size=64))]
     out = []
     for lengths in lengths_list:
         sequences = make_sequences(lengths, 1000, seed=0)

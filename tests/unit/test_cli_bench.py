@@ -95,6 +95,7 @@ def test_chunk_size_candidates():
     (["--pp", "3", "--nproc", "3"], "--pp"),
     (["--num-sequences", "0"], "--num-sequences"),
     (["--lengths-file", "/nonexistent/lengths.txt"], "--lengths-file"),
+    (["--sharegpt", "--lengths-file", "/nonexistent/lengths.txt"], "--sharegpt"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(capsys, argv, flag):
     assert main(["bench", *argv]) == 2
@@ -106,3 +107,23 @@ def test_unknown_choice_is_argparse_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "--megatron-recompute", "sometimes"])
     assert e.value.code == 2 and "--megatron-recompute" in capsys.readouterr().err
+
+
+def test_cpu_device_host_time_per_op():
+    """The CPU device's host time per op adds once to every F/R and B of every stage (twice to
+    a B that re-runs the forward under full recompute), and nothing on GPUs (default 0)."""
+    from megatron_chunkflow.core.hardware import hardware_from_measurements
+    from megatron_chunkflow.core.layout import Layout
+    from megatron_chunkflow.core.roofline import Roofline
+    from megatron_chunkflow.core.types import DataChunk, Segment
+
+    kw = dict(gemm_flops=1e11, attn_fwd_flops=5e10, attn_bwd_flops=5e10, memory_bytes=1e10,
+              p2p_bytes_per_s=1e9)
+    chunk = DataChunk(id=0, kind="standalone", segments=(Segment(0, 0, 500),))
+    for recompute, extra in (("none", 1), ("full", 2)):
+        layout = Layout(pp=2, recompute=recompute)
+        f0, b0 = Roofline(SHAPE, layout, hardware_from_measurements(**kw)).chunk_costs(chunk, 2)
+        f1, b1 = Roofline(SHAPE, layout, hardware_from_measurements(
+            **kw, op_overhead_s=0.01)).chunk_costs(chunk, 2)
+        assert [b - a for a, b in zip(f0, f1)] == pytest.approx([0.01, 0.01])
+        assert [b - a for a, b in zip(b0, b1)] == pytest.approx([0.01 * extra] * 2)
