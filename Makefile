@@ -11,7 +11,7 @@ TEST_STAMP := $(VENV)/.installed-test
 MEGATRON_LM_GIT ?= https://github.com/NVIDIA/Megatron-LM.git
 MEGATRON_LM_TAG := core_v0.16.1
 
-.PHONY: demo plan test bench clean megatron-lm
+.PHONY: demo plan test bench bench-cpu clean megatron-lm
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,14 @@ test: $(TEST_STAMP)
 bench: $(STAMP)
 	$(BIN)/python scripts/benchmarks/bench_planner.py
 	$(BIN)/python scripts/benchmarks/soak_train.py
+
+# Stock Megatron against ChunkFlow measured on this CPU (docs/benchmarks.md, "CPU measurements"):
+# the default scenario (2 processes, PP=2; ~3 min on 2 cores) and the two chunking sweeps.
+bench-cpu: $(STAMP)
+	mkdir -p out/bench
+	$(BIN)/chunkflow bench --json --png out/bench > out/bench/bench.json
+	$(BIN)/python scripts/benchmarks/sweep_chunk_size.py --out out/bench
+	$(BIN)/python scripts/benchmarks/sweep_chunk_k.py --out out/bench
 
 megatron-lm: third_party/Megatron-LM/pretrain_gpt.py
 

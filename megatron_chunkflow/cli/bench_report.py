@@ -25,6 +25,13 @@ def report_lines(r: dict) -> list[str]:
         f"budget {st['budget_bytes'] / MIB:.0f} MiB of activations per rank: stock Megatron "
         f"recompute {mg['recompute']}; ChunkFlow C={cf['chunk_size']} K={cf['k']} (modelled "
         f"peak {cf['modelled_peak_activation_bytes'] / MIB:.0f} MiB)",
+        "load average (1 min) at the start and after each pair of steps: "
+        + " ".join(f"{x:.1f}" for x in st["load_average_1min"])
+        + f" on {os.cpu_count()} cores (other processes make times noisy)",
+        f"simulator's cpu device: kernel rates and two timed probe micro-batches, measured "
+        f"{len(st['calibrations'])} times (medians); dense work in the model takes "
+        f"{st['model_fit']['dense_scale']:.2f}x the isolated kernels' time, plus "
+        f"{st['model_fit']['op_overhead_s'] * 1e3:.1f} ms host time per op",
         "",
         f"{'':<34}{'stock Megatron':>16}{'ChunkFlow':>14}{'ChunkFlow / stock':>20}",
     ]

@@ -1,10 +1,11 @@
 """Stock Megatron against ChunkFlow: one model, batch, layout and memory budget (`chunkflow bench`).
 
 Run in every process of a job (cli/bench.py spawns them, or torchrun). Per run:
-1. Calibrate: this CPU's GEMM, attention, memory and point-to-point rates (integration/calibrate.py)
-   and the host time per pipeline-stage op (a tiny step through the real model) make a `cpu`
-   device for the simulator; a probe micro-batch through the real model measures the activation
-   bytes per token of each stage (saved-tensor hooks, integration/memory.py).
+1. Calibrate: this CPU's GEMM, attention, memory and point-to-point rates and two timed probe
+   micro-batches of the real model (integration/calibrate.py: kernel rates, then the model's dense
+   efficiency and host time per op fitted) make a `cpu` device for the simulator, re-measured
+   before every measured pair (medians); a probe micro-batch measures the activation bytes per
+   token of each stage (saved-tensor hooks, integration/memory.py).
 2. Budget (core/budget.py): stock Megatron gets no recompute when its largest micro-batch fits,
    else Megatron's full recompute; ChunkFlow the fastest (chunk size, K) whose modelled peak fits.
 3. Both systems are built (integration/bench_systems.py: same model shape and seed, Megatron's
@@ -44,10 +45,12 @@ from megatron_chunkflow.core.packer import build_chunks
 from megatron_chunkflow.core.predict import predict_chunkflow, predict_megatron
 from megatron_chunkflow.core.step import baseline_microbatches
 from megatron_chunkflow.integration.bench_systems import (
+    PROBE_SEGMENT,
+    PROBE_SIZES,
     BenchSettings,
     build_system,
-    probe_op_overhead,
     probe_rates,
+    probe_step_times,
     timed_step,
     train_settings,
 )
@@ -74,24 +77,39 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
     from megatron.core import parallel_state
 
     from megatron_chunkflow.integration.calibrate import (
+        CpuRates,
         average_rates,
-        cpu_hardware,
         measure_cpu_rates,
+        model_hardware,
     )
     from megatron_chunkflow.integration.verify import make_sequences
 
     torch.set_num_threads(s.threads)
     caching = s.caching_malloc and cache_freed_memory()
     dp = parallel_state.get_data_parallel_world_size()
-    log("calibrating: GEMM, attention, memory and point-to-point rates of this CPU")
-    rates = average_rates(measure_cpu_rates(
-        s.shape, s.backend, parallel_state.get_pipeline_model_parallel_group(),
-        tokens=min(2048, max(128, s.seq_length // 16))))
+    load = [os.getloadavg()[0]]
     chunkflow = build_system("chunkflow", train_settings(s, chunkflow=True))
+    calibrations, fit = [], {}
+
+    def calibrate():
+        """Kernel rates and probe step times, measured now (the machine may be shared, so this
+        runs again before every measured pair and the simulator takes the medians)."""
+        rates = average_rates(measure_cpu_rates(
+            s.shape, s.backend, parallel_state.get_pipeline_model_parallel_group(),
+            tokens=min(2048, max(128, s.seq_length // 16))))
+        calibrations.append((rates, probe_step_times(chunkflow, s)))
+        rates = CpuRates(*(statistics.median(col) for col in zip(
+            *(dataclasses.astuple(r) for r, _ in calibrations))))
+        times = {t: statistics.median(p[t] for _, p in calibrations) for t in PROBE_SIZES}
+        hw, scale, host = model_hardware(
+            rates, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), s.shape, s.pp,
+            times, PROBE_SEGMENT)
+        fit.update(dense_scale=scale, op_overhead_s=host, probe_step_s=times)
+        return rates, hw
+
+    log("calibrating: GEMM, attention, memory and point-to-point rates, host time per op")
+    rates, hw = calibrate()
     act = probe_rates(chunkflow, s)
-    overhead = probe_op_overhead(chunkflow, s)
-    hw = cpu_hardware(rates, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-                      op_overhead_s=overhead)
     recompute = s.megatron_recompute
     if recompute == "auto":
         recompute = baseline_recompute(s.lengths, s.seq_length, dp, act, s.budget_bytes)
@@ -123,6 +141,8 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
     for i in range(s.warmup + s.repeats):
         warm = i < s.warmup
         phase = f"warm-up {i + 1}/{s.warmup}" if warm else f"repeat {i - s.warmup + 1}/{s.repeats}"
+        if not warm:
+            rates, hw = calibrate()
         for system in (megatron, chunkflow):
             rows = timed_step(system, sequences, trim=warm or not s.warmup)
             if not warm:
@@ -130,6 +150,7 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
             if warm or not s.warmup:
                 rss[system.name] = max(rss[system.name], max(r["rss"] for r in rows))
             log(f"{phase}  {system.name:<9}  {max(r['elapsed'] for r in rows):7.2f} s")
+        load.append(os.getloadavg()[0])
 
     preds = {"megatron": predict_megatron(s.lengths, s.shape, hw,
                                           dataclasses.replace(layout, recompute=recompute),
@@ -154,7 +175,8 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
         "activation_memory_ratio": cf["peak_activation_bytes"] / mg["peak_activation_bytes"],
         "rss_ratio": cf["peak_rss_bytes"] / mg["peak_rss_bytes"],
         "predicted_speedup": mg["predicted_step_s"] / cf["predicted_step_s"],
-        "setup": _setup(s, dp, act, rates, hw, chunking, caching),
+        "setup": _setup(s, dp, act, rates, hw, chunking, caching, load, fit,
+                        [dataclasses.asdict(r) | {"probe_step_s": p} for r, p in calibrations]),
     }
 
 
@@ -219,7 +241,7 @@ def _bubble(rows: list[dict]) -> float:
 
 
 def _setup(s: BenchSettings, dp: int, act: ActivationRates, rates, hw, chunking,
-           caching: bool) -> dict:
+           caching: bool, load: list[float], fit: dict, calibrations: list[dict]) -> dict:
     import megatron.core
 
     lengths = s.lengths
@@ -232,9 +254,9 @@ def _setup(s: BenchSettings, dp: int, act: ActivationRates, rates, hw, chunking,
         "warmup": s.warmup, "repeats": s.repeats, "seed": s.seed,
         "activation_bytes_per_token": list(act.per_token),
         "kv_bytes_per_token": list(act.kv_per_token),
-        "cpu_rates": rates.to_json(), "op_overhead_s": hw.op_overhead_us * 1e-6,
+        "cpu_rates": rates.to_json(), "model_fit": fit,
         "hardware": dataclasses.asdict(hw),
         "chunking_candidates": [dataclasses.asdict(c) for c in chunking.candidates],
-        "load_average": os.getloadavg(), "torch": torch.__version__,
+        "calibrations": calibrations, "load_average_1min": load, "torch": torch.__version__,
         "megatron_core": megatron.core.__version__,
     }

@@ -5,8 +5,8 @@
   own schedule, or ChunkFlow's forward_backward_chunkflow) with a meter and a timeline attached.
 - timed_step: one step measured on every rank (wall time, per-op intervals, metered bytes, RSS).
 - probe_rates: activation bytes per token per stage, measured on a probe micro-batch.
-- probe_op_overhead: host time per pipeline-stage op beyond the kernels (the CPU device's
-  op_overhead_us in core/hardware.py).
+- probe_step_times: a stage's forward + backward of two probe micro-batches, timed, from which
+  integration/calibrate.py fits the CPU device's host time per op and dense-work efficiency.
 Run in every process of a job.
 """
 
@@ -175,23 +175,33 @@ def probe_rates(system: System, s: BenchSettings) -> ActivationRates:
                            tuple(kv * n * 4 for n in layers), s.shape.hidden_size * elem)
 
 
-def probe_op_overhead(system: System, s: BenchSettings, repeats: int = 5) -> float:
-    """Host time of one op of a pipeline stage beyond its kernels: the median over `repeats`
-    steps of one 8-token sequence on Megatron's schedule of the mean forward and backward
-    durations, the slowest stage counting (its kernels take microseconds)."""
+PROBE_SIZES = (512, 4096)  # tokens of the two timing probes
+PROBE_SEGMENT = 256  # tokens per packed sequence in them (short SFT samples)
+
+
+def probe_step_times(system: System, s: BenchSettings, repeats: int = 3) -> dict[int, float]:
+    """Seconds of one micro-batch's forward + backward on a pipeline stage (the mean over stages)
+    for micro-batches of PROBE_SIZES tokens packed from PROBE_SEGMENT-token sequences, on
+    Megatron's schedule without recompute: the median of `repeats` runs after one unrecorded."""
+    from megatron.core import parallel_state
+
     from megatron_chunkflow.integration.train import run_step
     from megatron_chunkflow.integration.verify import make_sequences
 
-    tiny = make_sequences([8], s.shape.vocab_size, s.seed)
-    ts = dataclasses.replace(system.settings, chunkflow=False, seq_length=8,
-                             recompute_granularity=None)
-    per_step = []
-    for _ in range(repeats + 1):  # the first run pays one-time setup
-        timeline = StageTimeline()
-        with instrument_megatron(BenchMeter(system.model, system.store), timeline):
-            run_step(ts, tiny, system.ddp, system.model.config)
-        per_step.append(statistics.mean(end - start for _, _, start, end in timeline.ops))
+    out = {}
+    for tokens in PROBE_SIZES:
+        batch = make_sequences([PROBE_SEGMENT] * (tokens // PROBE_SEGMENT), s.shape.vocab_size,
+                               s.seed)
+        ts = dataclasses.replace(system.settings, chunkflow=False, seq_length=tokens,
+                                 recompute_granularity=None)
+        times = []
+        for _ in range(repeats + 1):
+            timeline = StageTimeline()
+            with instrument_megatron(BenchMeter(system.model, system.store), timeline):
+                run_step(ts, batch, system.ddp, system.model.config)
+            times.append(sum(end - start for _, _, start, end in timeline.ops))
+        mine = torch.tensor([statistics.median(times[1:])], dtype=torch.float64)
+        dist.all_reduce(mine, group=parallel_state.get_pipeline_model_parallel_group())
+        out[tokens] = float(mine) / s.pp
     system.ddp.zero_grad_buffer()
-    mine = torch.tensor([statistics.median(per_step[1:])], dtype=torch.float64)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    return float(mine)
+    return out

@@ -1,7 +1,8 @@
 """Measure this machine's rates for the cost model: a `cpu` device for core/hardware.py.
 
     rates = measure_cpu_rates(shape, backend="cpu_flash")   # every rank, a few seconds
-    hw = cpu_hardware(rates, memory_bytes)
+    hw = cpu_hardware(rates, memory_bytes)                  # kernels only
+    hw, scale, host = model_hardware(rates, memory_bytes, shape, pp, probe_times, segment)
 
 What is timed is what a training step runs, on this rank's threads:
 - GEMMs: the transformer layer's four weight shapes (QKV, projection, fc1, fc2) for a micro-batch
@@ -13,6 +14,12 @@ What is timed is what a training step runs, on this rank's threads:
 - memory: an elementwise a * b + c over tensors far larger than the caches (bytes moved / s).
 - pipeline point-to-point: a gloo send of 16 MB to the next stage, and the latency of one element.
 Each is the median of a few repetitions after one unrecorded run.
+
+Isolated kernels run faster than the same work inside the model, and each op of a pipeline stage
+pays host time (Python, Megatron's forward_step, autograd) that a GPU hides behind its kernels.
+model_hardware fits both from two timed probe micro-batches of the real model (512 and 4096
+tokens; integration/bench_systems.py: probe_step_times): measured = scale * roofline + host per
+op, so the simulator's CPU device has GEMM and memory rates / scale and op_overhead_us = host.
 """
 
 from __future__ import annotations
@@ -164,3 +171,39 @@ def cpu_hardware(rates: CpuRates, memory_bytes: float, dtype_bytes: int = 4,
         min(rates.p2p_bytes_per_s, 1e15), p2p_latency_s=rates.p2p_latency_s,
         mem_bytes_per_s=rates.mem_bytes_per_s, dtype_bytes=dtype_bytes,
         op_overhead_s=op_overhead_s)
+
+
+def fit_model_costs(hw: Hardware, shape: ModelShape, num_stages: int,
+                    measured: dict[int, float], segment: int) -> tuple[float, float]:
+    """(dense scale, host seconds per op) such that measured = scale * roofline + 2 * host for
+    the probe micro-batches (core/roofline.py's forward + backward per stage, stages averaged).
+    The kernel rates come from isolated kernels; in the model the same work runs slower (layers
+    of small ops between them) and every op pays a fixed host cost: two probe sizes separate
+    the two. The scale applies to GEMM and memory rates (attention is a few % of the probes)."""
+    from megatron_chunkflow.core.layout import Layout
+    from megatron_chunkflow.core.roofline import Roofline
+    from megatron_chunkflow.core.types import DataChunk, Segment
+
+    model = Roofline(shape, Layout(pp=num_stages), hw)
+
+    def predicted(tokens: int) -> float:
+        segs = tuple(Segment(i, 0, segment) for i in range(tokens // segment))
+        fwd, bwd = model.chunk_costs(DataChunk(id=0, kind="standalone", segments=segs),
+                                     num_stages)
+        return (sum(fwd) + sum(bwd)) / num_stages
+
+    (t1, m1), (t2, m2) = sorted(measured.items())
+    r1, r2 = predicted(t1), predicted(t2)
+    scale = max((m2 - m1) / (r2 - r1), 1e-3)
+    return scale, max(0.0, (m1 - scale * r1) / 2)
+
+
+def model_hardware(rates: CpuRates, memory_bytes: float, shape: ModelShape, num_stages: int,
+                   measured: dict[int, float], segment: int) -> tuple[Hardware, float, float]:
+    """The CPU device for the simulator: kernel rates, with GEMM and memory rates divided by the
+    fitted dense scale and the fitted host time per op (fit_model_costs)."""
+    kernels = cpu_hardware(rates, memory_bytes)
+    scale, host = fit_model_costs(kernels, shape, num_stages, measured, segment)
+    fitted = CpuRates(rates.gemm_flops / scale, rates.attn_fwd_flops, rates.attn_bwd_flops,
+                      rates.mem_bytes_per_s / scale, rates.p2p_bytes_per_s, rates.p2p_latency_s)
+    return cpu_hardware(fitted, memory_bytes, op_overhead_s=host), scale, host
