@@ -11,7 +11,7 @@ Default scenario: the tiny-bench model (Qwen2.5-shaped, 4 layers) on PP=2 over 2
 here, or the launcher's), one global batch of 256 profile-B sequences scaled by 1/8 to a 32K
 context (at least one longer than 4K), float32 on CPU, the `cpu_flash` attention kernel for both
 systems, and an activation budget of 1 GiB per rank, under which stock Megatron's 32K micro-batch
-needs full recompute (1.4 GiB without). One warm-up step of each, then 3 measured steps of each,
+needs full recompute (1.4 GiB without). Two warm-up steps of each, then 3 measured steps of each,
 alternated. How the budget decides recompute: core/budget.py; what is measured and how:
 integration/bench.py; results: docs/benchmarks.md ("CPU measurements").
 """
@@ -27,7 +27,7 @@ from megatron_chunkflow.cli.output import Output
 from megatron_chunkflow.core.models import MODEL_SHAPES
 
 DEFAULTS = dict(model="tiny-bench", num_sequences=256, scale=1 / 8, seq_length=32768,
-                budget_mib=1024.0, pp=2, nproc=2, warmup=1, repeats=3, min_long=1)
+                budget_mib=1024.0, pp=2, nproc=2, warmup=2, repeats=3, min_long=1)
 MIB = 2.0**20
 
 
@@ -68,7 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chunks of a long sequence holding activations (default: chosen)")
     g = p.add_argument_group("measurement")
     g.add_argument("--warmup", type=int, default=DEFAULTS["warmup"], metavar="N",
-                   help="unmeasured steps of each system first (default: 1)")
+                   help="unmeasured steps of each system first; the first pair also measures "
+                        "peak RSS, the second grows the heap back (default: 2)")
     g.add_argument("--repeats", type=int, default=DEFAULTS["repeats"], metavar="N",
                    help="measured steps of each system, alternated (default: 3)")
     g.add_argument("--backend", default="cpu_flash",

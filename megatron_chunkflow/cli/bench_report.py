@@ -103,12 +103,15 @@ def write_plots(r: dict, directory: str) -> list[str]:
     paths.append(_save(fig, plt, directory, "throughput.png"))
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    for i, x in enumerate(systems):
-        state = max(x["kv_state_bytes_per_stage"]) / MIB
+    for i, x in enumerate(systems):  # parts at the worst stage's peak (bounded by their maxima)
         total = x["peak_activation_bytes"] / MIB
-        ax.bar(names[i], total - state, color=colors[i])
+        state = min(max(x["kv_state_bytes_per_stage"]) / MIB, total)
+        work = min(x["recompute_working_set_bytes"] / MIB, total - state)
+        ax.bar(names[i], total - state - work, color=colors[i])
+        ax.bar(names[i], work, bottom=total - state - work, color="#b279a2",
+               label="recompute working set" if work else None)
         ax.bar(names[i], state, bottom=total - state, color="#f58518",
-               label="K/V state" if i == 1 else None)
+               label="K/V state" if state else None)
     ax.axhline(r["setup"]["budget_bytes"] / MIB, color="red", linestyle=":", label="budget")
     ax.set_ylabel("peak activation memory per rank (MiB)")
     ax.set_title(f"activation memory ratio {r['activation_memory_ratio']:.2f}", fontsize=10)

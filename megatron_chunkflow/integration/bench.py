@@ -18,7 +18,7 @@ Measured per step: wall time of forward, backward and optimizer (slowest rank); 
 intervals (bubble = 1 - busy / (p x span)); activation bytes (ActivationMeter: bytes saved for
 backward plus K/V state; for Megatron the meter wraps its forward_step and is released at its
 backward_step, and the tensors that full recompute saves *during* the backward are counted while
-they are alive); peak RSS (VmHWM after returning freed heap to the OS, in the warm-up steps).
+they are alive); peak RSS (VmHWM after returning freed heap to the OS, in the first pair).
 """
 
 from __future__ import annotations
@@ -134,8 +134,9 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
         f"{chunking.peak_bytes / 2**20:.0f} MiB)")
 
     sequences = make_sequences(s.lengths, s.shape.vocab_size, s.seed)
-    # Peak RSS comes from steps after a malloc_trim (the warm-up ones when there are any); the
-    # measured steps then reuse the heap the warm-up grew, as a caching allocator would.
+    # Peak RSS comes from the first pair of steps, each after a malloc_trim; later warm-up steps
+    # grow the heap back to the larger system's peak, so the measured steps reuse it (as a
+    # caching allocator would) instead of paying its page faults in the first measured step.
     measured: dict[str, list[list[dict]]] = {"megatron": [], "chunkflow": []}
     rss = {"megatron": 0, "chunkflow": 0}
     for i in range(s.warmup + s.repeats):
@@ -144,10 +145,11 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
         if not warm:
             rates, hw = calibrate()
         for system in (megatron, chunkflow):
-            rows = timed_step(system, sequences, trim=warm or not s.warmup)
+            first = i == 0 or not s.warmup
+            rows = timed_step(system, sequences, trim=first)
             if not warm:
                 measured[system.name].append(rows)
-            if warm or not s.warmup:
+            if first:
                 rss[system.name] = max(rss[system.name], max(r["rss"] for r in rows))
             log(f"{phase}  {system.name:<9}  {max(r['elapsed'] for r in rows):7.2f} s")
         load.append(os.getloadavg()[0])
