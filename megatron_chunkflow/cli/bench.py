@@ -126,6 +126,13 @@ def settings_from_args(args: argparse.Namespace):
                               args.seed, args.scale)
     truncated = sum(n > args.seq_length for n in lengths)
     lengths = [min(n, args.seq_length) for n in lengths]
+    from megatron_chunkflow.core.step import baseline_microbatches
+
+    dp = world // (args.tp * args.pp)
+    if len(baseline_microbatches(lengths, args.seq_length, dp)) < dp:
+        raise ValueError(f"the batch ({len(lengths)} sequences, --num-sequences) packs into fewer "
+                         f"micro-batches of --seq-length {args.seq_length} than the {dp} "
+                         "data-parallel ranks: stock Megatron would leave a rank idle")
     threads = args.threads or max(1, (os.cpu_count() or 1) // world)
     settings = BenchSettings(
         shape=shape, model_name=args.model_config or args.model, lengths=lengths,

@@ -149,14 +149,16 @@ def timed_step(system: System, sequences, trim: bool = True) -> list[dict]:
 
 def probe_rates(system: System, s: BenchSettings) -> ActivationRates:
     """Bytes per token per stage, measured: one micro-batch of PROBE_TOKENS tokens (4 packed
-    sequences) through `system`'s model (no recompute) on Megatron's schedule, metered; K/V,
-    accumulator and hidden bytes from the tensors' shapes and dtypes."""
+    sequences) per DP rank through `system`'s model (no recompute) on Megatron's schedule,
+    metered, the largest over ranks of a stage; K/V, accumulator and hidden bytes from the
+    tensors' shapes and dtypes."""
     from megatron.core import parallel_state
 
     from megatron_chunkflow.integration.train import run_step
     from megatron_chunkflow.integration.verify import make_sequences
 
-    probe = make_sequences([PROBE_TOKENS // 4] * 4, s.shape.vocab_size, s.seed)
+    dp = parallel_state.get_data_parallel_world_size()
+    probe = make_sequences([PROBE_TOKENS // 4] * 4 * dp, s.shape.vocab_size, s.seed)
     ts = dataclasses.replace(system.settings, chunkflow=False, seq_length=PROBE_TOKENS,
                              recompute_granularity=None)
     meter = BenchMeter(system.model, system.store)
@@ -180,9 +182,10 @@ PROBE_SEGMENT = 256  # tokens per packed sequence in them (short SFT samples)
 
 
 def probe_step_times(system: System, s: BenchSettings, repeats: int = 3) -> dict[int, float]:
-    """Seconds of one micro-batch's forward + backward on a pipeline stage (the mean over stages)
-    for micro-batches of PROBE_SIZES tokens packed from PROBE_SEGMENT-token sequences, on
-    Megatron's schedule without recompute: the median of `repeats` runs after one unrecorded."""
+    """Seconds of one micro-batch's forward + backward on a pipeline stage (the mean over all
+    ranks, so every rank gets the same numbers) for micro-batches of PROBE_SIZES tokens packed
+    from PROBE_SEGMENT-token sequences, one per DP rank, on Megatron's schedule without
+    recompute: the median of `repeats` runs after one unrecorded."""
     from megatron.core import parallel_state
 
     from megatron_chunkflow.integration.train import run_step
@@ -190,8 +193,9 @@ def probe_step_times(system: System, s: BenchSettings, repeats: int = 3) -> dict
 
     out = {}
     for tokens in PROBE_SIZES:
-        batch = make_sequences([PROBE_SEGMENT] * (tokens // PROBE_SEGMENT), s.shape.vocab_size,
-                               s.seed)
+        dp = parallel_state.get_data_parallel_world_size()
+        batch = make_sequences([PROBE_SEGMENT] * (tokens // PROBE_SEGMENT) * dp,
+                               s.shape.vocab_size, s.seed)
         ts = dataclasses.replace(system.settings, chunkflow=False, seq_length=tokens,
                                  recompute_granularity=None)
         times = []
@@ -201,7 +205,7 @@ def probe_step_times(system: System, s: BenchSettings, repeats: int = 3) -> dict
                 run_step(ts, batch, system.ddp, system.model.config)
             times.append(sum(end - start for _, _, start, end in timeline.ops))
         mine = torch.tensor([statistics.median(times[1:])], dtype=torch.float64)
-        dist.all_reduce(mine, group=parallel_state.get_pipeline_model_parallel_group())
-        out[tokens] = float(mine) / s.pp
+        dist.all_reduce(mine)
+        out[tokens] = float(mine) / dist.get_world_size()
     system.ddp.zero_grad_buffer()
     return out

@@ -96,6 +96,7 @@ def test_chunk_size_candidates():
     (["--num-sequences", "0"], "--num-sequences"),
     (["--lengths-file", "/nonexistent/lengths.txt"], "--lengths-file"),
     (["--sharegpt", "--lengths-file", "/nonexistent/lengths.txt"], "--sharegpt"),
+    (["--pp", "1", "--num-sequences", "4", "--scale", "0.01"], "--num-sequences"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(capsys, argv, flag):
     assert main(["bench", *argv]) == 2
