@@ -1,6 +1,6 @@
 """An activation-memory budget decides recompute, as it would for a user (`chunkflow bench`).
 
-Inputs are *measured* bytes per token (integration/bench.py probes one micro-batch through the
+Inputs are *measured* bytes per token (integration/bench_systems.py probes a micro-batch through the
 real model with the saved-tensor meter), so the rules below hold for whatever the model saves.
 "Activation memory" is what integration/memory.py meters: bytes saved for backward (weights
 excluded) plus ChunkFlow's K/V state (stored K/V, fp32 gradient accumulators, prefix copies, stage
@@ -13,9 +13,9 @@ layer keeps only its input and re-runs in the backward).
 ChunkFlow: among chunk sizes C (powers of two from 1/32 of the context up to it) and K, those
 whose modelled peak fits in the budget; of these the fastest by the simulator (`predict_s`),
 where predictions within 3% of the fastest count as a tie (the simulator is no better than that)
-and a tie goes to the smaller peak. The modelled peak on stage s is the most activation bytes the plan
-holds at once there (core/simulate.py replays the plan with per-token bytes) plus an upper bound
-of the state of the longest sequence of L tokens in C-token chunks:
+and a tie goes to the smaller peak. The modelled peak on stage s is the most activation bytes
+the plan holds at once there (core/simulate.py replays the plan with per-token bytes) plus an
+upper bound of the state of the longest sequence of L tokens in C-token chunks:
 
     L u (stored K/V)  +  K L u (the cat(prefix, own) copies of the K chunks holding activations)
     + L a (gradient accumulators)  +  (L - K C) h (stage inputs kept for re-forwards, stages > 0)

@@ -31,8 +31,9 @@ Per transformer layer, per micro-batch of T tokens on one GPU (T / CP tokens und
 
 Per stage: layers * per-layer time, plus the embedding on the first stage and the output layer
 and loss on the last, plus the device's host time per op (`op_overhead_us`: 0 on GPUs, measured
-by `chunkflow bench` on a CPU, where Python runs between the kernels). PP point-to-point per micro-batch: the SP-split activation
-(T / CP / TP) * h, sent as fixed-shape tensors of the longest micro-batch.
+by `chunkflow bench` on a CPU, where Python runs between the kernels). PP point-to-point per
+micro-batch: the SP-split activation (T / CP / TP) * h, sent as fixed-shape tensors of the
+longest micro-batch.
 """
 
 from __future__ import annotations

@@ -4,10 +4,11 @@
                             {"system": "megatron", "recompute": "full"}])
 
 Run in every process of a job (integration/dist.py: run_processes). Each configuration is a
-system of integration/bench_systems.py (ChunkFlow with its (C, K), or stock Megatron with its recompute),
-stepped `warmup + repeats` times on the same batch with the same meters as `chunkflow bench`; a
-row holds the median step time, the measured peaks (activations and K/V state, per stage) and,
-for ChunkFlow, the budget model's modelled peak (core/budget.py) beside the measured one.
+system of integration/bench_systems.py (ChunkFlow with its (C, K), or stock Megatron with its
+recompute), stepped `warmup + repeats` times on the same batch with the same meters as
+`chunkflow bench`; a row holds the median step time, the measured peaks (activations and K/V
+state, per stage) and, for ChunkFlow, the budget model's modelled peak (core/budget.py) beside
+the measured one.
 """
 
 from __future__ import annotations
