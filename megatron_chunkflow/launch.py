@@ -47,15 +47,13 @@ def main(argv: list[str] | None = None) -> int:
 def _single_process_defaults() -> None:
     """Without torchrun/srun: a one-process job on this machine (Megatron reads env://)."""
     import os
-    import socket
+
+    from megatron_chunkflow.integration.dist import free_port
 
     if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      MASTER_PORT=str(free_port()))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this machine now (for a local rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -35,7 +36,7 @@ def init_distributed(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group(backend)
         else:
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}",
                                     rank=0, world_size=1)
     world = dist.get_world_size()
     if world % (tp * pp):
@@ -83,7 +84,7 @@ def run_processes(fn, world_size: int, *args):
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_spawned, args=(r, world_size, port, fn, args, queue))
              for r in range(world_size)]
     for p in procs:

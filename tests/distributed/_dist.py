@@ -7,17 +7,14 @@ rank's traceback. Results come back through a queue, one per rank: fn(rank, *arg
 from __future__ import annotations
 
 import os
-import socket
 import time
 import traceback
 
 import torch.multiprocessing as mp
 
+from megatron_chunkflow.integration.dist import free_port as _free_port
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
 
 
 def _entry(rank, world_size, port, fn, args, queue):

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_chunkflow.integration.dist import free_port as _free_port
 from megatron_chunkflow.integration.megatron_lm import check_versions, checkout_version
 from megatron_chunkflow.integration.megatron_lm_args import LaunchError
 
@@ -82,14 +83,6 @@ def _torchrun(nproc: int, module_args: list[str], cwd, timeout=600, env=None):
            "--master_port", str(_free_port()), "-m", *module_args]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _megatron_losses(log: str) -> list[float]:
