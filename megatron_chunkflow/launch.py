@@ -5,7 +5,7 @@
     torchrun --nproc_per_node 8 -m megatron_chunkflow.launch pretrain_gpt.py ...   # any launcher
     chunkflow-megatron pretrain_gpt.py ...                                          # the same
 
-The script itself is not modified: the plugin patches megatron/training (integration/megatron_lm.py)
+The script itself is not modified: the plugin patches megatron/training (megatron_lm/plugin.py)
 and then runs the script as __main__. Without --chunkflow, the run is stock Megatron-LM.
 """
 
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chunkflow-megatron: error: {script}: no such script (give the path of "
               "Megatron-LM's pretrain_gpt.py)\n" + USAGE, file=sys.stderr)
         return 2
-    from megatron_chunkflow.integration.megatron_lm import LaunchError, install
+    from megatron_chunkflow.megatron_lm.plugin import LaunchError, install
 
     _single_process_defaults()
 
@@ -48,7 +48,7 @@ def _single_process_defaults() -> None:
     """Without torchrun/srun: a one-process job on this machine (Megatron reads env://)."""
     import os
 
-    from megatron_chunkflow.integration.dist import free_port
+    from megatron_chunkflow.training.dist import free_port
 
     if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
         return

@@ -12,7 +12,7 @@ SEQ_LENGTH=262144       # the longest sequence accepted (longer ones follow --ov
 GLOBAL_BATCH_SIZE=2048  # sequences: about 2.4M tokens per step on profile B
 MOCK_PROFILE=B          # --mock-data lengths: DESIGN.md section 5, profile B (tail up to 256K)
 RUN_TRAINING_ARGS=(
-    --no-rope-fusion  # ChunkFlow applies RoPE by position ids (integration/model.py)
+    --no-rope-fusion  # ChunkFlow applies RoPE by position ids (runtime/model.py)
     --max-position-embeddings "$SEQ_LENGTH"  # see h100_256k_stock.sh
 )
 

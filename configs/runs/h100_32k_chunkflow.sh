@@ -13,7 +13,7 @@ SEQ_LENGTH=32768        # the longest sequence accepted (longer ones follow --ov
 GLOBAL_BATCH_SIZE=1024  # sequences (not rows): about 1.1M tokens per step on profile A
 MOCK_PROFILE=A          # --mock-data lengths: DESIGN.md section 5, profile A (tail up to 32K)
 RUN_TRAINING_ARGS=(
-    --no-rope-fusion  # ChunkFlow applies RoPE by position ids (integration/model.py)
+    --no-rope-fusion  # ChunkFlow applies RoPE by position ids (runtime/model.py)
 )
 
 #                      nodes  TP  PP  CP  recompute  chunk  K

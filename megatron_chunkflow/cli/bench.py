@@ -12,8 +12,8 @@ here, or the launcher's), one global batch of 256 profile-B sequences scaled by 
 context (at least one longer than 4K), float32 on CPU, the `cpu_flash` attention kernel for both
 systems, and an activation budget of 1 GiB per rank, under which stock Megatron's 32K micro-batch
 needs full recompute (1.4 GiB without). Two warm-up steps of each, then 3 measured steps of each,
-alternated. How the budget decides recompute: core/budget.py; what is measured and how:
-integration/bench.py; results: docs/benchmarks.md ("CPU measurements").
+alternated. How the budget decides recompute: perfmodel/budget.py; what is measured and how:
+bench/compare.py; results: docs/benchmarks.md ("CPU measurements").
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def settings_from_args(args: argparse.Namespace):
     from megatron_chunkflow.attention.backends import get_backend
     from megatron_chunkflow.cli.verify import load_shape
     from megatron_chunkflow.core.profiles import ensure_long
-    from megatron_chunkflow.integration.bench_systems import BenchSettings
+    from megatron_chunkflow.bench.systems import BenchSettings
 
     for flag, value, low in (("--pp", args.pp, 1), ("--tp", args.tp, 1),
                              ("--nproc", args.nproc, 1), ("--seq-length", args.seq_length, 2),
@@ -165,8 +165,8 @@ def _job(settings) -> dict:
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")  # no apex / TE
     import torch.distributed as dist
 
-    from megatron_chunkflow.integration.bench import run_bench
-    from megatron_chunkflow.integration.dist import init_distributed, shutdown
+    from megatron_chunkflow.bench.compare import run_bench
+    from megatron_chunkflow.training.dist import init_distributed, shutdown
 
     init_distributed(tp=settings.tp, pp=settings.pp, seed=settings.seed)
     rank0 = dist.get_rank() == 0
@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         if int(os.environ.get("RANK", 0)) != 0:
             return 0
     else:
-        from megatron_chunkflow.integration.dist import run_processes
+        from megatron_chunkflow.training.dist import run_processes
 
         try:
             result = run_processes(_job, args.nproc, settings)
@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
     result["setup"]["source"] = source
     out = Output(args.json)
-    from megatron_chunkflow.cli.bench_report import report_lines, write_plots
+    from megatron_chunkflow.bench.report import report_lines, write_plots
 
     for line in report_lines(result):
         out.say(line)

@@ -20,11 +20,11 @@ import dataclasses
 from megatron_chunkflow.cli.inputs import read_lengths_file
 from megatron_chunkflow.cli.output import Output
 from megatron_chunkflow.config import ChunkFlowConfig, add_config_arguments
-from megatron_chunkflow.core.hardware import GPUS, apply_calibration, get_gpu, with_overrides
-from megatron_chunkflow.core.layout import parse_layout
+from megatron_chunkflow.perfmodel.hardware import GPUS, apply_calibration, get_gpu, with_overrides
+from megatron_chunkflow.perfmodel.layout import parse_layout
 from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape
-from megatron_chunkflow.core.predict import GIB, Prediction
-from megatron_chunkflow.core.search import best_chunkflow, best_megatron
+from megatron_chunkflow.perfmodel.predict import GIB, Prediction
+from megatron_chunkflow.perfmodel.search import best_chunkflow, best_megatron
 from megatron_chunkflow.core.profiles import PROFILES, sample_lengths
 
 DEFAULT_BATCH = 2048
@@ -39,10 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpus", type=int, default=32, metavar="N",
                    help="GPUs in the job (default: 32)")
     g.add_argument("--gpu", default="h100", choices=sorted(GPUS),
-                   help="GPU type, datasheet numbers in core/hardware.py (default: h100)")
+                   help="GPU type, datasheet numbers in perfmodel/hardware.py (default: h100)")
     g.add_argument("--gpu-set", action="append", default=[], metavar="KEY=VALUE",
                    help="override one hardware parameter, e.g. nvlink_gb_s=400 or "
-                        "gemm_max_eff=0.7 (repeatable; keys: core/hardware.py Hardware)")
+                        "gemm_max_eff=0.7 (repeatable; keys: perfmodel/hardware.py Hardware)")
     g.add_argument("--calibration", metavar="FILE",
                    help="efficiencies measured by scripts/benchmarks/gpu_calibrate.py")
     g = parser.add_argument_group("data")

@@ -25,8 +25,8 @@ import torch
 from megatron_chunkflow.cli.output import Output
 from megatron_chunkflow.config import ChunkFlowConfig, add_config_arguments
 from megatron_chunkflow.core.models import MODEL_SHAPES
-from megatron_chunkflow.integration.lora import LoRAConfig
-from megatron_chunkflow.integration.sparse import SparseConfig
+from megatron_chunkflow.training.lora import LoRAConfig
+from megatron_chunkflow.runtime.sparse import SparseConfig
 
 # The embedded default: a few minutes on 2 CPU cores, the loss falls from ~11.9 (uniform over the
 # Qwen2.5 vocabulary) to ~8-9.
@@ -105,7 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args):
     from megatron_chunkflow.cli.verify import load_shape
-    from megatron_chunkflow.integration.train import TrainSettings
+    from megatron_chunkflow.training.loop import TrainSettings
 
     cfg = ChunkFlowConfig.from_args(args, FLAGS)
     lora = LoRAConfig.from_args(args)
@@ -115,7 +115,7 @@ def settings_from_args(args):
     if args.load_hf:
         import dataclasses
 
-        from megatron_chunkflow.integration.hf import padded_vocab_size, shape_from_hf_dir
+        from megatron_chunkflow.training.hf import padded_vocab_size, shape_from_hf_dir
 
         hf_shape = shape_from_hf_dir(args.load_hf)
         shape = dataclasses.replace(hf_shape, vocab_size=padded_vocab_size(hf_shape.vocab_size, tp))
@@ -160,8 +160,8 @@ def settings_from_args(args):
 def run(args: argparse.Namespace) -> int:
     s = settings_from_args(args)
     from megatron_chunkflow.data import load_tokenizer, open_sft_dataset
-    from megatron_chunkflow.integration.dist import init_distributed, shutdown
-    from megatron_chunkflow.integration.train import train
+    from megatron_chunkflow.training.dist import init_distributed, shutdown
+    from megatron_chunkflow.training.loop import train
 
     max_samples = args.max_samples
     if max_samples is None and args.data_path is None:

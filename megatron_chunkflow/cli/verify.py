@@ -27,8 +27,8 @@ from megatron_chunkflow.cli.inputs import add_length_arguments, lengths_from_arg
 from megatron_chunkflow.cli.output import Output
 from megatron_chunkflow.config import ChunkFlowConfig, add_config_arguments
 from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape, model_shape_from_dict
-from megatron_chunkflow.integration.lora import LoRAConfig
-from megatron_chunkflow.integration.sparse import SparseConfig
+from megatron_chunkflow.training.lora import LoRAConfig
+from megatron_chunkflow.runtime.sparse import SparseConfig
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--draws needs --sparse-backward")
     if lora is not None and args.hf_reference:
         raise ValueError("--lora-rank cannot be combined with --hf-reference")
-    from megatron_chunkflow.integration.dist import init_distributed, shutdown
+    from megatron_chunkflow.training.dist import init_distributed, shutdown
 
     init_distributed(tp=args.tp, pp=args.pp, seed=args.seed)
     try:
@@ -170,8 +170,8 @@ def _check_sparse_args(args, cfg, sparse) -> None:
 def _run_check(args, cfg, shape, dtype, lora=None) -> int:
     from megatron.core import parallel_state
 
-    from megatron_chunkflow.integration.memory import ActivationMeter
-    from megatron_chunkflow.integration.verify import BOUNDS, run_verify
+    from megatron_chunkflow.checks.memory import ActivationMeter
+    from megatron_chunkflow.checks.verify import BOUNDS, run_verify
 
     steps, source = _step_lengths(args, cfg)
     common = dict(dtype=dtype, seed=args.seed, backend=args.backend, tp=args.tp, pp=args.pp,
@@ -229,7 +229,7 @@ def _run_check(args, cfg, shape, dtype, lora=None) -> int:
 def _run_hf(args, cfg) -> int:
     from megatron.core import parallel_state
 
-    from megatron_chunkflow.integration.hf_verify import run_hf_verify
+    from megatron_chunkflow.checks.hf_verify import run_hf_verify
 
     steps, source = _step_lengths(args, cfg)
     r = run_hf_verify(args.hf_reference, steps[0], cfg.chunk_size, cfg.k, args.seed, args.backend,
@@ -269,7 +269,7 @@ def _lora_json(lora) -> dict | None:
 
 
 def _run_memory(args, cfg, shape, dtype, lora=None) -> int:
-    from megatron_chunkflow.integration.memory import measure_one_sequence
+    from megatron_chunkflow.checks.memory import measure_one_sequence
 
     lengths = _memory_lengths(args.lengths)
     rows = []

@@ -20,8 +20,8 @@ FACTOR = 4.0  # pass if rel_err_of_mean <= FACTOR * expected_rel_err
 def run_sparse_check(args, cfg, shape, dtype, lora, step_lengths) -> int:
     import torch
 
-    from megatron_chunkflow.integration.sparse_verify import run_sparse_verify
-    from megatron_chunkflow.integration.verify import BOUNDS
+    from megatron_chunkflow.checks.sparse_verify import run_sparse_verify
+    from megatron_chunkflow.checks.verify import BOUNDS
 
     steps, source = step_lengths
     lengths = steps[0]

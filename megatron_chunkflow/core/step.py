@@ -75,7 +75,7 @@ def _state_bytes(chunks, shape: ModelShape, num_stages: int) -> tuple[float, ...
 # Optional cost hooks, both called with (one DP rank's chunks, num_stages): `costs_for` returns
 # the per-op costs to plan and replay with (OpCosts or any callable (kind, chunk, stage) with a
 # `comm` attribute; default: FLOPs), `held_bytes_for` the activation bytes a chunk holds per
-# stage (default: _held_bytes). core/predict.py passes the roofline model's seconds and bytes.
+# stage (default: _held_bytes). perfmodel/predict.py passes the roofline model's seconds and bytes.
 CostHook = Callable[[Sequence[DataChunk], int], Callable]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron_chunkflow.integration.sweep import MIB, markdown_table  # noqa: E402
+from megatron_chunkflow.bench.sweep import MIB, markdown_table  # noqa: E402
 
 
 def parse(description: str, argv=None) -> argparse.Namespace:
@@ -44,8 +44,8 @@ def _job(settings, configs):
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
     import torch.distributed as dist
 
-    from megatron_chunkflow.integration.dist import init_distributed, shutdown
-    from megatron_chunkflow.integration.sweep import sweep
+    from megatron_chunkflow.training.dist import init_distributed, shutdown
+    from megatron_chunkflow.bench.sweep import sweep
 
     init_distributed(pp=settings.pp, seed=settings.seed)
     rank0 = dist.get_rank() == 0
@@ -59,8 +59,8 @@ def _job(settings, configs):
 def run(args, configs: list[dict], name: str, title: str) -> tuple[list[dict], Path]:
     """Measure `configs` on a PP = args.pp job; write NAME.md, .csv, .json; return the rows."""
     from megatron_chunkflow.core.models import get_model_shape
-    from megatron_chunkflow.integration.bench_systems import BenchSettings
-    from megatron_chunkflow.integration.dist import run_processes
+    from megatron_chunkflow.bench.systems import BenchSettings
+    from megatron_chunkflow.training.dist import run_processes
 
     seqs = lengths(args)
     settings = BenchSettings(

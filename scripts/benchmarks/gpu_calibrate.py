@@ -9,10 +9,10 @@ PyTorch SDPA) forward and backward at several lengths with Qwen2.5-7B heads (28 
 head dim 128), and a large device-to-device copy. CUDA events, after unlogged warm-up runs;
 the median of --repeats.
 
-Efficiencies are measured FLOP/s over the datasheet peak of --gpu (core/hardware.py). The file's
+Efficiencies are measured FLOP/s over the datasheet peak of --gpu (perfmodel/hardware.py). The file's
 "hardware" object holds what the cost model reads: each measured efficiency divided by the
 model's own shape factor for that shape (tile, wave and K quantization for GEMMs, tile
-quantization for attention; core/roofline.py), median over shapes, so the model reproduces the
+quantization for attention; perfmodel/roofline.py), median over shapes, so the model reproduces the
 measurements where its shape factor is right; mem_eff is the copy bandwidth over the datasheet
 bandwidth. Every measurement is also written, with the model's prediction beside it.
 
@@ -33,8 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_chunkflow.core.costs import attention_pairs  # noqa: E402
-from megatron_chunkflow.core.hardware import GPUS, get_gpu  # noqa: E402
-from megatron_chunkflow.core.roofline import (  # noqa: E402
+from megatron_chunkflow.perfmodel.hardware import GPUS, get_gpu  # noqa: E402
+from megatron_chunkflow.perfmodel.roofline import (  # noqa: E402
     ATTN_BWD_FLOPS,
     computed_pairs,
     gemm_shape_factor,
@@ -175,7 +175,7 @@ def main() -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_calibrate.py: no CUDA GPU found (torch.cuda.is_available() is False); run it "
               "on a GPU node. Without a calibration file, chunkflow simulate uses the stated "
-              "defaults of core/hardware.py.", file=sys.stderr)
+              "defaults of perfmodel/hardware.py.", file=sys.stderr)
         return 1
     if args.device == "cpu" and not (args.gpu and args.quick):
         ap.error("--device cpu is a smoke test: give --gpu and --quick")

@@ -23,11 +23,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_chunkflow.cli import main as cli_main  # noqa: E402
-from megatron_chunkflow.core.hardware import GPUS, get_gpu  # noqa: E402
+from megatron_chunkflow.perfmodel.hardware import GPUS, get_gpu  # noqa: E402
 from megatron_chunkflow.core.models import get_model_shape  # noqa: E402
-from megatron_chunkflow.core.predict import GIB  # noqa: E402
+from megatron_chunkflow.perfmodel.predict import GIB  # noqa: E402
 from megatron_chunkflow.core.profiles import sample_lengths  # noqa: E402
-from megatron_chunkflow.core.search import best_chunkflow, best_megatron  # noqa: E402
+from megatron_chunkflow.perfmodel.search import best_chunkflow, best_megatron  # noqa: E402
 
 GPUS_PER_MODEL = {"qwen2.5-0.5b": 8, "qwen2.5-1.5b": 8, "qwen2.5-3b": 8, "qwen2.5-7b": 32,
                   "qwen2.5-14b": 32, "qwen2.5-32b": 64, "qwen2.5-72b": 128}

@@ -3,7 +3,7 @@
     python scripts/benchmarks/soak_train.py                  # 60 steps, ChunkFlow, CPU
     python scripts/benchmarks/soak_train.py --steps 100 --no-chunkflow --json
 
-Runs the real loop (integration/train.py: planner, ChunkFlow or stock schedule, Megatron optimizer)
+Runs the real loop (training/loop.py: planner, ChunkFlow or stock schedule, Megatron optimizer)
 on the tiny model with profile-B lengths scaled for CPU, and fits a line to the resident set size over
 the second half of the run (after allocator warm-up). A leak shows as a steady positive slope.
 """
@@ -30,9 +30,9 @@ def main() -> int:
 
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.core.profiles import ensure_long, sample_lengths
-    from megatron_chunkflow.integration.dist import init_distributed, shutdown
-    from megatron_chunkflow.integration.train import TrainSettings, train
-    from megatron_chunkflow.integration.verify import make_sequences
+    from megatron_chunkflow.training.dist import init_distributed, shutdown
+    from megatron_chunkflow.training.loop import TrainSettings, train
+    from megatron_chunkflow.checks.verify import make_sequences
 
     lengths = ensure_long(sample_lengths("B", 256, seed=0, scale=1 / 16), "B", 256, 8, 0, 1 / 16)
     dataset = make_sequences([max(n, 2) for n in lengths], 1000, seed=0)

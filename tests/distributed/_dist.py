@@ -12,7 +12,7 @@ import traceback
 
 import torch.multiprocessing as mp
 
-from megatron_chunkflow.integration.dist import free_port as _free_port
+from megatron_chunkflow.training.dist import free_port as _free_port
 
 
 

@@ -53,16 +53,16 @@ def _peaks(rank, lengths_list):
     """Per batch: (stock Megatron's and ChunkFlow's peak activation bytes without state, and
     ChunkFlow's peak state) on this stage, no recompute, C = 64, K = 1."""
     from megatron_chunkflow.core.models import get_model_shape
-    from megatron_chunkflow.integration.bench_systems import (
+    from megatron_chunkflow.bench.systems import (
         BenchSettings,
         build_system,
         step_system,
         train_settings,
     )
-    from megatron_chunkflow.integration.dist import init_distributed, shutdown
-    from megatron_chunkflow.integration.instrument import BenchMeter
-    from megatron_chunkflow.integration.pipeline import StageTimeline
-    from megatron_chunkflow.integration.verify import make_sequences
+    from megatron_chunkflow.training.dist import init_distributed, shutdown
+    from megatron_chunkflow.bench.instrument import BenchMeter
+    from megatron_chunkflow.runtime.pipeline import StageTimeline
+    from megatron_chunkflow.checks.verify import make_sequences
 
     init_distributed(pp=2)
     s = BenchSettings(shape=get_model_shape("tiny"), model_name="tiny", lengths=[1],

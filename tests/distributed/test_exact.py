@@ -3,7 +3,7 @@
     python -m pytest tests/distributed/test_exact.py -q
 
 Each layout runs in one set of spawned processes (real GPTModel, DDP, Megatron's
-forward_backward_no_pipelining as the reference; see integration/verify.py) over several steps whose
+forward_backward_no_pipelining as the reference; see checks/verify.py) over several steps whose
 chunk counts differ; the tests then assert on the results.
 """
 
@@ -51,8 +51,8 @@ def _summary(results):
 
 def _run_single(rank):
     from megatron_chunkflow.core.models import get_model_shape
-    from megatron_chunkflow.integration.dist import shutdown
-    from megatron_chunkflow.integration.verify import run_verify
+    from megatron_chunkflow.training.dist import shutdown
+    from megatron_chunkflow.checks.verify import run_verify
 
     out = {}
     for name, (model, steps, k, dtype, backend, masked, *recompute) in SINGLE.items():
@@ -65,8 +65,8 @@ def _run_single(rank):
 
 def _run_layout(rank, name):
     from megatron_chunkflow.core.models import get_model_shape
-    from megatron_chunkflow.integration.dist import shutdown
-    from megatron_chunkflow.integration.verify import run_verify
+    from megatron_chunkflow.training.dist import shutdown
+    from megatron_chunkflow.checks.verify import run_verify
 
     _, tp, pp, sp, ks, steps = LAYOUTS[name]
     out = {k: _summary(run_verify(get_model_shape("tiny"), steps, C, k, seed=2, tp=tp, pp=pp,

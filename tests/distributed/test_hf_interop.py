@@ -1,4 +1,4 @@
-"""Hugging Face Qwen2 <-> megatron-core GPTModel weights (integration/hf.py), on CPU with gloo.
+"""Hugging Face Qwen2 <-> megatron-core GPTModel weights (training/hf.py), on CPU with gloo.
 
     python -m pytest tests/distributed/test_hf_interop.py -q
 
@@ -90,9 +90,9 @@ def _run_layout(rank, layout, cases, out_root, bad_inputs=None):
     """Per case: (logits or None, exported tensors on rank 0), as numpy; also saves each case."""
     import dataclasses
 
-    from megatron_chunkflow.integration.build import build_gpt_model, transformer_config
-    from megatron_chunkflow.integration.dist import init_distributed, shutdown
-    from megatron_chunkflow.integration.hf import (
+    from megatron_chunkflow.training.build import build_gpt_model, transformer_config
+    from megatron_chunkflow.training.dist import init_distributed, shutdown
+    from megatron_chunkflow.training.hf import (
         export_hf_weights,
         import_hf_weights,
         padded_vocab_size,
@@ -190,7 +190,7 @@ def test_saved_checkpoint_loads_in_transformers(checkpoints, layout_results):
 
 
 def _import_error(model, state, config, shape):
-    from megatron_chunkflow.integration.hf import import_hf_weights
+    from megatron_chunkflow.training.hf import import_hf_weights
 
     try:
         import_hf_weights(model, state, config, shape)
@@ -218,7 +218,7 @@ def test_bad_checkpoints_name_the_tensor(layout_results):
 
 def test_shape_and_padding(checkpoints, tmp_path):
     from megatron_chunkflow.core.models import get_model_shape
-    from megatron_chunkflow.integration.hf import padded_vocab_size, shape_from_hf_dir
+    from megatron_chunkflow.training.hf import padded_vocab_size, shape_from_hf_dir
 
     shape = shape_from_hf_dir(checkpoints["gqa7_hidden56"][0])
     assert (shape.hidden_size, shape.num_attention_heads, shape.num_query_groups) == (56, 7, 1)
@@ -239,8 +239,8 @@ def test_shape_and_padding(checkpoints, tmp_path):
 
 
 def _hf_verify(rank, path, tp, pp):
-    from megatron_chunkflow.integration.dist import shutdown
-    from megatron_chunkflow.integration.hf_verify import run_hf_verify
+    from megatron_chunkflow.training.dist import shutdown
+    from megatron_chunkflow.checks.hf_verify import run_hf_verify
 
     r = run_hf_verify(str(path), [70, 5, 33, 100, 12, 64, 1, 16, 48], 16, 1, seed=1, tp=tp, pp=pp)
     shutdown()

@@ -41,9 +41,9 @@ def _summary(results):
 
 def _verify_single(rank):
     from megatron_chunkflow.core.models import get_model_shape
-    from megatron_chunkflow.integration.dist import shutdown
-    from megatron_chunkflow.integration.lora import LoRAConfig
-    from megatron_chunkflow.integration.verify import run_verify
+    from megatron_chunkflow.training.dist import shutdown
+    from megatron_chunkflow.training.lora import LoRAConfig
+    from megatron_chunkflow.checks.verify import run_verify
 
     out = {name: _summary(run_verify(get_model_shape("tiny"), steps, C, k, seed=1,
                                      lora=LoRAConfig(rank=4, targets=targets),
@@ -55,9 +55,9 @@ def _verify_single(rank):
 
 def _verify_layout(rank, tp, pp, sp):
     from megatron_chunkflow.core.models import get_model_shape
-    from megatron_chunkflow.integration.dist import shutdown
-    from megatron_chunkflow.integration.lora import LoRAConfig
-    from megatron_chunkflow.integration.verify import run_verify
+    from megatron_chunkflow.training.dist import shutdown
+    from megatron_chunkflow.training.lora import LoRAConfig
+    from megatron_chunkflow.checks.verify import run_verify
 
     out = _summary(run_verify(get_model_shape("tiny"), [MIXED, DEPENDENT], C, 1, seed=2, tp=tp,
                               pp=pp, sequence_parallel=sp, lora=LoRAConfig(rank=4)))
@@ -120,15 +120,15 @@ def _tp_invariance(rank):
     from megatron.core import parallel_state
 
     from megatron_chunkflow.core.models import get_model_shape
-    from megatron_chunkflow.integration.build import build_gpt_model, transformer_config, wrap_ddp
-    from megatron_chunkflow.integration.data import plan_step
-    from megatron_chunkflow.integration.dist import init_distributed, shutdown
-    from megatron_chunkflow.integration.hf import export_hf_weights, import_hf_weights
-    from megatron_chunkflow.integration.lora import LoRAConfig, apply_lora, merge_lora
-    from megatron_chunkflow.integration.loss import global_loss
-    from megatron_chunkflow.integration.model import apply_chunkflow
-    from megatron_chunkflow.integration.schedules import forward_backward_chunkflow
-    from megatron_chunkflow.integration.verify import forward_step, make_sequences
+    from megatron_chunkflow.training.build import build_gpt_model, transformer_config, wrap_ddp
+    from megatron_chunkflow.runtime.inputs import plan_step
+    from megatron_chunkflow.training.dist import init_distributed, shutdown
+    from megatron_chunkflow.training.hf import export_hf_weights, import_hf_weights
+    from megatron_chunkflow.training.lora import LoRAConfig, apply_lora, merge_lora
+    from megatron_chunkflow.runtime.loss import global_loss
+    from megatron_chunkflow.runtime.model import apply_chunkflow
+    from megatron_chunkflow.runtime.schedules import forward_backward_chunkflow
+    from megatron_chunkflow.checks.verify import forward_step, make_sequences
 
     shape = get_model_shape("tiny")
     sequences = make_sequences(MIXED, shape.vocab_size, seed=4)
@@ -188,8 +188,8 @@ TRAIN_LENGTHS = [70, 5, 33, 100, 12, 64, 2, 16, 48, 9, 130, 21, 7, 90, 3, 40, 55
 
 def _settings(**kw):
     from megatron_chunkflow.core.models import get_model_shape
-    from megatron_chunkflow.integration.lora import LoRAConfig
-    from megatron_chunkflow.integration.train import TrainSettings
+    from megatron_chunkflow.training.lora import LoRAConfig
+    from megatron_chunkflow.training.loop import TrainSettings
 
     base = dict(shape=get_model_shape("tiny"), model_name="tiny", train_iters=6,
                 global_batch_size=6, seq_length=160, chunk_size=C, k=1, lr=3e-2, min_lr=3e-3,
@@ -200,9 +200,9 @@ def _settings(**kw):
 def _train(rank, ckpt, hf_dir):
     import torch
 
-    from megatron_chunkflow.integration.dist import init_distributed, shutdown
-    from megatron_chunkflow.integration.train import build_training, run_step, train
-    from megatron_chunkflow.integration.verify import make_sequences
+    from megatron_chunkflow.training.dist import init_distributed, shutdown
+    from megatron_chunkflow.training.loop import build_training, run_step, train
+    from megatron_chunkflow.checks.verify import make_sequences
 
     dataset = make_sequences(TRAIN_LENGTHS, 1000, seed=3)
     out = {}
@@ -251,9 +251,9 @@ def test_lora_training(tmp_path):
 
 
 def _resume_tp2(rank, ckpt):
-    from megatron_chunkflow.integration.dist import init_distributed, shutdown
-    from megatron_chunkflow.integration.train import train
-    from megatron_chunkflow.integration.verify import make_sequences
+    from megatron_chunkflow.training.dist import init_distributed, shutdown
+    from megatron_chunkflow.training.loop import train
+    from megatron_chunkflow.checks.verify import make_sequences
 
     dataset = make_sequences(TRAIN_LENGTHS[:12], 1000, seed=3)
     out = []

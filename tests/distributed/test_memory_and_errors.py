@@ -60,7 +60,7 @@ def test_unsupported_megatron_settings_are_refused():
     """Context parallelism and fused RoPE would give wrong results: apply_chunkflow refuses them."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_chunkflow.integration.model import _check_config
+    from megatron_chunkflow.runtime.model import _check_config
 
     base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, apply_rope_fusion=False)
     with pytest.raises(ValueError, match="context parallelism .* not supported with ChunkFlow yet"):

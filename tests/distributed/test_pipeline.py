@@ -10,9 +10,9 @@ LENGTHS = [70, 5, 33, 100, 12, 64, 1, 16, 48, 9, 130]
 
 def _memory(rank, pp, k):
     from megatron_chunkflow.core.models import get_model_shape
-    from megatron_chunkflow.integration.dist import shutdown
-    from megatron_chunkflow.integration.memory import ActivationMeter
-    from megatron_chunkflow.integration.verify import run_verify
+    from megatron_chunkflow.training.dist import shutdown
+    from megatron_chunkflow.checks.memory import ActivationMeter
+    from megatron_chunkflow.checks.verify import run_verify
 
     (r,) = run_verify(get_model_shape("tiny"), [LENGTHS], C, k, pp=pp, meter_cls=ActivationMeter)
     shutdown()
@@ -40,12 +40,12 @@ def _failing_step(rank):
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.core.packer import build_chunks
     from megatron_chunkflow.core.schedule import state_aware_plan
-    from megatron_chunkflow.integration.build import build_gpt_model, transformer_config, wrap_ddp
-    from megatron_chunkflow.integration.data import build_step
-    from megatron_chunkflow.integration.dist import init_distributed
-    from megatron_chunkflow.integration.model import apply_chunkflow
-    from megatron_chunkflow.integration.schedules import forward_backward_chunkflow
-    from megatron_chunkflow.integration.verify import forward_step, make_sequences
+    from megatron_chunkflow.training.build import build_gpt_model, transformer_config, wrap_ddp
+    from megatron_chunkflow.runtime.inputs import build_step
+    from megatron_chunkflow.training.dist import init_distributed
+    from megatron_chunkflow.runtime.model import apply_chunkflow
+    from megatron_chunkflow.runtime.schedules import forward_backward_chunkflow
+    from megatron_chunkflow.checks.verify import forward_step, make_sequences
 
     init_distributed(pp=2)
     shape = get_model_shape("tiny")
@@ -78,12 +78,12 @@ def _diverging_plans(rank):
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.core.packer import build_chunks
     from megatron_chunkflow.core.schedule import state_aware_plan
-    from megatron_chunkflow.integration.build import build_gpt_model, transformer_config
-    from megatron_chunkflow.integration.data import build_step
-    from megatron_chunkflow.integration.dist import init_distributed
-    from megatron_chunkflow.integration.model import apply_chunkflow
-    from megatron_chunkflow.integration.schedules import forward_backward_chunkflow
-    from megatron_chunkflow.integration.verify import forward_step, make_sequences
+    from megatron_chunkflow.training.build import build_gpt_model, transformer_config
+    from megatron_chunkflow.runtime.inputs import build_step
+    from megatron_chunkflow.training.dist import init_distributed
+    from megatron_chunkflow.runtime.model import apply_chunkflow
+    from megatron_chunkflow.runtime.schedules import forward_backward_chunkflow
+    from megatron_chunkflow.checks.verify import forward_step, make_sequences
 
     init_distributed(pp=2)
     shape = get_model_shape("tiny")

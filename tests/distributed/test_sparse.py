@@ -2,7 +2,7 @@
 
     python -m pytest tests/distributed/test_sparse.py -q
 
-The exact gradient g is stock Megatron's (integration/verify.py). A 2-layer model (so gradient paths
+The exact gradient g is stock Megatron's (checks/verify.py). A 2-layer model (so gradient paths
 cross several chunks' backwards) and a batch with a 3-chunk and a 2-chunk sequence at C = 16, T = 1
 (inclusion probabilities 1/3 and 1/2): 32 selections in all.
 - exhaustive: sum over every selection of P(selection) x its gradient == g to 1e-10 (K = 1; and
@@ -33,9 +33,9 @@ def _shape():
 
 
 def _single(rank):
-    from megatron_chunkflow.integration.dist import shutdown
-    from megatron_chunkflow.integration.lora import LoRAConfig
-    from megatron_chunkflow.integration.sparse_verify import run_sparse_verify
+    from megatron_chunkflow.training.dist import shutdown
+    from megatron_chunkflow.training.lora import LoRAConfig
+    from megatron_chunkflow.checks.sparse_verify import run_sparse_verify
 
     out = {"exhaustive_k1": run_sparse_verify(_shape(), LENGTHS, C, 1, T, exhaustive=True, seed=3),
            "exhaustive_k2_lora": run_sparse_verify(_shape(), LENGTHS, C, 2, T, exhaustive=True,
@@ -73,8 +73,8 @@ def test_mean_converges_like_one_over_sqrt_draws(results):
 
 
 def _layout(rank, tp, pp, sp):
-    from megatron_chunkflow.integration.dist import shutdown
-    from megatron_chunkflow.integration.sparse_verify import run_sparse_verify
+    from megatron_chunkflow.training.dist import shutdown
+    from megatron_chunkflow.checks.sparse_verify import run_sparse_verify
 
     r = run_sparse_verify(_shape(), LENGTHS + [70], C, 1, 2, draws=4, seed=3, draw_seed=7,
                           tp=tp, pp=pp, sequence_parallel=sp)
@@ -98,9 +98,9 @@ def test_same_draws_under_tensor_and_pipeline_parallelism(single_process_draws, 
 
 def _train(rank, ckpt):
     from megatron_chunkflow.core.models import get_model_shape
-    from megatron_chunkflow.integration.dist import init_distributed, shutdown
-    from megatron_chunkflow.integration.train import TrainSettings, train
-    from megatron_chunkflow.integration.verify import make_sequences
+    from megatron_chunkflow.training.dist import init_distributed, shutdown
+    from megatron_chunkflow.training.loop import TrainSettings, train
+    from megatron_chunkflow.checks.verify import make_sequences
 
     dataset = make_sequences([70, 5, 33, 100, 12, 64, 2, 16, 48, 9, 130, 21], 1000, seed=3)
     base = dict(shape=get_model_shape("tiny"), model_name="tiny", train_iters=4,

@@ -9,7 +9,7 @@ LENGTHS = [70, 5, 33, 100, 12, 64, 1, 16, 48, 9, 130, 21, 7, 90, 3, 40, 55, 11]
 
 def _settings(**kw):
     from megatron_chunkflow.core.models import get_model_shape
-    from megatron_chunkflow.integration.train import TrainSettings
+    from megatron_chunkflow.training.loop import TrainSettings
 
     base = dict(shape=get_model_shape("tiny"), model_name="tiny", train_iters=20,
                 global_batch_size=6, seq_length=160, chunk_size=16, k=1, lr=3e-3, min_lr=3e-4,
@@ -18,14 +18,14 @@ def _settings(**kw):
 
 
 def _dataset():
-    from megatron_chunkflow.integration.verify import make_sequences
+    from megatron_chunkflow.checks.verify import make_sequences
 
     return make_sequences([max(n, 2) for n in LENGTHS], 1000, seed=3)
 
 
 def _losses(rank, runs):
-    from megatron_chunkflow.integration.dist import init_distributed, shutdown
-    from megatron_chunkflow.integration.train import train
+    from megatron_chunkflow.training.dist import init_distributed, shutdown
+    from megatron_chunkflow.training.loop import train
 
     out = []
     for kw in runs:

@@ -1,10 +1,10 @@
-"""`chunkflow bench` without running it: the budget rules (core/budget.py) and bad flags (exit 2
+"""`chunkflow bench` without running it: the budget rules (perfmodel/budget.py) and bad flags (exit 2
 naming the flag, before any process starts)."""
 
 import pytest
 
 from megatron_chunkflow.cli import main
-from megatron_chunkflow.core.budget import (
+from megatron_chunkflow.perfmodel.budget import (
     ActivationRates,
     baseline_peak,
     baseline_recompute,
@@ -113,9 +113,9 @@ def test_unknown_choice_is_argparse_exit_2(capsys):
 def test_cpu_device_host_time_per_op():
     """The CPU device's host time per op adds once to every F/R and B of every stage (twice to
     a B that re-runs the forward under full recompute), and nothing on GPUs (default 0)."""
-    from megatron_chunkflow.core.hardware import hardware_from_measurements
-    from megatron_chunkflow.core.layout import Layout
-    from megatron_chunkflow.core.roofline import Roofline
+    from megatron_chunkflow.perfmodel.hardware import hardware_from_measurements
+    from megatron_chunkflow.perfmodel.layout import Layout
+    from megatron_chunkflow.perfmodel.roofline import Roofline
     from megatron_chunkflow.core.types import DataChunk, Segment
 
     kw = dict(gemm_flops=1e11, attn_fwd_flops=5e10, attn_bwd_flops=5e10, memory_bytes=1e10,

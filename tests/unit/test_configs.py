@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from megatron_chunkflow.core.models import QWEN25, ModelShape
-from megatron_chunkflow.integration.megatron_lm_args import BACKENDS
+from megatron_chunkflow.megatron_lm.args import BACKENDS
 from tests.distributed._dist import run_gloo
 
 REPO = Path(__file__).resolve().parents[2]
@@ -135,10 +135,10 @@ def test_tokenizer_variable_reaches_the_flags():
 
 
 def _build_on_meta(shapes):
-    """(child) Build each shape with integration/build.py on the meta device."""
+    """(child) Build each shape with training/build.py on the meta device."""
     import torch
 
-    from megatron_chunkflow.integration.build import build_gpt_model, transformer_config
+    from megatron_chunkflow.training.build import build_gpt_model, transformer_config
 
     out = {}
     for name, shape in shapes.items():
@@ -153,9 +153,9 @@ def _child(rank, shapes, megatron_lm_dir, model_argvs, run_argvs):
     """One child process (world of one, gloo) for everything that needs process groups."""
     import torch
 
-    from megatron_chunkflow.integration.dist import init_distributed, shutdown
+    from megatron_chunkflow.training.dist import init_distributed, shutdown
 
-    has_cuda = torch.cuda.is_available()  # before integration/cpu.py's shims
+    has_cuda = torch.cuda.is_available()  # before training/cpu.py's shims
     init_distributed(1, 1)
     try:
         out = {"core": _build_on_meta(shapes)}
@@ -564,7 +564,7 @@ def _megatron_lm_parse(megatron_lm_dir, model_argvs, run_argvs, has_cuda):
 
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # validate_args asserts it when TP/CP > 1
     if not has_cuda:  # what the launcher installs on CPU (triton-only kernels, CUDA queries)
-        from megatron_chunkflow.integration.cpu import install_megatron_lm_cpu_shims
+        from megatron_chunkflow.training.cpu import install_megatron_lm_cpu_shims
 
         install_megatron_lm_cpu_shims()
     importlib.import_module("megatron.core")  # the installed copy before the checkout's (notes 6.3)
@@ -572,7 +572,7 @@ def _megatron_lm_parse(megatron_lm_dir, model_argvs, run_argvs, has_cuda):
     sys.path.append(str(megatron_lm_dir))
     from megatron.training import arguments, global_vars
 
-    from megatron_chunkflow.integration.megatron_lm_args import (
+    from megatron_chunkflow.megatron_lm.args import (
         add_chunkflow_arguments,
         check_chunkflow_args,
     )

@@ -1,5 +1,5 @@
-"""The roofline cost model, memory model and device descriptions (core/roofline.py,
-core/footprint.py, core/hardware.py, core/predict.py): properties that would catch a wrong
+"""The roofline cost model, memory model and device descriptions (perfmodel/roofline.py,
+perfmodel/footprint.py, perfmodel/hardware.py, perfmodel/predict.py): properties that would catch a wrong
 formula, not golden numbers."""
 
 import dataclasses
@@ -10,7 +10,7 @@ import random
 import pytest
 
 from megatron_chunkflow.core.costs import attention_pairs, kv_state_bytes_per_token
-from megatron_chunkflow.core.footprint import (
+from megatron_chunkflow.perfmodel.footprint import (
     chunkflow_memory_floor,
     layer_activation_bytes,
     sequence_state_bytes,
@@ -18,17 +18,17 @@ from megatron_chunkflow.core.footprint import (
     static_bytes,
     total_params,
 )
-from megatron_chunkflow.core.hardware import (
+from megatron_chunkflow.perfmodel.hardware import (
     apply_calibration,
     get_gpu,
     hardware_from_measurements,
     with_overrides,
 )
-from megatron_chunkflow.core.layout import Layout, make_layout
+from megatron_chunkflow.perfmodel.layout import Layout, make_layout
 from megatron_chunkflow.core.models import get_model_shape
-from megatron_chunkflow.core.predict import predict_chunkflow, predict_megatron
+from megatron_chunkflow.perfmodel.predict import predict_chunkflow, predict_megatron
 from megatron_chunkflow.core.profiles import sample_lengths
-from megatron_chunkflow.core.roofline import (
+from megatron_chunkflow.perfmodel.roofline import (
     attention_tiles,
     computed_pairs,
     gemm_efficiency,

@@ -1,13 +1,13 @@
-"""Layout and (chunk size, K) searches (core/search.py): the pruned search finds exactly what
+"""Layout and (chunk size, K) searches (perfmodel/search.py): the pruned search finds exactly what
 an exhaustive one finds, because both floors are lower bounds."""
 
 import pytest
 
-from megatron_chunkflow.core.footprint import chunkflow_memory_floor, megatron_memory_floor
-from megatron_chunkflow.core.hardware import get_gpu, with_overrides
+from megatron_chunkflow.perfmodel.footprint import chunkflow_memory_floor, megatron_memory_floor
+from megatron_chunkflow.perfmodel.hardware import get_gpu, with_overrides
 from megatron_chunkflow.core.models import get_model_shape
 from megatron_chunkflow.core.packer import build_chunks
-from megatron_chunkflow.core.predict import (
+from megatron_chunkflow.perfmodel.predict import (
     chunk_work_items,
     predict_chunkflow,
     predict_megatron,
@@ -15,7 +15,7 @@ from megatron_chunkflow.core.predict import (
     time_floor,
 )
 from megatron_chunkflow.core.profiles import sample_lengths
-from megatron_chunkflow.core.search import (
+from megatron_chunkflow.perfmodel.search import (
     best_chunkflow,
     best_megatron,
     candidate_layouts,

@@ -1,4 +1,4 @@
-"""SpaCO on the K/V relay (integration/state.py with sparse metas), on a toy two-layer sequence.
+"""SpaCO on the K/V relay (runtime/state.py with sparse metas), on a toy two-layer sequence.
 
 Chunk j's layer-2 K/V depend on the layer-1 K/V of every earlier chunk, so gradient paths run
 through the backwards of several chunks (m_i -> chunk j -> m_j -> loss of chunk l). Enumerating
@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from megatron_chunkflow.integration.sparse import inclusion_probability
-from megatron_chunkflow.integration.state import ChunkMeta, KVStateStore
+from megatron_chunkflow.runtime.sparse import inclusion_probability
+from megatron_chunkflow.runtime.state import ChunkMeta, KVStateStore
 
 C, N, H = 3, 4, 5
 

@@ -1,4 +1,4 @@
-"""The K/V state store and gradient relay (integration/state.py), on a toy chunked computation.
+"""The K/V state store and gradient relay (runtime/state.py), on a toy chunked computation.
 
 A "sequence" of 4 chunks; chunk j's K/V are a function of its input and a shared weight, and its
 loss reads cat(K_0..K_j). Chunked execution (no-grad forwards, descending re-forward + backward)
@@ -8,7 +8,7 @@ must give the gradients of one graph over the whole sequence, and free the state
 import pytest
 import torch
 
-from megatron_chunkflow.integration.state import ChunkMeta, KVStateStore
+from megatron_chunkflow.runtime.state import ChunkMeta, KVStateStore
 
 C, N, H = 3, 4, 5
 

@@ -1,0 +1,152 @@
+"""Instruments for comparing training steps: activation bytes, per-op timestamps, peak RSS.
+
+- BenchMeter: checks/memory.py's ActivationMeter (bytes saved for backward, weights excluded,
+  plus the K/V state) that also counts what a backward saves while it runs: Megatron's full
+  recompute re-runs each layer's forward inside the backward, and those tensors live until autograd
+  frees them (tracked through the saved-tensor hooks' packed objects).
+- instrument_megatron: meters and timestamps Megatron's own schedule by wrapping its module-level
+  forward_step and backward_step (ChunkFlow's run_stage records the same itself).
+- reset_peak_rss / peak_rss: the process's resident-set high-water mark (VmHWM), reset per step.
+- cache_freed_memory: glibc malloc told to keep freed memory, like a GPU caching allocator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+
+import torch
+
+from megatron_chunkflow.checks.memory import ActivationMeter
+from megatron_chunkflow.runtime.pipeline import StageTimeline
+
+
+class BenchMeter(ActivationMeter):
+    """ActivationMeter plus the tensors saved while a backward runs (Megatron's full recompute
+    re-runs each layer's forward there), counted from when they are saved until autograd frees
+    them."""
+
+    def __init__(self, model, store=None):
+        super().__init__(model, store)
+        self.peak_recompute = 0
+
+    @contextlib.contextmanager
+    def track_backward(self):
+        live, refs = [0], {}
+        params, meter = self._param_ptrs, self
+
+        class Saved:
+            __slots__ = ("tensor", "ptr")
+
+            def __init__(self, tensor, ptr):
+                self.tensor, self.ptr = tensor, ptr
+
+            def __del__(self):
+                count, nbytes = refs[self.ptr]
+                if count == 1:
+                    del refs[self.ptr]
+                    live[0] -= nbytes
+                else:
+                    refs[self.ptr] = (count - 1, nbytes)
+
+        def pack(t: torch.Tensor):
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr in params or storage.nbytes() == 0:
+                return t
+            count, nbytes = refs.get(ptr, (0, storage.nbytes()))
+            if count == 0:
+                live[0] += nbytes
+                meter._peak_with(live[0])
+            refs[ptr] = (count + 1, nbytes)
+            return Saved(t, ptr)
+
+        def unpack(x):
+            return x.tensor if isinstance(x, Saved) else x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+    def _peak_with(self, extra: int) -> None:
+        self.peak_recompute = max(self.peak_recompute, extra)
+        act = sum(a for a, _ in self._held.values()) + extra
+        state = sum(s for _, s in self._held.values()) + sum(self._extra.values())
+        state += self.store.nbytes() if self.store is not None else 0
+        self.peak_activation = max(self.peak_activation, act)
+        self.peak_total = max(self.peak_total, act + state)
+
+
+@contextlib.contextmanager
+def instrument_megatron(meter: BenchMeter, timeline: StageTimeline):
+    """Meter and timestamp Megatron's own schedule: wrap schedules.forward_step (micro-batch i's
+    forward, loss included) and schedules.backward_step (1F1B runs backwards in forward order)."""
+    from megatron.core.pipeline_parallel import schedules
+
+    original_fwd, original_bwd = schedules.forward_step, schedules.backward_step
+    count = {"F": 0, "B": 0}
+    t0 = time.perf_counter()
+
+    def forward_step(*args, **kwargs):
+        i, count["F"] = count["F"], count["F"] + 1
+        start = time.perf_counter()
+        with meter.track(i):
+            out = original_fwd(*args, **kwargs)
+        timeline.ops.append(("F", i, start - t0, time.perf_counter() - t0))
+        return out
+
+    def backward_step(*args, **kwargs):
+        i, count["B"] = count["B"], count["B"] + 1
+        start = time.perf_counter()
+        with meter.track_backward():
+            out = original_bwd(*args, **kwargs)
+        meter.release(i)
+        timeline.ops.append(("B", i, start - t0, time.perf_counter() - t0))
+        return out
+
+    schedules.forward_step, schedules.backward_step = forward_step, backward_step
+    try:
+        yield
+    finally:
+        schedules.forward_step, schedules.backward_step = original_fwd, original_bwd
+        timeline.step_time = time.perf_counter() - t0
+
+
+def reset_peak_rss(trim: bool = True) -> None:
+    """Reset VmHWM (Linux) to the current RSS; with `trim`, first give freed heap back to the OS
+    so that the next step's high-water mark is its own."""
+    import ctypes
+
+    if trim:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with contextlib.suppress(OSError):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+
+def cache_freed_memory() -> bool:
+    """Make glibc's malloc keep freed memory for reuse, as PyTorch's CUDA caching allocator does:
+    no mmap for large blocks (M_MMAP_MAX = 0) and no trimming (M_TRIM_THRESHOLD at its maximum).
+    Otherwise every allocation above 32 MB is a fresh mmap whose pages fault in on first touch
+    (about 0.25 ms per MB here), a cost that falls on big micro-batches and that a GPU does not
+    have. False where it cannot be set (not glibc)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_max = -1, -4  # malloc.h
+        return bool(libc.mallopt(m_mmap_max, 0)) and bool(
+            libc.mallopt(m_trim_threshold, ctypes.c_int(2**31 - 1)))
+    except (OSError, AttributeError):
+        return False
+
+
+def peak_rss() -> int:
+    with contextlib.suppress(OSError):
+        match = re.search(r"VmHWM:\s+(\d+) kB", open("/proc/self/status").read())
+        if match:
+            return int(match.group(1)) * 1024
+    from megatron_chunkflow.training.loop import peak_memory_bytes
+
+    return peak_memory_bytes()

@@ -1,0 +1,112 @@
+"""Measure many training configurations on one batch: the engine of scripts/benchmarks/sweep_*.py.
+
+    rows = sweep(settings, [{"system": "chunkflow", "chunk_size": 1024, "k": 1},
+                            {"system": "megatron", "recompute": "full"}])
+
+Run in every process of a job (training/dist.py: run_processes). Each configuration is a
+system of bench/systems.py (ChunkFlow with its (C, K), or stock Megatron with its
+recompute), stepped `warmup + repeats` times on the same batch with the same meters as
+`chunkflow bench`; a row holds the median step time, the measured peaks (activations and K/V
+state, per stage) and, for ChunkFlow, the budget model's modelled peak (perfmodel/budget.py) beside
+the measured one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+import torch
+
+from megatron_chunkflow.perfmodel.budget import chunkflow_peak
+from megatron_chunkflow.bench.systems import (
+    BenchSettings,
+    build_system,
+    probe_rates,
+    timed_step,
+    train_settings,
+)
+from megatron_chunkflow.bench.instrument import cache_freed_memory
+
+MIB = 2.0**20
+
+
+def sweep(s: BenchSettings, configs: list[dict], log=lambda text: None) -> list[dict]:
+    """One row per configuration (same on every rank)."""
+    from megatron.core import parallel_state
+
+    from megatron_chunkflow.checks.verify import make_sequences
+
+    torch.set_num_threads(s.threads)
+    if s.caching_malloc:
+        cache_freed_memory()
+    dp = parallel_state.get_data_parallel_world_size()
+    sequences = make_sequences(s.lengths, s.shape.vocab_size, s.seed)
+    systems = {}
+    act = None
+    rows = []
+    for cfg in configs:
+        if cfg["system"] == "chunkflow":
+            key = "chunkflow"
+            if key not in systems:
+                systems[key] = build_system(key, train_settings(s, chunkflow=True))
+                act = probe_rates(systems[key], s)
+            system = systems[key]
+            system.settings = dataclasses.replace(system.settings, chunk_size=cfg["chunk_size"],
+                                                  k=cfg["k"])
+        else:
+            key = f"megatron-{cfg['recompute']}"
+            if key not in systems:
+                recompute = None if cfg["recompute"] == "none" else cfg["recompute"]
+                systems[key] = build_system("megatron", train_settings(
+                    s, chunkflow=False, recompute_granularity=recompute))
+            system = systems[key]
+        records = [timed_step(system, sequences, trim=i < s.warmup or not s.warmup)
+                   for i in range(s.warmup + s.repeats)]
+        row = dict(cfg, **_summary(records[s.warmup:], s.pp))
+        if cfg["system"] == "chunkflow":
+            row["modelled_peak_bytes"] = chunkflow_peak(s.lengths, cfg["chunk_size"], cfg["k"],
+                                                        dp, s.shape, act)
+        log(_describe(row))
+        rows.append(row)
+    return rows
+
+
+def _summary(repeats: list[list[dict]], pp: int) -> dict:
+    steps = [max(r["elapsed"] for r in rows) for rows in repeats]
+    act, state = [0] * pp, [0] * pp
+    for rows in repeats:
+        for r in rows:
+            act[r["stage"]] = max(act[r["stage"]], r["peak_activation"])
+            state[r["stage"]] = max(state[r["stage"]], r["peak_state"])
+    total = max(max(r["peak_total"] for r in rows) for rows in repeats)
+    return {"step_s": statistics.median(steps), "peak_bytes": total,
+            "activation_bytes_per_stage": act, "state_bytes_per_stage": state,
+            "num_microbatches": repeats[0][0]["count"]}
+
+
+def _describe(row: dict) -> str:
+    name = (f"ChunkFlow C={row['chunk_size']} K={row['k']}" if row["system"] == "chunkflow"
+            else f"stock Megatron, recompute {row['recompute']}")
+    return (f"{name}: {row['step_s']:.2f} s, peak {row['peak_bytes'] / MIB:.1f} MiB "
+            f"(K/V state {max(row['state_bytes_per_stage']) / MIB:.1f} MiB)")
+
+
+def markdown_table(rows: list[dict]) -> list[str]:
+    """The rows as a markdown table (MiB, seconds)."""
+    def mib(xs):
+        return " / ".join(f"{x / MIB:.1f}" for x in xs)
+
+    lines = ["| system | C | K | C x K | chunks / micro-batches | peak activations + state (MiB) "
+             "| activations per stage (MiB) | K/V state per stage (MiB) | modelled peak (MiB) "
+             "| step (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["system"] == "chunkflow":
+            head = (f"| ChunkFlow | {r['chunk_size']} | {r['k']} | {r['chunk_size'] * r['k']} ")
+            modelled = f"{r['modelled_peak_bytes'] / MIB:.1f}"
+        else:
+            head, modelled = f"| stock Megatron, recompute {r['recompute']} | - | - | - ", "-"
+        lines.append(f"{head}| {r['num_microbatches']} | {r['peak_bytes'] / MIB:.1f} "
+                     f"| {mib(r['activation_bytes_per_stage'])} "
+                     f"| {mib(r['state_bytes_per_stage'])} | {modelled} | {r['step_s']:.2f} |")
+    return lines

@@ -1,0 +1,131 @@
+"""ChunkFlow on megatron-core against transformers' Qwen2ForCausalLM, from one HF checkpoint.
+
+    chunkflow verify --hf-reference DIR        # float64, the default batch
+
+The reference is independent of Megatron: transformers loads DIR and runs every sequence whole
+(its RMSNorm formula run in float64: transformers computes it in float32 whatever the model dtype;
+and the gradient scaled by the float32 1/num_tokens that Megatron's finalize_model_grads applies)
+(attention through torch SDPA, which keeps float64: the eager path runs its softmax in float32); the loss is the per-token cross entropy over the SFT loss mask, divided by
+the batch's token count, and its gradients are read off the HF parameters. The chunked side imports
+DIR into a megatron-core GPTModel (padded vocabulary, this rank's TP/PP slice), runs ChunkFlow's plan,
+and maps its gradients back to HF names (export_hf_weights applied to the gradients; padding rows
+dropped). transformers is a test extra, not a runtime requirement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from megatron_chunkflow.checks.verify import VerifyResult, make_sequences
+
+
+def hf_reference(hf_dir: str, sequences, dtype=torch.float64):
+    """(loss, {hf name: gradient}) of transformers' unchunked model on `sequences`."""
+    try:
+        from transformers import Qwen2ForCausalLM
+    except ImportError:
+        raise ValueError("--hf-reference needs transformers: pip install transformers") from None
+    model = Qwen2ForCausalLM.from_pretrained(hf_dir, torch_dtype=dtype, attn_implementation="sdpa")
+    model.train()
+    if dtype == torch.float64:
+        _norms_in_float64(model)
+    total_tokens = sum(float(s.loss_mask.sum()) for s in sequences)
+    # Megatron's finalize_model_grads scales gradients by `1.0 / num_tokens` with num_tokens an
+    # int tensor, i.e. by a float32 number; apply the same scale so that only computation differs.
+    scale = (1.0 / torch.tensor(int(total_tokens), dtype=torch.int)).item() if total_tokens else 0.0
+    loss_sum = 0.0
+    for s in sequences:
+        logits = model(s.tokens.view(1, -1)).logits[0]  # [L, V]
+        labels = torch.cat([s.tokens[1:], s.tokens.new_zeros(1)])
+        losses = F.cross_entropy(logits.to(dtype), labels, reduction="none")
+        loss = (losses * s.loss_mask.to(dtype)).sum()
+        (loss * scale).backward()
+        loss_sum += float(loss.detach())
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    if model.config.tie_word_embeddings:
+        grads.pop("lm_head.weight", None)
+    return loss_sum / max(total_tokens, 1.0), grads
+
+
+def _rms_norm_same_dtype(self, hidden_states):
+    """Qwen2RMSNorm.forward's formula without its cast to float32."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def _norms_in_float64(model) -> None:
+    """transformers' Qwen2RMSNorm computes in float32 whatever the model dtype, which caps any
+    float64 comparison at ~1e-7; run the same formula in the model's dtype. (RoPE frequencies are
+    float32 in both libraries, computed the same way.)"""
+    import types
+
+    for module in model.modules():
+        if type(module).__name__ == "Qwen2RMSNorm":
+            module.forward = types.MethodType(_rms_norm_same_dtype, module)
+
+
+def run_hf_verify(hf_dir: str, lengths: Sequence[int], chunk_size: int, k: int, seed: int = 0,
+                  backend: str = "torch", tp: int = 1, pp: int = 1) -> VerifyResult:
+    """One step of ChunkFlow (megatron-core, float64) against transformers on the same batch."""
+    from megatron.core import parallel_state
+
+    from megatron_chunkflow.training.build import build_gpt_model, transformer_config, wrap_ddp
+    from megatron_chunkflow.runtime.inputs import plan_step
+    from megatron_chunkflow.training.dist import init_distributed
+    from megatron_chunkflow.training.hf import (
+        export_hf_weights,
+        import_hf_weights,
+        padded_vocab_size,
+        shape_from_hf_dir,
+    )
+    from megatron_chunkflow.runtime.loss import global_loss
+    from megatron_chunkflow.runtime.model import apply_chunkflow
+    from megatron_chunkflow.runtime.schedules import forward_backward_chunkflow
+    from megatron_chunkflow.checks.verify import forward_step
+
+    dtype = torch.float64
+    shape = shape_from_hf_dir(hf_dir)
+    sequences = make_sequences(lengths, shape.vocab_size, seed)
+    ref_loss, ref_grads = hf_reference(hf_dir, sequences, dtype)
+
+    init_distributed(tp=tp, pp=pp, seed=seed)
+    padded = dataclasses.replace(shape, vocab_size=padded_vocab_size(shape.vocab_size, tp))
+    config = transformer_config(padded, dtype)
+    model = build_gpt_model(padded, config)
+    import_hf_weights(model, hf_dir, config, shape)
+    apply_chunkflow(model, backend=backend)
+    ddp = wrap_ddp(model, config)
+    dp, dp_rank = (parallel_state.get_data_parallel_world_size(),
+                   parallel_state.get_data_parallel_rank())
+    step, _, _ = plan_step(sequences, chunk_size, k, pp, dp, dp_rank, padded)
+    step_fn = partial(forward_step, tp_group=parallel_state.get_tensor_model_parallel_group(),
+                      vocab_size=shape.vocab_size)
+    reports = forward_backward_chunkflow(
+        forward_step_func=step_fn, data_iterator=iter([step]), model=ddp,
+        num_microbatches=len(step.metas))
+    loss, count = global_loss(reports)
+
+    params = list(model.parameters())
+    saved = [p.data for p in params]
+    try:  # the gradients have the parameters' layout: export them as if they were weights
+        for p in params:
+            p.data = p.main_grad.to(p.dtype)
+        grads = export_hf_weights(model, config, shape)
+    finally:
+        for p, data in zip(params, saved):
+            p.data = data
+    errors = []
+    for name in sorted(ref_grads):
+        g_ref, g = ref_grads[name].double(), grads[name].double()
+        scale = g_ref.abs().max().item()
+        diff = (g - g_ref).abs().max().item()
+        errors.append((name, diff / scale if scale > 0 else diff))
+    worst = max(errors, key=lambda e: e[1])
+    return VerifyResult(loss_ref=ref_loss, loss_chunked=loss / max(count, 1.0),
+                        max_rel_grad_err=worst[1], worst_param=worst[0], param_errors=errors,
+                        num_chunks=len(step.metas))

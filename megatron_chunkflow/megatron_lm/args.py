@@ -1,0 +1,171 @@
+"""The plugin's flags in Megatron-LM's parser, and their checks against Megatron's own flags.
+
+    --chunkflow --chunk-size 8192 --chunkflow-k 2 [--chunkflow-attention-backend auto]
+
+Everything that cannot work with ChunkFlow stops here with a message naming the flags, before any
+model is built. A few Megatron settings ChunkFlow needs are set for the user, each announced:
+`--dataloader-type external` (the step iterator) and `--calculate-per-token-loss` (a chunk's loss
+is a sum over its tokens; the step's loss is the mean over every target token of the global batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_chunkflow.config import ChunkFlowConfig, add_config_arguments
+from megatron_chunkflow.core.models import ModelShape
+from megatron_chunkflow.core.profiles import PROFILES
+
+TESTED_VERSION = "0.16.1"
+BACKENDS = ("auto", "torch", "sdpa", "flex", "flash", "te", "cpu_flash")
+FLAGS = {"k": "--chunkflow-k"}
+
+
+class LaunchError(ValueError):
+    """Bad flags or data for a Megatron-LM run with the plugin: the launcher prints it and exits 2."""
+
+
+def add_chunkflow_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("ChunkFlow (megatron_chunkflow)")
+    g.add_argument("--chunkflow", action="store_true",
+                   help="train with ChunkFlow: sequences cut into dependent chunks and packed into "
+                        "chunks of --chunk-size tokens, run by the state-aware 1F1B schedule; "
+                        "--global-batch-size counts sequences. Without it the script is stock")
+    add_config_arguments(g, ChunkFlowConfig, flags=FLAGS)
+    g.add_argument("--chunkflow-attention-backend", choices=BACKENDS, default="auto",
+                   help="chunk attention kernel: auto = flash (flash-attn) or te (Transformer "
+                        "Engine) on GPU, whichever is installed, else torch (plain torch, "
+                        "memory-efficient; the CPU default); sdpa is the reference; cpu_flash is ATen's "
+                        "fused CPU kernel (CPU only, faster than torch)")
+    g.add_argument("--chunkflow-mock-profile", choices=sorted(PROFILES), default="B",
+                   help="with --mock-data: the length profile (DESIGN.md section 5), scaled so its "
+                        "longest sequence is --seq-length (default: B)")
+    g.add_argument("--overlong", choices=("error", "drop", "split"), default="error",
+                   help="a --data-path sequence longer than --seq-length: error (default) stops "
+                        "naming it, drop skips and counts it, split cuts it into independent "
+                        "pieces; nothing is truncated silently")
+    g.add_argument("--skip-bad-records", action="store_true",
+                   help="skip malformed --data-path records (counted) instead of stopping")
+    g.add_argument("--chunkflow-load-hf", metavar="DIR",
+                   help="initialise from a Hugging Face Qwen2/Qwen2.5 checkpoint directory (works "
+                        "with and without --chunkflow, so both systems can start from the same "
+                        "weights); a later --load checkpoint still takes precedence")
+    g.add_argument("--chunkflow-allow-untested-megatron", action="store_true",
+                   help=f"run on a Megatron-LM other than core_v{TESTED_VERSION} (with a warning)")
+    return parser
+
+
+def check_chunkflow_args(args, given_dataloader: str | None = None) -> None:
+    """Refuse what ChunkFlow cannot run; set the two Megatron settings it needs.
+    `given_dataloader`: --dataloader-type as typed (Megatron's validate_args fills in single)."""
+    if not args.chunkflow:
+        return
+    refuse = []
+    if args.context_parallel_size > 1:
+        refuse.append(f"--context-parallel-size {args.context_parallel_size}: ChunkFlow keeps a "
+                      "long sequence's K/V prefix on each rank; use --context-parallel-size 1 "
+                      "(chunking already bounds activation memory by --chunk-size)")
+    if args.virtual_pipeline_model_parallel_size is not None:
+        refuse.append("virtual pipeline stages (--num-layers-per-virtual-pipeline-stage / "
+                      "--num-virtual-stages-per-pipeline-rank): the state-aware schedule is 1F1B")
+    if args.micro_batch_size != 1:
+        refuse.append(f"--micro-batch-size {args.micro_batch_size}: use 1 (each data chunk of "
+                      "up to --chunk-size tokens is one micro-batch)")
+    if args.apply_rope_fusion:
+        refuse.append("fused RoPE: add --no-rope-fusion (the fused kernel takes one position "
+                      "offset per sequence; chunks need per-token positions)")
+    if getattr(args, "multi_latent_attention", False):
+        refuse.append("--multi-latent-attention")
+    if args.position_embedding_type != "rope":
+        refuse.append(f"--position-embedding-type {args.position_embedding_type}: use rope")
+    if args.chunk_size > args.seq_length:
+        refuse.append(f"--chunk-size {args.chunk_size} is larger than --seq-length "
+                      f"{args.seq_length}")
+    if args.sequence_parallel and args.chunk_size % args.tensor_model_parallel_size:
+        refuse.append(f"--chunk-size {args.chunk_size} is not a multiple of "
+                      f"--tensor-model-parallel-size {args.tensor_model_parallel_size}, which "
+                      "--sequence-parallel needs to split every chunk")
+    if given_dataloader not in (None, "external"):
+        refuse.append(f"--dataloader-type {given_dataloader}: ChunkFlow feeds its chunks "
+                      "through --dataloader-type external")
+    if not args.mock_data:
+        if not args.data_path:
+            refuse.append("no data: give --data-path (SFT JSONL/JSON/Parquet or a Megatron "
+                          "indexed dataset prefix) or --mock-data")
+        elif len(args.data_path) != 1:
+            refuse.append(f"--data-path with {len(args.data_path)} entries: ChunkFlow reads one "
+                          "file, directory or indexed prefix (blends are not supported)")
+    if refuse:
+        raise LaunchError("--chunkflow cannot run with " + "; ".join(refuse))
+    try:
+        ChunkFlowConfig.from_args(args, FLAGS)
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+    notes = []
+    if args.dataloader_type != "external":
+        args.dataloader_type = "external"
+        notes.append("--dataloader-type external (the chunk iterator)")
+    if not args.calculate_per_token_loss:
+        args.calculate_per_token_loss = True
+        notes.append("--calculate-per-token-loss (the loss is the mean over all target tokens "
+                     "of the global batch)")
+    if args.sft:
+        notes.append("--sft ignored: ChunkFlow reads --data-path itself (ChatML, assistant-only "
+                     "loss) and never packs or truncates to --seq-length")
+    if args.eval_iters and args.eval_interval:
+        notes.append(f"no validation (--eval-iters {args.eval_iters} is ignored)")
+    if notes and args.rank == 0:
+        print("[chunkflow] set: " + "; ".join(notes), flush=True)
+
+
+def resolve_backend(args) -> str:
+    """--chunkflow-attention-backend auto: flash, then te, on a GPU; torch on CPU."""
+    import importlib.util
+
+    from megatron_chunkflow.training.cpu import has_real_cuda
+
+    choice = args.chunkflow_attention_backend
+    if choice != "auto":
+        return choice
+    if has_real_cuda():
+        for backend, module in (("flash", "flash_attn"), ("te", "transformer_engine")):
+            if importlib.util.find_spec(module) is not None:
+                return backend
+    return "torch"
+
+
+def shape_from_args(args) -> ModelShape:
+    """The model's shape for the planner's cost model and the FLOPs count."""
+    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    return ModelShape(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=groups, vocab_size=args.padded_vocab_size,
+        tie_embeddings=not args.untie_embeddings_and_output_weights,
+        qkv_bias=bool(args.add_qkv_bias or args.add_bias_linear),
+        rotary_base=float(args.rotary_base), norm_eps=float(args.layernorm_epsilon))
+
+
+def data_tokenizer(args, vocab_size: int):
+    """The tokenizer for --data-path records: the Hugging Face tokenizer directory given to
+    Megatron (--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR); otherwise only
+    pre-tokenized data (a Megatron indexed dataset) can be read, checked against `vocab_size`."""
+    from pathlib import Path
+
+    from megatron_chunkflow.data.tokenizer import Tokenizer, load_tokenizer
+
+    model = getattr(args, "tokenizer_model", None)
+    if args.tokenizer_type == "HuggingFaceTokenizer" and model and Path(model).is_dir():
+        try:
+            return load_tokenizer(model)
+        except ValueError as e:
+            raise ValueError(f"--tokenizer-model {model}: {e}") from None
+
+    def encode(text: str) -> list[int]:
+        raise ValueError(f"--data-path {args.data_path[0]} holds text or conversations, which "
+                         "need a Hugging Face tokenizer: --tokenizer-type HuggingFaceTokenizer "
+                         f"--tokenizer-model DIR (got --tokenizer-type {args.tokenizer_type})")
+
+    return Tokenizer(name=f"token ids of --tokenizer-type {args.tokenizer_type}",
+                     vocab_size=vocab_size, eod_id=-1, im_start_id=-1, im_end_id=-1,
+                     _encode=encode)

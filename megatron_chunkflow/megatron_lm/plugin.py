@@ -1,0 +1,286 @@
+"""ChunkFlow inside Megatron-LM's own training loop (pretrain_gpt.py, tag core_v0.16.1).
+
+`install(megatron_lm_dir)` patches five seams of megatron/training before the unmodified script
+runs (megatron-notes.md section 4.4); each patch delegates to Megatron's original unless
+`--chunkflow` was given, so without it the script runs exactly as stock:
+
+- arguments.add_megatron_arguments: the plugin's flags (add_chunkflow_arguments);
+- initialize.validate_args: after Megatron's checks, the plugin's (check_chunkflow_args);
+- training.get_model: swap core attention and RoPE for chunk attention (apply_chunkflow), and
+  --chunkflow-load-hf (also without --chunkflow, so both systems can start from the same weights);
+- training.build_train_valid_test_data_iterators: ChunkFlow's step iterator (megatron_lm_data.py);
+- training.get_forward_backward_func: forward_backward_chunkflow with the plugin's forward step;
+- training.num_floating_point_operations / train_step / training_log: FLOPs of the step's actual
+  sequence lengths, and one `[chunkflow]` line (tokens, tokens/s/GPU, model TFLOP/s/GPU, chunks,
+  re-forwarded fraction, peak memory) after each of Megatron's log lines.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+import warnings
+from functools import partial
+from pathlib import Path
+
+from megatron_chunkflow.megatron_lm.args import (
+    TESTED_VERSION,
+    LaunchError,
+    add_chunkflow_arguments,
+    check_chunkflow_args,
+    resolve_backend,
+    shape_from_args,
+)
+
+
+def checkout_version(megatron_lm_dir: Path) -> str:
+    """The version in a Megatron-LM checkout's megatron/core/package_info.py."""
+    info = megatron_lm_dir / "megatron" / "core" / "package_info.py"
+    if not info.is_file():
+        raise LaunchError(f"{megatron_lm_dir} is not a Megatron-LM checkout: {info} is missing "
+                          "(give the path of its pretrain_gpt.py)")
+    parts = {m.group(1): m.group(2) for m in
+             re.finditer(r"^(MAJOR|MINOR|PATCH|PRE_RELEASE)\s*=\s*['\"]?([^'\"\n]*)['\"]?",
+                         info.read_text(), re.M)}
+    return ".".join(parts.get(k, "?") for k in ("MAJOR", "MINOR", "PATCH")) + \
+        parts.get("PRE_RELEASE", "")
+
+
+def check_versions(megatron_lm_dir: Path, allow_untested: bool) -> None:
+    """Megatron-LM's checkout and the installed megatron-core must both be TESTED_VERSION."""
+    import megatron.core
+
+    found = {f"Megatron-LM at {megatron_lm_dir}": checkout_version(megatron_lm_dir),
+             f"megatron-core at {Path(megatron.core.__file__).parent}":
+                 getattr(megatron.core, "__version__", "?")}
+    wrong = [f"{where} is {version}" for where, version in found.items()
+             if version != TESTED_VERSION]
+    if not wrong:
+        return
+    message = (f"megatron_chunkflow is tested with Megatron-LM tag core_v{TESTED_VERSION} and "
+               f"megatron-core {TESTED_VERSION}, but " + "; ".join(wrong))
+    if not allow_untested:
+        raise LaunchError(message + " (check out core_v0.16.1, or pass "
+                          "--chunkflow-allow-untested-megatron to try anyway)")
+    warnings.warn(message + " (--chunkflow-allow-untested-megatron: continuing)", stacklevel=2)
+
+
+class _Hooks:
+    """State the patched functions share: the step iterator and the log interval's totals."""
+
+    def __init__(self):
+        self.iterator = None
+        self.in_log = False
+        self.interval_flops = self.interval_tokens = self.interval_time = 0.0
+        self.interval_steps = 0
+
+
+_HOOKS = _Hooks()
+
+
+def install(megatron_lm_dir: str | Path, allow_untested: bool | None = None) -> None:
+    """Patch megatron/training so that pretrain_gpt.py honours --chunkflow; idempotent.
+    `allow_untested` None: whether --chunkflow-allow-untested-megatron is on the command line."""
+    from megatron_chunkflow.training import cpu
+
+    if allow_untested is None:
+        allow_untested = "--chunkflow-allow-untested-megatron" in sys.argv
+    megatron_lm_dir = Path(megatron_lm_dir).resolve()
+    cpu.install_megatron_lm_cpu_shims()
+    import megatron.core  # noqa: F401  the installed megatron-core, before the checkout's copy
+
+    check_versions(megatron_lm_dir, allow_untested)
+    if str(megatron_lm_dir) not in sys.path:
+        sys.path.append(str(megatron_lm_dir))  # megatron.training, gpt_builders, model_provider
+    from megatron.training import arguments, initialize, training
+
+    cpu.install_megatron_lm_training_shims()
+    if getattr(training, "_chunkflow_installed", False):
+        return
+    original_add = arguments.add_megatron_arguments
+    arguments.add_megatron_arguments = lambda parser: add_chunkflow_arguments(original_add(parser))
+    original_validate = initialize.validate_args
+
+    def validate_args(args, defaults=None):
+        given_dataloader = args.dataloader_type  # Megatron's validate_args defaults it to single
+        out = original_validate(args, defaults if defaults is not None else {})
+        check_chunkflow_args(args, given_dataloader)
+        return out
+
+    initialize.validate_args = validate_args
+    training.get_model = partial(_get_model, training.get_model)
+    training.build_train_valid_test_data_iterators = partial(
+        _build_iterators, training.build_train_valid_test_data_iterators)
+    training.get_forward_backward_func = partial(_get_fb_func, training.get_forward_backward_func)
+    training.num_floating_point_operations = partial(_num_flops,
+                                                     training.num_floating_point_operations)
+    training.train_step = partial(_train_step, training.train_step)
+    training.training_log = partial(_training_log, training.training_log)
+    training._chunkflow_installed = True
+
+
+def _args():
+    from megatron.training import get_args
+
+    return get_args()
+
+
+def _get_model(original, *args, **kwargs):
+    model = original(*args, **kwargs)
+    a = _args()
+    if a.chunkflow_load_hf:
+        from megatron.core.utils import get_model_config
+
+        from megatron_chunkflow.training.hf import import_hf_weights, shape_from_hf_dir
+
+        hf_shape = shape_from_hf_dir(a.chunkflow_load_hf)
+        for chunk in model:
+            import_hf_weights(chunk, a.chunkflow_load_hf, get_model_config(chunk), hf_shape)
+    if a.chunkflow:
+        from megatron_chunkflow.runtime.model import apply_chunkflow
+
+        backend = resolve_backend(a)
+        for chunk in model:
+            apply_chunkflow(chunk, backend=backend)
+    return model
+
+
+def _build_iterators(original, provider):
+    a = _args()
+    if not a.chunkflow:
+        return original(provider)
+    from megatron.core import parallel_state
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    from megatron_chunkflow.megatron_lm.data import ChunkFlowStepIterator
+
+    dataset = _open_dataset(a)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    _HOOKS.iterator = ChunkFlowStepIterator(
+        dataset=dataset, global_batch_size=a.global_batch_size, seed=a.seed,
+        chunk_size=a.chunk_size, k=a.k,
+        num_stages=parallel_state.get_pipeline_model_parallel_world_size(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+        dp_rank=parallel_state.get_data_parallel_rank(), shape=shape_from_args(a),
+        pad_multiple=tp if a.sequence_parallel else 1, consumed=a.consumed_train_samples)
+    a.do_train, a.do_valid, a.do_test = a.train_iters > 0, False, False
+    _print_last(f"[chunkflow] data: {getattr(dataset, 'description', '')}; {len(dataset)} "
+                f"sequences; global batch {a.global_batch_size} sequences, chunk size "
+                f"{a.chunk_size}, K {a.k}")
+    return RerunDataIterator(_HOOKS.iterator), None, None
+
+
+def _open_dataset(a):
+    from megatron_chunkflow.megatron_lm.args import data_tokenizer
+
+    if a.mock_data:
+        from megatron_chunkflow.megatron_lm.data import MockSFTDataset
+
+        num = max(a.global_batch_size * max(a.train_iters, 1), a.global_batch_size)
+        return MockSFTDataset(a.chunkflow_mock_profile, num, a.seq_length,
+                              _true_vocab_size(a), a.seed)
+    from megatron_chunkflow.data.dataset import open_sft_dataset
+
+    try:
+        return open_sft_dataset(a.data_path[0], data_tokenizer(a, _true_vocab_size(a)),
+                                seq_length=a.seq_length, overlong=a.overlong,
+                                skip_bad_records=a.skip_bad_records)
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+
+
+def _true_vocab_size(a) -> int:
+    """Ids the data may use: the tokenizer's vocabulary (Megatron pads the model's beyond it)."""
+    from megatron.training import get_tokenizer
+
+    try:
+        return int(get_tokenizer().vocab_size)
+    except Exception:  # noqa: BLE001  tokenizers without vocab_size: the model's rows
+        return int(a.padded_vocab_size)
+
+
+def _get_fb_func(original, *args, **kwargs):
+    if not _args().chunkflow:
+        return original(*args, **kwargs)
+    return _chunkflow_forward_backward
+
+
+def _chunkflow_forward_backward(*, forward_step_func, **kwargs):
+    """Megatron-LM's forward_step (pretrain_gpt.py) reads fixed-shape batches through a TP
+    broadcast; chunks carry their own shapes, so the plugin's forward step runs instead (the same
+    model call and Megatron's own vocab-parallel cross entropy, summed per token)."""
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_chunkflow.runtime.schedules import forward_backward_chunkflow
+    from megatron_chunkflow.checks.verify import forward_step
+
+    step_fn = partial(forward_step, tp_group=parallel_state.get_tensor_model_parallel_group(),
+                      exact_loss=False)
+    reports = forward_backward_chunkflow(forward_step_func=step_fn, **kwargs)
+    if not reports and parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        reports = [{"lm loss": torch.zeros(2)}]  # a DP rank without chunks this step
+    return reports
+
+
+def _num_flops(original, args, batch_size):
+    if not args.chunkflow or _HOOKS.iterator is None:
+        return original(args, batch_size)
+    if _HOOKS.in_log and _HOOKS.interval_steps:
+        return _HOOKS.interval_flops / _HOOKS.interval_steps  # mean over the log interval
+    return _HOOKS.iterator.last.flops
+
+
+def _train_step(original, *args, **kwargs):
+    if not _args().chunkflow:
+        return original(*args, **kwargs)
+    start = time.perf_counter()
+    out = original(*args, **kwargs)
+    last = _HOOKS.iterator.last
+    _HOOKS.interval_time += time.perf_counter() - start
+    _HOOKS.interval_flops += last.flops
+    _HOOKS.interval_tokens += last.tokens
+    _HOOKS.interval_steps += 1
+    return out
+
+
+def _training_log(original, *args, **kwargs):
+    a = _args()
+    if not a.chunkflow or _HOOKS.iterator is None:
+        return original(*args, **kwargs)
+    _HOOKS.in_log = True
+    try:
+        out = original(*args, **kwargs)
+    finally:
+        _HOOKS.in_log = False
+    iteration = args[3] if len(args) > 3 else kwargs["iteration"]
+    first = kwargs.get("is_first_iteration", False)
+    if (iteration % a.log_interval == 0 or first) and _HOOKS.interval_steps:
+        _print_last(_log_line(a, iteration))
+        if not first:
+            _HOOKS.interval_flops = _HOOKS.interval_tokens = _HOOKS.interval_time = 0.0
+            _HOOKS.interval_steps = 0
+    return out
+
+
+def _log_line(a, iteration: int) -> str:
+    from megatron_chunkflow.training.cpu import has_real_cuda
+    from megatron_chunkflow.training.loop import peak_memory_bytes
+
+    h, last = _HOOKS, _HOOKS.iterator.last
+    per_step = h.interval_time / h.interval_steps
+    tokens = h.interval_tokens / h.interval_steps
+    memory = "peak allocated GiB" if has_real_cuda() else "peak RSS GiB"
+    return (f"[chunkflow] iteration {iteration} | tokens {int(tokens)} | tokens/s/GPU "
+            f"{tokens / per_step / a.world_size:.1f} | model TFLOP/s/GPU "
+            f"{h.interval_flops / h.interval_steps / per_step / a.world_size / 1e12:.3f} | "
+            f"chunks {last.chunks} | recompute {last.reforwarded:.2f} | {memory} "
+            f"{peak_memory_bytes() / 2**30:.2f}")
+
+
+def _print_last(line: str) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1:
+        print(line, flush=True)

@@ -1,0 +1,228 @@
+"""Devices the cost model runs on: named GPUs from vendor datasheets, overrides, measured rates.
+
+Every number below is a parameter of `Hardware`, overridable by name from the CLI
+(`chunkflow simulate --gpu h100 --gpu-set nvlink_gb_s=400 --gpu-set gemm_max_eff=0.7`), by a
+calibration file written by `scripts/benchmarks/gpu_calibrate.py` (`--calibration FILE`), or built
+from measured rates for a CPU (`hardware_from_measurements`).
+
+Datasheet values (dense, i.e. without 2:4 sparsity; GB = 1e9 bytes; link rates per direction):
+
+  name   peak bf16   HBM     HBM bw      NVLink/GPU     network/GPU        SMs
+  h100   989 TFLOP/s 80 GB   3350 GB/s   450 GB/s       50 GB/s (400 Gb/s) 132
+  h200   989 TFLOP/s 141 GB  4800 GB/s   450 GB/s       50 GB/s (400 Gb/s) 132
+  a100   312 TFLOP/s 80 GB   2039 GB/s   300 GB/s       25 GB/s (200 Gb/s) 108
+
+Sources:
+- H100 SXM: https://www.nvidia.com/en-us/data-center/h100/ (datasheet table: BF16 Tensor Core
+  1,979 TFLOPS "with sparsity", i.e. 989.4 dense; 80 GB; 3.35 TB/s; NVLink 900 GB/s, which is
+  both directions of 18 links, so 450 GB/s each way). SM count: "NVIDIA H100 Tensor Core GPU
+  Architecture" whitepaper (H100 SXM5: 132 SMs; 989.4e12 = 132 SMs x 4096 FLOP/clk x 1.83 GHz).
+- H200 SXM: https://www.nvidia.com/en-us/data-center/h200/ (BF16 1,979 TFLOPS with sparsity;
+  141 GB HBM3e; 4.8 TB/s; NVLink 900 GB/s). Same GH100 compute as H100 SXM5.
+- A100 80GB SXM: https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/
+  nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf (BF16 312 TFLOPS dense; 80 GB HBM2e;
+  2,039 GB/s; NVLink 600 GB/s both directions). 108 SMs: "NVIDIA A100 Tensor Core GPU
+  Architecture" whitepaper (312e12 = 108 x 2048 FLOP/clk x 1.41 GHz).
+- Network: one NIC per GPU as in DGX systems. DGX H100/H200: 8x ConnectX-7 400 Gb/s
+  (https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html); DGX A100:
+  8x ConnectX-6 200 Gb/s HDR (https://docs.nvidia.com/dgx/dgxa100-user-guide/).
+
+Assumptions that are not datasheet numbers (stated, overridable, replaced by gpu_calibrate.py):
+- gemm_max_eff: the fraction of peak the best large, tile-aligned bf16 GEMM sustains. The peak
+  assumes the boost clock; under a sustained tensor-core load at the power limit the clock drops
+  (H100 SXM: 700 W), and each tile pays a pipeline fill and epilogue. 0.75 on Hopper, 0.85 on
+  A100 (which holds its clock closer to boost at 400 W).
+- attn_fwd_eff / attn_bwd_eff: the same ceiling for the fused attention kernel at long sequence
+  lengths (head dim 128, causal, bf16), before tile quantization (perfmodel/roofline.py). The kernel
+  authors' best cases are higher (FlashAttention-3: 75% of H100 peak forward; FlashAttention-2:
+  up to 73% of A100 forward); we assume 0.6 forward and 0.45 backward (the backward runs 5
+  matmuls with more synchronisation) for the varlen kernels Megatron calls.
+- mem_eff: fraction of HBM bandwidth a streaming kernel reaches (0.8).
+- comm_eff: fraction of link bandwidth a NCCL ring reaches (0.8); latency per ring hop.
+- reserve_fraction: HBM not available to tensors (CUDA context, NCCL buffers, allocator
+  fragmentation): 10%.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One device type and its links. Units: TFLOP/s, GB (1e9 bytes), GB/s per direction."""
+
+    name: str
+    peak_tflops: float
+    """Dense peak of the compute dtype (bf16 on GPUs): the MFU denominator."""
+    hbm_gb: float
+    """Device memory."""
+    hbm_gb_s: float
+    """Device memory bandwidth."""
+    nvlink_gb_s: float
+    """Per-GPU bandwidth to GPUs of the same node, one direction."""
+    network_gb_s: float
+    """Per-GPU bandwidth to other nodes, one direction."""
+    gpus_per_node: int = 8
+    """GPUs sharing the fast intra-node links."""
+    num_sms: int = 0
+    """Streaming multiprocessors for wave quantization; 0 turns tile/wave quantization off (CPU)."""
+    gemm_max_eff: float = 0.75
+    """Fraction of peak a large tile-aligned GEMM sustains."""
+    attn_fwd_eff: float = 0.6
+    """Fraction of peak the attention forward kernel sustains on long sequences."""
+    attn_bwd_eff: float = 0.45
+    """Fraction of peak the attention backward kernel sustains on long sequences."""
+    attn_block: int = 128
+    """Query/key tile of the attention kernel (tile quantization per segment); 0 = off."""
+    mem_eff: float = 0.8
+    """Fraction of memory bandwidth streaming (elementwise, optimizer) kernels reach."""
+    comm_eff: float = 0.8
+    """Fraction of link bandwidth a ring collective or a send reaches."""
+    nvlink_latency_us: float = 5.0
+    """Latency per ring hop or point-to-point message inside a node."""
+    network_latency_us: float = 10.0
+    """Latency per ring hop or point-to-point message across nodes."""
+    reserve_fraction: float = 0.10
+    """Share of device memory unavailable to tensors (context, NCCL buffers, fragmentation)."""
+    dtype_bytes: int = 2
+    """Bytes per element of weights and activations: 2 for bf16 (GPUs), 4 for fp32 (CPU runs)."""
+    op_overhead_us: float = 0.0
+    """Host time of one forward or backward op of a pipeline stage beyond its kernels (Python,
+    framework); 0 on GPUs, where kernel launches run ahead of the kernels; measured on CPUs."""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name != "name" and not v >= 0:
+                raise ValueError(f"hardware {self.name}: {f.name} must be >= 0, got {v}")
+        for f in ("peak_tflops", "hbm_gb", "hbm_gb_s", "nvlink_gb_s", "network_gb_s",
+                  "gemm_max_eff", "attn_fwd_eff", "attn_bwd_eff", "mem_eff", "comm_eff"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"hardware {self.name}: {f} must be > 0")
+        for f in ("gemm_max_eff", "attn_fwd_eff", "attn_bwd_eff", "mem_eff", "comm_eff"):
+            if getattr(self, f) > 1:
+                raise ValueError(f"hardware {self.name}: {f} is a fraction of peak, got "
+                                 f"{getattr(self, f)} > 1")
+        if not 0 <= self.reserve_fraction < 1:
+            raise ValueError(f"hardware {self.name}: reserve_fraction must be in [0, 1)")
+        if self.dtype_bytes not in (2, 4):
+            raise ValueError(f"hardware {self.name}: dtype_bytes must be 2 or 4")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"hardware {self.name}: gpus_per_node must be >= 1")
+
+    @property
+    def peak_flops(self) -> float:
+        return self.peak_tflops * 1e12
+
+    @property
+    def hbm_bytes(self) -> float:
+        return self.hbm_gb * GB
+
+    @property
+    def usable_bytes(self) -> float:
+        """The budget every run must fit in: device memory less the reserve."""
+        return self.hbm_bytes * (1.0 - self.reserve_fraction)
+
+    def link(self, group_span: int) -> tuple[float, float]:
+        """(bytes/s, latency s) of a group whose ranks lie `group_span` consecutive GPUs apart
+        at most: inside a node when the span fits in one, else across the network."""
+        if group_span <= self.gpus_per_node:
+            return self.nvlink_gb_s * GB * self.comm_eff, self.nvlink_latency_us * 1e-6
+        return self.network_gb_s * GB * self.comm_eff, self.network_latency_us * 1e-6
+
+
+_HOPPER = dict(num_sms=132, gemm_max_eff=0.75, attn_fwd_eff=0.6, attn_bwd_eff=0.45)
+GPUS = {
+    "h100": Hardware("h100", 989.4, 80, 3350, 450, 50, **_HOPPER),
+    "h200": Hardware("h200", 989.4, 141, 4800, 450, 50, **_HOPPER),
+    "a100": Hardware("a100", 312.0, 80, 2039, 300, 25, num_sms=108, gemm_max_eff=0.85,
+                     attn_fwd_eff=0.6, attn_bwd_eff=0.45),
+}
+
+
+def get_gpu(name: str) -> Hardware:
+    try:
+        return GPUS[name]
+    except KeyError:
+        raise ValueError(f"--gpu {name!r} is not known; known: {', '.join(GPUS)}") from None
+
+
+def with_overrides(hw: Hardware, assignments: list[str], flag: str = "--gpu-set") -> Hardware:
+    """Apply KEY=VALUE assignments (field names of Hardware) to `hw`."""
+    fields = {f.name: f for f in dataclasses.fields(Hardware) if f.name != "name"}
+    changes = {}
+    for a in assignments:
+        key, sep, value = a.partition("=")
+        key = key.strip()
+        if not sep or key not in fields:
+            raise ValueError(f"{flag} {a!r}: expected KEY=VALUE with KEY one of "
+                             f"{', '.join(fields)}")
+        kind = int if fields[key].type in ("int", int) else float
+        try:
+            changes[key] = kind(value)
+        except ValueError:
+            raise ValueError(f"{flag} {a!r}: {value!r} is not a valid {kind.__name__}") from None
+    return dataclasses.replace(hw, **changes) if changes else hw
+
+
+CALIBRATED_KEYS = ("gemm_max_eff", "attn_fwd_eff", "attn_bwd_eff", "mem_eff")
+
+
+def apply_calibration(hw: Hardware, path: str | Path) -> Hardware:
+    """Override the efficiencies with a file written by scripts/benchmarks/gpu_calibrate.py.
+
+    The file's "gpu" must name the same device type; only CALIBRATED_KEYS are read from its
+    "hardware" object (the datasheet peak stays the MFU denominator)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--calibration {path}: no such file")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--calibration {path}: not JSON ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("hardware"), dict):
+        raise ValueError(f"--calibration {path}: expected an object with a 'hardware' object")
+    if data.get("gpu") != hw.name:
+        raise ValueError(f"--calibration {path} was measured on {data.get('gpu')!r}, but the "
+                         f"simulated GPU is {hw.name!r}")
+    values = {k: float(v) for k, v in data["hardware"].items() if k in CALIBRATED_KEYS}
+    try:
+        return dataclasses.replace(hw, **values)
+    except ValueError as e:
+        raise ValueError(f"--calibration {path}: {e}") from None
+
+
+def hardware_from_measurements(gemm_flops: float, attn_fwd_flops: float, attn_bwd_flops: float,
+                               memory_bytes: float, p2p_bytes_per_s: float,
+                               p2p_latency_s: float = 50e-6, mem_bytes_per_s: float = 10e9,
+                               dtype_bytes: int = 4, name: str = "cpu",
+                               reserve_fraction: float = 0.0,
+                               op_overhead_s: float = 0.0) -> Hardware:
+    """A device described by measured rates (e.g. a CPU running `chunkflow bench`).
+
+    The fastest of the three compute rates becomes the peak (usually the GEMM rate, so MFU is
+    relative to the measured GEMM rate) and each rate an efficiency relative to it. Tile and
+    wave quantization are off. All ranks count as one node linked at `p2p_bytes_per_s`.
+    """
+    rates = {"gemm_flops": gemm_flops, "attn_fwd_flops": attn_fwd_flops,
+             "attn_bwd_flops": attn_bwd_flops, "memory_bytes": memory_bytes,
+             "p2p_bytes_per_s": p2p_bytes_per_s, "mem_bytes_per_s": mem_bytes_per_s}
+    for key, value in rates.items():
+        if not value > 0:
+            raise ValueError(f"{key} must be > 0, got {value}")
+    peak = max(gemm_flops, attn_fwd_flops, attn_bwd_flops)
+    return Hardware(
+        name=name, peak_tflops=peak / 1e12, hbm_gb=memory_bytes / GB,
+        hbm_gb_s=mem_bytes_per_s / GB, nvlink_gb_s=p2p_bytes_per_s / GB,
+        network_gb_s=p2p_bytes_per_s / GB, gpus_per_node=1 << 20, num_sms=0,
+        gemm_max_eff=gemm_flops / peak, attn_fwd_eff=attn_fwd_flops / peak,
+        attn_bwd_eff=attn_bwd_flops / peak, attn_block=0, mem_eff=1.0,
+        comm_eff=1.0, nvlink_latency_us=p2p_latency_s * 1e6,
+        network_latency_us=p2p_latency_s * 1e6, reserve_fraction=reserve_fraction,
+        dtype_bytes=dtype_bytes, op_overhead_us=op_overhead_s * 1e6)

@@ -1,0 +1,188 @@
+"""Predicted step time, MFU and peak memory per GPU of one training step, for stock Megatron and
+for ChunkFlow, on a named device (perfmodel/hardware.py) with the roofline cost model.
+
+Both systems go through core/step.py (plan_baseline: sequences packed into micro-batches of
+seq_length run with Megatron's 1F1B; plan_chunkflow: chunks with state-aware 1F1B) and
+core/simulate.py, with per-op seconds from perfmodel/roofline.py and bytes from perfmodel/footprint.py.
+
+Step time = the slowest (DP rank, stage) of: its last backward, or the distributed optimizer's
+gradient reduce-scatter if longer (Megatron's --overlap-grad-reduce launches it during the last
+micro-batch's backward, so only the excess over that backward is exposed), then the optimizer
+step; plus the parameter all-gather's excess over the first forward (--overlap-param-gather).
+MFU = model FLOPs (core/costs.py: sequence_model_flops: attention per sequence, no recompute,
+padding not counted) / (step time * GPUs * peak). Both systems train the same sequences, so
+speedup = ratio of step times = ratio of MFUs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from megatron_chunkflow.core.costs import sequence_model_flops
+from megatron_chunkflow.perfmodel.footprint import (
+    chunkflow_state_bytes,
+    held_bytes_fn,
+    stage_params,
+    static_bytes,
+    transient_bytes,
+)
+from megatron_chunkflow.perfmodel.hardware import Hardware
+from megatron_chunkflow.perfmodel.layout import Layout
+from megatron_chunkflow.core.models import ModelShape
+from megatron_chunkflow.perfmodel.roofline import Roofline, chunk_work
+from megatron_chunkflow.core.step import RankPlans, plan_baseline, plan_chunkflow
+from megatron_chunkflow.core.types import DataChunk
+
+GIB = 2.0**30
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One system's predicted step on one layout."""
+
+    system: str  # "megatron" or "chunkflow"
+    layout: Layout
+    step_s: float
+    pipeline_s: float  # forward/backward of the slowest DP rank (plan replayed)
+    optimizer_s: float
+    model_flops: float
+    num_tokens: int
+    num_gpus: int
+    peak_flops: float  # per GPU
+    peak_mem_bytes: float
+    usable_bytes: float
+    memory: dict = field(default_factory=dict)  # bytes at the peak (rank, stage), by kind
+    bubble: float = 0.0  # slowest DP rank
+    num_microbatches: int = 0  # all DP ranks; chunks for ChunkFlow
+    recompute_chunks: int = 0  # ChunkFlow re-forwards, all DP ranks
+    chunk_size: int | None = None
+    k: int | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_mem_bytes <= self.usable_bytes
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / (self.step_s * self.num_gpus * self.peak_flops)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.step_s
+
+    def to_json(self) -> dict:
+        out = {
+            "step_s": self.step_s, "mfu": self.mfu, "peak_mem_gib": self.peak_mem_bytes / GIB,
+            "fits": self.fits, "tokens_per_s": self.tokens_per_s, "bubble": self.bubble,
+            "layout": self.layout.to_json(), "pipeline_s": self.pipeline_s,
+            "step_end_s": self.step_s - self.pipeline_s, "optimizer_s": self.optimizer_s,
+            "num_microbatches": self.num_microbatches,
+            "memory_gib": {k: v / GIB for k, v in self.memory.items()},
+        }
+        if self.system == "chunkflow":
+            out.update(chunk_size=self.chunk_size, k=self.k,
+                       recompute_chunks=self.recompute_chunks)
+        return out
+
+
+def _finish(system: str, rp: RankPlans, model: Roofline, shape: ModelShape, hw: Hardware,
+            lengths: Sequence[int], state: list[list[float]], **extra) -> Prediction:
+    layout = model.layout
+    params = stage_params(shape, layout.pp)
+    dp = [model.dp_times(p) for p in params]
+    opt = [model.optimizer_time(p) for p in params]
+    step, worst_mem, memory = 0.0, -1.0, {}
+    for r, sim in enumerate(rp.sims):
+        max_tokens = max((math.ceil(c.num_tokens / layout.cp) for c in rp.chunks[r]), default=0)
+        for s in range(layout.pp):
+            rs, ag = dp[s]
+            ops = sim.timeline[s]
+            end = max(ops[-1].end, ops[-1].start + rs) if ops else rs
+            first_f = (ops[0].end - ops[0].start) if ops else 0.0
+            step = max(step, end + opt[s] + max(0.0, ag - first_f))
+            mem = {"static": static_bytes(params[s], layout, hw),
+                   "activations": sim.peak_bytes[s], "kv_state": state[r][s],
+                   "transient": transient_bytes(max_tokens, shape, layout, hw,
+                                                s == layout.pp - 1)}
+            if sum(mem.values()) > worst_mem:
+                worst_mem, memory = sum(mem.values()), mem
+    slowest = max(range(len(rp.sims)), key=lambda r: rp.sims[r].step_time)
+    return Prediction(
+        system=system, layout=layout, step_s=step, pipeline_s=rp.step_time,
+        optimizer_s=max(opt), model_flops=sequence_model_flops(lengths, shape),
+        num_tokens=sum(lengths), num_gpus=layout.num_gpus, peak_flops=hw.peak_flops,
+        peak_mem_bytes=worst_mem, usable_bytes=hw.usable_bytes, memory=memory,
+        bubble=rp.sims[slowest].bubble_ratio, num_microbatches=sum(len(c) for c in rp.chunks),
+        recompute_chunks=sum(s.num_recompute for s in rp.sims), **extra)
+
+
+@lru_cache(maxsize=256)
+def roofline(shape: ModelShape, layout: Layout, hw: Hardware) -> Roofline:
+    """One Roofline per (model, layout, device), so searches reuse its per-chunk cost cache."""
+    return Roofline(shape, layout, hw)
+
+
+def chunk_work_items(chunks: Sequence[DataChunk], block: int, cp: int = 1,
+                     k: int = 1) -> list[tuple[int, bool, int, float]]:
+    """(DP rank, re-forwarded, tokens, pairs) per chunk: what time_floor needs, independent
+    of TP, PP and recompute, so a search computes it once per chunking."""
+    return [(c.dp_rank, c.is_dependent and c.index < c.num_siblings - k,
+             *chunk_work(c, block, cp)) for c in chunks]
+
+
+def time_floor(items: Sequence[tuple[int, bool, int, float]], model: Roofline) -> float:
+    """A lower bound of the step time without planning. Stage s of a DP rank runs all its ops
+    (F and B of every chunk, R of every re-forwarded one), cannot start before some chunk has
+    gone forward through stages 0..s-1 and, after its last B, that chunk still runs backward
+    through stages s-1..0 before stage 0's optimizer step (or stage s's own, if longer)."""
+    pp = model.layout.pp
+    opt = [model.optimizer_time(p) for p in stage_params(model.shape, pp)]
+    rows: dict[int, list[list[float]]] = {}  # rank -> [busy, min F prefix, min B prefix]
+    for rank, reforward, tokens, pairs in items:
+        fwd, bwd = model.work_costs(tokens, pairs, pp)
+        busy, f_pre, b_pre = rows.setdefault(rank, [[0.0] * pp, [math.inf] * pp,
+                                                    [math.inf] * pp])
+        f_acc = b_acc = 0.0
+        for s in range(pp):
+            busy[s] += fwd[s] * (2 if reforward else 1) + bwd[s]
+            f_pre[s], b_pre[s] = min(f_pre[s], f_acc), min(b_pre[s], b_acc)
+            f_acc, b_acc = f_acc + fwd[s], b_acc + bwd[s]
+    return max((busy[s] + f_pre[s] + max(opt[s], b_pre[s] + opt[0])
+                for busy, f_pre, b_pre in rows.values() for s in range(pp)), default=0.0)
+
+
+def _hooks(model: Roofline, p2p_tokens: int):
+    shape, layout, hw = model.shape, model.layout, model.hw
+    return (lambda chunks, p: model.stage_costs(chunks, p, p2p_tokens),
+            lambda chunks, p: held_bytes_fn(chunks, shape, layout, hw, p))
+
+
+def predict_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware, layout: Layout,
+                     seq_length: int) -> Prediction:
+    """Stock Megatron: whole sequences packed into micro-batches of `seq_length`, 1F1B."""
+    model = roofline(shape, layout, hw)
+    costs_for, held_for = _hooks(model, seq_length)
+    rp = plan_baseline(lengths, seq_length, layout.pp, layout.dp, shape, costs_for, held_for)
+    no_state = [[0.0] * layout.pp for _ in rp.chunks]
+    return _finish("megatron", rp, model, shape, hw, lengths, no_state)
+
+
+def predict_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware, layout: Layout,
+                      chunk_size: int, k: int) -> Prediction:
+    """ChunkFlow: chunks of `chunk_size`, K chunks of a long sequence holding activations."""
+    if layout.cp > 1:
+        raise ValueError(f"ChunkFlow runs with CP 1 (the plugin refuses context parallelism), "
+                         f"got CP {layout.cp}")
+    if layout.sequence_parallel and chunk_size % layout.tp:
+        raise ValueError(f"--chunk-size {chunk_size} is not a multiple of the tensor-parallel "
+                         f"size {layout.tp}, which sequence parallelism requires")
+    model = roofline(shape, layout, hw)
+    costs_for, held_for = _hooks(model, chunk_size)
+    _, rp = plan_chunkflow(lengths, chunk_size, k, layout.pp, layout.dp, shape, costs_for,
+                           held_for)
+    state = [chunkflow_state_bytes(c, shape, layout, hw, layout.pp, chunk_size, k)
+             for c in rp.chunks]
+    return _finish("chunkflow", rp, model, shape, hw, lengths, state, chunk_size=chunk_size, k=k)

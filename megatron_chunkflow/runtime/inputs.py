@@ -1,0 +1,119 @@
+"""Sequences -> data chunks -> the tensors one forward of each chunk consumes.
+
+A `TokenSequence` (data/sequence.py) is one training sample: token ids and a loss mask aligned with
+the *targets*. A chunk holding tokens [s, e) of a sequence gets
+labels tokens[s+1 : e+1]; for a dependent chunk the label of its last token is the first token of the
+next chunk, so no target is lost at chunk boundaries.
+
+Megatron shapes: tokens/labels/loss_mask/position_ids [b=1, t]; THD PackedSeqParams with the chunk's
+own segment boundaries (the core attention adds the K/V prefix itself).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_chunkflow.core.types import DataChunk, StagePlan
+from megatron_chunkflow.data.sequence import TokenSequence
+from megatron_chunkflow.runtime.state import ChunkMeta
+
+
+@dataclass
+class ChunkInput:
+    """One data chunk's forward inputs (a Megatron micro-batch in THD layout)."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    packed_seq_params: object  # megatron.core.packed_seq_params.PackedSeqParams
+
+
+@dataclass
+class ChunkedStep:
+    """What ChunkFlow's forward_backward function consumes for one step on one DP rank."""
+
+    plan: StagePlan
+    metas: dict[int, ChunkMeta]
+    inputs: dict[int, ChunkInput]
+    forward_only: frozenset[int] = frozenset()  # SpaCO: chunks without backward (sparse.py)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(m.num_tokens for m in self.metas.values())
+
+
+def chunk_meta(chunk: DataChunk, chunk_size: int, pad_multiple: int = 1) -> ChunkMeta:
+    """`pad_multiple`: pad the chunk to a multiple of this many tokens (the TP size under sequence
+    parallelism) with a padding segment that attends only to itself and has no loss."""
+    num_padding = -chunk.num_tokens % pad_multiple
+    assert not (num_padding and chunk.is_dependent and chunk.index + 1 < chunk.num_siblings), \
+        "only a sequence's last chunk can need padding (C is a multiple of the TP size)"
+    cu = chunk.cu_seqlens() + ([chunk.num_tokens + num_padding] if num_padding else [])
+    pos = torch.tensor(chunk.position_ids() + list(range(num_padding)), dtype=torch.long)
+    return ChunkMeta(
+        chunk_id=chunk.id,
+        cu_seqlens=tuple(cu),
+        position_ids=pos,
+        seq_id=chunk.parent if chunk.is_dependent else None,
+        index=chunk.index if chunk.is_dependent else 0,
+        num_siblings=chunk.num_siblings if chunk.is_dependent else 1,
+        chunk_size=chunk_size,
+        num_padding=num_padding,
+    )
+
+
+def chunk_input(chunk: DataChunk, sequences: Sequence[TokenSequence], meta: ChunkMeta,
+                device=None) -> ChunkInput:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    tokens, labels, mask = [], [], []
+    for seg in chunk.segments:
+        seq = sequences[seg.seq_id]
+        tokens.append(seq.tokens[seg.start:seg.end])
+        nxt = seq.tokens[seg.start + 1:seg.end + 1]
+        if nxt.numel() < seg.num_tokens:  # the sequence's last token has no target
+            nxt = torch.cat([nxt, nxt.new_zeros(seg.num_tokens - nxt.numel())])
+        labels.append(nxt)
+        mask.append(seq.loss_mask[seg.start:seg.end])
+    if meta.num_padding:
+        pad = torch.zeros(meta.num_padding, dtype=torch.long)
+        tokens.append(pad)
+        labels.append(pad)
+        mask.append(torch.zeros(meta.num_padding, dtype=mask[0].dtype))
+    cu = torch.tensor(meta.cu_seqlens, dtype=torch.int32, device=device)
+    max_len = int((cu[1:] - cu[:-1]).max())
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=max_len, max_seqlen_kv=max_len)
+    return ChunkInput(
+        tokens=torch.cat(tokens).view(1, -1).to(device),
+        labels=torch.cat(labels).view(1, -1).to(device),
+        loss_mask=torch.cat(mask).view(1, -1).to(device),
+        position_ids=meta.position_ids.view(1, -1).to(device),
+        packed_seq_params=packed,
+    )
+
+
+def build_step(plan: StagePlan, sequences: Sequence[TokenSequence], chunk_size: int,
+               device=None, pad_multiple: int = 1) -> ChunkedStep:
+    metas = {c.id: chunk_meta(c, chunk_size, pad_multiple) for c in plan.chunks}
+    inputs = {c.id: chunk_input(c, sequences, metas[c.id], device) for c in plan.chunks}
+    return ChunkedStep(plan, metas, inputs)
+
+
+def plan_step(sequences: Sequence[TokenSequence], chunk_size: int, k: int, num_stages: int,
+              num_dp_ranks: int, dp_rank: int, shape, pad_multiple: int = 1):
+    """Cut, pack and distribute the global batch, plan this DP rank's chunks for the pipeline, and
+    build their inputs: (ChunkedStep, the global ChunkBatch, the cost model the plan used)."""
+    from megatron_chunkflow.core.costs import OpCosts
+    from megatron_chunkflow.core.packer import build_chunks
+    from megatron_chunkflow.core.schedule import state_aware_plan
+
+    batch = build_chunks([len(s) for s in sequences], chunk_size, num_dp_ranks, k, shape)
+    chunks = batch.chunks_for_rank(dp_rank)
+    costs = OpCosts.from_model(chunks, shape, num_stages)
+    plan = state_aware_plan(chunks, num_stages, k, costs)
+    return build_step(plan, sequences, chunk_size, pad_multiple=pad_multiple), batch, costs

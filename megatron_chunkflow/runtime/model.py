@@ -1,0 +1,124 @@
+"""Apply ChunkFlow to a built megatron-core GPTModel: swap core attention, RoPE by position ids.
+
+    store = apply_chunkflow(model, backend="sdpa")
+
+Works on the local and the Transformer Engine layer specs alike (it walks the built modules). After it:
+- every SelfAttention's `core_attention` is a `ChunkCoreAttention`: a standalone chunk attends causally
+  within each packed segment; a dependent chunk's queries attend to its sequence's stored K/V and then
+  causally to its own (bottom-right aligned), through the relay of runtime/state.py. Called by a
+  stock Megatron schedule (no chunk context), it is plain THD attention, causal within each packed
+  sequence of packed_seq_params: what TE's THD attention computes on GPU, for the baseline on CPU;
+- `rotary_pos_emb` returns per-token frequencies for the current chunk's position ids (continuing
+  across a sequence's chunks, restarting at 0 per packed segment). Megatron's THD RoPE uses them one row
+  per token (rope_utils._apply_rotary_pos_emb_thd, "CASE 1").
+The chunk context comes from the schedule (`store.begin(meta)` around each forward), never from a global.
+
+Shapes: Megatron letters; THD core-attention inputs q [t, np, hn], k/v [t, ng, hn].
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatron_chunkflow.attention import chunk_attention
+from megatron_chunkflow.runtime.state import KVStateStore
+
+
+class ChunkCoreAttention(torch.nn.Module):
+    """Core attention over [stored prefix K/V ++ own K/V] for the data chunk being run."""
+
+    def __init__(self, layer_number: int, softmax_scale: float, store: KVStateStore, backend: str):
+        super().__init__()
+        self.layer_number = layer_number
+        self.softmax_scale = softmax_scale
+        self.backend = backend
+        self.__dict__["store"] = store  # not a submodule: no state_dict entries
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        meta = self.store.current
+        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+            raise RuntimeError("ChunkFlow attention expects THD inputs (packed_seq_params)")
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported with ChunkFlow")
+        t = query.size(0)
+        if meta is None:  # a stock schedule (the baseline): causal within each packed sequence
+            cu_q = cu_kv = packed_seq_params.cu_seqlens_q.cpu()
+        elif meta.dependent:
+            key, value = self.store.kv_with_state(self.layer_number, key, value)
+            real, prefix = t - meta.num_padding, key.size(0) - t
+            cu_q = torch.tensor([0, real, t][: 3 if meta.num_padding else 2], dtype=torch.int32)
+            cu_kv = torch.tensor([0, prefix + real, prefix + t][: 3 if meta.num_padding else 2],
+                                 dtype=torch.int32)
+        else:
+            cu_q = cu_kv = torch.tensor(meta.cu_seqlens, dtype=torch.int32)
+        out = chunk_attention(query, key, value, cu_q.to(query.device), cu_kv.to(query.device),
+                              softmax_scale=self.softmax_scale, backend=self.backend)
+        return out.reshape(t, -1)  # [t, np * hn]
+
+
+def _check_config(config) -> None:
+    if getattr(config, "context_parallel_size", 1) > 1:
+        raise ValueError("context parallelism (--context-parallel-size > 1) is not supported with "
+                         "ChunkFlow yet: a long sequence's K/V prefix would be split across CP "
+                         "ranks")
+    if getattr(config, "apply_rope_fusion", False):
+        raise ValueError("ChunkFlow needs RoPE fusion off (--no-rope-fusion / apply_rope_fusion="
+                         "False): the fused THD kernel restarts positions at 0 in every segment")
+    if getattr(config, "multi_latent_attention", False):
+        raise ValueError("multi-latent attention is not supported with ChunkFlow")
+
+
+def apply_chunkflow(model, backend: str = "torch",
+                    store: KVStateStore | None = None) -> KVStateStore:
+    """Patch a built GPTModel (or its DDP/Float16 wrapper) in place; returns the K/V state store."""
+    store = store or KVStateStore()
+    from megatron.core.transformer.attention import SelfAttention
+
+    gpt = _unwrap(model)
+    config = gpt.config
+    _check_config(config)
+    if getattr(gpt, "position_embedding_type", "rope") != "rope":
+        raise ValueError(f"ChunkFlow supports rope position embeddings, not "
+                         f"{gpt.position_embedding_type!r}")
+    scale = config.softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+    num_swapped = 0
+    for module in gpt.modules():
+        if isinstance(module, SelfAttention):
+            module.core_attention = ChunkCoreAttention(module.layer_number, scale, store, backend)
+            num_swapped += 1
+    if num_swapped == 0:
+        raise ValueError("no SelfAttention modules found: is this a megatron-core GPTModel?")
+    _patch_rope(gpt.rotary_pos_emb, store)
+    gpt.chunkflow_state = store
+    return store
+
+
+def _patch_rope(rope, store: KVStateStore) -> None:
+    original = rope.forward
+
+    def forward(max_seq_len, offset=0, packed_seq=False, cp_group=None):
+        meta = store.current
+        if meta is None:
+            return original(max_seq_len, offset, packed_seq, cp_group)
+        pos = meta.position_ids
+        emb = original(int(pos.max()) + 1, 0, True, cp_group)  # [max_pos + 1, 1, 1, d]
+        return emb[pos.to(emb.device)]  # [t, 1, 1, d]: one row per token
+
+    rope.forward = forward
+
+
+def _unwrap(model):
+    while hasattr(model, "module") and not hasattr(model, "decoder"):
+        model = model.module
+    return model
+
+
+def get_state_store(model) -> KVStateStore:
+    store = getattr(_unwrap(model[0] if isinstance(model, list) else model), "chunkflow_state",
+                    None)
+    if store is None:
+        raise ValueError("the model has no ChunkFlow state: call apply_chunkflow(model) first")
+    return store

@@ -1,0 +1,174 @@
+"""The K/V state of long sequences and the gradient relay between their data chunks.
+
+Shapes (THD, per TP rank): k, v [t, ng, hn]; a dependent chunk's attention reads
+cat(K_0, ..., K_{j-1}, K_j) along t, where K_i are the post-RoPE keys of earlier chunks i < j of the
+same sequence (already rotated, never re-rotated).
+
+The relay (DESIGN.md 2.2). Chunk j's K/V are stored *detached*, so a later chunk's forward reads them
+without a graph edge back into chunk j. `_ChunkKV` is the autograd Function that glues it together:
+- forward: returns cat(stored prefix, own k/v) and, on the chunk's first forward, stores the own k/v
+  for later chunks (a re-forward stores nothing: later chunks already read the first values);
+- backward: the prefix part of the incoming gradient is added, in fp32, to each earlier chunk's
+  accumulator; the own part gets this chunk's accumulator added (the gradient later chunks sent it).
+Backward runs in descending chunk order, so an accumulator is complete when its chunk's backward
+reads it. There are no extra backward roots: Megatron's backward_step works unchanged.
+
+Freeing: chunk j's stored K/V are last read by the final forward of chunk j+1, so chunk j+1's backward
+frees them; each backward frees its own accumulator. After chunk 0's backward nothing of the
+sequence remains.
+
+SpaCO (runtime/sparse.py, docs/sparse.md): a chunk in `meta.dropped` runs forward only.
+Nothing accumulates for it (the gradient that would reach its K/V is cut); the backward of chunk j
+frees the stored K/V of j-1 and of every chunk below it down to the next back-propagated one; the
+forward of the last chunk, when it is dropped, frees the K/V that only dropped chunks still read.
+A back-propagated chunk's whole backward is scaled by `meta.grad_weight` (1 / its inclusion
+probability): its loss by the schedule, the gradient relayed into its K/V here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """What attention and RoPE need to know about the data chunk being run."""
+
+    chunk_id: int
+    cu_seqlens: tuple[int, ...]  # segment boundaries within the chunk
+    position_ids: torch.Tensor  # [t] RoPE positions (continuing across a sequence's chunks)
+    seq_id: int | None = None  # dependent chunks: the long sequence
+    index: int = 0  # dependent chunks: position among the sequence's chunks
+    num_siblings: int = 1
+    chunk_size: int = 0  # tokens per dependent chunk (all but the last have exactly this many)
+    num_padding: int = 0  # trailing padding tokens (a segment of their own; sequence parallelism)
+    grad_weight: float = 1.0  # SpaCO: this chunk's backward is scaled by this (1 / inclusion prob.)
+    dropped: frozenset[int] = frozenset()  # SpaCO: indices of this sequence's forward-only chunks
+
+    @property
+    def dependent(self) -> bool:
+        return self.seq_id is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cu_seqlens[-1]
+
+    @property
+    def prefix_len(self) -> int:
+        return self.index * self.chunk_size if self.dependent else 0
+
+
+class KVStateStore:
+    """Per (layer_number, seq_id, chunk index): detached K/V, and gradient accumulators in fp32
+    (fp64 when training in fp64)."""
+
+    def __init__(self):
+        self.current: ChunkMeta | None = None
+        self.reforward = False
+        self._kv: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._grad: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.prefix_copies: set[int] = set()  # storages of cat(prefix, own) made in this forward
+
+    # ---- chunk context (set by the schedule around each forward) --------------------------------
+    def begin(self, meta: ChunkMeta, reforward: bool = False) -> None:
+        """Enter a chunk's forward; a re-forward reads the state but stores nothing."""
+        assert self.current is None, "nested data chunk forwards"
+        self.current = meta
+        self.reforward = reforward
+        self.prefix_copies.clear()
+
+    def end(self) -> None:
+        self.current = None
+
+    # ---- the relay ------------------------------------------------------------------------------
+    def kv_with_state(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """For the current dependent chunk: (cat(prefix k, k), cat(prefix v, v)), relayed."""
+        meta = self.current
+        assert meta is not None and meta.dependent
+        return _ChunkKV.apply(self, layer, meta, k, v)
+
+    def _prefix(self, layer: int, seq: int, index: int):
+        ks, vs = [], []
+        for j in range(index):
+            k, v = self._kv[(layer, seq, j)]
+            ks.append(k)
+            vs.append(v)
+        return ks, vs
+
+    def _accumulate(self, key, gk: torch.Tensor, gv: torch.Tensor) -> None:
+        acc = self._grad.get(key)
+        if acc is None:
+            dtype = torch.float64 if gk.dtype == torch.float64 else torch.float32
+            self._grad[key] = (gk.to(dtype, copy=True), gv.to(dtype, copy=True))
+        else:
+            acc[0].add_(gk)
+            acc[1].add_(gv)
+
+    # ---- bookkeeping ----------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Bytes held now: stored K/V plus gradient accumulators."""
+        tensors = [t for pair in (*self._kv.values(), *self._grad.values()) for t in pair]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def is_empty(self) -> bool:
+        return not self._kv and not self._grad
+
+    def clear(self) -> None:
+        """Drop everything (after a forward-only pass, or to recover from an error)."""
+        self._kv.clear()
+        self._grad.clear()
+        self.current = None
+
+
+class _ChunkKV(torch.autograd.Function):
+    """Identity on the chunk's own K/V, concatenated after its sequence's stored prefix."""
+
+    @staticmethod
+    def forward(ctx, store, layer, meta, k, v):
+        seq, index, dropped = meta.seq_id, meta.index, meta.dropped
+        key = (layer, seq, index)
+        last = index + 1 == meta.num_siblings
+        if not last and not store.reforward:
+            store._kv[key] = (k.detach(), v.detach())
+        ks, vs = store._prefix(layer, seq, index)
+        if last and index in dropped and not store.reforward:
+            # SpaCO: chunks from the last back-propagated one on are read only by forwards (done)
+            first = max((j for j in range(index) if j not in dropped), default=0)
+            for j in range(first, index):
+                store._kv.pop((layer, seq, j), None)
+        ctx.store, ctx.key = store, key
+        ctx.weight, ctx.dropped = meta.grad_weight, dropped
+        ctx.lengths = [t.size(0) for t in ks]
+        if not ks:
+            return k.view_as(k), v.view_as(v)
+        k_all, v_all = torch.cat([*ks, k], dim=0), torch.cat([*vs, v], dim=0)
+        store.prefix_copies.update((k_all.untyped_storage().data_ptr(),
+                                    v_all.untyped_storage().data_ptr()))
+        return k_all, v_all
+
+    @staticmethod
+    def backward(ctx, gk_all, gv_all):
+        store, (layer, seq, index) = ctx.store, ctx.key
+        offsets = [0]
+        for n in ctx.lengths:
+            offsets.append(offsets[-1] + n)
+        for j in range(index):
+            if j not in ctx.dropped:
+                lo, hi = offsets[j], offsets[j + 1]
+                store._accumulate((layer, seq, j), gk_all[lo:hi], gv_all[lo:hi])
+        p = offsets[-1]
+        gk, gv = gk_all[p:], gv_all[p:]
+        relayed = store._grad.pop(ctx.key, None)
+        if relayed is not None:
+            w = ctx.weight
+            gk = gk + (relayed[0].to(gk.dtype) if w == 1 else relayed[0].to(gk.dtype) * w)
+            gv = gv + (relayed[1].to(gv.dtype) if w == 1 else relayed[1].to(gv.dtype) * w)
+        j = index - 1  # the predecessor's K/V were last read by this chunk's final forward,
+        while j >= 0:  # and so were those of chunks below a dropped (forward-only) one
+            store._kv.pop((layer, seq, j), None)
+            if j not in ctx.dropped:
+                break
+            j -= 1
+        return None, None, None, gk, gv

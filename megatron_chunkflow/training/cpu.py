@@ -1,0 +1,195 @@
+"""Shims that let megatron-core 0.16.1 run on CPU with gloo (tests, CPU demos).
+
+Applied only when CUDA is absent (`install_cpu_shims` is a no-op on a GPU machine), and nowhere else
+does the package patch torch. Each patch names the Megatron seam it serves
+(../shared/reference/megatron-notes.md section 6 lists them, verified on CPU):
+
+- torch.cuda.current_device: tensor_parallel/layers.py and mappings.py, distributed/
+  param_and_grad_buffer.py, utils.py GlobalMemoryBuffer, rotary_pos_embedding.py allocate there.
+- torch.cuda.synchronize: p2p_communication.py after batched exchanges and shape handshakes.
+- torch.cuda RNG (get/set_rng_state, manual_seed) and tensor_parallel/random.py
+  _get_cuda_rng_state/_set_cuda_rng_state: model_parallel_cuda_manual_seed, the RNG tracker's fork()
+  and CheckpointFunction (full recompute) use the CUDA generator; on CPU they share the CPU one.
+  manual_seed_all becomes a no-op (torch.manual_seed calls it: mapping it back would recurse).
+- device="cuda" in factory functions, Tensor.cuda() and Tensor.to("cuda"), via a TorchFunctionMode:
+  pipeline_parallel/schedules.py (total_num_tokens), optimizer/optimizer.py (found_inf, scale),
+  language_module.py (tied embeddings under PP > 1: weight.data.cuda()), transformer/utils.py masks.
+- optimizer/clip_grads.py clip_grad_by_total_norm_fp32 asserts grads are torch.cuda.FloatTensor; the
+  CPU version below is the same scaling without that assert (looked up by optimizer/optimizer.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_INSTALLED = False
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites CUDA device arguments to CPU in every torch call made while it is active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if _is_cuda(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
+def _clip_grad_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """megatron-core's clip_grad_by_total_norm_fp32 without its CUDA-type assert."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for g in grads:
+            g.mul_(clip_coeff)
+
+
+def install_cpu_shims() -> bool:
+    """Patch torch (and megatron-core's CUDA RNG helpers) for CPU; returns True if installed."""
+    global _INSTALLED
+    if _INSTALLED:
+        return True
+    if torch.cuda.is_available():
+        return False
+    cuda = torch.cuda
+    cuda.current_device = lambda: torch.device("cpu")
+    cuda.synchronize = lambda *a, **k: None
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.manual_seed_all = lambda seed: None
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.random.set_rng_state = cuda.set_rng_state
+
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm
+    optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm
+
+    _CudaToCpu().__enter__()  # stays active for the life of the process
+    _INSTALLED = True
+    return True
+
+
+# --- Megatron-LM's training package (pretrain_gpt.py) on CPU --------------------------------------
+# megatron/training asserts CUDA in initialize_megatron and creates streams, events and memory reports
+# around the step; on CPU these are answered as a single-device machine with no memory statistics.
+# Only the launcher (megatron_lm/plugin.py) installs these, and only without a real GPU.
+
+_REAL_CUDA = torch.cuda.is_available()
+
+
+def has_real_cuda() -> bool:
+    """Whether a CUDA device exists (the Megatron-LM shims below make torch.cuda say so on CPU)."""
+    return _REAL_CUDA
+
+
+class _Stream:
+    """torch.cuda.Stream / Event stand-in: every operation is already complete on CPU."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def wait_stream(self, *a, **k):
+        pass
+
+    def wait_event(self, *a, **k):
+        pass
+
+    def record_event(self, *a, **k):
+        return _Stream()
+
+    def record(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def install_megatron_lm_cpu_shims() -> bool:
+    """Everything install_cpu_shims does, plus what megatron/training (core_v0.16.1) needs on CPU
+    (megatron-notes.md section 6.3): returns True if installed, False on a CUDA machine."""
+    import os
+    import sys
+    import types
+
+    if _REAL_CUDA:
+        return False
+    install_cpu_shims()
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    cuda = torch.cuda
+    cuda.is_available = lambda: True  # initialize_megatron asserts it
+    cuda.device_count = lambda: 1  # parallel_state groups are built only for a positive count
+    cuda.set_device = lambda *a, **k: None
+    cuda.current_device = lambda: 0  # mapped to CPU by the TorchFunctionMode wherever it is used
+    cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(
+        major=9, minor=0, name="cpu", total_memory=0, multi_processor_count=1)
+    cuda.get_device_capability = lambda *a, **k: (9, 0)
+    cuda.get_device_name = lambda *a, **k: "cpu"
+    cuda.Stream = cuda.Event = _Stream  # DDP's communication stream, timers
+    cuda.current_stream = cuda.default_stream = lambda *a, **k: _Stream()
+    cuda.stream = lambda *a, **k: _Stream()
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
+                 "max_memory_reserved"):
+        setattr(cuda, name, lambda *a, **k: 0)
+    cuda.memory_stats = lambda *a, **k: {}
+    cuda.reset_peak_memory_stats = cuda.empty_cache = lambda *a, **k: None
+    try:
+        import triton  # noqa: F401
+    except ImportError:  # initialize.py imports Megatron's triton kernels; never used on CPU
+        stub = types.ModuleType("megatron.core.transformer.custom_layers.batch_invariant_kernels")
+
+        def enable_batch_invariant_mode(*a, **k):
+            raise RuntimeError("batch-invariant kernels need triton and a GPU")
+
+        stub.enable_batch_invariant_mode = enable_batch_invariant_mode
+        sys.modules[stub.__name__] = stub
+    from megatron.core.datasets import utils as dataset_utils
+
+    dataset_utils.compile_helpers = lambda: None  # the wheel ships helpers_cpp; no Makefile
+    return True
+
+
+def install_megatron_lm_training_shims() -> None:
+    """After megatron.training is importable: fused-kernel builds (nvcc) and the JIT warm-up on
+    "cuda" tensors become no-ops on CPU."""
+    if _REAL_CUDA:
+        return
+    from megatron.legacy import fused_kernels
+    from megatron.training import training
+
+    fused_kernels.load = lambda *a, **k: None
+    training.set_jit_fusion_options = lambda *a, **k: None

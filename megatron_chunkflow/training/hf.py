@@ -1,0 +1,330 @@
+"""Hugging Face Qwen2 / Qwen2.5 checkpoints <-> the megatron-core GPTModel of training/build.py.
+
+    shape = shape_from_hf_dir(hf_dir)                          # the checkpoint's vocabulary
+    padded = dataclasses.replace(shape, vocab_size=padded_vocab_size(shape.vocab_size, tp))
+    config = transformer_config(padded); model = build_gpt_model(padded, config)
+    import_hf_weights(model, hf_dir, config, shape)            # this rank's TP / PP slice
+    save_hf_checkpoint(model, config, shape, out_dir, hf_dir / "config.json")  # every rank calls
+
+Legend: h hidden, nh attention heads, ng query groups (KV heads), hd head dim, f ffn size, V vocab.
+Megatron layouts, read off megatron-core 0.16.1 (transformer/attention.py
+SelfAttention.get_query_key_value_tensors, transformer/mlp.py glu):
+
+- linear_qkv [ng * (nh/ng + 2) * hd, h]: for each group j, its nh/ng query heads, then k_j, then
+  v_j. ColumnParallelLinear keeps a contiguous 1/tp of the rows: whole groups when ng >= tp, a part
+  of one group when ng < tp (Megatron then all-gathers and re-slices), so a plain row split is right
+  in both cases.
+- linear_fc1 [2f, h] is cat(gate, up) at TP = 1; TP rank r holds cat(gate_r, up_r), because glu
+  chunks the rank's local output into act(first half) * second half.
+- Vocabulary rows are padded to a multiple of 128 * tp (Megatron-LM's rule); padding rows are zero
+  on import and dropped on export. `shape` is always the checkpoint's (unpadded) shape.
+
+mbridge 0.15.1 (its Qwen2Bridge has the same QKV and fc1 merges) is not used: it maps Transformer
+Engine spec names (linear_qkv.layer_norm_weight, linear_fc1.layer_norm_weight) and builds the model
+itself with use_transformer_engine=True on CUDA, while this package builds the local spec (separate
+input_layernorm / pre_mlp_layernorm) and runs on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_chunkflow.core.models import ModelShape, model_shape_from_dict
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers that old transformers versions saved
+
+
+def shape_from_hf_dir(path) -> ModelShape:
+    """The ModelShape of a Qwen2 / Qwen2.5 checkpoint directory, from its config.json."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise ValueError(f"{file}: no such file (expected a Hugging Face checkpoint directory)")
+    d = json.loads(file.read_text(encoding="utf-8"))
+    if d.get("model_type") not in {"qwen2"}:
+        raise ValueError(f"{file}: model_type {d.get('model_type')!r} is not supported "
+                         "(supported: 'qwen2', which covers Qwen2 and Qwen2.5)")
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}  # transformers >= 5 / < 5
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"{file}: rope scaling {rope!r} is not supported (only plain RoPE)")
+    if d.get("hidden_act", "silu") != "silu" or d.get("use_sliding_window", False):
+        raise ValueError(f"{file}: hidden_act must be 'silu' and use_sliding_window false, got "
+                         f"{d.get('hidden_act')!r} and {d.get('use_sliding_window')!r}")
+    d = {**d, "rope_theta": d.get("rope_theta", rope.get("rope_theta", 10000.0))}
+    shape = model_shape_from_dict(d, source=str(file))
+    if d.get("head_dim", shape.head_dim) != shape.head_dim:
+        raise ValueError(f"{file}: head_dim {d['head_dim']} is not hidden_size / "
+                         f"num_attention_heads = {shape.head_dim}")
+    return shape
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron-LM's padded vocabulary: the next multiple of divisible_by * tp."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def hf_tensor_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the Hugging Face Qwen2ForCausalLM checkpoint, with its shape."""
+    h, f, v, q, kv = (shape.hidden_size, shape.ffn_hidden_size, shape.vocab_size,
+                      shape.num_attention_heads * shape.head_dim, shape.kv_dim)
+    out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not shape.tie_embeddings:
+        out["lm_head.weight"] = (v, h)
+    for g in range(shape.num_layers):
+        p = f"model.layers.{g}."
+        out.update({
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.q_proj.bias": (q,),
+            p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.k_proj.bias": (kv,),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.v_proj.bias": (kv,),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+            p + "mlp.down_proj.weight": (h, f),
+        })
+    return out
+
+
+class _HFSource:
+    """HF tensors by name: a state dict, or a directory of (possibly sharded) safetensors files."""
+
+    def __init__(self, src):
+        if isinstance(src, Mapping):
+            self.where, self._dict, self._files = "HF state dict", src, {}
+            self.shapes = {k: tuple(t.shape) for k, t in src.items()}
+            return
+        from safetensors import safe_open
+
+        root = Path(src)
+        index = root / "model.safetensors.index.json"
+        if index.is_file():
+            self.where = str(index)
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            self._files = {k: root / v for k, v in weight_map.items()}
+        elif (root / "model.safetensors").is_file():
+            self.where = str(root / "model.safetensors")
+            self._files = None
+        else:
+            raise ValueError(f"{root}: neither model.safetensors nor model.safetensors.index.json")
+        self._dict, self.shapes = None, {}
+        files = sorted(set(self._files.values())) if self._files else [root / "model.safetensors"]
+        by_name = {}
+        for file in files:
+            with safe_open(file, framework="pt") as fh:
+                for k in fh.keys():
+                    self.shapes[k] = tuple(fh.get_slice(k).get_shape())
+                    by_name[k] = file
+        self._files = by_name
+
+    def get(self, name: str) -> torch.Tensor:
+        if self._dict is not None:
+            return self._dict[name]
+        from safetensors import safe_open
+
+        with safe_open(self._files[name], framework="pt") as fh:
+            return fh.get_tensor(name)
+
+    def check(self, shape: ModelShape) -> None:
+        """ValueError naming the first missing, unexpected or wrongly shaped tensor."""
+        expected = hf_tensor_shapes(shape)
+        missing = sorted(set(expected) - set(self.shapes))
+        extra = sorted(k for k in set(self.shapes) - set(expected)
+                       if not k.endswith(_IGNORED_SUFFIXES)
+                       and not (shape.tie_embeddings and k == "lm_head.weight"))
+        for kind, names in (("missing", missing), ("unexpected", extra)):
+            if names:
+                more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+                raise ValueError(f"{self.where}: {kind} tensor {names[0]}{more} for a "
+                                 f"{shape.num_layers}-layer Qwen2 with "
+                                 f"tie_word_embeddings={shape.tie_embeddings}")
+        for k, want in expected.items():
+            if self.shapes[k] != want:
+                raise ValueError(f"{self.where}: tensor {k} has shape {list(self.shapes[k])}, "
+                                 f"the model config expects {list(want)}")
+
+
+# Transformer Engine's layer spec (Megatron-LM's GPU default) fuses the norms into the next linear
+# layer: the same tensors under other names.
+TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+            "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+
+
+def local_spec_name(name: str) -> str:
+    """A parameter's name in the local layer spec, for TE-spec and local-spec models alike."""
+    for te, local in TE_NAMES.items():
+        if name.endswith("." + te):
+            return name[: -len(te)] + local
+    return name
+
+
+def _megatron_from_hf(name: str, src: _HFSource, shape: ModelShape) -> torch.Tensor:
+    """The TP = 1 megatron tensor `name` (a PP = 1 name), unpadded vocabulary."""
+    if name == "embedding.word_embeddings.weight":
+        return src.get("model.embed_tokens.weight")
+    if name == "output_layer.weight":
+        return src.get("lm_head.weight")
+    if name == "decoder.final_layernorm.weight":
+        return src.get("model.norm.weight")
+    _, _, g, rest = name.split(".", 3)
+    p = f"model.layers.{g}."
+    if rest.startswith("self_attention.linear_qkv."):
+        suffix = rest.rsplit(".", 1)[1]  # weight [.., h] or bias [..]
+        ng = shape.num_query_groups
+        q, k, v = (src.get(f"{p}self_attn.{x}_proj.{suffix}") for x in "qkv")
+        # [ng, nh/ng * hd | hd | hd, (h)] -> [ng * (nh/ng + 2) * hd, (h)]
+        qkv = torch.cat([t.reshape(ng, -1, *t.shape[1:]) for t in (q, k, v)], dim=1)
+        return qkv.reshape(-1, *q.shape[1:])
+    if rest == "mlp.linear_fc1.weight":
+        return torch.cat([src.get(p + "mlp.gate_proj.weight"), src.get(p + "mlp.up_proj.weight")])
+    hf = {"input_layernorm.weight": "input_layernorm.weight",
+          "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+          "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+          "mlp.linear_fc2.weight": "mlp.down_proj.weight"}
+    return src.get(p + hf[rest])
+
+
+def _hf_from_megatron(full: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
+    """HF tensors from the TP = 1, PP = 1 megatron state (padded vocabulary rows dropped)."""
+    v, ng, hd = shape.vocab_size, shape.num_query_groups, shape.head_dim
+    out = {"model.embed_tokens.weight": full["embedding.word_embeddings.weight"][:v],
+           "model.norm.weight": full["decoder.final_layernorm.weight"]}
+    if not shape.tie_embeddings:
+        out["lm_head.weight"] = full["output_layer.weight"][:v]
+    for g in range(shape.num_layers):
+        m, p = f"decoder.layers.{g}.", f"model.layers.{g}."
+        for suffix in ("weight", "bias"):
+            qkv = full[f"{m}self_attention.linear_qkv.{suffix}"]
+            qkv = qkv.reshape(ng, -1, hd, *qkv.shape[1:])  # [ng, nh/ng + 2, hd, (h)]
+            tail = qkv.shape[3:]
+            out[f"{p}self_attn.q_proj.{suffix}"] = qkv[:, :-2].reshape(-1, *tail)
+            out[f"{p}self_attn.k_proj.{suffix}"] = qkv[:, -2].reshape(-1, *tail)
+            out[f"{p}self_attn.v_proj.{suffix}"] = qkv[:, -1].reshape(-1, *tail)
+        gate, up = full[m + "mlp.linear_fc1.weight"].chunk(2)
+        out.update({
+            p + "input_layernorm.weight": full[m + "input_layernorm.weight"],
+            p + "self_attn.o_proj.weight": full[m + "self_attention.linear_proj.weight"],
+            p + "post_attention_layernorm.weight": full[m + "pre_mlp_layernorm.weight"],
+            p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+            p + "mlp.down_proj.weight": full[m + "mlp.linear_fc2.weight"],
+        })
+    return {k: t.contiguous() for k, t in out.items()}
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):  # DDP, Float16Module
+        model = model.module
+    return model
+
+
+def import_hf_weights(model, hf_dir_or_state_dict, config, shape: ModelShape) -> None:
+    """Copy a HF Qwen2 checkpoint into this rank's TP / PP slice of a built GPTModel.
+
+    `shape` is the checkpoint's (unpadded vocabulary); the model may have more vocabulary rows
+    (padded_vocab_size), which are zero-filled. Every rank checks the whole checkpoint, so a
+    missing, unexpected or wrongly shaped HF tensor raises the same ValueError everywhere. With
+    tied embeddings an lm_head.weight (HF's state_dict() has the tied copy) is ignored, as in HF.
+    """
+    from megatron.core import parallel_state
+
+    from megatron_chunkflow.training.build import full_model_name
+
+    src = _HFSource(hf_dir_or_state_dict)
+    src.check(shape)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    for name, param in _unwrap(model).named_parameters():
+        full_name = local_spec_name(full_model_name(name, config, shape.tie_embeddings))
+        full = _megatron_from_hf(full_name, src, shape)
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            rows = param.shape[0] * tp
+            if rows > full.shape[0]:
+                full = torch.cat([full, full.new_zeros(rows - full.shape[0], *full.shape[1:])])
+        local = full
+        if getattr(param, "tensor_model_parallel", False):
+            if name.endswith("mlp.linear_fc1.weight"):
+                local = torch.cat([t.chunk(tp)[rank] for t in full.chunk(2)])
+            else:
+                local = full.chunk(tp, dim=param.partition_dim)[rank]
+        if local.shape != param.shape:
+            raise ValueError(f"model parameter {name} has shape {list(param.shape)}, the HF "
+                             f"tensors give {list(local.shape)} on TP rank {rank} of {tp} (build "
+                             "the model with padded_vocab_size and the checkpoint's shape)")
+        with torch.no_grad():
+            param.copy_(local)
+
+
+def export_hf_weights(model, config, shape: ModelShape) -> dict[str, torch.Tensor]:
+    """The full HF state dict (CPU tensors) on every rank: TP shards and PP stages gathered.
+
+    Collective: every rank of the model-parallel group must call it.
+    """
+    from megatron.core import parallel_state
+
+    from megatron_chunkflow.training.build import full_model_name
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if any(".lora_" in name for name, _ in _unwrap(model).named_parameters()):
+        raise ValueError("the model has LoRA adapters: merge them into the base weights first "
+                         "(training.lora.merge_lora), or they would be left out")
+    mine = {}
+    for name, param in _unwrap(model).named_parameters():
+        t = param.detach()
+        if getattr(param, "tensor_model_parallel", False) and tp > 1:
+            shards = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(shards, t.contiguous(), group=tp_group)
+            if name.endswith("mlp.linear_fc1.weight"):
+                halves = [s.chunk(2) for s in shards]
+                t = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+            else:
+                t = torch.cat(shards, dim=param.partition_dim)
+        mine[local_spec_name(full_model_name(name, config, shape.tie_embeddings))] = t.to(
+            "cpu", copy=True)  # a copy even on CPU: the export must not alias live weights
+    stages = [mine]
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    if dist.get_world_size(pp_group) > 1:
+        stages = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(stages, mine, group=pp_group)
+    full = {}
+    for stage in reversed(stages):  # tied embeddings: the first stage's copy wins
+        full.update(stage)
+    return _hf_from_megatron(full, shape)
+
+
+def save_hf_checkpoint(model, config, shape: ModelShape, out_dir, source_config_json=None) -> None:
+    """Write out_dir/model.safetensors and out_dir/config.json (rank 0; every rank must call).
+
+    config.json is copied from source_config_json when given, else written from `shape`.
+    """
+    from safetensors.torch import save_file
+
+    tensors = export_hf_weights(model, config, shape)
+    if dist.get_rank() == 0:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, os.fspath(out / "model.safetensors"), metadata={"format": "pt"})
+        if source_config_json is not None:
+            shutil.copyfile(source_config_json, out / "config.json")
+        else:
+            (out / "config.json").write_text(json.dumps(_hf_config(shape, config), indent=2))
+    dist.barrier()
+
+
+def _hf_config(shape: ModelShape, config) -> dict:
+    """A minimal Qwen2 config.json for `shape`."""
+    return {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+        "hidden_size": shape.hidden_size, "intermediate_size": shape.ffn_hidden_size,
+        "num_hidden_layers": shape.num_layers, "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_query_groups, "vocab_size": shape.vocab_size,
+        "tie_word_embeddings": shape.tie_embeddings, "rope_theta": shape.rotary_base,
+        "rms_norm_eps": shape.norm_eps, "attention_dropout": 0.0, "use_sliding_window": False,
+        "torch_dtype": str(config.params_dtype).removeprefix("torch."),
+    }
