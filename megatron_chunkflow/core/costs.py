@@ -1,9 +1,11 @@
-"""FLOPs and memory of data chunks.
+"""FLOPs of data chunks, and the per-op cost table the planner and simulator run on.
 
 Attention is counted per segment: a segment of q query tokens that starts after `prefix` tokens of
 its sequence attends to q*prefix + q*(q+1)/2 (query, key) pairs (causal, bottom-right aligned).
 Packing short sequences therefore costs sum(L^2)/2, not (sum L)^2/2, and a late dependent chunk
 of a long sequence costs about C*prefix. Recompute is not counted here: the planner adds R ops.
+Memory is not modelled here (the planner works on time): perfmodel/footprint.py holds the memory
+model and passes it to core/step.py as hooks.
 """
 
 from __future__ import annotations
@@ -20,26 +22,32 @@ def attention_pairs(prefix: int, num_q: int) -> int:
 
 
 def chunk_attention_pairs(chunk: DataChunk) -> int:
+    """(query, key) pairs of a chunk: a dependent chunk attends to its sequence's prefix."""
     return sum(attention_pairs(s.start if chunk.is_dependent else 0, s.num_tokens)
                for s in chunk.segments)
 
 
-def linear_flops_per_token_per_layer(shape: ModelShape) -> int:
-    """Matmul FLOPs per token per layer: QKV, output projection, SwiGLU MLP (2 per MAC)."""
+def linear_weights_per_layer(shape: ModelShape) -> int:
+    """Matmul weights of one layer (biases and norms excluded): QKV, output projection, SwiGLU
+    MLP (fc1 of width 2 ffn, fc2)."""
     h, kv = shape.hidden_size, shape.kv_dim
     attn_width = shape.num_attention_heads * shape.head_dim
-    qkv = 2 * h * (attn_width + 2 * kv)
-    proj = 2 * attn_width * h
-    mlp = 2 * 3 * h * shape.ffn_hidden_size
-    return qkv + proj + mlp
+    return h * (attn_width + 2 * kv) + attn_width * h + 3 * h * shape.ffn_hidden_size
 
 
-def attention_flops_per_pair_per_layer(shape: ModelShape) -> int:
-    """QK^T and PV, 2 FLOPs per MAC each, over all query heads."""
-    return 4 * shape.num_attention_heads * shape.head_dim
+def linear_flops_per_token_per_layer(shape: ModelShape) -> int:
+    """Matmul FLOPs per token per layer: QKV, output projection, SwiGLU MLP (2 per MAC)."""
+    return 2 * linear_weights_per_layer(shape)
+
+
+def attention_flops_per_pair_per_layer(shape: ModelShape, tp: int = 1) -> int:
+    """QK^T and PV, 2 FLOPs per MAC each, over the query heads of one of `tp` tensor-parallel
+    ranks (all of them by default)."""
+    return 4 * (shape.num_attention_heads // tp) * shape.head_dim
 
 
 def logits_flops_per_token(shape: ModelShape) -> int:
+    """The output layer's matmul (2 per MAC)."""
     return 2 * shape.hidden_size * shape.vocab_size
 
 
@@ -55,6 +63,7 @@ class ChunkFlops:
 
 
 def chunk_flops(chunk: DataChunk, shape: ModelShape) -> ChunkFlops:
+    """Forward FLOPs of `chunk`, per layer and of the output layer."""
     tokens = chunk.num_tokens
     per_layer = (tokens * linear_flops_per_token_per_layer(shape)
                  + chunk_attention_pairs(chunk) * attention_flops_per_pair_per_layer(shape))
@@ -71,30 +80,6 @@ def sequence_model_flops(lengths, shape: ModelShape) -> float:
     return 3.0 * (sum(lengths) * per_token + attention)
 
 
-# ---- memory model -------------------------------------------------------------------------------
-# Elements saved for backward per token per layer, with a fused (flash) attention kernel and no
-# dropout (Qwen2.5): norm inputs (2h), QKV input (h), q/k/v (h + 2kv), attention output (h),
-# projection input (h), MLP input (h), fc1 output (2 ffn) and activation output (ffn).
-# An estimate in the spirit of Korthikanti et al. 2022 (34*s*b*h bytes for GPT with dropout);
-# `chunkflow verify --memory` measures the real bytes on CPU.
-
-
-def activation_bytes_per_token(shape: ModelShape, num_layers: int, dtype_bytes: int = 2,
-                               tp: int = 1) -> float:
-    h, kv, f = shape.hidden_size, shape.kv_dim, shape.ffn_hidden_size
-    elems = 7 * h + 2 * kv + 3 * f
-    return num_layers * elems * dtype_bytes / tp
-
-
-def kv_state_bytes_per_token(shape: ModelShape, num_layers: int, dtype_bytes: int = 2,
-                             tp: int = 1, with_grad: bool = True) -> float:
-    """Bytes per token of a long sequence's K/V state; gradients accumulate in fp32."""
-    kv_heads_per_rank = max(1, shape.num_query_groups // tp)
-    kv = kv_heads_per_rank * shape.head_dim
-    per_layer = 2 * kv * dtype_bytes + (2 * kv * 4 if with_grad else 0)
-    return num_layers * per_layer
-
-
 def layers_per_stage(num_layers: int, num_stages: int) -> list[int]:
     """Megatron's even split; a remainder goes to the first stages."""
     base, extra = divmod(num_layers, num_stages)
@@ -105,8 +90,8 @@ def layers_per_stage(num_layers: int, num_stages: int) -> list[int]:
 class OpCosts:
     """Time of each plan op on each stage, in arbitrary units (FLOPs by default).
 
-    F and R cost the chunk's forward on that stage; B costs `backward_factor` times it. `comm` is the
-    latency of one point-to-point transfer between neighbouring stages.
+    F and R cost the chunk's forward on that stage; B costs `backward_factor` times it. `comm` is
+    the latency of one point-to-point transfer between neighbouring stages.
     """
 
     forward: dict[int, list[float]]  # chunk id -> forward cost per stage

@@ -1,20 +1,21 @@
 """Chunk construction (ChunkFlow Algorithm 1) and distribution over data-parallel ranks.
 
-1. Every sequence longer than `chunk_size` C is cut into ceil(L / C) dependent chunks, in order; the
-   last one may be shorter. It is never back-filled: its queries attend to the whole sequence prefix,
-   and mixing it with other sequences would only complicate the state bookkeeping.
+1. Every sequence longer than `chunk_size` C is cut into ceil(L / C) dependent chunks, in order;
+   the last one may be shorter. It is never back-filled: its queries attend to the whole sequence
+   prefix, and mixing it with other sequences would only complicate the state bookkeeping.
 2. Sequences of length <= C are bin-packed into standalone chunks of capacity C with best-fit
-   decreasing (BFD): items sorted by decreasing length (ties by sequence id), each put into the fullest
-   chunk it still fits in. Guarantees: every bin but at most one is more than half full, so
+   decreasing (BFD): items sorted by decreasing length (ties by sequence id), each put into the
+   fullest chunk it still fits in. Guarantees: every bin but at most one is more than half full, so
    num_standalone <= 2 * bins_lower_bound; and BFD <= 11/9 OPT + 4 (Johnson 1973). On long-tailed
    SFT lengths (items much smaller than C) it lands on the lower bound ceil(short tokens / C) or one
    above it; `scripts/benchmarks/bench_planner.py` measures this.
-   The published algorithm retries with BinCnt = 1, 2, ... bins; BFD reaches the same or one more bin
-   count in one O(n log n) pass, which keeps planning 100K sequences under a second.
+   The published algorithm retries with BinCnt = 1, 2, ... bins; BFD reaches the same or one more
+   bin count in one O(n log n) pass, which keeps planning 100K sequences under a second.
 3. Distribution over DP ranks: a long sequence's dependent chunks form one unit (they share state
-   and must stay on one rank); each standalone chunk is a unit. Units are assigned longest-processing-
-   time first to the least-loaded rank, where a unit's cost is its training FLOPs with attention
-   counted per segment (a late dependent chunk costs ~C * prefix, not C * C) plus its re-forwards.
+   and must stay on one rank); each standalone chunk is a unit. Units are assigned
+   longest-processing-time first to the least-loaded rank, where a unit's cost is its training
+   FLOPs with attention counted per segment (a late dependent chunk costs ~C * prefix, not C * C)
+   plus its re-forwards.
 
 Everything is a deterministic function of the inputs, so every rank can rebuild the same chunks.
 """
@@ -28,7 +29,7 @@ from bisect import bisect_left, insort
 from collections.abc import Sequence
 
 from megatron_chunkflow.core.costs import chunk_flops
-from megatron_chunkflow.core.models import ModelShape, get_model_shape
+from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.types import ChunkBatch, DataChunk, Segment
 
 _BIN_BITS = 32  # BFD keys pack (remaining capacity, bin index) into one int for fast bisect
@@ -99,12 +100,14 @@ def unit_cost(unit: list[DataChunk], shape: ModelShape, k: int) -> float:
 def build_chunks(
     seq_lengths: Sequence[int],
     chunk_size: int,
-    num_dp_ranks: int = 1,
-    k: int = 1,
-    shape: ModelShape | None = None,
+    num_dp_ranks: int,
+    k: int,
+    shape: ModelShape,
 ) -> ChunkBatch:
-    """Cut, pack and distribute one global batch. Chunk ids: dependent chunks first (by sequence
-    id, then index), then standalone chunks in packing order."""
+    """Cut, pack and distribute one global batch over `num_dp_ranks`, balancing the ranks by the
+    training FLOPs of `shape` with K chunks of a long sequence holding activations (unit_cost).
+    Chunk ids: dependent chunks first (by sequence id, then index), then standalone chunks in
+    packing order."""
     validate_lengths(seq_lengths)
     if chunk_size < 1:
         raise ValueError(f"chunk size must be >= 1, got {chunk_size}")
@@ -112,7 +115,6 @@ def build_chunks(
         raise ValueError(f"data-parallel size must be >= 1, got {num_dp_ranks}")
     if k < 1:
         raise ValueError(f"K must be >= 1, got {k}")
-    shape = shape or get_model_shape("qwen2.5-7b")
 
     units: list[list[DataChunk]] = []
     next_id = 0

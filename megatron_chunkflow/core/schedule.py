@@ -18,12 +18,12 @@ count), at most max(p - s, K) when a dependent chunk enters; one long sequence's
 (the next sequence starts on the first stage once the previous one's backward is complete there);
 no standalone chunk enters the first stage between a sequence's first and last kept forward, so
 every stage sees the K-window contiguously (this is what makes the plan deadlock-free). Ties go to
-B, then R, then F; on the last stage, among B, dependent chunks (the critical chain) first. The first
-stage prefers the next dependent chunk (longest sequence first) and fills with standalone chunks when
-it must wait. Every later stage forwards in the first stage's order, and every earlier stage runs its
-backwards in the last stage's order: point-to-point messages between two stages are then received
-in the order they are sent (NCCL matches them by order, not by tag). With standalone chunks of equal cost this
-gives exactly Megatron's 1F1B. PP = 1 is the same code with p = 1.
+B, then R, then F; on the last stage, among B, dependent chunks (the critical chain) first. The
+first stage prefers the next dependent chunk (longest sequence first) and fills with standalone
+chunks when it must wait. Every later stage forwards in the first stage's order, and every earlier
+stage runs its backwards in the last stage's order: point-to-point messages between two stages are
+then received in the order they are sent (NCCL matches them by order, not by tag). With standalone
+chunks of equal cost this gives exactly Megatron's 1F1B. PP = 1 is the same code with p = 1.
 
 Plans are built by replaying the schedule against a deterministic cost model, so every rank that
 rebuilds them from the same chunks gets the identical plan.
@@ -37,6 +37,12 @@ from collections.abc import Sequence
 
 from megatron_chunkflow.core.costs import OpCosts
 from megatron_chunkflow.core.types import DataChunk, Op, StagePlan
+
+
+def is_reforwarded(chunk: DataChunk, k: int) -> bool:
+    """A dependent chunk before the last `k` of its sequence: its first forward keeps no
+    activations, and it is re-forwarded (R) right before its backward."""
+    return chunk.is_dependent and chunk.index < chunk.num_siblings - k
 
 
 def state_aware_plan(chunks: Sequence[DataChunk], num_stages: int, k: int,
@@ -71,7 +77,7 @@ class _Planner:
         m = len(chunks)
         pos_of = {c.id: i for i, c in enumerate(chunks)}
         self.dep = [c.is_dependent for c in chunks]
-        self.kept = [not c.is_dependent or c.index >= c.num_siblings - k for c in chunks]
+        self.kept = [not is_reforwarded(c, k) for c in chunks]
         # positions of siblings: next/previous (descending backward) and K apart (the R window)
         self.next_sib, self.prev_sib = [-1] * m, [-1] * m
         self.k_earlier = [-1] * m

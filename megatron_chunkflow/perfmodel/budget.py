@@ -15,13 +15,15 @@ whose modelled peak fits in the budget; of these the fastest by the simulator (`
 where predictions within 3% of the fastest count as a tie (the simulator is no better than that)
 and a tie goes to the smaller peak. The modelled peak on stage s is the most activation bytes
 the plan holds at once there (core/simulate.py replays the plan with per-token bytes) plus an
-upper bound of the state of the longest sequence of L tokens in C-token chunks:
+upper bound of the state of the longest sequence, perfmodel/footprint.py's
+long_sequence_state_bytes (the simulator's formula) on the measured K/V, accumulator and
+hidden-state bytes per token of the stage:
 
-    L u (stored K/V)  +  K L u (the cat(prefix, own) copies of the K chunks holding activations)
-    + L a (gradient accumulators)  +  (L - K C) h (stage inputs kept for re-forwards, stages > 0)
+    L (u + a)  +  u * sum over the last K chunks j of min((j+1) C, L)  +  (n - K) C h
 
-with u, a and h the K/V, accumulator and hidden-state bytes per token of the stage (for K = 1 the
-exact peak is docs/exactness.md's max(((N-1)C + L)u, (2N-3)C u + (N-1)C a) <= 2 L u + L a).
+(stored K/V and accumulators, the cat(prefix, own) copies of the K chunks holding activations,
+the inputs kept for the n - K re-forwarded chunks on stages > 0; n = ceil(L / C)). For K = 1
+the K/V part is 2 L u + L a, above docs/exactness.md's exact peak.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ from dataclasses import dataclass, field
 
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.step import baseline_microbatches, plan_chunkflow
+from megatron_chunkflow.perfmodel.footprint import (
+    chunk_bytes_fn,
+    long_sequence_state_bytes,
+    longest_cut_sequence,
+)
 
 
 @dataclass(frozen=True)
@@ -68,12 +75,11 @@ def baseline_recompute(lengths: Sequence[int], seq_length: int, num_dp_ranks: in
 
 def state_bound(longest: int, chunk_size: int, k: int, rates: ActivationRates,
                 stage: int) -> float:
-    """Upper bound of the K/V state (+ kept stage inputs) of a `longest`-token sequence."""
-    if longest <= chunk_size:
-        return 0.0
-    u, a = rates.kv_per_token[stage], rates.acc_per_token[stage]
-    kept_inputs = max(0, longest - k * chunk_size) * rates.hidden_per_token if stage > 0 else 0.0
-    return longest * (u * (1 + k) + a) + kept_inputs
+    """Upper bound of the K/V state (+ kept stage inputs) of a `longest`-token sequence on
+    `stage`: footprint.long_sequence_state_bytes on the measured rates."""
+    hidden = rates.hidden_per_token if stage > 0 else 0.0
+    return long_sequence_state_bytes(longest, chunk_size, k, rates.kv_per_token[stage],
+                                     rates.acc_per_token[stage], hidden)
 
 
 def chunkflow_peak(lengths: Sequence[int], chunk_size: int, k: int, num_dp_ranks: int,
@@ -82,17 +88,15 @@ def chunkflow_peak(lengths: Sequence[int], chunk_size: int, k: int, num_dp_ranks
     p = rates.num_stages
 
     def held_for(chunks, num_stages):
-        tokens = {c.id: c.num_tokens for c in chunks}
-        return lambda chunk, stage: rates.per_token[stage] * tokens[chunk]
+        return chunk_bytes_fn(chunks, rates.per_token)
+
+    def state_for(chunks, num_stages):
+        longest = longest_cut_sequence(chunks)
+        return [state_bound(longest, chunk_size, k, rates, s) for s in range(num_stages)]
 
     _, rp = plan_chunkflow(lengths, chunk_size, k, p, num_dp_ranks, shape,
-                           held_bytes_for=held_for)
-    worst = 0.0
-    for chunks, sim in zip(rp.chunks, rp.sims):
-        longest = max((c.segments[0].end for c in chunks if c.is_dependent), default=0)
-        for s in range(p):
-            worst = max(worst, sim.peak_bytes[s] + state_bound(longest, chunk_size, k, rates, s))
-    return worst
+                           held_bytes_for=held_for, state_bytes_for=state_for)
+    return max(max(rp.peak_memory_bytes(r)) for r in range(num_dp_ranks))
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@ for ChunkFlow, on a named device (perfmodel/hardware.py) with the roofline cost 
 
 Both systems go through core/step.py (plan_baseline: sequences packed into micro-batches of
 seq_length run with Megatron's 1F1B; plan_chunkflow: chunks with state-aware 1F1B) and
-core/simulate.py, with per-op seconds from perfmodel/roofline.py and bytes from perfmodel/footprint.py.
+core/simulate.py, with per-op seconds from perfmodel/roofline.py and bytes (activations held and
+the long sequence's state, as core/step.py's memory hooks) from perfmodel/footprint.py.
 
 Step time = the slowest (DP rank, stage) of: its last backward, or the distributed optimizer's
 gradient reduce-scatter if longer (Megatron's --overlap-grad-reduce launches it during the last
@@ -22,19 +23,19 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from megatron_chunkflow.core.costs import sequence_model_flops
+from megatron_chunkflow.core.models import ModelShape
+from megatron_chunkflow.core.schedule import is_reforwarded
+from megatron_chunkflow.core.step import RankPlans, plan_baseline, plan_chunkflow
+from megatron_chunkflow.core.types import DataChunk
 from megatron_chunkflow.perfmodel.footprint import (
-    chunkflow_state_bytes,
-    held_bytes_fn,
+    memory_hooks,
     stage_params,
     static_bytes,
     transient_bytes,
 )
 from megatron_chunkflow.perfmodel.hardware import Hardware
 from megatron_chunkflow.perfmodel.layout import Layout
-from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.perfmodel.roofline import Roofline, chunk_work
-from megatron_chunkflow.core.step import RankPlans, plan_baseline, plan_chunkflow
-from megatron_chunkflow.core.types import DataChunk
 
 GIB = 2.0**30
 
@@ -89,7 +90,7 @@ class Prediction:
 
 
 def _finish(system: str, rp: RankPlans, model: Roofline, shape: ModelShape, hw: Hardware,
-            lengths: Sequence[int], state: list[list[float]], **extra) -> Prediction:
+            lengths: Sequence[int], **extra) -> Prediction:
     layout = model.layout
     params = stage_params(shape, layout.pp)
     dp = [model.dp_times(p) for p in params]
@@ -103,9 +104,9 @@ def _finish(system: str, rp: RankPlans, model: Roofline, shape: ModelShape, hw: 
             end = max(ops[-1].end, ops[-1].start + rs) if ops else rs
             first_f = (ops[0].end - ops[0].start) if ops else 0.0
             step = max(step, end + opt[s] + max(0.0, ag - first_f))
-            mem = {"static": static_bytes(params[s], layout, hw),
-                   "activations": sim.peak_bytes[s], "kv_state": state[r][s],
-                   "transient": transient_bytes(max_tokens, shape, layout, hw,
+            mem = {"static": static_bytes(params[s], layout, hw.dtype_bytes),
+                   "activations": sim.peak_bytes[s], "kv_state": rp.state_bytes[r][s],
+                   "transient": transient_bytes(max_tokens, shape, layout, hw.dtype_bytes,
                                                 s == layout.pp - 1)}
             if sum(mem.values()) > worst_mem:
                 worst_mem, memory = sum(mem.values()), mem
@@ -129,8 +130,7 @@ def chunk_work_items(chunks: Sequence[DataChunk], block: int, cp: int = 1,
                      k: int = 1) -> list[tuple[int, bool, int, float]]:
     """(DP rank, re-forwarded, tokens, pairs) per chunk: what time_floor needs, independent
     of TP, PP and recompute, so a search computes it once per chunking."""
-    return [(c.dp_rank, c.is_dependent and c.index < c.num_siblings - k,
-             *chunk_work(c, block, cp)) for c in chunks]
+    return [(c.dp_rank, is_reforwarded(c, k), *chunk_work(c, block, cp)) for c in chunks]
 
 
 def time_floor(items: Sequence[tuple[int, bool, int, float]], model: Roofline) -> float:
@@ -154,20 +154,14 @@ def time_floor(items: Sequence[tuple[int, bool, int, float]], model: Roofline) -
                 for busy, f_pre, b_pre in rows.values() for s in range(pp)), default=0.0)
 
 
-def _hooks(model: Roofline, p2p_tokens: int):
-    shape, layout, hw = model.shape, model.layout, model.hw
-    return (lambda chunks, p: model.stage_costs(chunks, p, p2p_tokens),
-            lambda chunks, p: held_bytes_fn(chunks, shape, layout, hw, p))
-
-
 def predict_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware, layout: Layout,
                      seq_length: int) -> Prediction:
     """Stock Megatron: whole sequences packed into micro-batches of `seq_length`, 1F1B."""
     model = roofline(shape, layout, hw)
-    costs_for, held_for = _hooks(model, seq_length)
-    rp = plan_baseline(lengths, seq_length, layout.pp, layout.dp, shape, costs_for, held_for)
-    no_state = [[0.0] * layout.pp for _ in rp.chunks]
-    return _finish("megatron", rp, model, shape, hw, lengths, no_state)
+    held_for, _ = memory_hooks(shape, layout, hw.dtype_bytes)
+    rp = plan_baseline(lengths, seq_length, layout.pp, layout.dp, shape,
+                       lambda chunks, p: model.stage_costs(chunks, p, seq_length), held_for)
+    return _finish("megatron", rp, model, shape, hw, lengths)
 
 
 def predict_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware, layout: Layout,
@@ -180,9 +174,8 @@ def predict_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware, l
         raise ValueError(f"--chunk-size {chunk_size} is not a multiple of the tensor-parallel "
                          f"size {layout.tp}, which sequence parallelism requires")
     model = roofline(shape, layout, hw)
-    costs_for, held_for = _hooks(model, chunk_size)
-    _, rp = plan_chunkflow(lengths, chunk_size, k, layout.pp, layout.dp, shape, costs_for,
-                           held_for)
-    state = [chunkflow_state_bytes(c, shape, layout, hw, layout.pp, chunk_size, k)
-             for c in rp.chunks]
-    return _finish("chunkflow", rp, model, shape, hw, lengths, state, chunk_size=chunk_size, k=k)
+    held_for, state_for = memory_hooks(shape, layout, hw.dtype_bytes, chunk_size, k)
+    _, rp = plan_chunkflow(lengths, chunk_size, k, layout.pp, layout.dp, shape,
+                           lambda chunks, p: model.stage_costs(chunks, p, chunk_size), held_for,
+                           state_for)
+    return _finish("chunkflow", rp, model, shape, hw, lengths, chunk_size=chunk_size, k=k)

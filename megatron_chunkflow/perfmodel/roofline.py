@@ -42,11 +42,15 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from megatron_chunkflow.core.costs import attention_pairs, layers_per_stage
-from megatron_chunkflow.perfmodel.hardware import Hardware
-from megatron_chunkflow.perfmodel.layout import Layout
+from megatron_chunkflow.core.costs import (
+    attention_flops_per_pair_per_layer,
+    attention_pairs,
+    layers_per_stage,
+)
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.types import DataChunk
+from megatron_chunkflow.perfmodel.hardware import Hardware
+from megatron_chunkflow.perfmodel.layout import Layout
 
 GEMM_TILES = ((128, 256), (256, 128), (128, 128), (64, 128), (128, 64))
 SPLIT_K = (1, 2, 4, 8, 16)
@@ -145,7 +149,6 @@ class Roofline:
     def __init__(self, shape: ModelShape, layout: Layout, hw: Hardware):
         self.shape, self.layout, self.hw = shape, layout, hw
         t = layout.tp  # per-GPU widths: heads, K/V groups and the MLP are split over TP
-        self.heads = shape.num_attention_heads // t
         self.kv = shape.kv_dim // t
         self.attn_width = shape.num_attention_heads * shape.head_dim // t
         self.qkv_out = self.attn_width + 2 * self.kv
@@ -189,7 +192,7 @@ class Roofline:
         """(forward, backward) seconds of one layer's attention core on one GPU for `tokens`
         tokens and `pairs` computed (query, key) pairs on it (chunk_work), CP ring included."""
         hw, cp = self.hw, self.layout.cp
-        flops = 4.0 * pairs * self.heads * self.shape.head_dim
+        flops = pairs * attention_flops_per_pair_per_layer(self.shape, self.layout.tp)
         fwd = flops / (hw.peak_flops * hw.attn_fwd_eff)
         bwd = ATTN_BWD_FLOPS * flops / (hw.peak_flops * hw.attn_bwd_eff)
         if cp > 1:

@@ -19,11 +19,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+from megatron_chunkflow.core.models import ModelShape
+from megatron_chunkflow.core.packer import build_chunks
+from megatron_chunkflow.core.step import baseline_microbatches
 from megatron_chunkflow.perfmodel.footprint import chunkflow_memory_floor, megatron_memory_floor
 from megatron_chunkflow.perfmodel.hardware import Hardware
 from megatron_chunkflow.perfmodel.layout import Layout, make_layout
-from megatron_chunkflow.core.models import ModelShape
-from megatron_chunkflow.core.packer import build_chunks
 from megatron_chunkflow.perfmodel.predict import (
     Prediction,
     chunk_work_items,
@@ -32,7 +33,6 @@ from megatron_chunkflow.perfmodel.predict import (
     roofline,
     time_floor,
 )
-from megatron_chunkflow.core.step import baseline_microbatches
 
 CHUNK_SIZES = (2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 KS = (1, 2, 4, 8)
@@ -101,7 +101,8 @@ def best_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_g
 
     return search(candidate_layouts(shape, hw, num_gpus, allow_cp=True),
                   lambda lay: predict_megatron(lengths, shape, hw, lay, seq_length), floor,
-                  lambda lay: megatron_memory_floor(lengths, shape, lay, hw), hw.usable_bytes)
+                  lambda lay: megatron_memory_floor(lengths, shape, lay, hw.dtype_bytes),
+                  hw.usable_bytes)
 
 
 def best_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_gpus: int,
@@ -126,5 +127,6 @@ def best_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_
         return time_floor(work[c, lay.dp, kk], roofline(shape, lay, hw))
 
     return search(candidates, lambda cand: predict_chunkflow(lengths, shape, hw, *cand), floor,
-                  lambda cand: chunkflow_memory_floor(lengths, shape, cand[0], hw, *cand[1:]),
+                  lambda cand: chunkflow_memory_floor(lengths, shape, cand[0], hw.dtype_bytes,
+                                                     *cand[1:]),
                   hw.usable_bytes)

@@ -11,6 +11,8 @@ from megatron_chunkflow.core.packer import best_fit_decreasing, build_chunks, un
 from megatron_chunkflow.core.profiles import sample_lengths
 from tests.unit.plan_checks import check_batch
 
+Q7B = get_model_shape("qwen2.5-7b")  # the shape build_chunks once fell back to
+
 # long-tailed: mostly short, sometimes far longer than the chunk size
 lengths_st = st.lists(
     st.one_of(st.integers(1, 300), st.integers(1, 300), st.integers(1, 300),
@@ -36,7 +38,7 @@ def test_every_token_in_exactly_one_chunk(lengths, chunk_size, dp, k):
 def test_standalone_count_near_lower_bound(profile, num_sequences, chunk_size):
     """With chunks >= 4K (5x the median length), BFD lands on the bound or one above it."""
     for seed in range(3):
-        batch = build_chunks(sample_lengths(profile, num_sequences, seed), chunk_size)
+        batch = build_chunks(sample_lengths(profile, num_sequences, seed), chunk_size, 1, 1, Q7B)
         assert batch.num_standalone <= batch.bins_lower_bound + 1
 
 
@@ -49,7 +51,8 @@ def test_bfd_is_best_fit():
 @settings(max_examples=100, deadline=None)
 @given(lengths=lengths_st, dp=st.integers(2, 5))
 def test_dp_balance_within_lpt_bound(lengths, dp):
-    """Longest-processing-time first: no rank exceeds the mean load by more than the largest unit."""
+    """Longest-processing-time first: no rank exceeds the mean load by more than the largest
+    unit."""
     shape = get_model_shape("tiny")
     batch = build_chunks(lengths, 256, dp, 1, shape)
     units = {}
@@ -64,9 +67,8 @@ def test_dp_balance_within_lpt_bound(lengths, dp):
 
 def test_attention_cost_counts_prefix():
     """A late dependent chunk costs more than an early one of the same size (C*prefix term)."""
-    shape = get_model_shape("qwen2.5-7b")
-    batch = build_chunks([4 * 8192], 8192, shape=shape)
-    costs = [unit_cost([c], shape, k=1) for c in batch.chunks]
+    batch = build_chunks([4 * 8192], 8192, 1, 1, Q7B)
+    costs = [unit_cost([c], Q7B, k=1) for c in batch.chunks]
     assert costs == sorted(costs) and costs[-1] > costs[0] * 1.2
 
 
@@ -74,7 +76,7 @@ def test_deterministic():
     lengths = sample_lengths("B", 3000, seed=7, step=3)
     assert lengths == sample_lengths("B", 3000, seed=7, step=3)
     assert lengths != sample_lengths("B", 3000, seed=7, step=4)
-    assert build_chunks(lengths, 8192, 4) == build_chunks(list(lengths), 8192, 4)
+    assert build_chunks(lengths, 8192, 4, 1, Q7B) == build_chunks(list(lengths), 8192, 4, 1, Q7B)
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -82,21 +84,27 @@ def test_deterministic():
 ])
 def test_bad_lengths(bad, match):
     with pytest.raises(ValueError, match=match):
-        build_chunks(bad, 16)
+        build_chunks(bad, 16, 1, 1, Q7B)
 
 
 @pytest.mark.parametrize("kw,match", [({"chunk_size": 0}, "chunk size"), ({"k": 0}, "K must"),
                                       ({"num_dp_ranks": 0}, "data-parallel")])
 def test_bad_settings(kw, match):
-    args = {"chunk_size": 16, **kw}
+    args = {"chunk_size": 16, "num_dp_ranks": 1, "k": 1, "shape": Q7B, **kw}
     with pytest.raises(ValueError, match=match):
         build_chunks([10, 20], **args)
+
+
+def test_shape_is_required():
+    """The DP balance weighs units by a model's FLOPs: no silent default model."""
+    with pytest.raises(TypeError, match="shape"):
+        build_chunks([10, 20], 16, 1, 1)
 
 
 def test_edge_lengths():
     """1 token, exactly C, exactly kC, kC + 1."""
     C = 64
-    batch = build_chunks([1, C, 3 * C, 3 * C + 1], C)
+    batch = build_chunks([1, C, 3 * C, 3 * C + 1], C, 1, 1, Q7B)
     check_batch(batch)
     dep = {}
     for c in batch.chunks:

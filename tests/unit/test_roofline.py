@@ -1,6 +1,6 @@
 """The roofline cost model, memory model and device descriptions (perfmodel/roofline.py,
-perfmodel/footprint.py, perfmodel/hardware.py, perfmodel/predict.py): properties that would catch a wrong
-formula, not golden numbers."""
+perfmodel/footprint.py, perfmodel/hardware.py, perfmodel/predict.py): properties that would catch a
+wrong formula, not golden numbers."""
 
 import dataclasses
 import json
@@ -9,9 +9,13 @@ import random
 
 import pytest
 
-from megatron_chunkflow.core.costs import attention_pairs, kv_state_bytes_per_token
+from megatron_chunkflow.core.costs import attention_pairs
+from megatron_chunkflow.core.models import get_model_shape
+from megatron_chunkflow.core.profiles import sample_lengths
+from megatron_chunkflow.perfmodel.budget import ActivationRates, state_bound
 from megatron_chunkflow.perfmodel.footprint import (
     chunkflow_memory_floor,
+    kv_state_bytes_per_token,
     layer_activation_bytes,
     sequence_state_bytes,
     stage_params,
@@ -25,9 +29,7 @@ from megatron_chunkflow.perfmodel.hardware import (
     with_overrides,
 )
 from megatron_chunkflow.perfmodel.layout import Layout, make_layout
-from megatron_chunkflow.core.models import get_model_shape
 from megatron_chunkflow.perfmodel.predict import predict_chunkflow, predict_megatron
-from megatron_chunkflow.core.profiles import sample_lengths
 from megatron_chunkflow.perfmodel.roofline import (
     attention_tiles,
     computed_pairs,
@@ -94,7 +96,7 @@ def test_mfu_below_max_efficiency(system):
 
 
 def test_more_tp_less_weight_memory_per_gpu():
-    stat = [static_bytes(total_params(Q7B), Layout(tp, 1, 1, 1), H100) for tp in (1, 2, 4)]
+    stat = [static_bytes(total_params(Q7B), Layout(tp, 1, 1, 1), 2) for tp in (1, 2, 4)]
     assert stat[0] > stat[1] > stat[2] and stat[0] / stat[2] == pytest.approx(4)
     preds = [predict_megatron(LENGTHS, Q7B, H100, make_layout(tp, 1, 1, "none", 8, Q7B), 32768)
              for tp in (1, 2, 4)]
@@ -117,7 +119,7 @@ def test_full_recompute_costs_about_a_third_more():
             if tp == 1:
                 assert ratio <= 4 / 3
             assert full.peak_mem_bytes < none.peak_mem_bytes
-    assert layer_activation_bytes(Q7B, Layout(4), H100, "full") == 2 * Q7B.hidden_size / 4
+    assert layer_activation_bytes(Q7B, Layout(4), 2, "full") == 2 * Q7B.hidden_size / 4
 
 
 def test_selective_recompute_costs_time_saves_little():
@@ -141,7 +143,7 @@ def test_chunkflow_memory_floor_is_a_lower_bound():
     for layout in (Layout(2, 1, 1, 2), Layout(4, 1, 2, 1, "full")):
         for c, k in ((4096, 1), (4096, 4), (16384, 2)):
             p = predict_chunkflow(lengths, Q7B, H100, layout, c, k)
-            floor = chunkflow_memory_floor(lengths, Q7B, layout, H100, c, k)
+            floor = chunkflow_memory_floor(lengths, Q7B, layout, H100.dtype_bytes, c, k)
             assert 0.5 * p.peak_mem_bytes < floor <= p.peak_mem_bytes * (1 + 1e-9)
 
 
@@ -153,14 +155,27 @@ def test_sequence_state_bounds_the_measured_peak():
     a = kv_state_bytes_per_token(Q7B, 14, 2, 4) - u
     for n in (2, 3, 10):
         L = n * C - 100
-        state = sequence_state_bytes(L, C, 1, Q7B, layout, H100, 2)
+        state = sequence_state_bytes(L, C, 1, Q7B, layout, 2, 2)
         assert state[0] == pytest.approx(L * (2 * u + a))
         exact = max(((n - 1) * C + L) * u, ((n - 2) * C + (n - 1) * C) * u + (n - 1) * C * a)
         assert exact <= state[0]
         assert state[1] == pytest.approx(state[0] + (n - 1) * C * 2 * Q7B.hidden_size / 4)
-        more = sequence_state_bytes(L, C, 2, Q7B, layout, H100, 2)
+        more = sequence_state_bytes(L, C, 2, Q7B, layout, 2, 2)
         assert more[0] > state[0] and more[1] - more[0] < state[1] - state[0]
-    assert sequence_state_bytes(C, C, 1, Q7B, layout, H100, 2) == [0.0, 0.0]
+    assert sequence_state_bytes(C, C, 1, Q7B, layout, 2, 2) == [0.0, 0.0]
+
+
+def test_modelled_and_measured_rates_share_the_state_formula():
+    """The simulator (rates from the shape) and chunkflow bench's budget (measured rates) give
+    the same state for the same per-token bytes, for every K and a last chunk cut short."""
+    layout = Layout(2, 1, 2, 1)
+    u = kv_state_bytes_per_token(Q7B, 14, 2, 2, with_grad=False)
+    a = kv_state_bytes_per_token(Q7B, 14, 2, 2) - u
+    rates = ActivationRates((0.0, 0.0), (u, u), (a, a), 2 * Q7B.hidden_size / 2)
+    for L, C, k in ((10 * 4096 - 100, 4096, 1), (10 * 4096 - 100, 4096, 4), (5000, 4096, 2),
+                    (4096, 4096, 1)):
+        assert sequence_state_bytes(L, C, k, Q7B, layout, 2, 2) == \
+            [state_bound(L, C, k, rates, s) for s in range(2)]
 
 
 def test_chunkflow_refuses_cp():

@@ -59,7 +59,7 @@ def test_fewer_chunks_than_stages():
 
 
 def test_standalone_only_is_megatron_1f1b():
-    chunks = build_chunks([10] * 9, 10).chunks
+    chunks = build_chunks([10] * 9, 10, 1, 1, TINY).chunks
     for p in (1, 2, 3, 4):
         costs = OpCosts.uniform([c.id for c in chunks], p)
         assert state_aware_plan(chunks, p, 1, costs).stages == megatron_1f1b_plan(chunks, p).stages
@@ -78,7 +78,7 @@ def test_rebuild_per_rank_is_identical():
 
 @pytest.mark.parametrize("bad,match", [({"num_stages": 0}, "pipeline"), ({"k": 0}, "K must")])
 def test_bad_settings(bad, match):
-    chunks = build_chunks([10], 10).chunks
+    chunks = build_chunks([10], 10, 1, 1, TINY).chunks
     args = {"num_stages": 2, "k": 1, **bad}
     with pytest.raises(ValueError, match=match):
         state_aware_plan(chunks, costs=OpCosts.uniform([0], 2), **args)

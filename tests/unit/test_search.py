@@ -3,10 +3,12 @@ an exhaustive one finds, because both floors are lower bounds."""
 
 import pytest
 
-from megatron_chunkflow.perfmodel.footprint import chunkflow_memory_floor, megatron_memory_floor
-from megatron_chunkflow.perfmodel.hardware import get_gpu, with_overrides
 from megatron_chunkflow.core.models import get_model_shape
 from megatron_chunkflow.core.packer import build_chunks
+from megatron_chunkflow.core.profiles import sample_lengths
+from megatron_chunkflow.core.step import baseline_microbatches
+from megatron_chunkflow.perfmodel.footprint import chunkflow_memory_floor, megatron_memory_floor
+from megatron_chunkflow.perfmodel.hardware import get_gpu, with_overrides
 from megatron_chunkflow.perfmodel.predict import (
     chunk_work_items,
     predict_chunkflow,
@@ -14,14 +16,12 @@ from megatron_chunkflow.perfmodel.predict import (
     roofline,
     time_floor,
 )
-from megatron_chunkflow.core.profiles import sample_lengths
 from megatron_chunkflow.perfmodel.search import (
     best_chunkflow,
     best_megatron,
     candidate_layouts,
     chunking_candidates,
 )
-from megatron_chunkflow.core.step import baseline_microbatches
 
 SHAPE = get_model_shape("qwen2.5-1.5b")
 HW = with_overrides(get_gpu("h100"), ["hbm_gb=40"])  # a budget that excludes some candidates
@@ -40,14 +40,15 @@ def test_floors_bound_every_candidate():
         mbs = baseline_microbatches(LENGTHS, SEQ, lay.dp)
         floor = time_floor(chunk_work_items(mbs, HW.attn_block, lay.cp), roofline(SHAPE, lay, HW))
         assert floor <= p.step_s * (1 + 1e-9)
-        assert megatron_memory_floor(LENGTHS, SHAPE, lay, HW) <= p.peak_mem_bytes * (1 + 1e-9)
+        floor = megatron_memory_floor(LENGTHS, SHAPE, lay, HW.dtype_bytes)
+        assert floor <= p.peak_mem_bytes * (1 + 1e-9)
     for lay in candidate_layouts(SHAPE, HW, 8, allow_cp=False)[::2]:
         for c, k in chunking_candidates(LENGTHS, SEQ, lay.tp)[::3]:
             p = predict_chunkflow(LENGTHS, SHAPE, HW, lay, c, k)
             items = chunk_work_items(build_chunks(LENGTHS, c, lay.dp, k, SHAPE).chunks,
                                      HW.attn_block, 1, k)
             assert time_floor(items, roofline(SHAPE, lay, HW)) <= p.step_s * (1 + 1e-9)
-            floor = chunkflow_memory_floor(LENGTHS, SHAPE, lay, HW, c, k)
+            floor = chunkflow_memory_floor(LENGTHS, SHAPE, lay, HW.dtype_bytes, c, k)
             assert floor <= p.peak_mem_bytes * (1 + 1e-9)
 
 
