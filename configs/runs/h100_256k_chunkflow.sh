@@ -10,7 +10,7 @@ RUN_NAME=h100_256k_chunkflow
 SYSTEM=chunkflow
 SEQ_LENGTH=262144       # the longest sequence accepted (longer ones follow --overlong)
 GLOBAL_BATCH_SIZE=2048  # sequences: about 2.4M tokens per step on profile B
-MOCK_PROFILE=B          # --mock-data lengths: DESIGN.md section 5, profile B (tail up to 256K)
+MOCK_PROFILE=B          # --mock-data lengths: profile B of docs/design.md (tail up to 256K)
 RUN_TRAINING_ARGS=(
     --no-rope-fusion  # ChunkFlow applies RoPE by position ids (runtime/model.py)
     --max-position-embeddings "$SEQ_LENGTH"  # see h100_256k_stock.sh

@@ -11,7 +11,7 @@ RUN_NAME=h100_32k_chunkflow
 SYSTEM=chunkflow
 SEQ_LENGTH=32768        # the longest sequence accepted (longer ones follow --overlong)
 GLOBAL_BATCH_SIZE=1024  # sequences (not rows): about 1.1M tokens per step on profile A
-MOCK_PROFILE=A          # --mock-data lengths: DESIGN.md section 5, profile A (tail up to 32K)
+MOCK_PROFILE=A          # --mock-data lengths: profile A of docs/design.md (tail up to 32K)
 RUN_TRAINING_ARGS=(
     --no-rope-fusion  # ChunkFlow applies RoPE by position ids (runtime/model.py)
 )

@@ -4,6 +4,10 @@ Qwen2.5 shapes are transcribed from each model's Hugging Face config.json
 (https://huggingface.co/Qwen/Qwen2.5-<size>/blob/main/config.json): hidden_size,
 intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, vocab_size,
 tie_word_embeddings. The tiny shapes are ours, for CPU runs.
+
+HF_CARDS holds, per Qwen2.5 size, the config.json values that ModelShape does not (maximum
+positions, activation, initializer, dropout, sliding window) and the hub id. With QWEN25 they
+generate configs/models/qwen2.5-*.sh (scripts/gen_model_configs.py).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ QWEN25 = {
 
 TINY = {
     # 4 layers so that PP=2 and PP=4 both split evenly; GQA 4:2 like the real family; a vocabulary
-    # that is not a multiple of 128 (like Qwen's 151,646 tokens before padding).
+    # that is not a multiple of 128 (like the Qwen2.5 tokenizer's 151,665 ids before padding).
     "tiny": ModelShape(4, 64, 176, 4, 2, 1000, tie_embeddings=True),
     "tiny-untied": ModelShape(4, 64, 176, 4, 2, 1000),
     # `chunkflow train`'s CPU default: the real Qwen2.5 vocabulary (151,936 padded ids), tiny body
@@ -56,6 +60,44 @@ TINY = {
     # `chunkflow bench`'s CPU default: head dim 64 (Qwen2.5's is 64-128) and GQA 2:1, an MLP of
     # 5.25 h (Qwen2.5-7B's ratio); wide enough that a step's time is kernels, not Python
     "tiny-bench": ModelShape(4, 128, 672, 2, 1, 1000, tie_embeddings=True),
+}
+
+
+@dataclass(frozen=True)
+class HFCard:
+    """What configs/models/ transcribes from a Hugging Face config.json beyond its ModelShape.
+
+    Family-wide Qwen2.5 values are the defaults; `hub_id` names the checkpoint, its config.json and
+    the default tokenizer.
+    """
+
+    hub_id: str  # "Qwen/Qwen2.5-7B"
+    max_position_embeddings: int
+    hidden_act: str = "silu"  # the SwiGLU gate's activation
+    initializer_range: float = 0.02
+    attention_dropout: float = 0.0
+    use_sliding_window: bool = False
+    # len(tokenizer): 151,643 BPE tokens + 22 specials, fewer than any checkpoint's embedding rows
+    tokenizer_size: int = 151_665
+
+    @property
+    def name(self) -> str:
+        """The model's display name, "Qwen2.5-7B"."""
+        return self.hub_id.split("/")[-1]
+
+    @property
+    def config_url(self) -> str:
+        return f"https://huggingface.co/{self.hub_id}/blob/main/config.json"
+
+
+HF_CARDS = {  # keyed like QWEN25
+    "qwen2.5-0.5b": HFCard("Qwen/Qwen2.5-0.5B", max_position_embeddings=32768),
+    "qwen2.5-1.5b": HFCard("Qwen/Qwen2.5-1.5B", max_position_embeddings=131072),
+    "qwen2.5-3b": HFCard("Qwen/Qwen2.5-3B", max_position_embeddings=32768),
+    "qwen2.5-7b": HFCard("Qwen/Qwen2.5-7B", max_position_embeddings=131072),
+    "qwen2.5-14b": HFCard("Qwen/Qwen2.5-14B", max_position_embeddings=131072),
+    "qwen2.5-32b": HFCard("Qwen/Qwen2.5-32B", max_position_embeddings=131072),
+    "qwen2.5-72b": HFCard("Qwen/Qwen2.5-72B", max_position_embeddings=131072),
 }
 
 MODEL_SHAPES = {**QWEN25, **TINY}

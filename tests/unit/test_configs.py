@@ -2,11 +2,12 @@
 
     .venv/bin/python -m pytest tests/unit/test_configs.py -q
 
-Every configs/models/qwen2.5-*.sh is parsed by bash and checked against core/models.QWEN25 (the
-Hugging Face shapes), then built at 2 layers as a real megatron-core GPTModel on the meta device
-(no memory: the 72B embedding alone is 1.2B parameters). With a Megatron-LM checkout
-(MEGATRON_LM_DIR, or third_party/Megatron-LM) its own parser, validate_args and gpt_builder also
-read every model and run config.
+Every configs/models/qwen2.5-*.sh must be exactly what scripts/gen_model_configs.py writes from
+core/models.py (`make configs` regenerates them). Each is also parsed by bash and checked against
+core/models.QWEN25 (the Hugging Face shapes), then built at 2 layers as a real megatron-core
+GPTModel on the meta device (no memory: the 72B embedding alone is 1.2B parameters). With a
+Megatron-LM checkout (MEGATRON_LM_DIR, or third_party/Megatron-LM) its own parser, validate_args
+and gpt_builder also read every model and run config.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ import re
 import shlex
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
 
+from megatron_chunkflow.config import AttentionBackend
 from megatron_chunkflow.core.models import QWEN25, ModelShape
-from megatron_chunkflow.megatron_lm.args import BACKENDS
 from tests.distributed._dist import run_gloo
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,6 +38,7 @@ SUBMIT = REPO / "scripts" / "slurm" / "submit.sh"
 SHELL_FILES = [*MODEL_FILES.values(), REPO / "configs" / "runs" / "common.sh", *RUN_FILES,
                SBATCH, SUBMIT]
 SYSTEMS_CONTEXTS = [(c, s) for c in ("32k", "256k") for s in ("stock", "chunkflow")]
+BACKENDS = typing.get_args(AttentionBackend)  # --chunkflow-attention-backend's choices
 
 
 def bash(script: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -127,6 +130,42 @@ def test_model_config_header_cites_its_hf_config(name):
                        ("vocab_size", shape.vocab_size)]:
         assert re.search(rf"\b{key} {value}\b", text), f"{key} {value} not in the header"
     assert f"tie_word_embeddings {str(shape.tie_embeddings).lower()}" in text
+
+
+def _load_generator():
+    spec = importlib.util.spec_from_file_location("gen_model_configs",
+                                                  REPO / "scripts" / "gen_model_configs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gen_model_configs = _load_generator()
+
+
+def test_model_configs_are_generated():
+    """The shipped files are byte for byte what the generator writes from core/models.py."""
+    problems = gen_model_configs.stale(MODEL_FILES["qwen2.5-7b"].parent)
+    assert not problems, ("stale model configs, run `make configs` "
+                          "(python scripts/gen_model_configs.py):\n"
+                          + "".join(diff for _, diff in problems))
+
+
+def test_model_config_generator_names_stale_files(tmp_path, capsys):
+    for path in MODEL_FILES.values():
+        (tmp_path / path.name).write_text(path.read_text())
+    edited = tmp_path / "qwen2.5-7b.sh"
+    edited.write_text(edited.read_text().replace("--num-layers 28", "--num-layers 29"))
+    (tmp_path / "qwen2.5-3b.sh").unlink()
+    (tmp_path / "qwen2.5-9b.sh").write_text("MODEL_ARGS=()\n")
+    problems = dict(gen_model_configs.stale(tmp_path))
+    assert sorted(p.name for p in problems) == ["qwen2.5-3b.sh", "qwen2.5-7b.sh", "qwen2.5-9b.sh"]
+    assert "-    --num-layers 29\n+    --num-layers 28\n" in problems[edited]
+    assert sorted(p.name for p in gen_model_configs.write(tmp_path)) == ["qwen2.5-3b.sh",
+                                                                         "qwen2.5-7b.sh"]
+    assert "qwen2.5-9b.sh: not generated" in capsys.readouterr().err  # named, not deleted
+    assert [p.name for p, _ in gen_model_configs.stale(tmp_path)] == ["qwen2.5-9b.sh"]
+    assert edited.read_text() == MODEL_FILES["qwen2.5-7b"].read_text()
 
 
 def test_tokenizer_variable_reaches_the_flags():
@@ -567,7 +606,9 @@ def _megatron_lm_parse(megatron_lm_dir, model_argvs, run_argvs, has_cuda):
         from megatron_chunkflow.training.cpu import install_megatron_lm_cpu_shims
 
         install_megatron_lm_cpu_shims()
-    importlib.import_module("megatron.core")  # the installed copy before the checkout's (notes 6.3)
+    # the installed megatron.core first: the checkout's root has its own megatron/core, which would
+    # shadow it once the checkout is on sys.path
+    importlib.import_module("megatron.core")
 
     sys.path.append(str(megatron_lm_dir))
     from megatron.training import arguments, global_vars
