@@ -11,7 +11,7 @@ TEST_STAMP := $(VENV)/.installed-test
 MEGATRON_LM_GIT ?= https://github.com/NVIDIA/Megatron-LM.git
 MEGATRON_LM_TAG := core_v0.16.1
 
-.PHONY: demo plan test bench bench-cpu clean megatron-lm
+.PHONY: demo plan test bench bench-cpu clean megatron-lm configs
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,7 @@ demo: $(STAMP)
 # Plan a profile-B global batch on PP=4 x DP=2, compare with stock Megatron's 1F1B, draw both.
 plan: $(STAMP)
 	mkdir -p out
-	$(BIN)/chunkflow plan --profile B --num-sequences 2000 --chunk-size 8192 --k 1 \
+	$(BIN)/chunkflow plan --profile B --global-batch-size 2000 --chunk-size 8192 --chunkflow-k 1 \
 		--pp 4 --dp 2 --png out/plan.png
 
 test: $(TEST_STAMP)
@@ -51,6 +51,11 @@ bench-cpu: $(STAMP)
 	$(BIN)/chunkflow bench --json --png out/bench > out/bench/bench.json
 	$(BIN)/python scripts/benchmarks/sweep_chunk_size.py --out out/bench
 	$(BIN)/python scripts/benchmarks/sweep_chunk_k.py --out out/bench
+
+# Regenerate configs/models/qwen2.5-*.sh from megatron_chunkflow/core/models.py (QWEN25 and
+# HF_CARDS). core/ is pure Python: no virtualenv needed. tests/unit/test_configs.py checks them.
+configs:
+	$(PYTHON) scripts/gen_model_configs.py
 
 megatron-lm: third_party/Megatron-LM/pretrain_gpt.py
 

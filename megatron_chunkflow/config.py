@@ -1,7 +1,10 @@
-"""ChunkFlowConfig: the one source of truth for ChunkFlow's knobs.
+"""ChunkFlowConfig and ParallelConfig: the knobs every entry point shares, carried whole to where
+they are used.
 
-Each field's docstring is its CLI help; `add_config_arguments` derives the flags (`chunk_size` ->
-`--chunk-size`), so the help text and the code cannot drift apart.
+Each field's attribute docstring is its command-line help, and its flag is derived from it
+(`add_config_arguments`): one spelling per knob in every subcommand. A field's metadata may name
+its flag (`--chunkflow-k` for `k`, Megatron-LM's names for the parallel sizes), aliases that are
+equally valid (`--tp`), and deprecated spellings that still work but warn (`--k`).
 """
 
 from __future__ import annotations
@@ -10,8 +13,13 @@ import argparse
 import ast
 import dataclasses
 import inspect
-from dataclasses import dataclass
+import sys
+import typing
+from dataclasses import dataclass, field
 from functools import cache
+from typing import Literal
+
+AttentionBackend = Literal["auto", "torch", "cpu_flash", "sdpa", "flex", "flash", "te"]
 
 
 @dataclass(frozen=True)
@@ -22,39 +30,106 @@ class ChunkFlowConfig:
     """Tokens per data chunk (C). Sequences longer than C are cut into dependent chunks; shorter ones
     are packed into standalone chunks of capacity C. Peak activation memory follows C."""
 
-    k: int = 1
+    k: int = field(default=1, metadata={"flag": "--chunkflow-k", "deprecated": ("--k",)})
     """Chunks of one long sequence that keep activations (K). The others run forward without a
     graph and are re-forwarded during the backward pass: more K, more memory, less recompute."""
+
+    attention_backend: AttentionBackend = field(default="auto",
+                                                metadata={"deprecated": ("--backend",)})
+    """Chunk attention kernel: auto = flash (flash-attn), then te (Transformer Engine) on a GPU,
+    whichever is installed, and cpu_flash (ATen's fused CPU kernel) on CPU; torch is exact
+    attention in plain torch (any device, saves only q, k, v, out and the log-sum-exp); sdpa the
+    reference (a loop of F.scaled_dot_product_attention); flex torch's flex_attention."""
 
     def __post_init__(self):
         if self.chunk_size < 1:
             raise ValueError(f"--chunk-size must be >= 1, got {self.chunk_size}")
         if self.k < 1:
-            raise ValueError(f"--k must be >= 1, got {self.k}")
+            raise ValueError(f"--chunkflow-k must be >= 1, got {self.k}")
+        choices = typing.get_args(AttentionBackend)
+        if self.attention_backend not in choices:
+            raise ValueError(f"--attention-backend {self.attention_backend!r}: choose from "
+                             f"{', '.join(choices)}")
 
-    def check_layout(self, tensor_parallel: int, sequence_parallel: bool) -> None:
+    def check_parallel(self, parallel: ParallelConfig) -> None:
         """Sequence parallelism splits each chunk's tokens over the TP ranks, so every chunk is
         padded to a multiple of TP; full dependent chunks cannot be padded (their K/V is state)."""
-        if sequence_parallel and self.chunk_size % tensor_parallel:
+        if self.chunk_size % parallel.pad_multiple:
             raise ValueError(
                 f"--chunk-size {self.chunk_size} is not a multiple of the tensor-parallel size "
-                f"{tensor_parallel}, which sequence parallelism requires")
+                f"{parallel.tp}, which sequence parallelism requires")
 
-    def pad_multiple(self, tensor_parallel: int, sequence_parallel: bool) -> int:
-        """Chunks are padded to a multiple of this many tokens."""
-        return tensor_parallel if sequence_parallel else 1
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, flags: dict | None = None) -> ChunkFlowConfig:
-        """Build from parsed flags; `flags` as given to add_config_arguments, so that errors
-        name the flag the user typed."""
-        try:
-            return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
-        except ValueError as e:
-            message = str(e)
-            for name, flag in (flags or {}).items():
-                message = message.replace(f"--{name.replace('_', '-')} ", f"{flag} ")
-            raise ValueError(message) from None
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Degrees of parallelism of one job (Megatron-LM's flags; DP is what the world leaves)."""
+
+    tp: int = field(default=1, metadata={"flag": "--tensor-model-parallel-size",
+                                         "aliases": ("--tp",)})
+    """Tensor-parallel size (TP): each layer's weights split over TP ranks."""
+
+    pp: int = field(default=1, metadata={"flag": "--pipeline-model-parallel-size",
+                                         "aliases": ("--pp",)})
+    """Pipeline-parallel size (PP): the layers split into PP stages."""
+
+    dp: int | None = field(default=None, metadata={"flag": "--data-parallel-size",
+                                                   "aliases": ("--dp",)})
+    """Data-parallel size (DP); in a job it is world size / (TP x PP)."""
+
+    sequence_parallel: bool = False
+    """Sequence parallelism: activations between TP regions split over the TP ranks (needs TP > 1;
+    every chunk is padded to a multiple of TP)."""
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "dp"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{_named(name)} must be >= 1, got {value}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError(f"--sequence-parallel needs {_named('tp')} > 1")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks holding one copy of the model: TP x PP."""
+        return self.tp * self.pp
+
+    @property
+    def pad_multiple(self) -> int:
+        """Micro-batches (chunks) are padded to a multiple of this many tokens: TP under sequence
+        parallelism (each TP rank holds an equal slice of the tokens), else 1."""
+        return self.tp if self.sequence_parallel else 1
+
+    def with_world(self, world_size: int) -> ParallelConfig:
+        """This layout in a job of `world_size` ranks, DP filled in; ValueError if TP x PP does not
+        divide it (or a given DP does not match)."""
+        if world_size % self.model_parallel_size:
+            raise ValueError(f"world size {world_size} is not a multiple of {_named('tp')} "
+                             f"{self.tp} x {_named('pp')} {self.pp}")
+        dp = world_size // self.model_parallel_size
+        if self.dp is not None and self.dp != dp:
+            raise ValueError(f"{_named('dp')} {self.dp} does not match world size {world_size} "
+                             f"/ (TP {self.tp} x PP {self.pp}) = {dp}")
+        return dataclasses.replace(self, dp=dp)
+
+    def check_model(self, shape) -> None:
+        """Megatron's requirements on a model (core.models.ModelShape): TP divides the attention
+        heads and K/V groups, PP divides the layers (even stages)."""
+        if shape.num_attention_heads % self.tp or shape.num_query_groups % self.tp:
+            raise ValueError(f"{_named('tp')} {self.tp} does not divide the model's "
+                             f"{shape.num_attention_heads} attention heads and "
+                             f"{shape.num_query_groups} query groups")
+        if shape.num_layers % self.pp:
+            raise ValueError(f"{_named('pp')} {self.pp} does not divide the model's "
+                             f"{shape.num_layers} layers")
+
+
+def _named(name: str) -> str:
+    """A ParallelConfig field's flag and its short alias, as an error message names them."""
+    f = next(f for f in dataclasses.fields(ParallelConfig) if f.name == name)
+    return f"{f.metadata['flag']} ({'/'.join(f.metadata['aliases'])})"
+
+
+# ---- command-line flags derived from the dataclasses ---------------------------------------------
 
 
 @cache
@@ -70,24 +145,76 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-_ANNOTATION_TYPES = {"int": int, "float": float, "str": str}
+def flag_of(cls: type, name: str, prefix: str = "") -> str:
+    """The command-line flag of field `name` of `cls`."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.metadata.get("flag") or "--" + prefix + name.replace("_", "-")
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, cls: type = ChunkFlowConfig,
-                         prefix: str = "", defaults: dict | None = None,
-                         flags: dict | None = None, dest_prefix: str = "") -> None:
-    """Add one `--<prefix><field-name>` flag per dataclass field, help from its docstring.
+class _Deprecated(argparse.Action):
+    """An old spelling of a flag: works, and says which spelling to use instead."""
 
-    `defaults` overrides field defaults for one command (e.g. a small chunk size for CPU checks);
-    `flags` renames a field's flag (Megatron-LM style `--chunkflow-k` for `k`); `dest_prefix`
-    prefixes the argparse destination (`lora_rank` for LoRAConfig.rank). A field whose default is
-    None (off unless given) takes its type from its annotation (`int | None` -> int).
-    """
-    docs = field_docs(cls)
+    def __init__(self, option_strings, dest, canonical: str, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.canonical = canonical
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog}: warning: {option_string} is deprecated; use {self.canonical}",
+              file=sys.stderr)
+        setattr(namespace, self.dest, True if self.nargs == 0 else values)
+
+
+def add_config_arguments(parser, cls: type, *, fields: tuple[str, ...] | None = None,
+                         defaults: dict | None = None, flags: dict | None = None,
+                         prefix: str = "", dest_prefix: str = "", aliases: bool = True) -> None:
+    """Add one flag per field of dataclass `cls` (or of `fields`), help from its docstring.
+
+    `defaults` overrides field defaults for one command (None: chosen by the command); `flags`
+    renames a field's flag (the Megatron-LM launcher's `--chunkflow-attention-backend`);
+    `dest_prefix` prefixes the argparse destination (`lora_rank` for LoRAConfig.rank); without
+    `aliases` only the canonical flag is registered (inside Megatron-LM's own parser)."""
+    docs, hints = field_docs(cls), typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        flag = (flags or {}).get(f.name) or "--" + prefix + f.name.replace("_", "-")
+        if fields is not None and f.name not in fields:
+            continue
+        flag = (flags or {}).get(f.name) or flag_of(cls, f.name, prefix)
         default = (defaults or {}).get(f.name, f.default)
-        kind = type(f.default) if f.default is not None else \
-            _ANNOTATION_TYPES[str(f.type).split("|")[0].strip()]
-        parser.add_argument(flag, dest=dest_prefix + f.name, type=kind, default=default,
-                            metavar=f.name.upper(), help=f"{docs[f.name]} (default: {default})")
+        kind, choices = _kind(hints[f.name])
+        names = [flag, *(f.metadata.get("aliases", ()) if aliases else ())]
+        help_text = f"{docs[f.name]}" + (f" (default: {default})" if kind is not bool else "")
+        dest = dest_prefix + f.name
+        if kind is bool:
+            parser.add_argument(*names, dest=dest, action="store_true", default=default,
+                                help=help_text)
+        else:
+            parser.add_argument(*names, dest=dest, type=kind, default=default, choices=choices,
+                                metavar=None if choices else f.name.upper(), help=help_text)
+        for old in f.metadata.get("deprecated", ()) if aliases else ():
+            deprecated_alias(parser, old, flag, dest=dest, type=None if kind is bool else kind,
+                             choices=choices, **({"nargs": 0} if kind is bool else {}))
+
+
+def deprecated_alias(parser, old: str, canonical: str, **kwargs) -> None:
+    """Register `old` as a hidden spelling of `canonical` that warns when used (argparse keyword
+    arguments as for the canonical flag; dest defaults to the canonical flag's)."""
+    kwargs.setdefault("dest", canonical.lstrip("-").replace("-", "_"))
+    parser.add_argument(old, action=_Deprecated, canonical=canonical,
+                        default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+
+
+def config_from_args(cls: type, args: argparse.Namespace, dest_prefix: str = "", **overrides):
+    """An instance of `cls` from parsed flags (its ValueErrors name the flags)."""
+    values = {f.name: getattr(args, dest_prefix + f.name) for f in dataclasses.fields(cls)
+              if hasattr(args, dest_prefix + f.name)}
+    return cls(**{**values, **overrides})
+
+
+def _kind(annotation) -> tuple[type, tuple | None]:
+    """(argparse type, choices) of a field annotation: int, float, str, bool, Literal[...] or
+    `X | None`."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is Literal:
+        return type(args[0]), tuple(args)
+    if args:  # X | None
+        return _kind(args[0])
+    return annotation, None

@@ -6,7 +6,8 @@
     chunkflow-megatron pretrain_gpt.py ...                                          # the same
 
 The script itself is not modified: the plugin patches megatron/training (megatron_lm/plugin.py)
-and then runs the script as __main__. Without --chunkflow, the run is stock Megatron-LM.
+and then runs the script as __main__. Without --chunkflow, the run is stock Megatron-LM. A fork
+that patches pretrain_gpt.py instead (patches/pretrain_gpt.chunkflow.patch) calls `install`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,14 @@ from pathlib import Path
 
 USAGE = ("usage: python -m megatron_chunkflow.launch PATH/TO/pretrain_gpt.py [Megatron-LM args] "
          "[--chunkflow --chunk-size N --chunkflow-k K]")
+
+
+def install(megatron_lm_dir, allow_untested: bool | None = None) -> None:
+    """Install the plugin's hooks into megatron/training of the Megatron-LM checkout at
+    `megatron_lm_dir` (the directory of pretrain_gpt.py); idempotent."""
+    from megatron_chunkflow.megatron_lm.plugin import install as install_plugin
+
+    install_plugin(megatron_lm_dir, allow_untested)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,7 @@ Pure torch at import time; flash-attn and Transformer Engine are imported only w
 is called.
 """
 
-from megatron_chunkflow.attention.backends import BACKENDS, available_backends
+from megatron_chunkflow.attention.backends import BACKENDS, available_backends, resolve_backend
 from megatron_chunkflow.attention.chunk_attention import chunk_attention
 
-__all__ = ["BACKENDS", "available_backends", "chunk_attention"]
+__all__ = ["BACKENDS", "available_backends", "chunk_attention", "resolve_backend"]

@@ -230,10 +230,25 @@ def available_backends() -> list[str]:
     return [name for name, module in _REQUIRES.items() if _installed(module)]
 
 
+def resolve_backend(name: str, device_type: str) -> str:
+    """The backend `name` stands for on a device of `device_type` ("cuda" or "cpu"): "auto" is
+    flash (flash-attn), then te (Transformer Engine) on CUDA, whichever is installed, else torch;
+    cpu_flash on CPU. Any other name is itself."""
+    if name != "auto":
+        return name
+    if device_type == "cuda":
+        for backend in ("flash", "te"):
+            if _installed(_REQUIRES[backend]):
+                return backend
+        return "torch"
+    return "cpu_flash"
+
+
 def get_backend(name: str) -> Callable[..., torch.Tensor]:
     """The backend function called `name`; ValueError naming the known ones if there is none."""
     if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; known backends: {sorted(BACKENDS)}")
+        raise ValueError(f"unknown attention backend {name!r}; known backends: "
+                         f"{sorted(BACKENDS)} and auto")
     return BACKENDS[name]
 
 

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from megatron_chunkflow.core.costs import attention_pairs
+from megatron_chunkflow.core.costs import attention_flops_per_pair_per_layer, attention_pairs
 from megatron_chunkflow.perfmodel.hardware import Hardware, hardware_from_measurements
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.perfmodel.roofline import ATTN_BWD_FLOPS
@@ -103,7 +103,7 @@ def attention_rates(shape: ModelShape, backend: str, tokens: int, dtype=torch.fl
         f = _median_time(forward)
         fwd_t += f
         bwd_t += max(_median_time(both) - f, 1e-9)
-        flops += 4.0 * attention_pairs(prefix, lq) * nh * hd
+        flops += attention_pairs(prefix, lq) * attention_flops_per_pair_per_layer(shape)
     return flops / fwd_t, ATTN_BWD_FLOPS * flops / bwd_t
 
 

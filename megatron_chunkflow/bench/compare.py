@@ -42,6 +42,7 @@ from megatron_chunkflow.core.costs import chunk_flops, sequence_model_flops
 from megatron_chunkflow.perfmodel.layout import Layout
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.packer import build_chunks
+from megatron_chunkflow.core.schedule import is_reforwarded
 from megatron_chunkflow.perfmodel.predict import predict_chunkflow, predict_megatron
 from megatron_chunkflow.core.step import baseline_microbatches
 from megatron_chunkflow.bench.systems import (
@@ -55,6 +56,7 @@ from megatron_chunkflow.bench.systems import (
     train_settings,
 )
 from megatron_chunkflow.bench.instrument import cache_freed_memory
+from megatron_chunkflow.data.synthetic import make_sequences
 
 
 def recompute_flops(system: str, lengths, shape: ModelShape, seq_length: int, dp: int,
@@ -69,7 +71,7 @@ def recompute_flops(system: str, lengths, shape: ModelShape, seq_length: int, dp
         return sum(chunk_flops(c, shape).per_layer * shape.num_layers for c in mbs)
     chunks = build_chunks(lengths, chunk_size, dp, k, shape).chunks
     return sum(chunk_flops(c, shape).forward(shape.num_layers) for c in chunks
-               if c.is_dependent and c.index < c.num_siblings - k)
+               if is_reforwarded(c, k))
 
 
 def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
@@ -82,27 +84,26 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
         measure_cpu_rates,
         model_hardware,
     )
-    from megatron_chunkflow.checks.verify import make_sequences
-
     torch.set_num_threads(s.threads)
     caching = s.caching_malloc and cache_freed_memory()
     dp = parallel_state.get_data_parallel_world_size()
     load = [os.getloadavg()[0]]
-    chunkflow = build_system("chunkflow", train_settings(s, chunkflow=True))
+    pp, tp = s.parallel.pp, s.parallel.tp
+    chunkflow = build_system("chunkflow", train_settings(s, "chunkflow"))
     calibrations, fit = [], {}
 
     def calibrate():
         """Kernel rates and probe step times, measured now (the machine may be shared, so this
         runs again before every measured pair and the simulator takes the medians)."""
         rates = average_rates(measure_cpu_rates(
-            s.shape, s.backend, parallel_state.get_pipeline_model_parallel_group(),
+            s.shape, s.attention_backend, parallel_state.get_pipeline_model_parallel_group(),
             tokens=min(2048, max(128, s.seq_length // 16))))
         calibrations.append((rates, probe_step_times(chunkflow, s)))
         rates = CpuRates(*(statistics.median(col) for col in zip(
             *(dataclasses.astuple(r) for r, _ in calibrations))))
         times = {t: statistics.median(p[t] for _, p in calibrations) for t in PROBE_SIZES}
         hw, scale, host = model_hardware(
-            rates, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), s.shape, s.pp,
+            rates, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), s.shape, pp,
             times, PROBE_SEGMENT)
         fit.update(dense_scale=scale, op_overhead_s=host, probe_step_s=times)
         return rates, hw
@@ -113,7 +114,7 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
     recompute = s.megatron_recompute
     if recompute == "auto":
         recompute = baseline_recompute(s.lengths, s.seq_length, dp, act, s.budget_bytes)
-    layout = Layout(s.tp, 1, s.pp, dp, "none")
+    layout = Layout(tp, 1, pp, dp, "none")
     if s.chunk_size is None:
         chunking = choose_chunking(
             s.lengths, s.seq_length, dp, s.shape, act, s.budget_bytes,
@@ -124,10 +125,9 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
         peak = chunkflow_peak(s.lengths, s.chunk_size, k, dp, s.shape, act)
         chunking = Chunking(s.chunk_size, k, peak, predict_chunkflow(
             s.lengths, s.shape, hw, layout, s.chunk_size, k).step_s)
-    chunkflow.settings = dataclasses.replace(chunkflow.settings, chunk_size=chunking.chunk_size,
-                                             k=chunking.k)
+    chunkflow.settings = train_settings(s, "chunkflow", chunking.chunk_size, chunking.k)
     megatron = build_system("megatron", train_settings(
-        s, chunkflow=False, recompute_granularity=None if recompute == "none" else recompute))
+        s, "megatron", recompute=None if recompute == "none" else recompute))
     log(f"budget {s.budget_bytes / 2**20:.0f} MiB: stock Megatron recompute {recompute} "
         f"(largest micro-batch {baseline_peak(s.lengths, s.seq_length, dp, act) / 2**20:.0f} "
         f"MiB without); ChunkFlow C={chunking.chunk_size} K={chunking.k} (modelled peak "
@@ -194,8 +194,8 @@ def summarize(repeats: list[list[dict]], s: BenchSettings, pred, re_flops: float
     span = max(r["span"] for r in replica)
     flops = sequence_model_flops(s.lengths, s.shape)
     peak = [max(rows[i]["peak_total"] for rows in repeats) for i in range(len(repeats[0]))]
-    stage_peak = [0] * s.pp
-    stage_state = [0] * s.pp
+    stage_peak = [0] * s.parallel.pp
+    stage_state = [0] * s.parallel.pp
     for i, r in enumerate(repeats[0]):
         stage_peak[r["stage"]] = max(stage_peak[r["stage"]], peak[i])
         stage_state[r["stage"]] = max(stage_state[r["stage"]],
@@ -249,8 +249,9 @@ def _setup(s: BenchSettings, dp: int, act: ActivationRates, rates, hw, chunking,
     lengths = s.lengths
     return {
         "model": s.model_name, "shape": dataclasses.asdict(s.shape), "caching_malloc": caching,
-        "layout": {"tp": s.tp, "pp": s.pp, "dp": dp, "world": dist.get_world_size()},
-        "threads_per_rank": s.threads, "backend": s.backend, "dtype": "float32",
+        "layout": {"tp": s.parallel.tp, "pp": s.parallel.pp, "dp": dp,
+                   "world": dist.get_world_size()},
+        "threads_per_rank": s.threads, "backend": s.attention_backend, "dtype": "float32",
         "num_sequences": len(lengths), "tokens": sum(lengths), "longest": max(lengths),
         "seq_length": s.seq_length, "budget_bytes": s.budget_bytes,
         "warmup": s.warmup, "repeats": s.repeats, "seed": s.seed,

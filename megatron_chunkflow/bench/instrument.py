@@ -4,8 +4,8 @@
   plus the K/V state) that also counts what a backward saves while it runs: Megatron's full
   recompute re-runs each layer's forward inside the backward, and those tensors live until autograd
   frees them (tracked through the saved-tensor hooks' packed objects).
-- instrument_megatron: meters and timestamps Megatron's own schedule by wrapping its module-level
-  forward_step and backward_step (ChunkFlow's run_stage records the same itself).
+- instrument_megatron: calls the same observers (runtime/observe.py) from Megatron's own schedule,
+  by wrapping its module-level forward_step and backward_step, as ChunkFlow's execute_step does.
 - reset_peak_rss / peak_rss: the process's resident-set high-water mark (VmHWM), reset per step.
 - cache_freed_memory: glibc malloc told to keep freed memory, like a GPU caching allocator.
 """
@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import re
-import time
 
 import torch
 
 from megatron_chunkflow.checks.memory import ActivationMeter
-from megatron_chunkflow.runtime.pipeline import StageTimeline
+from megatron_chunkflow.core.types import Op
+from megatron_chunkflow.runtime.observe import observing
 
 
 class BenchMeter(ActivationMeter):
@@ -30,6 +30,12 @@ class BenchMeter(ActivationMeter):
     def __init__(self, model, store=None):
         super().__init__(model, store)
         self.peak_recompute = 0
+
+    @contextlib.contextmanager
+    def backward(self, op):
+        with self.track_backward():
+            yield
+        self.release(op.chunk)
 
     @contextlib.contextmanager
     def track_backward(self):
@@ -78,38 +84,34 @@ class BenchMeter(ActivationMeter):
 
 
 @contextlib.contextmanager
-def instrument_megatron(meter: BenchMeter, timeline: StageTimeline):
-    """Meter and timestamp Megatron's own schedule: wrap schedules.forward_step (micro-batch i's
-    forward, loss included) and schedules.backward_step (1F1B runs backwards in forward order)."""
+def instrument_megatron(observers):
+    """Call `observers` from Megatron's own schedule: schedules.forward_step (micro-batch i's
+    forward, loss included) and schedules.backward_step (1F1B runs backwards in forward order) are
+    wrapped for the duration of the context."""
     from megatron.core.pipeline_parallel import schedules
 
     original_fwd, original_bwd = schedules.forward_step, schedules.backward_step
     count = {"F": 0, "B": 0}
-    t0 = time.perf_counter()
 
     def forward_step(*args, **kwargs):
         i, count["F"] = count["F"], count["F"] + 1
-        start = time.perf_counter()
-        with meter.track(i):
-            out = original_fwd(*args, **kwargs)
-        timeline.ops.append(("F", i, start - t0, time.perf_counter() - t0))
-        return out
+        with observing(observers, "forward", Op("F", i), True):
+            return original_fwd(*args, **kwargs)
 
     def backward_step(*args, **kwargs):
         i, count["B"] = count["B"], count["B"] + 1
-        start = time.perf_counter()
-        with meter.track_backward():
-            out = original_bwd(*args, **kwargs)
-        meter.release(i)
-        timeline.ops.append(("B", i, start - t0, time.perf_counter() - t0))
-        return out
+        with observing(observers, "backward", Op("B", i)):
+            return original_bwd(*args, **kwargs)
 
+    for observer in observers:
+        observer.step_began()
     schedules.forward_step, schedules.backward_step = forward_step, backward_step
     try:
         yield
     finally:
         schedules.forward_step, schedules.backward_step = original_fwd, original_bwd
-        timeline.step_time = time.perf_counter() - t0
+        for observer in observers:
+            observer.step_ended()
 
 
 def reset_peak_rss(trim: bool = True) -> None:

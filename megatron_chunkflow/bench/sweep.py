@@ -13,7 +13,6 @@ the measured one.
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 
 import torch
@@ -35,7 +34,7 @@ def sweep(s: BenchSettings, configs: list[dict], log=lambda text: None) -> list[
     """One row per configuration (same on every rank)."""
     from megatron.core import parallel_state
 
-    from megatron_chunkflow.checks.verify import make_sequences
+    from megatron_chunkflow.data.synthetic import make_sequences
 
     torch.set_num_threads(s.threads)
     if s.caching_malloc:
@@ -49,21 +48,20 @@ def sweep(s: BenchSettings, configs: list[dict], log=lambda text: None) -> list[
         if cfg["system"] == "chunkflow":
             key = "chunkflow"
             if key not in systems:
-                systems[key] = build_system(key, train_settings(s, chunkflow=True))
+                systems[key] = build_system(key, train_settings(s, "chunkflow"))
                 act = probe_rates(systems[key], s)
             system = systems[key]
-            system.settings = dataclasses.replace(system.settings, chunk_size=cfg["chunk_size"],
-                                                  k=cfg["k"])
+            system.settings = train_settings(s, "chunkflow", cfg["chunk_size"], cfg["k"])
         else:
             key = f"megatron-{cfg['recompute']}"
             if key not in systems:
                 recompute = None if cfg["recompute"] == "none" else cfg["recompute"]
                 systems[key] = build_system("megatron", train_settings(
-                    s, chunkflow=False, recompute_granularity=recompute))
+                    s, "megatron", recompute=recompute))
             system = systems[key]
         records = [timed_step(system, sequences, trim=i < s.warmup or not s.warmup)
                    for i in range(s.warmup + s.repeats)]
-        row = dict(cfg, **_summary(records[s.warmup:], s.pp))
+        row = dict(cfg, **_summary(records[s.warmup:], s.parallel.pp))
         if cfg["system"] == "chunkflow":
             row["modelled_peak_bytes"] = chunkflow_peak(s.lengths, cfg["chunk_size"], cfg["k"],
                                                         dp, s.shape, act)

@@ -16,22 +16,26 @@ import dataclasses
 import gc
 import statistics
 import time
-from dataclasses import dataclass
-from functools import partial
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from megatron_chunkflow.perfmodel.budget import ActivationRates
-from megatron_chunkflow.core.costs import layers_per_stage
-from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.bench.instrument import (
     BenchMeter,
     instrument_megatron,
     peak_rss,
     reset_peak_rss,
 )
-from megatron_chunkflow.runtime.pipeline import StageTimeline
+from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+from megatron_chunkflow.core.costs import layers_per_stage
+from megatron_chunkflow.core.models import ModelShape
+from megatron_chunkflow.data.synthetic import make_sequences
+from megatron_chunkflow.perfmodel.budget import ActivationRates
+from megatron_chunkflow.perfmodel.footprint import kv_state_bytes_per_token
+from megatron_chunkflow.runtime.observe import StageTimeline
+from megatron_chunkflow.training.settings import OptimizerConfig, TrainSettings
 
 PROBE_TOKENS = 1024
 
@@ -44,18 +48,15 @@ class BenchSettings:
     seq_length: int
     budget_bytes: float
     chunk_size: int | None = None  # None: chosen by the budget
-    k: int | None = None
+    k: int | None = None  # None: chosen by the budget
+    attention_backend: str = "auto"  # both systems' kernel
     megatron_recompute: str = "auto"  # auto (by the budget), none, full
-    tp: int = 1
-    pp: int = 2
+    parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig(pp=2))
     warmup: int = 1
     repeats: int = 2
-    backend: str = "cpu_flash"
     seed: int = 0
     threads: int = 1
     caching_malloc: bool = True  # instrument.cache_freed_memory in every rank
-
-
 
 
 @dataclass
@@ -63,59 +64,55 @@ class System:
     """One trained system: its settings and Megatron's model, DDP, optimizer and scheduler."""
 
     name: str  # "megatron" or "chunkflow"
-    settings: object  # training.loop.TrainSettings
-    model: object
-    store: object
-    ddp: object
-    optimizer: object
-    scheduler: object
+    settings: TrainSettings
+    training: object  # training.loop.Training
+
+    @property
+    def model(self):
+        return self.training.model
+
+    @property
+    def store(self):
+        return self.training.store
+
+    @property
+    def ddp(self):
+        return self.training.ddp
 
 
-def build_system(name: str, ts) -> System:
+def build_system(name: str, ts: TrainSettings) -> System:
     from megatron_chunkflow.training.loop import build_training
 
     torch.manual_seed(ts.seed)
-    return System(name, ts, *build_training(ts))
+    return System(name, ts, build_training(ts))
 
 
-def train_settings(s: BenchSettings, **kw):
-    from megatron_chunkflow.training.loop import TrainSettings
+def train_settings(s: BenchSettings, system: str, chunk_size: int | None = None,
+                   k: int | None = None, recompute: str | None = None) -> TrainSettings:
+    """`chunkflow train`'s settings for one of the two systems on this comparison's batch; the
+    chunking defaults to the given one (or C = --seq-length, K = 1 until one is chosen)."""
+    chunkflow = ChunkFlowConfig(chunk_size or s.chunk_size or s.seq_length, k or s.k or 1,
+                                s.attention_backend)
+    return TrainSettings(
+        shape=s.shape, model_name=s.model_name, system=system, chunkflow=chunkflow,
+        parallel=s.parallel,
+        optimizer=OptimizerConfig(lr=1e-4, min_lr=1e-5, lr_warmup_iters=0),
+        train_iters=s.warmup + s.repeats + 1, global_batch_size=len(s.lengths),
+        seq_length=s.seq_length, seed=s.seed, recompute=recompute)
 
-    steps = s.warmup + s.repeats
-    return TrainSettings(shape=s.shape, model_name=s.model_name, train_iters=steps + 1,
-                         global_batch_size=len(s.lengths), seq_length=s.seq_length, lr=1e-4,
-                         min_lr=1e-5, lr_warmup_iters=0, seed=s.seed, tp=s.tp, pp=s.pp,
-                         backend=s.backend, **kw)
 
-
-def step_system(system: System, sequences, meter: BenchMeter, timeline: StageTimeline) -> int:
-    """One training step (forward, backward, optimizer); returns micro-batches or chunks."""
-    from megatron.core import parallel_state
-
-    from megatron_chunkflow.runtime.inputs import plan_step
-    from megatron_chunkflow.runtime.schedules import forward_backward_chunkflow
+def step_system(system: System, sequences, observers) -> int:
+    """One training step (forward, backward, optimizer) of training/loop.py's run_step, measured
+    by `observers`; returns micro-batches or chunks."""
     from megatron_chunkflow.training.loop import run_step
-    from megatron_chunkflow.checks.verify import forward_step
 
-    ts = system.settings
-    system.ddp.zero_grad_buffer()
-    system.optimizer.zero_grad()
-    if ts.chunkflow:  # training/loop.py's run_step, with the meter and timeline passed in
-        dp, dp_rank = (parallel_state.get_data_parallel_world_size(),
-                       parallel_state.get_data_parallel_rank())
-        step, batch, _ = plan_step(sequences, ts.chunk_size, ts.k, ts.pp, dp, dp_rank, ts.shape)
-        step_fn = partial(forward_step, tp_group=parallel_state.get_tensor_model_parallel_group(),
-                          exact_loss=False)
-        forward_backward_chunkflow(
-            forward_step_func=step_fn, data_iterator=iter([step]), model=system.ddp,
-            num_microbatches=len(step.metas), seq_length=ts.chunk_size, micro_batch_size=1,
-            meter=meter, timeline=timeline)
-        count = len(batch.chunks)
-    else:
-        with instrument_megatron(meter, timeline):
-            _, count, _ = run_step(ts, sequences, system.ddp, system.model.config)
-    system.optimizer.step()
-    system.scheduler.step(increment=1)
+    ts, tr = system.settings, system.training
+    tr.ddp.zero_grad_buffer()
+    tr.optimizer.zero_grad()
+    with nullcontext() if ts.uses_chunkflow else instrument_megatron(observers):
+        _, count, _ = run_step(ts, sequences, tr.ddp, tr.model.config, observers=observers)
+    tr.optimizer.step()
+    tr.scheduler.step(increment=1)
     return count
 
 
@@ -135,7 +132,7 @@ def timed_step(system: System, sequences, trim: bool = True) -> list[dict]:
     reset_peak_rss(trim)
     dist.barrier()
     t0 = time.perf_counter()
-    count = step_system(system, sequences, meter, timeline)
+    count = step_system(system, sequences, [timeline, meter])
     elapsed = time.perf_counter() - t0
     return gather({
         "stage": parallel_state.get_pipeline_model_parallel_rank(),
@@ -155,26 +152,29 @@ def probe_rates(system: System, s: BenchSettings) -> ActivationRates:
     from megatron.core import parallel_state
 
     from megatron_chunkflow.training.loop import run_step
-    from megatron_chunkflow.checks.verify import make_sequences
 
     dp = parallel_state.get_data_parallel_world_size()
     probe = make_sequences([PROBE_TOKENS // 4] * 4 * dp, s.shape.vocab_size, s.seed)
-    ts = dataclasses.replace(system.settings, chunkflow=False, seq_length=PROBE_TOKENS,
-                             recompute_granularity=None)
+    ts = dataclasses.replace(system.settings, system="megatron", seq_length=PROBE_TOKENS,
+                             recompute=None)
     meter = BenchMeter(system.model, system.store)
-    with instrument_megatron(meter, StageTimeline()):
+    with instrument_megatron([meter]):
         run_step(ts, probe, system.ddp, system.model.config)
     system.ddp.zero_grad_buffer()
     rows = gather({"stage": parallel_state.get_pipeline_model_parallel_rank(),
                     "per_token": meter.max_chunk_activation / PROBE_TOKENS})
-    per_token = [0.0] * s.pp
+    pp, tp = s.parallel.pp, s.parallel.tp
+    per_token = [0.0] * pp
     for r in rows:
         per_token[r["stage"]] = max(per_token[r["stage"]], r["per_token"])
     elem = torch.finfo(system.model.config.params_dtype).bits // 8
-    kv = 2 * (s.shape.num_query_groups // s.tp) * s.shape.head_dim
-    layers = layers_per_stage(s.shape.num_layers, s.pp)
-    return ActivationRates(tuple(per_token), tuple(kv * n * elem for n in layers),
-                           tuple(kv * n * 4 for n in layers), s.shape.hidden_size * elem)
+    layers = layers_per_stage(s.shape.num_layers, pp)
+
+    def kv(n, nbytes):  # K and V of n layers, `nbytes` per element, this TP rank's heads
+        return kv_state_bytes_per_token(s.shape, n, nbytes, tp, with_grad=False)
+
+    return ActivationRates(tuple(per_token), tuple(kv(n, elem) for n in layers),
+                           tuple(kv(n, 4) for n in layers), s.shape.hidden_size * elem)
 
 
 PROBE_SIZES = (512, 4096)  # tokens of the two timing probes
@@ -189,19 +189,18 @@ def probe_step_times(system: System, s: BenchSettings, repeats: int = 3) -> dict
     from megatron.core import parallel_state
 
     from megatron_chunkflow.training.loop import run_step
-    from megatron_chunkflow.checks.verify import make_sequences
 
     out = {}
     for tokens in PROBE_SIZES:
         dp = parallel_state.get_data_parallel_world_size()
         batch = make_sequences([PROBE_SEGMENT] * (tokens // PROBE_SEGMENT) * dp,
                                s.shape.vocab_size, s.seed)
-        ts = dataclasses.replace(system.settings, chunkflow=False, seq_length=tokens,
-                                 recompute_granularity=None)
+        ts = dataclasses.replace(system.settings, system="megatron", seq_length=tokens,
+                                 recompute=None)
         times = []
         for _ in range(repeats + 1):
             timeline = StageTimeline()
-            with instrument_megatron(BenchMeter(system.model, system.store), timeline):
+            with instrument_megatron([BenchMeter(system.model, system.store), timeline]):
                 run_step(ts, batch, system.ddp, system.model.config)
             times.append(sum(end - start for _, _, start, end in timeline.ops))
         mine = torch.tensor([statistics.median(times[1:])], dtype=torch.float64)

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from megatron_chunkflow.checks.verify import VerifyResult, make_sequences
+from megatron_chunkflow.checks.verify import VerifyResult
+from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+from megatron_chunkflow.data.synthetic import make_sequences
 
 
 def hf_reference(hf_dir: str, sequences, dtype=torch.float64):
@@ -69,13 +70,15 @@ def _norms_in_float64(model) -> None:
             module.forward = types.MethodType(_rms_norm_same_dtype, module)
 
 
-def run_hf_verify(hf_dir: str, lengths: Sequence[int], chunk_size: int, k: int, seed: int = 0,
-                  backend: str = "torch", tp: int = 1, pp: int = 1) -> VerifyResult:
+def run_hf_verify(hf_dir: str, lengths: Sequence[int], chunkflow: ChunkFlowConfig,
+                  parallel: ParallelConfig = ParallelConfig(), seed: int = 0) -> VerifyResult:
     """One step of ChunkFlow (megatron-core, float64) against transformers on the same batch."""
     from megatron.core import parallel_state
 
+    from megatron_chunkflow.runtime.execute import execute_step, plan_step
+    from megatron_chunkflow.runtime.loss import global_loss, make_forward_step
+    from megatron_chunkflow.runtime.model import apply_chunkflow
     from megatron_chunkflow.training.build import build_gpt_model, transformer_config, wrap_ddp
-    from megatron_chunkflow.runtime.inputs import plan_step
     from megatron_chunkflow.training.dist import init_distributed
     from megatron_chunkflow.training.hf import (
         export_hf_weights,
@@ -83,31 +86,25 @@ def run_hf_verify(hf_dir: str, lengths: Sequence[int], chunk_size: int, k: int, 
         padded_vocab_size,
         shape_from_hf_dir,
     )
-    from megatron_chunkflow.runtime.loss import global_loss
-    from megatron_chunkflow.runtime.model import apply_chunkflow
-    from megatron_chunkflow.runtime.schedules import forward_backward_chunkflow
-    from megatron_chunkflow.checks.verify import forward_step
 
     dtype = torch.float64
     shape = shape_from_hf_dir(hf_dir)
     sequences = make_sequences(lengths, shape.vocab_size, seed)
     ref_loss, ref_grads = hf_reference(hf_dir, sequences, dtype)
 
-    init_distributed(tp=tp, pp=pp, seed=seed)
-    padded = dataclasses.replace(shape, vocab_size=padded_vocab_size(shape.vocab_size, tp))
+    init_distributed(tp=parallel.tp, pp=parallel.pp, seed=seed)
+    padded = dataclasses.replace(shape, vocab_size=padded_vocab_size(shape.vocab_size,
+                                                                     parallel.tp))
     config = transformer_config(padded, dtype)
     model = build_gpt_model(padded, config)
     import_hf_weights(model, hf_dir, config, shape)
-    apply_chunkflow(model, backend=backend)
+    apply_chunkflow(model, backend=chunkflow.attention_backend)
     ddp = wrap_ddp(model, config)
     dp, dp_rank = (parallel_state.get_data_parallel_world_size(),
                    parallel_state.get_data_parallel_rank())
-    step, _, _ = plan_step(sequences, chunk_size, k, pp, dp, dp_rank, padded)
-    step_fn = partial(forward_step, tp_group=parallel_state.get_tensor_model_parallel_group(),
-                      vocab_size=shape.vocab_size)
-    reports = forward_backward_chunkflow(
-        forward_step_func=step_fn, data_iterator=iter([step]), model=ddp,
-        num_microbatches=len(step.metas))
+    step = plan_step(sequences, chunkflow, parallel, padded, dp_size=dp, dp_rank=dp_rank)
+    reports = execute_step(step, ddp, make_forward_step(exact_loss=True,
+                                                        vocab_size=shape.vocab_size))
     loss, count = global_loss(reports)
 
     params = list(model.parameters())

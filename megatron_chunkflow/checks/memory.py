@@ -1,10 +1,11 @@
 """Activation bytes on CPU: bytes saved for backward (saved-tensor hooks) plus the K/V state.
 
-`ActivationMeter.track(chunk)` wraps one grad-enabled forward and counts the distinct storages autograd
-saves for backward, leaving out parameters (weights are not activations). Storages that the K/V
-store registered as prefix copies (cat(prefix, own) made for attention) are counted as *state*, with
-the store's own K/V and gradient accumulators; everything else as *activations*. `release(chunk)` at
-the chunk's backward. Peaks are taken at every forward and backward.
+`ActivationMeter` is an observer of a step (runtime/observe.py). Around each forward that keeps its
+graph it counts the distinct storages autograd saves for backward, leaving out parameters (weights
+are not activations). Storages that the K/V store registered as prefix copies (cat(prefix, own)
+made for attention) are counted as *state*, with the store's own K/V and gradient accumulators and
+the stage inputs kept for re-forwards; everything else as *activations*. A chunk's bytes are
+released after its backward. Peaks are taken at every forward and backward.
 """
 
 from __future__ import annotations
@@ -14,8 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+from megatron_chunkflow.runtime.observe import StepObserver
 
-class ActivationMeter:
+
+class ActivationMeter(StepObserver):
+    """Peak activation and state bytes of one stage over a step (see the module docstring)."""
+
     def __init__(self, model, store=None):
         self.store = store
         self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -45,6 +51,22 @@ class ActivationMeter:
         self._held[chunk] = (counts[0], counts[1])
         self.max_chunk_activation = max(self.max_chunk_activation, counts[0])
         self._update()
+
+    @contextlib.contextmanager
+    def forward(self, op, keeps_graph: bool):
+        with (self.track(op.chunk) if keeps_graph else contextlib.nullcontext()):
+            yield
+
+    @contextlib.contextmanager
+    def backward(self, op):
+        yield
+        self.release(op.chunk)
+
+    def input_kept(self, chunk: int, tensor: torch.Tensor) -> None:
+        self.hold_extra(chunk, tensor)
+
+    def input_released(self, chunk: int) -> None:
+        self.release_extra(chunk)
 
     def release(self, chunk: int) -> None:
         self._held.pop(chunk, None)
@@ -97,17 +119,17 @@ class MemoryRow:
     state_formula: float | None  # K = 1 only
 
 
-def measure_one_sequence(shape, length: int, chunk_size: int, k: int, dtype, backend: str,
-                         seed: int = 0, lora=None) -> MemoryRow:
+def measure_one_sequence(shape, length: int, chunkflow: ChunkFlowConfig, dtype, seed: int = 0,
+                         lora=None) -> MemoryRow:
     """One training step of one sequence through ChunkFlow's schedule, metered (PP=1); with
     `lora` (training.lora.LoRAConfig) the base is frozen and only adapters train."""
     from megatron.core import parallel_state
 
-    from megatron_chunkflow.training.build import build_gpt_model, transformer_config, wrap_ddp
-    from megatron_chunkflow.runtime.inputs import plan_step
+    from megatron_chunkflow.data.synthetic import make_sequences
+    from megatron_chunkflow.runtime.execute import execute_step, plan_step
+    from megatron_chunkflow.runtime.loss import make_forward_step
     from megatron_chunkflow.runtime.model import apply_chunkflow
-    from megatron_chunkflow.runtime.schedules import forward_backward_chunkflow
-    from megatron_chunkflow.checks.verify import forward_step, make_sequences
+    from megatron_chunkflow.training.build import build_gpt_model, transformer_config, wrap_ddp
 
     config = transformer_config(shape, dtype)
     model = build_gpt_model(shape, config)
@@ -115,16 +137,17 @@ def measure_one_sequence(shape, length: int, chunk_size: int, k: int, dtype, bac
         from megatron_chunkflow.training.lora import apply_lora
 
         apply_lora(model, lora, seed)
-    store = apply_chunkflow(model, backend=backend)
+    store = apply_chunkflow(model, backend=chunkflow.attention_backend)
     model = wrap_ddp(model, config)
     sequences = make_sequences([length], shape.vocab_size, seed)
-    step, _, _ = plan_step(sequences, chunk_size, k, 1, 1, 0, shape)
+    step = plan_step(sequences, chunkflow, ParallelConfig(), shape, dp_size=1, dp_rank=0)
     meter = ActivationMeter(model, store)
-    forward_backward_chunkflow(forward_step_func=forward_step, data_iterator=iter([step]),
-                               model=model, num_microbatches=len(step.metas), meter=meter)
+    execute_step(step, model, make_forward_step(exact_loss=True), observers=[meter])
+    from megatron_chunkflow.perfmodel.footprint import kv_state_bytes_per_token
+
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    kv = 2 * (shape.num_query_groups // tp) * shape.head_dim * shape.num_layers
-    elem = torch.finfo(dtype).bits // 8
-    acc = 8 if dtype == torch.float64 else 4
-    formula = kv_state_formula(length, chunk_size, kv * elem, kv * acc) if k == 1 else None
+    kv, acc = (kv_state_bytes_per_token(shape, shape.num_layers, nbytes, tp, with_grad=False)
+               for nbytes in (torch.finfo(dtype).bits // 8, 8 if dtype == torch.float64 else 4))
+    formula = (kv_state_formula(length, chunkflow.chunk_size, kv, acc)
+               if chunkflow.k == 1 else None)
     return MemoryRow(meter.peak_activation, meter.peak_state, formula)

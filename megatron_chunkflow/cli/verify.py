@@ -1,23 +1,24 @@
 """`chunkflow verify`: ChunkFlow's chunked training step against unchunked megatron-core.
 
     chunkflow verify                                   # tiny Qwen2.5-shaped model, float64, CPU
-    chunkflow verify --chunk-size 128 --k 2 --dtype float32 --json
+    chunkflow verify --chunk-size 128 --chunkflow-k 2 --dtype float32 --json
     torchrun --nproc_per_node 4 -m megatron_chunkflow verify --tp 2     # TP=2 x DP=2 (gloo on CPU)
     torchrun --nproc_per_node 2 -m megatron_chunkflow verify --pp 2 --steps 3
-    chunkflow verify --memory --lengths 4096,16384 --chunk-size 1024 --k 1
+    chunkflow verify --memory --lengths 4096,16384 --chunk-size 1024 --chunkflow-k 1
     chunkflow verify --hf-reference /models/Qwen2.5-0.5B    # against transformers, float64
     chunkflow verify --lora-rank 8                     # LoRA adapters: chunked == unchunked
-    chunkflow verify --sparse-backward 2 --draws 64    # SpaCO (approximate): mean vs exact
+    chunkflow verify --chunkflow-sparse-backward 2 --draws 64   # SpaCO (approximate)
 
 Exit 1 when the largest relative gradient error exceeds the dtype's bound (float64 1e-10,
 float32 1e-4). With --memory: activation bytes for one sequence per length, chunked and unchunked.
-With --sparse-backward T: exit 1 when the mean of --draws SpaCO gradients is further from the exact
+With --chunkflow-sparse-backward T: exit 1 when the mean of --draws SpaCO gradients is further from the exact
 gradient than 4 x its expected error (estimated from the draws' variance), or the loss differs.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -25,7 +26,12 @@ import torch
 
 from megatron_chunkflow.cli.inputs import add_length_arguments, lengths_from_args
 from megatron_chunkflow.cli.output import Output
-from megatron_chunkflow.config import ChunkFlowConfig, add_config_arguments
+from megatron_chunkflow.config import (
+    ChunkFlowConfig,
+    ParallelConfig,
+    add_config_arguments,
+    config_from_args,
+)
 from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape, model_shape_from_dict
 from megatron_chunkflow.training.lora import LoRAConfig
 from megatron_chunkflow.runtime.sparse import SparseConfig
@@ -40,9 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "redrawing the last ones from the profile's tail (default: 1)")
     g = parser.add_argument_group("chunkflow")
     add_config_arguments(g, ChunkFlowConfig, defaults={"chunk_size": 256})
-    g.add_argument("--backend", default="torch",
-                   help="attention backend: torch (memory-efficient, the CPU default), sdpa, "
-                        "flash, te (default: torch)")
     g = parser.add_argument_group("model and layout")
     g.add_argument("--model", default="tiny", choices=sorted(MODEL_SHAPES),
                    help="model shape (default: tiny, Qwen2.5-shaped)")
@@ -52,20 +55,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hf-reference", metavar="DIR",
                    help="compare with transformers' Qwen2ForCausalLM loaded from this Hugging Face "
                         "checkpoint (float64; needs transformers) instead of megatron-core")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (DP is the rest)")
-    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    add_config_arguments(g, ParallelConfig, fields=("tp", "pp", "sequence_parallel"))
     g.add_argument("--steps", type=int, default=1,
                    help="training steps to check, each a new batch (default: 1)")
-    g.add_argument("--sequence-parallel", action="store_true",
-                   help="run the chunked model with sequence parallelism (needs --tp > 1)")
     g = parser.add_argument_group("LoRA (adapters on a frozen model)")
     add_config_arguments(g, LoRAConfig, prefix="lora-", defaults={"rank": None},
                          dest_prefix="lora_")
     g = parser.add_argument_group("SpaCO sparse backward (approximate)")
     add_config_arguments(g, SparseConfig)
     g.add_argument("--draws", type=int, default=None, metavar="N",
-                   help="with --sparse-backward: SpaCO gradients (random draws) to average "
-                        "(default: 16)")
+                   help="with --chunkflow-sparse-backward: SpaCO gradients (random draws) to "
+                        "average (default: 16)")
     g = parser.add_argument_group("memory")
     g.add_argument("--memory", action="store_true",
                    help="measure activation bytes for one sequence per --lengths value")
@@ -89,44 +89,39 @@ def load_shape(args):
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = ChunkFlowConfig.from_args(args)
+    cfg = config_from_args(ChunkFlowConfig, args)
+    parallel = config_from_args(ParallelConfig, args)
     shape = load_shape(args)
     dtype = DTYPES[args.dtype]
-    for flag, value in (("--tp", args.tp), ("--pp", args.pp), ("--steps", args.steps)):
-        if value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
-    cfg.check_layout(args.tp, args.sequence_parallel)
-    if args.sequence_parallel and args.tp == 1:
-        raise ValueError("--sequence-parallel needs --tp > 1")
-    if shape.num_query_groups % args.tp or shape.num_attention_heads % args.tp:
-        raise ValueError(f"--tp {args.tp} does not divide the model's {shape.num_attention_heads} "
-                         f"attention heads and {shape.num_query_groups} query groups")
-    if shape.num_layers % args.pp:
-        raise ValueError(f"--pp {args.pp} does not divide the model's {shape.num_layers} layers")
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    cfg.check_parallel(parallel)
+    parallel.check_model(shape)
     if args.memory:
         _memory_lengths(args.lengths)  # bad input stops before any process group starts
     lora = LoRAConfig.from_args(args)
-    sparse = SparseConfig.from_args(args)
+    sparse = config_from_args(SparseConfig, args)
     if sparse.enabled:
         args.draws = 16 if args.draws is None else args.draws
         _check_sparse_args(args, cfg, sparse)
     elif args.draws is not None:
-        raise ValueError("--draws needs --sparse-backward")
+        raise ValueError("--draws needs --chunkflow-sparse-backward")
     if lora is not None and args.hf_reference:
         raise ValueError("--lora-rank cannot be combined with --hf-reference")
     from megatron_chunkflow.training.dist import init_distributed, shutdown
 
-    init_distributed(tp=args.tp, pp=args.pp, seed=args.seed)
+    init_distributed(tp=parallel.tp, pp=parallel.pp, seed=args.seed)
     try:
         if args.hf_reference:
-            return _run_hf(args, cfg)
+            return _run_hf(args, cfg, parallel)
         if args.memory:
             return _run_memory(args, cfg, shape, dtype, lora)
         if sparse.enabled:
             from megatron_chunkflow.cli.verify_sparse import run_sparse_check
 
-            return run_sparse_check(args, cfg, shape, dtype, lora, _step_lengths(args, cfg))
-        return _run_check(args, cfg, shape, dtype, lora)
+            return run_sparse_check(args, cfg, parallel, shape, dtype, lora,
+                                    _step_lengths(args, cfg))
+        return _run_check(args, cfg, parallel, shape, dtype, lora)
     finally:
         shutdown()
 
@@ -152,13 +147,14 @@ def _step_lengths(args, cfg) -> tuple[list[list[int]], str]:
 
 
 def _check_sparse_args(args, cfg, sparse) -> None:
-    """--sparse-backward T: one batch, checked against the exact gradient, T below its longest
-    sequence's chunk count; no --memory or --hf-reference."""
+    """--chunkflow-sparse-backward T: one batch, checked against the exact gradient, T below its
+    longest sequence's chunk count; no --memory or --hf-reference."""
     for flag in ("--memory", "--hf-reference"):
         if getattr(args, flag[2:].replace("-", "_")):
-            raise ValueError(f"--sparse-backward cannot be combined with {flag}")
+            raise ValueError(f"--chunkflow-sparse-backward cannot be combined with {flag}")
     if args.steps != 1:
-        raise ValueError(f"--sparse-backward checks one batch; --steps must be 1, got {args.steps}")
+        raise ValueError("--chunkflow-sparse-backward checks one batch; --steps must be 1, got "
+                         f"{args.steps}")
     if args.draws < 2:
         raise ValueError(f"--draws must be >= 2 (the variance needs two draws), got {args.draws}")
     steps, _ = _step_lengths(args, cfg)
@@ -167,18 +163,18 @@ def _check_sparse_args(args, cfg, sparse) -> None:
                  what=f" in this batch (longest {longest} tokens, --chunk-size {cfg.chunk_size})")
 
 
-def _run_check(args, cfg, shape, dtype, lora=None) -> int:
+def _run_check(args, cfg, parallel, shape, dtype, lora=None) -> int:
     from megatron.core import parallel_state
 
     from megatron_chunkflow.checks.memory import ActivationMeter
     from megatron_chunkflow.checks.verify import BOUNDS, run_verify
 
     steps, source = _step_lengths(args, cfg)
-    common = dict(dtype=dtype, seed=args.seed, backend=args.backend, tp=args.tp, pp=args.pp,
-                  sequence_parallel=args.sequence_parallel, meter_cls=ActivationMeter, lora=lora)
-    results = run_verify(shape, steps, cfg.chunk_size, cfg.k, **common)
+    common = dict(dtype=dtype, seed=args.seed, meter_cls=ActivationMeter, lora=lora)
+    results = run_verify(shape, steps, cfg, parallel, **common)
     longest = max(max(s) for s in steps)
-    unchunked = run_verify(shape, steps, longest + (-longest % args.tp), 1, **common)
+    whole = dataclasses.replace(cfg, chunk_size=longest + (-longest % parallel.tp), k=1)
+    unchunked = run_verify(shape, steps, whole, parallel, **common)
     bound = BOUNDS[dtype]
     ok = all(r.max_rel_grad_err <= bound
              and abs(r.loss_chunked - r.loss_ref) <= bound * max(1.0, abs(r.loss_ref))
@@ -188,9 +184,9 @@ def _run_check(args, cfg, shape, dtype, lora=None) -> int:
     out = Output(args.json, quiet=not _is_main())
     n_dep = sum(1 for n in steps[0] if n > cfg.chunk_size)
     out.say(f"{len(steps[0])} sequences ({source}), {sum(steps[0]):,} tokens, {n_dep} longer than "
-            f"C={cfg.chunk_size}; K={cfg.k}, {args.dtype}, TP={args.tp}"
-            f"{' (sequence parallel)' if args.sequence_parallel else ''} PP={args.pp} DP={dp}, "
-            f"backend {args.backend}; reference: stock Megatron at PP=1"
+            f"C={cfg.chunk_size}; K={cfg.k}, {args.dtype}, TP={parallel.tp}"
+            f"{' (sequence parallel)' if parallel.sequence_parallel else ''} PP={parallel.pp} "
+            f"DP={dp}, attention {_backend(cfg)}; reference: stock Megatron at PP=1"
             + (f"; LoRA rank {lora.rank} on {lora.targets} (adapter gradients compared, base "
                "frozen)" if lora else ""))
     out.say(f"{'parameter':<58} rel. grad error (worst step)")
@@ -208,8 +204,8 @@ def _run_check(args, cfg, shape, dtype, lora=None) -> int:
             f"{max(last.activation_bytes_per_stage):,} vs unchunked "
             f"{max(last_unchunked.activation_bytes_per_stage):,}")
     out.result({
-        "dtype": args.dtype, "tp": args.tp, "pp": args.pp, "dp": dp,
-        "sequence_parallel": args.sequence_parallel,
+        "dtype": args.dtype, "tp": parallel.tp, "pp": parallel.pp, "dp": dp,
+        "sequence_parallel": parallel.sequence_parallel,
         "chunk_size": cfg.chunk_size, "k": cfg.k, "lora": _lora_json(lora),
         "loss_ref": worst.loss_ref, "loss_chunked": worst.loss_chunked,
         "max_rel_grad_err": worst.max_rel_grad_err, "worst_param": worst.worst_param,
@@ -226,30 +222,36 @@ def _run_check(args, cfg, shape, dtype, lora=None) -> int:
     return 0 if ok else 1
 
 
-def _run_hf(args, cfg) -> int:
+def _run_hf(args, cfg, parallel) -> int:
     from megatron.core import parallel_state
 
     from megatron_chunkflow.checks.hf_verify import run_hf_verify
 
     steps, source = _step_lengths(args, cfg)
-    r = run_hf_verify(args.hf_reference, steps[0], cfg.chunk_size, cfg.k, args.seed, args.backend,
-                      args.tp, args.pp)
+    r = run_hf_verify(args.hf_reference, steps[0], cfg, parallel, args.seed)
     ok = r.max_rel_grad_err <= 1e-10
     out = Output(args.json, quiet=not _is_main())
     out.say(f"{len(steps[0])} sequences ({source}); C={cfg.chunk_size} K={cfg.k}, float64, "
-            f"TP={args.tp} PP={args.pp}; reference: transformers Qwen2ForCausalLM from "
+            f"TP={parallel.tp} PP={parallel.pp}; reference: transformers Qwen2ForCausalLM from "
             f"{args.hf_reference}, unchunked")
     for name, err in r.param_errors:
         out.say(f"{name:<58} {err:.2e}")
     out.say(f"loss: transformers {r.loss_ref:.12f}  chunked {r.loss_chunked:.12f}")
     out.say(f"max relative gradient error {r.max_rel_grad_err:.2e} ({r.worst_param}); bound 1e-10: "
             f"{'PASS' if ok else 'FAIL'}")
-    out.result({"dtype": "float64", "tp": args.tp, "pp": args.pp,
+    out.result({"dtype": "float64", "tp": parallel.tp, "pp": parallel.pp,
                 "dp": parallel_state.get_data_parallel_world_size(), "chunk_size": cfg.chunk_size,
                 "k": cfg.k, "loss_ref": r.loss_ref, "loss_chunked": r.loss_chunked,
                 "max_rel_grad_err": r.max_rel_grad_err, "worst_param": r.worst_param,
                 "reference": "transformers", "passed": ok})
     return 0 if ok else 1
+
+
+def _backend(cfg) -> str:
+    """The attention kernel --attention-backend stands for on this machine's CPU."""
+    from megatron_chunkflow.attention import resolve_backend
+
+    return resolve_backend(cfg.attention_backend, "cpu")
 
 
 def _memory_lengths(text: str) -> list[int]:
@@ -275,13 +277,13 @@ def _run_memory(args, cfg, shape, dtype, lora=None) -> int:
     rows = []
     out = Output(args.json, quiet=not _is_main())
     out.say(f"one sequence per length; C={cfg.chunk_size}, K={cfg.k}, {args.dtype}, "
-            f"backend {args.backend}; bytes saved for backward (no weights) and K/V state"
+            f"attention {_backend(cfg)}; bytes saved for backward (no weights) and K/V state"
             + (f"; LoRA rank {lora.rank} on {lora.targets}, base frozen" if lora else ""))
     out.say(f"{'length':>8} {'chunked':>14} {'unchunked':>14} {'state':>14} {'state formula':>14}")
     for n in lengths:
-        chunked = measure_one_sequence(shape, n, cfg.chunk_size, cfg.k, dtype, args.backend,
-                                       lora=lora)
-        unchunked = measure_one_sequence(shape, n, n, 1, dtype, args.backend, lora=lora)
+        chunked = measure_one_sequence(shape, n, cfg, dtype, lora=lora)
+        unchunked = measure_one_sequence(shape, n, dataclasses.replace(cfg, chunk_size=n, k=1),
+                                         dtype, lora=lora)
         row = {"length": n, "chunked_bytes": chunked.activation, "unchunked_bytes":
                unchunked.activation + unchunked.state, "state_bytes": chunked.state,
                "state_formula_bytes": chunked.state_formula}

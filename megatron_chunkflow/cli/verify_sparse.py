@@ -1,7 +1,9 @@
-"""`chunkflow verify --sparse-backward T --draws N`: SpaCO's mean gradient against the exact one.
+"""`chunkflow verify --chunkflow-sparse-backward T --draws N`: SpaCO's mean gradient against the
+exact one.
 
-    chunkflow verify --sparse-backward 2 --draws 64 --json
-    torchrun --nproc_per_node 2 -m megatron_chunkflow verify --tp 2 --sparse-backward 2 --draws 16
+    chunkflow verify --chunkflow-sparse-backward 2 --draws 64 --json
+    torchrun --nproc_per_node 2 -m megatron_chunkflow verify --tp 2 --sequence-parallel \
+        --chunkflow-sparse-backward 2 --draws 16
 
 SpaCO is approximate: each draw's gradient differs from the exact one; their expectation is the
 exact gradient (docs/sparse.md). The check prints the relative error of the mean after 1, 4, 16,
@@ -17,7 +19,7 @@ from megatron_chunkflow.cli.output import Output
 FACTOR = 4.0  # pass if rel_err_of_mean <= FACTOR * expected_rel_err
 
 
-def run_sparse_check(args, cfg, shape, dtype, lora, step_lengths) -> int:
+def run_sparse_check(args, cfg, parallel, shape, dtype, lora, step_lengths) -> int:
     import torch
 
     from megatron_chunkflow.checks.sparse_verify import run_sparse_verify
@@ -26,16 +28,15 @@ def run_sparse_check(args, cfg, shape, dtype, lora, step_lengths) -> int:
     steps, source = step_lengths
     lengths = steps[0]
     t = args.sparse_backward
-    r = run_sparse_verify(shape, lengths, cfg.chunk_size, cfg.k, t, args.draws, dtype,
-                          seed=args.seed, backend=args.backend, tp=args.tp, pp=args.pp,
-                          sequence_parallel=args.sequence_parallel, lora=lora)
+    r = run_sparse_verify(shape, lengths, cfg, t, args.draws, dtype, seed=args.seed,
+                          parallel=parallel, lora=lora)
     bound = BOUNDS[dtype]
     loss_ok = abs(r.loss_sparse - r.loss_ref) <= bound * max(1.0, abs(r.loss_ref))
     ok = loss_ok and r.rel_err_of_mean <= FACTOR * r.expected_rel_err
-    dp = torch.distributed.get_world_size() // (args.tp * args.pp)
+    dp = torch.distributed.get_world_size() // parallel.model_parallel_size
     out = Output(args.json, quiet=torch.distributed.get_rank() != 0)
     out.say(f"APPROXIMATE (SpaCO): {len(lengths)} sequences ({source}), {sum(lengths):,} tokens; "
-            f"C={cfg.chunk_size} K={cfg.k}, {args.dtype}, TP={args.tp} PP={args.pp} DP={dp}"
+            f"C={cfg.chunk_size} K={cfg.k}, {args.dtype}, TP={parallel.tp} PP={parallel.pp} DP={dp}"
             + (f", LoRA rank {lora.rank}" if lora else "")
             + f"; T={t}: each dependent chunk of a k-chunk sequence back-propagated with "
             f"probability min(1, {t}/k), weighted by its inverse")
@@ -50,7 +51,7 @@ def run_sparse_check(args, cfg, shape, dtype, lora, step_lengths) -> int:
     out.say(f"rel. error of the mean {r.rel_err_of_mean:.4f}, expected from the draws' variance "
             f"{r.expected_rel_err:.4f}; bound {FACTOR:g} x expected: {'PASS' if ok else 'FAIL'}")
     out.result({
-        "approximate": True, "dtype": args.dtype, "tp": args.tp, "pp": args.pp, "dp": dp,
+        "approximate": True, "dtype": args.dtype, "tp": parallel.tp, "pp": parallel.pp, "dp": dp,
         "chunk_size": cfg.chunk_size, "k": cfg.k,
         "lora": None if lora is None else {"rank": lora.rank, "alpha": lora.alpha,
                                            "targets": list(lora.target_names)},

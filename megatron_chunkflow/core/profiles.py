@@ -1,4 +1,4 @@
-"""Seeded long-tailed length profiles (DESIGN.md section 5).
+"""Seeded long-tailed length profiles (docs/design.md, "Length profiles").
 
 Body: lognormal with median 800 tokens and sigma 0.7, clipped to [16, 8192]. Tail: each sequence is,
 with probability p, drawn log-uniformly on [tail_lo, tail_hi] instead.

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_chunkflow.config import ChunkFlowConfig, add_config_arguments
+from megatron_chunkflow.config import ChunkFlowConfig, add_config_arguments, config_from_args
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.profiles import PROFILES
 
 TESTED_VERSION = "0.16.1"
-BACKENDS = ("auto", "torch", "sdpa", "flex", "flash", "te", "cpu_flash")
-FLAGS = {"k": "--chunkflow-k"}
+# Megatron-LM has its own --attention-backend: ours lives in the chunkflow namespace, as every
+# destination of the plugin's flags does (args.chunkflow_chunk_size, args.chunkflow_k, ...).
+FLAGS = {"attention_backend": "--chunkflow-attention-backend"}
+DEST_PREFIX = "chunkflow_"
 
 
 class LaunchError(ValueError):
@@ -31,14 +33,9 @@ def add_chunkflow_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
                    help="train with ChunkFlow: sequences cut into dependent chunks and packed into "
                         "chunks of --chunk-size tokens, run by the state-aware 1F1B schedule; "
                         "--global-batch-size counts sequences. Without it the script is stock")
-    add_config_arguments(g, ChunkFlowConfig, flags=FLAGS)
-    g.add_argument("--chunkflow-attention-backend", choices=BACKENDS, default="auto",
-                   help="chunk attention kernel: auto = flash (flash-attn) or te (Transformer "
-                        "Engine) on GPU, whichever is installed, else torch (plain torch, "
-                        "memory-efficient; the CPU default); sdpa is the reference; cpu_flash is ATen's "
-                        "fused CPU kernel (CPU only, faster than torch)")
+    add_config_arguments(g, ChunkFlowConfig, flags=FLAGS, dest_prefix=DEST_PREFIX, aliases=False)
     g.add_argument("--chunkflow-mock-profile", choices=sorted(PROFILES), default="B",
-                   help="with --mock-data: the length profile (DESIGN.md section 5), scaled so its "
+                   help="with --mock-data: the length profile (docs/design.md), scaled so its "
                         "longest sequence is --seq-length (default: B)")
     g.add_argument("--overlong", choices=("error", "drop", "split"), default="error",
                    help="a --data-path sequence longer than --seq-length: error (default) stops "
@@ -78,11 +75,11 @@ def check_chunkflow_args(args, given_dataloader: str | None = None) -> None:
         refuse.append("--multi-latent-attention")
     if args.position_embedding_type != "rope":
         refuse.append(f"--position-embedding-type {args.position_embedding_type}: use rope")
-    if args.chunk_size > args.seq_length:
-        refuse.append(f"--chunk-size {args.chunk_size} is larger than --seq-length "
-                      f"{args.seq_length}")
-    if args.sequence_parallel and args.chunk_size % args.tensor_model_parallel_size:
-        refuse.append(f"--chunk-size {args.chunk_size} is not a multiple of "
+    chunk_size = args.chunkflow_chunk_size
+    if chunk_size > args.seq_length:
+        refuse.append(f"--chunk-size {chunk_size} is larger than --seq-length {args.seq_length}")
+    if args.sequence_parallel and chunk_size % args.tensor_model_parallel_size:
+        refuse.append(f"--chunk-size {chunk_size} is not a multiple of "
                       f"--tensor-model-parallel-size {args.tensor_model_parallel_size}, which "
                       "--sequence-parallel needs to split every chunk")
     if given_dataloader not in (None, "external"):
@@ -98,9 +95,10 @@ def check_chunkflow_args(args, given_dataloader: str | None = None) -> None:
     if refuse:
         raise LaunchError("--chunkflow cannot run with " + "; ".join(refuse))
     try:
-        ChunkFlowConfig.from_args(args, FLAGS)
+        chunkflow_config(args)
     except ValueError as e:
-        raise LaunchError(str(e)) from None
+        raise LaunchError(str(e).replace("--attention-backend", FLAGS["attention_backend"])) \
+            from None
     notes = []
     if args.dataloader_type != "external":
         args.dataloader_type = "external"
@@ -118,20 +116,17 @@ def check_chunkflow_args(args, given_dataloader: str | None = None) -> None:
         print("[chunkflow] set: " + "; ".join(notes), flush=True)
 
 
-def resolve_backend(args) -> str:
-    """--chunkflow-attention-backend auto: flash, then te, on a GPU; torch on CPU."""
-    import importlib.util
+def chunkflow_config(args) -> ChunkFlowConfig:
+    """The ChunkFlowConfig of the plugin's flags in Megatron-LM's parsed `args`."""
+    return config_from_args(ChunkFlowConfig, args, dest_prefix=DEST_PREFIX)
 
+
+def resolve_backend(args) -> str:
+    """The attention kernel --chunkflow-attention-backend stands for on this machine."""
+    from megatron_chunkflow.attention import resolve_backend as resolve
     from megatron_chunkflow.training.cpu import has_real_cuda
 
-    choice = args.chunkflow_attention_backend
-    if choice != "auto":
-        return choice
-    if has_real_cuda():
-        for backend, module in (("flash", "flash_attn"), ("te", "transformer_engine")):
-            if importlib.util.find_spec(module) is not None:
-                return backend
-    return "torch"
+    return resolve(args.chunkflow_attention_backend, "cuda" if has_real_cuda() else "cpu")
 
 
 def shape_from_args(args) -> ModelShape:

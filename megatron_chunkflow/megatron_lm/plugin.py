@@ -1,7 +1,7 @@
 """ChunkFlow inside Megatron-LM's own training loop (pretrain_gpt.py, tag core_v0.16.1).
 
 `install(megatron_lm_dir)` patches five seams of megatron/training before the unmodified script
-runs (megatron-notes.md section 4.4); each patch delegates to Megatron's original unless
+runs (no Megatron file is edited); each patch delegates to Megatron's original unless
 `--chunkflow` was given, so without it the script runs exactly as stock:
 
 - arguments.add_megatron_arguments: the plugin's flags (add_chunkflow_arguments);
@@ -29,6 +29,7 @@ from megatron_chunkflow.megatron_lm.args import (
     LaunchError,
     add_chunkflow_arguments,
     check_chunkflow_args,
+    chunkflow_config,
     resolve_backend,
     shape_from_args,
 )
@@ -153,21 +154,24 @@ def _build_iterators(original, provider):
     from megatron.core import parallel_state
     from megatron.core.rerun_state_machine import RerunDataIterator
 
+    from megatron_chunkflow.config import ParallelConfig
     from megatron_chunkflow.megatron_lm.data import ChunkFlowStepIterator
 
     dataset = _open_dataset(a)
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+    chunkflow = chunkflow_config(a)
+    parallel = ParallelConfig(
+        tp=parallel_state.get_tensor_model_parallel_world_size(),
+        pp=parallel_state.get_pipeline_model_parallel_world_size(),
+        dp=parallel_state.get_data_parallel_world_size(),
+        sequence_parallel=a.sequence_parallel)
     _HOOKS.iterator = ChunkFlowStepIterator(
         dataset=dataset, global_batch_size=a.global_batch_size, seed=a.seed,
-        chunk_size=a.chunk_size, k=a.k,
-        num_stages=parallel_state.get_pipeline_model_parallel_world_size(),
-        dp_size=parallel_state.get_data_parallel_world_size(),
-        dp_rank=parallel_state.get_data_parallel_rank(), shape=shape_from_args(a),
-        pad_multiple=tp if a.sequence_parallel else 1, consumed=a.consumed_train_samples)
+        chunkflow=chunkflow, parallel=parallel, dp_rank=parallel_state.get_data_parallel_rank(),
+        shape=shape_from_args(a), consumed=a.consumed_train_samples)
     a.do_train, a.do_valid, a.do_test = a.train_iters > 0, False, False
     _print_last(f"[chunkflow] data: {getattr(dataset, 'description', '')}; {len(dataset)} "
                 f"sequences; global batch {a.global_batch_size} sequences, chunk size "
-                f"{a.chunk_size}, K {a.k}")
+                f"{chunkflow.chunk_size}, K {chunkflow.k}, attention {resolve_backend(a)}")
     return RerunDataIterator(_HOOKS.iterator), None, None
 
 
@@ -175,7 +179,7 @@ def _open_dataset(a):
     from megatron_chunkflow.megatron_lm.args import data_tokenizer
 
     if a.mock_data:
-        from megatron_chunkflow.megatron_lm.data import MockSFTDataset
+        from megatron_chunkflow.data.synthetic import MockSFTDataset
 
         num = max(a.global_batch_size * max(a.train_iters, 1), a.global_batch_size)
         return MockSFTDataset(a.chunkflow_mock_profile, num, a.seq_length,
@@ -213,12 +217,10 @@ def _chunkflow_forward_backward(*, forward_step_func, **kwargs):
     import torch
     from megatron.core import parallel_state
 
+    from megatron_chunkflow.runtime.loss import make_forward_step
     from megatron_chunkflow.runtime.schedules import forward_backward_chunkflow
-    from megatron_chunkflow.checks.verify import forward_step
 
-    step_fn = partial(forward_step, tp_group=parallel_state.get_tensor_model_parallel_group(),
-                      exact_loss=False)
-    reports = forward_backward_chunkflow(forward_step_func=step_fn, **kwargs)
+    reports = forward_backward_chunkflow(forward_step_func=make_forward_step(), **kwargs)
     if not reports and parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         reports = [{"lm loss": torch.zeros(2)}]  # a DP rank without chunks this step
     return reports

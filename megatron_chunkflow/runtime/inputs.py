@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_chunkflow.core.types import DataChunk, StagePlan
+from megatron_chunkflow.core.costs import OpCosts
+from megatron_chunkflow.core.types import ChunkBatch, DataChunk, StagePlan
 from megatron_chunkflow.data.sequence import TokenSequence
 from megatron_chunkflow.runtime.state import ChunkMeta
 
@@ -40,6 +41,8 @@ class ChunkedStep:
     metas: dict[int, ChunkMeta]
     inputs: dict[int, ChunkInput]
     forward_only: frozenset[int] = frozenset()  # SpaCO: chunks without backward (sparse.py)
+    batch: ChunkBatch | None = None  # the global batch's chunks (every DP rank's)
+    costs: OpCosts | None = None  # the cost model the plan was built with
 
     @property
     def num_tokens(self) -> int:
@@ -98,22 +101,17 @@ def chunk_input(chunk: DataChunk, sequences: Sequence[TokenSequence], meta: Chun
 
 
 def build_step(plan: StagePlan, sequences: Sequence[TokenSequence], chunk_size: int,
-               device=None, pad_multiple: int = 1) -> ChunkedStep:
+               device=None, pad_multiple: int = 1, batch: ChunkBatch | None = None,
+               costs: OpCosts | None = None) -> ChunkedStep:
+    """The ChunkedStep of `plan` (one DP rank's chunks) over `sequences` (the global batch)."""
     metas = {c.id: chunk_meta(c, chunk_size, pad_multiple) for c in plan.chunks}
     inputs = {c.id: chunk_input(c, sequences, metas[c.id], device) for c in plan.chunks}
-    return ChunkedStep(plan, metas, inputs)
+    return ChunkedStep(plan, metas, inputs, batch=batch, costs=costs)
 
 
-def plan_step(sequences: Sequence[TokenSequence], chunk_size: int, k: int, num_stages: int,
-              num_dp_ranks: int, dp_rank: int, shape, pad_multiple: int = 1):
-    """Cut, pack and distribute the global batch, plan this DP rank's chunks for the pipeline, and
-    build their inputs: (ChunkedStep, the global ChunkBatch, the cost model the plan used)."""
-    from megatron_chunkflow.core.costs import OpCosts
-    from megatron_chunkflow.core.packer import build_chunks
-    from megatron_chunkflow.core.schedule import state_aware_plan
-
-    batch = build_chunks([len(s) for s in sequences], chunk_size, num_dp_ranks, k, shape)
-    chunks = batch.chunks_for_rank(dp_rank)
-    costs = OpCosts.from_model(chunks, shape, num_stages)
-    plan = state_aware_plan(chunks, num_stages, k, costs)
-    return build_step(plan, sequences, chunk_size, pad_multiple=pad_multiple), batch, costs
+def whole_sequence_input(seq: TokenSequence) -> ChunkInput:
+    """One sequence as a Megatron micro-batch [b=1, s] in SBHD layout (no packing)."""
+    n = len(seq)
+    labels = torch.cat([seq.tokens[1:], seq.tokens.new_zeros(1)])
+    return ChunkInput(seq.tokens.view(1, -1), labels.view(1, -1), seq.loss_mask.view(1, -1),
+                      torch.arange(n).view(1, -1), None)

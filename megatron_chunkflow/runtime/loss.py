@@ -4,13 +4,17 @@ The gradient is divided once, by the global (DP-wide) token count, in Megatron's
 finalize_model_grads (config.calculate_per_token_loss=True), so chunked and unchunked training give
 the same loss and the same gradients.
 
-`vocab_parallel_token_losses` is the cross entropy over TP-sharded logits in the logits' own dtype.
-megatron-core's vocab_parallel_cross_entropy casts logits to fp32 inside its autograd Function, which
-is right for bf16 training and makes float64 exactness checks impossible; this one is used when
-`exact_loss` is set (the verify command, the fp64 tests) and matches it in fp32.
+`forward_step` (a Megatron forward_step_func; `make_forward_step` binds it) runs the model on one
+chunk and returns `token_loss_sum` as its loss function. `vocab_parallel_token_losses` is the cross
+entropy over TP-sharded logits in the logits' own dtype. megatron-core's
+vocab_parallel_cross_entropy casts logits to fp32 inside its autograd Function, which is right for
+bf16 training and makes float64 exactness checks impossible; this one is used when `exact_loss` is
+set (float64 training, the checks) and matches it in fp32.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -74,3 +78,30 @@ def global_loss(reports) -> tuple[float, float]:
     dist.all_reduce(total)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     return float(total[0]) / tp, float(total[1]) / tp  # every TP rank reports the same
+
+
+def forward_step(data_iterator, model, tp_group=None, exact_loss: bool = True,
+                 vocab_size: int | None = None):
+    """A Megatron forward_step_func over runtime.inputs.ChunkInput batches: THD for chunks, SBHD
+    [s, b=1] for whole sequences (packed_seq_params None).
+
+    exact_loss: cross entropy in the logits' dtype (vocab_parallel_token_losses); otherwise
+    GPTModel computes the per-token loss itself from labels (Megatron's fp32 vocab-parallel cross
+    entropy). vocab_size: with exact_loss, leave Megatron's padded vocabulary rows out of the
+    softmax."""
+    inp = next(data_iterator)
+    labels = None if exact_loss else inp.labels
+    output = model(inp.tokens, inp.position_ids, None, labels=labels,
+                   packed_seq_params=inp.packed_seq_params)
+    return output, partial(token_loss_sum, inp.labels, inp.loss_mask, tp_group=tp_group,
+                           exact=exact_loss, vocab_size=vocab_size)
+
+
+def make_forward_step(exact_loss: bool = False, vocab_size: int | None = None, tp_group=None):
+    """forward_step bound to this rank's tensor-parallel group (megatron's parallel_state unless
+    `tp_group` is given)."""
+    if tp_group is None:
+        from megatron.core import parallel_state
+
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+    return partial(forward_step, tp_group=tp_group, exact_loss=exact_loss, vocab_size=vocab_size)

@@ -1,8 +1,7 @@
 """SpaCO (sparse chunk back-propagation, approximate and opt-in): which chunks run backward.
 
-    step, _, _ = plan_step(...)
-    step = sparsify(step, t=2, seed=seed, step_index=it)   # same draw on every rank of a replica
-    forward_backward_chunkflow(..., data_iterator=iter([step]), ...)
+    step = plan_step(..., sparse=SparseConfig(2), seed=seed, step_index=it)  # runtime/execute.py
+    step = sparsify(step, t=2, seed=seed, step_index=it)   # what plan_step does with `sparse`
 
 A long sequence of k dependent chunks back-propagates each chunk independently with probability
 p = T / k (all of them when k <= T), so T chunks on average; standalone chunks always
@@ -26,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -34,11 +33,15 @@ from megatron_chunkflow.core.types import StagePlan
 from megatron_chunkflow.runtime.inputs import ChunkedStep
 
 
+FLAG = "--chunkflow-sparse-backward"
+
+
 @dataclass(frozen=True)
 class SparseConfig:
-    """SpaCO settings; `chunkflow train` spells the flag --chunkflow-sparse-backward."""
+    """SpaCO settings (`--chunkflow-sparse-backward` in every command)."""
 
-    sparse_backward: int | None = None
+    sparse_backward: int | None = field(default=None, metadata={
+        "flag": FLAG, "deprecated": ("--sparse-backward",)})
     """APPROXIMATE (SpaCO): back-propagate each long sequence's dependent chunks at random,
     each with probability T/k (k: the sequence's chunk count; T per sequence on average), and
     scale each drawn chunk's backward by k/T, so the expected gradient is the exact one (unbiased,
@@ -46,32 +49,24 @@ class SparseConfig:
 
     def __post_init__(self):
         if self.sparse_backward is not None and self.sparse_backward < 1:
-            raise ValueError(f"--sparse-backward must be >= 1, got {self.sparse_backward} "
+            raise ValueError(f"{FLAG} must be >= 1, got {self.sparse_backward} "
                              "(omit it for exact training)")
 
     @property
     def enabled(self) -> bool:
         return self.sparse_backward is not None
 
-    @classmethod
-    def from_args(cls, args, flag: str = "--sparse-backward") -> SparseConfig:
-        try:
-            return cls(args.sparse_backward)
-        except ValueError as e:
-            raise ValueError(str(e).replace("--sparse-backward", flag)) from None
-
-    def check(self, max_chunks: int, flag: str = "--sparse-backward", chunkflow: bool = True,
-              what: str = "") -> None:
+    def check(self, max_chunks: int, chunkflow: bool = True, what: str = "") -> None:
         """ValueError when T cannot drop anything (T >= the most chunks a sequence can have,
         `max_chunks`, explained by `what`) or ChunkFlow is off."""
         if not self.enabled:
             return
         t = self.sparse_backward
         if not chunkflow:
-            raise ValueError(f"{flag} needs ChunkFlow's chunked schedule; it cannot be used with "
+            raise ValueError(f"{FLAG} needs ChunkFlow's chunked schedule; it cannot be used with "
                              "--no-chunkflow")
         if t >= max_chunks:
-            raise ValueError(f"{flag} {t}: a sequence has at most {max_chunks} chunks{what}, so "
+            raise ValueError(f"{FLAG} {t}: a sequence has at most {max_chunks} chunks{what}, so "
                              f"every chunk would be back-propagated; use T < {max_chunks}, or omit "
                              "the flag for exact training")
 
@@ -116,7 +111,7 @@ def sparsify(step: ChunkedStep, t: int, seed: int = 0, step_index: int = 0,
         forward_only.update(ids[i] for i in dropped)
     plan = StagePlan(tuple(tuple(op for op in ops if op.kind == "F" or op.chunk not in forward_only)
                            for ops in step.plan.stages), step.plan.chunks)
-    return ChunkedStep(plan, metas, step.inputs, forward_only=frozenset(forward_only))
+    return dataclasses.replace(step, plan=plan, metas=metas, forward_only=frozenset(forward_only))
 
 
 def num_backward_chunks(step: ChunkedStep) -> tuple[int, int]:

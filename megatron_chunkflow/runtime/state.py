@@ -4,7 +4,7 @@ Shapes (THD, per TP rank): k, v [t, ng, hn]; a dependent chunk's attention reads
 cat(K_0, ..., K_{j-1}, K_j) along t, where K_i are the post-RoPE keys of earlier chunks i < j of the
 same sequence (already rotated, never re-rotated).
 
-The relay (DESIGN.md 2.2). Chunk j's K/V are stored *detached*, so a later chunk's forward reads them
+The relay (docs/design.md). Chunk j's K/V are stored *detached*: a later chunk's forward reads them
 without a graph edge back into chunk j. `_ChunkKV` is the autograd Function that glues it together:
 - forward: returns cat(stored prefix, own k/v) and, on the chunk's first forward, stores the own k/v
   for later chunks (a re-forward stores nothing: later chunks already read the first values);

@@ -7,6 +7,9 @@ SAVE/latest_checkpointed_iteration.txt naming the newest complete one.
 Crash safety: a checkpoint is written to iter_N.tmp, renamed to iter_N once every rank has finished,
 and only then is the tracker file replaced (write + os.replace, atomic on POSIX). A crash during a
 save leaves the previous checkpoint and tracker untouched, so --load resumes from it.
+
+The training loop only calls `Checkpointer.load()` once and `Checkpointer.save(step, consumed,
+last_step=...)` after every step; the configuration decides what happens.
 """
 
 from __future__ import annotations
@@ -16,11 +19,61 @@ import random
 import shutil
 from pathlib import Path
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.distributed as dist
 
 TRACKER = "latest_checkpointed_iteration.txt"
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where a run saves and resumes (Megatron-LM's flags), and Hugging Face import and export."""
+
+    save: str | None = None
+    """Checkpoint directory (Megatron-LM's layout, dist_checkpointing)."""
+
+    load: str | None = None
+    """Resume from the newest complete checkpoint in this directory."""
+
+    save_interval: int | None = None
+    """Save every N steps (and at the end)."""
+
+    load_hf: str | None = None
+    """Start from a Hugging Face Qwen2/Qwen2.5 checkpoint directory (its config.json sets the
+    model; overrides --model)."""
+
+    save_hf: str | None = None
+    """Write the trained model as a Hugging Face checkpoint (safetensors) here."""
+
+    def __post_init__(self):
+        if self.save_interval is not None and self.save_interval < 1:
+            raise ValueError(f"--save-interval must be >= 1, got {self.save_interval}")
+
+
+class Checkpointer:
+    """Loads and saves one run's model, optimizer, scheduler, RNG and data position."""
+
+    def __init__(self, config: CheckpointConfig, model, optimizer, scheduler, settings: dict):
+        self.config, self.settings = config, settings
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+
+    def load(self) -> tuple[int, int]:
+        """(steps done, sequences consumed): from --load, or (0, 0)."""
+        if not self.config.load:
+            return 0, 0
+        iteration, consumed, _ = load_checkpoint(self.config.load, self.model, self.optimizer,
+                                                 self.scheduler)
+        return iteration, consumed
+
+    def save(self, iteration: int, consumed: int, last_step: bool = False) -> None:
+        """After step `iteration`: save on --save-interval steps and after the run's last step."""
+        interval = self.config.save_interval
+        if self.config.save and (last_step or (interval and iteration % interval == 0)):
+            save_checkpoint(self.config.save, iteration, self.model, self.optimizer,
+                            self.scheduler, consumed, self.settings)
 
 
 def _iter_dir(root: Path, iteration: int) -> Path:

@@ -2,7 +2,7 @@
 
 Applied only when CUDA is absent (`install_cpu_shims` is a no-op on a GPU machine), and nowhere else
 does the package patch torch. Each patch names the Megatron seam it serves
-(../shared/reference/megatron-notes.md section 6 lists them, verified on CPU):
+(each verified on CPU against megatron-core 0.16.1):
 
 - torch.cuda.current_device: tensor_parallel/layers.py and mappings.py, distributed/
   param_and_grad_buffer.py, utils.py GlobalMemoryBuffer, rotary_pos_embedding.py allocate there.
@@ -141,7 +141,7 @@ class _Stream:
 
 def install_megatron_lm_cpu_shims() -> bool:
     """Everything install_cpu_shims does, plus what megatron/training (core_v0.16.1) needs on CPU
-    (megatron-notes.md section 6.3): returns True if installed, False on a CUDA machine."""
+    (what pretrain_gpt.py hits on CPU): returns True if installed, False on a CUDA machine."""
     import os
     import sys
     import types

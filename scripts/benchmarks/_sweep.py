@@ -27,7 +27,8 @@ def parse(description: str, argv=None) -> argparse.Namespace:
     ap.add_argument("--pp", type=int, default=2, help="pipeline stages = processes (default: 2)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--backend", default="cpu_flash")
+    ap.add_argument("--attention-backend", default="auto",
+                    help="both systems' kernel (default: auto, cpu_flash on CPU)")
     ap.add_argument("--out", default="out/bench", help="directory for .md, .csv, .json, .png")
     return ap.parse_args(argv)
 
@@ -47,7 +48,7 @@ def _job(settings, configs):
     from megatron_chunkflow.training.dist import init_distributed, shutdown
     from megatron_chunkflow.bench.sweep import sweep
 
-    init_distributed(pp=settings.pp, seed=settings.seed)
+    init_distributed(pp=settings.parallel.pp, seed=settings.seed)
     rank0 = dist.get_rank() == 0
     try:
         return sweep(settings, configs,
@@ -58,21 +59,23 @@ def _job(settings, configs):
 
 def run(args, configs: list[dict], name: str, title: str) -> tuple[list[dict], Path]:
     """Measure `configs` on a PP = args.pp job; write NAME.md, .csv, .json; return the rows."""
-    from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.bench.systems import BenchSettings
+    from megatron_chunkflow.config import ParallelConfig
+    from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.training.dist import run_processes
 
     seqs = lengths(args)
     settings = BenchSettings(
         shape=get_model_shape(args.model), model_name=args.model, lengths=seqs,
-        seq_length=max(seqs), budget_bytes=float("inf"), pp=args.pp, warmup=args.warmup,
-        repeats=args.repeats, backend=args.backend, seed=args.seed,
+        seq_length=max(seqs), budget_bytes=float("inf"),
+        parallel=ParallelConfig(pp=args.pp, dp=1), warmup=args.warmup, repeats=args.repeats,
+        attention_backend=args.attention_backend, seed=args.seed,
         threads=max(1, (os.cpu_count() or 1) // args.pp))
     rows = run_processes(_job, args.pp, settings, configs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    header = (f"{title}: {args.model}, PP={args.pp}, float32, {args.backend} attention; one "
-              f"sequence of {args.long} tokens + {args.num_short} profile-B sequences (scale "
+    header = (f"{title}: {args.model}, PP={args.pp}, float32, {args.attention_backend} attention; "
+              f"one sequence of {args.long} tokens + {args.num_short} profile-B sequences (scale "
               f"{args.scale:g}, seed {args.seed}), {sum(seqs):,} tokens; median of "
               f"{args.repeats} step(s) after {args.warmup} warm-up")
     table = [header, "", *markdown_table(rows)]

@@ -1,7 +1,7 @@
 """Planner speed and packing quality on seeded long-tailed profiles (CPU, seconds).
 
     python scripts/benchmarks/bench_planner.py                      # 100,000 sequences of profile B
-    python scripts/benchmarks/bench_planner.py --num-sequences 20000 --profile A --json
+    python scripts/benchmarks/bench_planner.py --global-batch-size 20000 --profile A --json
 
 Reports, per (chunk size, PP, DP): time to cut+pack+distribute the whole global batch, time to plan
 and simulate one DP rank (what each rank does per step), standalone chunks against the lower bound
@@ -39,15 +39,15 @@ def best_of(repeats, fn):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profile", default="B")
-    ap.add_argument("--num-sequences", type=int, default=100_000)
+    ap.add_argument("--global-batch-size", type=int, default=100_000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--k", type=int, default=1)
+    ap.add_argument("--chunkflow-k", type=int, default=1, dest="k")
     ap.add_argument("--model", default="qwen2.5-7b")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     shape = get_model_shape(args.model)
-    lengths = sample_lengths(args.profile, args.num_sequences, args.seed)
+    lengths = sample_lengths(args.profile, args.global_batch_size, args.seed)
     rows = []
     for chunk_size, pp, dp in [(8192, 1, 1), (8192, 4, 1), (8192, 4, 8), (32768, 4, 8)]:
         t_pack, batch = best_of(args.repeats,
@@ -67,7 +67,7 @@ def main() -> int:
             "bubble_rank0": sim.bubble_ratio, "pack_s": t_pack, "plan_rank0_s": t_plan,
             "total_s": t_pack + t_plan,
         })
-    header = (f"{args.num_sequences} sequences of profile {args.profile} (seed {args.seed}), "
+    header = (f"{args.global_batch_size} sequences of profile {args.profile} (seed {args.seed}), "
               f"{sum(lengths):,} tokens, longest {max(lengths):,}; K={args.k}, {args.model}")
     lines = [header, "",
              "| C | PP | DP | chunks | standalone / bound | padding | bubble (rank 0) "

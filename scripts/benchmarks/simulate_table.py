@@ -42,7 +42,7 @@ def command(model: str, seq: int, gpus: int, gpu: str, mg, cf) -> list[str]:
     return ["--model", model, "--seq-length", str(seq), "--gpus", str(gpus), "--gpu", gpu,
             "--global-batch-size", str(batch_size(gpus)),
             "--megatron-parallel", mg.layout.to_flag(), "--chunkflow-parallel", cf.layout.to_flag(),
-            "--chunk-size", str(cf.chunk_size), "--k", str(cf.k)]
+            "--chunk-size", str(cf.chunk_size), "--chunkflow-k", str(cf.k)]
 
 
 def reproduce(argv: list[str]) -> dict:

@@ -28,17 +28,20 @@ def main() -> int:
     import numpy as np
     import psutil
 
+    from megatron_chunkflow.config import ChunkFlowConfig
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.core.profiles import ensure_long, sample_lengths
+    from megatron_chunkflow.data.synthetic import make_sequences
     from megatron_chunkflow.training.dist import init_distributed, shutdown
-    from megatron_chunkflow.training.loop import TrainSettings, train
-    from megatron_chunkflow.checks.verify import make_sequences
+    from megatron_chunkflow.training.loop import train
+    from megatron_chunkflow.training.settings import OptimizerConfig, TrainSettings
 
     lengths = ensure_long(sample_lengths("B", 256, seed=0, scale=1 / 16), "B", 256, 8, 0, 1 / 16)
     dataset = make_sequences([max(n, 2) for n in lengths], 1000, seed=0)
     s = TrainSettings(shape=get_model_shape("tiny"), model_name="tiny", train_iters=args.steps,
-                      global_batch_size=16, seq_length=max(lengths), chunk_size=256,
-                      chunkflow=args.chunkflow, lr_warmup_iters=2)
+                      global_batch_size=16, seq_length=max(lengths),
+                      system="chunkflow" if args.chunkflow else "megatron",
+                      chunkflow=ChunkFlowConfig(256), optimizer=OptimizerConfig(lr_warmup_iters=2))
     init_distributed(seed=s.seed)
     proc, rss = psutil.Process(), []
     train(s, dataset, on_step=lambda m: rss.append(proc.memory_info().rss))

@@ -9,7 +9,7 @@ import pytest
 from megatron_chunkflow.cli import main
 from tests.distributed._dist import run_gloo
 
-SMALL = ["--model", "tiny", "--num-sequences", "24", "--scale", "0.0625", "--seq-length", "1024",
+SMALL = ["--model", "tiny", "--global-batch-size", "24", "--scale", "0.0625", "--seq-length", "1024",
          "--warmup", "0", "--repeats", "1", "--threads", "1"]
 
 
@@ -38,7 +38,9 @@ def test_json_contract_and_budget(capsys, tmp_path):
     largest = 1024 * max(setup["activation_bytes_per_token"])
     assert largest > budget and mg["recompute"] == "full"
     assert mg["recompute_working_set_bytes"] > 0 and mg["recompute_fraction"] > 0
-    assert cf["recompute_working_set_bytes"] == 0
+    # ChunkFlow's backwards go through the same meter; without Megatron's recompute they save only
+    # the loss scaling's scalar (grad_scale_func on the last stage)
+    assert cf["recompute_working_set_bytes"] <= 16
     assert cf["modelled_peak_activation_bytes"] <= budget
     assert cf["peak_activation_bytes"] <= budget
     chosen = [c for c in setup["chunking_candidates"]
@@ -61,21 +63,21 @@ def _peaks(rank, lengths_list):
     )
     from megatron_chunkflow.training.dist import init_distributed, shutdown
     from megatron_chunkflow.bench.instrument import BenchMeter
-    from megatron_chunkflow.runtime.pipeline import StageTimeline
-    from megatron_chunkflow.checks.verify import make_sequences
+    from megatron_chunkflow.runtime.observe import StageTimeline
+    from megatron_chunkflow.data.synthetic import make_sequences
 
     init_distributed(pp=2)
     s = BenchSettings(shape=get_model_shape("tiny"), model_name="tiny", lengths=[1],
-                      seq_length=1024, budget_bytes=0, pp=2)
-    systems = [build_system("megatron", train_settings(s, chunkflow=False)),
-               build_system("chunkflow", train_settings(s, chunkflow=True, chunk_size=64))]
+                      seq_length=1024, budget_bytes=0)
+    systems = [build_system("megatron", train_settings(s, "megatron")),
+               build_system("chunkflow", train_settings(s, "chunkflow", chunk_size=64))]
     out = []
     for lengths in lengths_list:
         sequences = make_sequences(lengths, 1000, seed=0)
         row = []
         for system in systems:
             meter = BenchMeter(system.model, system.store)
-            step_system(system, sequences, meter, StageTimeline())
+            step_system(system, sequences, [StageTimeline(), meter])
             row.append((meter.peak_activation, meter.peak_state))
         out.append(row)
     shutdown()

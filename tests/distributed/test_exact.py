@@ -29,6 +29,7 @@ SINGLE = {
     "untied_embeddings": ("tiny-untied", [MIXED], 1, torch.float64, "torch", ()),
     "masked_sequences": ("tiny", [MIXED], 1, torch.float64, "torch", (3, 1)),
     "sdpa_backend": ("tiny", [MIXED], 1, torch.float64, "sdpa", ()),
+    "auto_backend": ("tiny", [MIXED, DEPENDENT], 2, torch.float64, "auto", ()),  # cpu_flash
     "float32": ("tiny", [MIXED], 1, torch.float32, "torch", ()),
 }
 # several processes: name -> (world, TP, PP, sequence parallel, K values, steps)
@@ -50,27 +51,31 @@ def _summary(results):
 
 
 def _run_single(rank):
+    from megatron_chunkflow.checks.verify import run_verify
+    from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.training.dist import shutdown
-    from megatron_chunkflow.checks.verify import run_verify
 
     out = {}
     for name, (model, steps, k, dtype, backend, masked, *recompute) in SINGLE.items():
-        out[name] = _summary(run_verify(get_model_shape(model), steps, C, k, dtype, seed=1,
-                                        backend=backend, fully_masked=masked,
+        out[name] = _summary(run_verify(get_model_shape(model), steps,
+                                        ChunkFlowConfig(C, k, backend), ParallelConfig(), dtype,
+                                        seed=1, fully_masked=masked,
                                         recompute=recompute[0] if recompute else None))
     shutdown()
     return out
 
 
 def _run_layout(rank, name):
+    from megatron_chunkflow.checks.verify import run_verify
+    from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.training.dist import shutdown
-    from megatron_chunkflow.checks.verify import run_verify
 
     _, tp, pp, sp, ks, steps = LAYOUTS[name]
-    out = {k: _summary(run_verify(get_model_shape("tiny"), steps, C, k, seed=2, tp=tp, pp=pp,
-                                  sequence_parallel=sp)) for k in ks}
+    parallel = ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp)
+    out = {k: _summary(run_verify(get_model_shape("tiny"), steps, ChunkFlowConfig(C, k, "torch"),
+                                  parallel, seed=2)) for k in ks}
     shutdown()
     return out
 

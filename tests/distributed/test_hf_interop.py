@@ -239,10 +239,12 @@ def test_shape_and_padding(checkpoints, tmp_path):
 
 
 def _hf_verify(rank, path, tp, pp):
-    from megatron_chunkflow.training.dist import shutdown
     from megatron_chunkflow.checks.hf_verify import run_hf_verify
+    from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+    from megatron_chunkflow.training.dist import shutdown
 
-    r = run_hf_verify(str(path), [70, 5, 33, 100, 12, 64, 1, 16, 48], 16, 1, seed=1, tp=tp, pp=pp)
+    r = run_hf_verify(str(path), [70, 5, 33, 100, 12, 64, 1, 16, 48],
+                      ChunkFlowConfig(16, 1, "torch"), ParallelConfig(tp=tp, pp=pp), seed=1)
     shutdown()
     return r.max_rel_grad_err, r.worst_param, r.loss_ref, r.loss_chunked
 

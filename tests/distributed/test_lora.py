@@ -15,7 +15,6 @@
   exports merged weights.
 """
 
-from functools import partial
 
 import pytest
 
@@ -40,12 +39,14 @@ def _summary(results):
 
 
 def _verify_single(rank):
+    from megatron_chunkflow.checks.verify import run_verify
+    from megatron_chunkflow.config import ChunkFlowConfig
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.training.dist import shutdown
     from megatron_chunkflow.training.lora import LoRAConfig
-    from megatron_chunkflow.checks.verify import run_verify
 
-    out = {name: _summary(run_verify(get_model_shape("tiny"), steps, C, k, seed=1,
+    out = {name: _summary(run_verify(get_model_shape("tiny"), steps,
+                                     ChunkFlowConfig(C, k, "torch"), seed=1,
                                      lora=LoRAConfig(rank=4, targets=targets),
                                      recompute=recompute))
            for name, (k, steps, targets, recompute) in SINGLE.items()}
@@ -54,13 +55,16 @@ def _verify_single(rank):
 
 
 def _verify_layout(rank, tp, pp, sp):
+    from megatron_chunkflow.checks.verify import run_verify
+    from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.training.dist import shutdown
     from megatron_chunkflow.training.lora import LoRAConfig
-    from megatron_chunkflow.checks.verify import run_verify
 
-    out = _summary(run_verify(get_model_shape("tiny"), [MIXED, DEPENDENT], C, 1, seed=2, tp=tp,
-                              pp=pp, sequence_parallel=sp, lora=LoRAConfig(rank=4)))
+    out = _summary(run_verify(get_model_shape("tiny"), [MIXED, DEPENDENT],
+                              ChunkFlowConfig(C, 1, "torch"),
+                              ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp), seed=2,
+                              lora=LoRAConfig(rank=4)))
     shutdown()
     return out
 
@@ -121,14 +125,15 @@ def _tp_invariance(rank):
 
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.training.build import build_gpt_model, transformer_config, wrap_ddp
-    from megatron_chunkflow.runtime.inputs import plan_step
+    from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+    from megatron_chunkflow.runtime.execute import execute_step, plan_step
     from megatron_chunkflow.training.dist import init_distributed, shutdown
     from megatron_chunkflow.training.hf import export_hf_weights, import_hf_weights
     from megatron_chunkflow.training.lora import LoRAConfig, apply_lora, merge_lora
     from megatron_chunkflow.runtime.loss import global_loss
     from megatron_chunkflow.runtime.model import apply_chunkflow
-    from megatron_chunkflow.runtime.schedules import forward_backward_chunkflow
-    from megatron_chunkflow.checks.verify import forward_step, make_sequences
+    from megatron_chunkflow.data.synthetic import make_sequences
+    from megatron_chunkflow.runtime.loss import make_forward_step
 
     shape = get_model_shape("tiny")
     sequences = make_sequences(MIXED, shape.vocab_size, seed=4)
@@ -143,13 +148,13 @@ def _tp_invariance(rank):
         else:
             import_hf_weights(model, base, config, shape)
         apply_lora(model, LoRAConfig(rank=4, alpha=8), seed=4, b_init_std=0.05)
-        apply_chunkflow(model)
+        apply_chunkflow(model, backend="torch")
         ddp = wrap_ddp(model, config)
-        step, _, _ = plan_step(sequences, C, 1, 1, parallel_state.get_data_parallel_world_size(),
-                               parallel_state.get_data_parallel_rank(), shape, tp if sp else 1)
-        step_fn = partial(forward_step, tp_group=parallel_state.get_tensor_model_parallel_group())
-        reports = forward_backward_chunkflow(forward_step_func=step_fn, data_iterator=iter([step]),
-                                             model=ddp, num_microbatches=len(step.metas))
+        step = plan_step(sequences, ChunkFlowConfig(C, 1, "torch"),
+                         ParallelConfig(tp=tp, sequence_parallel=sp), shape,
+                         dp_size=parallel_state.get_data_parallel_world_size(),
+                         dp_rank=parallel_state.get_data_parallel_rank())
+        reports = execute_step(step, ddp, make_forward_step(exact_loss=True))
         loss_sum, count = global_loss(reports)
         grads = _full_grads(model)
         standalone = next(c for c, m in step.metas.items() if not m.dependent)
@@ -186,30 +191,34 @@ def test_lora_is_tensor_parallel_invariant_and_merges():
 TRAIN_LENGTHS = [70, 5, 33, 100, 12, 64, 2, 16, 48, 9, 130, 21, 7, 90, 3, 40, 55, 11]
 
 
-def _settings(**kw):
+def _settings(warmup: int = 1, **kw):
+    from megatron_chunkflow.config import ChunkFlowConfig
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.training.lora import LoRAConfig
-    from megatron_chunkflow.training.loop import TrainSettings
+    from megatron_chunkflow.training.settings import OptimizerConfig, TrainSettings
 
     base = dict(shape=get_model_shape("tiny"), model_name="tiny", train_iters=6,
-                global_batch_size=6, seq_length=160, chunk_size=C, k=1, lr=3e-2, min_lr=3e-3,
-                lr_warmup_iters=1, dtype="float64", seed=5, lora=LoRAConfig(rank=4))
+                global_batch_size=6, seq_length=160, chunkflow=ChunkFlowConfig(C, 1),
+                optimizer=OptimizerConfig(lr=3e-2, min_lr=3e-3, lr_warmup_iters=warmup),
+                dtype="float64", seed=5, lora=LoRAConfig(rank=4))
     return TrainSettings(**{**base, **kw})
 
 
 def _train(rank, ckpt, hf_dir):
     import torch
 
+    from megatron_chunkflow.data.synthetic import make_sequences
+    from megatron_chunkflow.training.checkpoint import CheckpointConfig
     from megatron_chunkflow.training.dist import init_distributed, shutdown
     from megatron_chunkflow.training.loop import build_training, run_step, train
-    from megatron_chunkflow.checks.verify import make_sequences
 
     dataset = make_sequences(TRAIN_LENGTHS, 1000, seed=3)
     out = {}
     # one step by hand: what is trainable, what has optimizer state, what changes
-    s = _settings(lr_warmup_iters=0)  # (warmup starts at lr 0)
+    s = _settings(warmup=0)  # (warmup starts at lr 0)
     init_distributed(seed=s.seed)
-    model, _, ddp, optimizer, _ = build_training(s)
+    tr = build_training(s)
+    model, ddp, optimizer = tr.model, tr.ddp, tr.optimizer
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     run_step(s, dataset[:6], ddp, model.config)
     optimizer.step()
@@ -219,8 +228,11 @@ def _train(rank, ckpt, hf_dir):
                             if not torch.equal(p.detach(), before[n]))
     embedding = before["embedding.word_embeddings.weight"]
     qkv = before["decoder.layers.0.self_attention.linear_qkv.weight"]
-    runs = {"chunkflow": dict(save_hf=hf_dir), "megatron": dict(chunkflow=False),
-            "first": dict(save=ckpt, save_interval=3, exit_interval=3), "resumed": dict(load=ckpt)}
+    runs = {"chunkflow": dict(checkpoint=CheckpointConfig(save_hf=hf_dir)),
+            "megatron": dict(system="megatron"),
+            "first": dict(checkpoint=CheckpointConfig(save=ckpt, save_interval=3),
+                          exit_interval=3),
+            "resumed": dict(checkpoint=CheckpointConfig(load=ckpt))}
     for name, kw in runs.items():
         init_distributed(seed=s.seed)
         out[name] = [m["loss"] for m in train(_settings(**kw), dataset)]
@@ -251,16 +263,21 @@ def test_lora_training(tmp_path):
 
 
 def _resume_tp2(rank, ckpt):
+    from megatron_chunkflow.config import ParallelConfig
+    from megatron_chunkflow.data.synthetic import make_sequences
+    from megatron_chunkflow.runtime.sparse import SparseConfig
+    from megatron_chunkflow.training.checkpoint import CheckpointConfig
     from megatron_chunkflow.training.dist import init_distributed, shutdown
     from megatron_chunkflow.training.loop import train
-    from megatron_chunkflow.checks.verify import make_sequences
 
     dataset = make_sequences(TRAIN_LENGTHS[:12], 1000, seed=3)
     out = []
-    for kw in [{}, dict(save=ckpt, save_interval=2, exit_interval=2), dict(load=ckpt)]:
+    for kw in [{}, dict(checkpoint=CheckpointConfig(save=ckpt, save_interval=2),
+                        exit_interval=2), dict(checkpoint=CheckpointConfig(load=ckpt))]:
         init_distributed(tp=2, seed=5)
-        s = _settings(train_iters=4, lr_warmup_iters=0, tp=2, sequence_parallel=True,
-                      sparse_backward=2, **kw)
+        s = _settings(train_iters=4, warmup=0,
+                      parallel=ParallelConfig(tp=2, sequence_parallel=True),
+                      sparse=SparseConfig(2), **kw)
         out.append([m["loss"] for m in train(s, dataset)])
     shutdown()
     return out

@@ -25,7 +25,7 @@ def test_memory_with_lora_follows_the_chunk_size():
     """One process training LoRA adapters, K=1, L = 4C, 8C, 16C: activation bytes are the same
     at every length (set by C), unchunked grows >= 3x, the K/V state matches its formula."""
     out, _ = run_cli("verify", "--memory", "--lora-rank", "8", "--lengths",
-                     f"{4 * C},{8 * C},{16 * C}", "--chunk-size", str(C), "--k", "1", "--json")
+                     f"{4 * C},{8 * C},{16 * C}", "--chunk-size", str(C), "--chunkflow-k", "1", "--json")
     assert out["lora"] == {"rank": 8, "alpha": 16.0, "targets": ["qkv", "proj", "fc1", "fc2"]}
     rows = out["rows"]
     assert len({row["chunked_bytes"] for row in rows}) == 1
@@ -51,7 +51,7 @@ def test_verify_lora_json(small_model):
 
 
 def test_verify_sparse_json_is_labelled_approximate(small_model):
-    out, text = run_cli("verify", *small_model, "--sparse-backward", "1", "--draws", "8",
+    out, text = run_cli("verify", *small_model, "--chunkflow-sparse-backward", "1", "--draws", "8",
                         "--json")
     assert out["approximate"] is True and out["passed"]
     sparse = out["sparse"]

@@ -35,7 +35,7 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "176",
          "--rotary-base", "1000000", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6",
          "--swiglu", "--disable-bias-linear", "--add-qkv-bias", "--attention-dropout", "0",
          "--hidden-dropout", "0"]
-# what megatron-notes.md section 6.3 found pretrain_gpt.py needs on CPU
+# what pretrain_gpt.py (core_v0.16.1) needs on CPU: gloo, the local spec, no CUDA fusions
 CPU = ["--distributed-backend", "gloo", "--transformer-impl", "local", "--no-persist-layer-norm",
        "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
        "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-bias-swiglu-fusion",
@@ -170,7 +170,7 @@ def test_unknown_backend_lists_the_choices(workdir):
                                 "--chunkflow-attention-backend", "cudnn"])
     assert run.returncode == 2
     assert "--chunkflow-attention-backend: invalid choice: 'cudnn'" in run.stderr
-    assert "'auto', 'torch', 'sdpa', 'flex', 'flash', 'te'" in run.stderr
+    assert "'auto', 'torch', 'cpu_flash', 'sdpa', 'flex', 'flash', 'te'" in run.stderr
 
 
 @needs_megatron_lm

@@ -21,7 +21,7 @@ def test_memory_flat_in_length():
     """K=1, C fixed, L from 4C to 16C: activations other than K/V-sized terms stay flat (< 1.25x),
     unchunked grows >= 3x, and the K/V-sized bytes match the documented formula within 10%."""
     proc = run_cli("verify", "--memory", "--lengths", f"{4 * C},{8 * C},{16 * C}",
-                   "--chunk-size", str(C), "--k", "1", "--json")
+                   "--chunk-size", str(C), "--chunkflow-k", "1", "--json")
     rows = json.loads(proc.stdout)["rows"]
     first, last = rows[0], rows[-1]
     assert last["chunked_bytes"] / first["chunked_bytes"] < 1.25
@@ -32,12 +32,12 @@ def test_memory_flat_in_length():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--k", "0"], "--k must be >= 1"),
+    (["--chunkflow-k", "0"], "--chunkflow-k must be >= 1"),
     (["--chunk-size", "0"], "--chunk-size must be >= 1"),
-    (["--tp", "3"], "--tp 3 does not divide"),
+    (["--tp", "3"], "--tensor-model-parallel-size (--tp) 3 does not divide"),
     (["--tp", "2", "--sequence-parallel", "--chunk-size", "15"],
      "--chunk-size 15 is not a multiple of the tensor-parallel size 2"),
-    (["--sequence-parallel"], "--sequence-parallel needs --tp > 1"),
+    (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size (--tp) > 1"),
     (["--model-config", "/nonexistent.json"], "no such file"),
 ])
 def test_verify_bad_input_exits_2(argv, message):

@@ -9,12 +9,14 @@ LENGTHS = [70, 5, 33, 100, 12, 64, 1, 16, 48, 9, 130]
 
 
 def _memory(rank, pp, k):
-    from megatron_chunkflow.core.models import get_model_shape
-    from megatron_chunkflow.training.dist import shutdown
     from megatron_chunkflow.checks.memory import ActivationMeter
     from megatron_chunkflow.checks.verify import run_verify
+    from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+    from megatron_chunkflow.core.models import get_model_shape
+    from megatron_chunkflow.training.dist import shutdown
 
-    (r,) = run_verify(get_model_shape("tiny"), [LENGTHS], C, k, pp=pp, meter_cls=ActivationMeter)
+    (r,) = run_verify(get_model_shape("tiny"), [LENGTHS], ChunkFlowConfig(C, k, "torch"),
+                      ParallelConfig(pp=pp), meter_cls=ActivationMeter)
     shutdown()
     return r.held_bytes_per_stage, r.chunk_bytes_per_stage, r.bubble_measured, r.bubble_predicted
 
@@ -45,7 +47,8 @@ def _failing_step(rank):
     from megatron_chunkflow.training.dist import init_distributed
     from megatron_chunkflow.runtime.model import apply_chunkflow
     from megatron_chunkflow.runtime.schedules import forward_backward_chunkflow
-    from megatron_chunkflow.checks.verify import forward_step, make_sequences
+    from megatron_chunkflow.data.synthetic import make_sequences
+    from megatron_chunkflow.runtime.loss import forward_step
 
     init_distributed(pp=2)
     shape = get_model_shape("tiny")
@@ -53,7 +56,7 @@ def _failing_step(rank):
     model = build_gpt_model(shape, config)
     apply_chunkflow(model)
     model = wrap_ddp(model, config)
-    chunks = build_chunks(LENGTHS, C, k=1, shape=shape).chunks
+    chunks = build_chunks(LENGTHS, C, 1, 1, shape).chunks
     plan = state_aware_plan(chunks, 2, 1, OpCosts.from_model(chunks, shape, 2))
     step = build_step(plan, make_sequences(LENGTHS, shape.vocab_size, 0), C)
     calls = itertools.count()
@@ -83,14 +86,15 @@ def _diverging_plans(rank):
     from megatron_chunkflow.training.dist import init_distributed
     from megatron_chunkflow.runtime.model import apply_chunkflow
     from megatron_chunkflow.runtime.schedules import forward_backward_chunkflow
-    from megatron_chunkflow.checks.verify import forward_step, make_sequences
+    from megatron_chunkflow.data.synthetic import make_sequences
+    from megatron_chunkflow.runtime.loss import forward_step
 
     init_distributed(pp=2)
     shape = get_model_shape("tiny")
     model = build_gpt_model(shape, transformer_config(shape))
     apply_chunkflow(model)
     lengths = LENGTHS if rank == 0 else LENGTHS[:-1]
-    chunks = build_chunks(lengths, C, shape=shape).chunks
+    chunks = build_chunks(lengths, C, 1, 1, shape).chunks
     plan = state_aware_plan(chunks, 2, 1, OpCosts.from_model(chunks, shape, 2))
     step = build_step(plan, make_sequences(lengths, shape.vocab_size, 0), C)
     forward_backward_chunkflow(forward_step_func=forward_step, model=model,

@@ -33,15 +33,16 @@ def _shape():
 
 
 def _single(rank):
+    from megatron_chunkflow.checks.sparse_verify import run_sparse_verify
+    from megatron_chunkflow.config import ChunkFlowConfig
     from megatron_chunkflow.training.dist import shutdown
     from megatron_chunkflow.training.lora import LoRAConfig
-    from megatron_chunkflow.checks.sparse_verify import run_sparse_verify
 
-    out = {"exhaustive_k1": run_sparse_verify(_shape(), LENGTHS, C, 1, T, exhaustive=True, seed=3),
-           "exhaustive_k2_lora": run_sparse_verify(_shape(), LENGTHS, C, 2, T, exhaustive=True,
+    k1, k2 = ChunkFlowConfig(C, 1, "torch"), ChunkFlowConfig(C, 2, "torch")
+    out = {"exhaustive_k1": run_sparse_verify(_shape(), LENGTHS, k1, T, exhaustive=True, seed=3),
+           "exhaustive_k2_lora": run_sparse_verify(_shape(), LENGTHS, k2, T, exhaustive=True,
                                                    seed=3, lora=LoRAConfig(rank=4))}
-    out["draws"] = run_sparse_verify(_shape(), DRAW_LENGTHS, C, 1, T, DRAWS, seed=3,
-                                     blocks=BLOCKS)
+    out["draws"] = run_sparse_verify(_shape(), DRAW_LENGTHS, k1, T, DRAWS, seed=3, blocks=BLOCKS)
     shutdown()
     return out
 
@@ -73,11 +74,13 @@ def test_mean_converges_like_one_over_sqrt_draws(results):
 
 
 def _layout(rank, tp, pp, sp):
-    from megatron_chunkflow.training.dist import shutdown
     from megatron_chunkflow.checks.sparse_verify import run_sparse_verify
+    from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+    from megatron_chunkflow.training.dist import shutdown
 
-    r = run_sparse_verify(_shape(), LENGTHS + [70], C, 1, 2, draws=4, seed=3, draw_seed=7,
-                          tp=tp, pp=pp, sequence_parallel=sp)
+    r = run_sparse_verify(_shape(), LENGTHS + [70], ChunkFlowConfig(C, 1, "torch"), 2, draws=4,
+                          seed=3, draw_seed=7,
+                          parallel=ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp))
     shutdown()
     return r.curve, r.loss_sparse, r.backward_fraction
 
@@ -97,17 +100,24 @@ def test_same_draws_under_tensor_and_pipeline_parallelism(single_process_draws, 
 
 
 def _train(rank, ckpt):
+    from megatron_chunkflow.config import ChunkFlowConfig
     from megatron_chunkflow.core.models import get_model_shape
+    from megatron_chunkflow.data.synthetic import make_sequences
+    from megatron_chunkflow.runtime.sparse import SparseConfig
+    from megatron_chunkflow.training.checkpoint import CheckpointConfig
     from megatron_chunkflow.training.dist import init_distributed, shutdown
-    from megatron_chunkflow.training.loop import TrainSettings, train
-    from megatron_chunkflow.checks.verify import make_sequences
+    from megatron_chunkflow.training.loop import train
+    from megatron_chunkflow.training.settings import OptimizerConfig, TrainSettings
 
     dataset = make_sequences([70, 5, 33, 100, 12, 64, 2, 16, 48, 9, 130, 21], 1000, seed=3)
     base = dict(shape=get_model_shape("tiny"), model_name="tiny", train_iters=4,
-                global_batch_size=6, seq_length=160, chunk_size=C, lr=1e-2, min_lr=1e-3,
-                lr_warmup_iters=0, dtype="float64", seed=5, sparse_backward=2)
-    runs = {"exact": dict(sparse_backward=None, train_iters=1), "whole": {},
-            "first": dict(save=ckpt, save_interval=2, exit_interval=2), "resumed": dict(load=ckpt)}
+                global_batch_size=6, seq_length=160, chunkflow=ChunkFlowConfig(C),
+                optimizer=OptimizerConfig(lr=1e-2, min_lr=1e-3, lr_warmup_iters=0),
+                dtype="float64", seed=5, sparse=SparseConfig(2))
+    runs = {"exact": dict(sparse=SparseConfig(), train_iters=1), "whole": {},
+            "first": dict(checkpoint=CheckpointConfig(save=ckpt, save_interval=2),
+                          exit_interval=2),
+            "resumed": dict(checkpoint=CheckpointConfig(load=ckpt))}
     out = {}
     for name, kw in runs.items():
         init_distributed(seed=5)

@@ -8,17 +8,19 @@ LENGTHS = [70, 5, 33, 100, 12, 64, 1, 16, 48, 9, 130, 21, 7, 90, 3, 40, 55, 11]
 
 
 def _settings(**kw):
+    from megatron_chunkflow.config import ChunkFlowConfig
     from megatron_chunkflow.core.models import get_model_shape
-    from megatron_chunkflow.training.loop import TrainSettings
+    from megatron_chunkflow.training.settings import OptimizerConfig, TrainSettings
 
     base = dict(shape=get_model_shape("tiny"), model_name="tiny", train_iters=20,
-                global_batch_size=6, seq_length=160, chunk_size=16, k=1, lr=3e-3, min_lr=3e-4,
-                lr_warmup_iters=2, dtype="float64", seed=5)
+                global_batch_size=6, seq_length=160, chunkflow=ChunkFlowConfig(16, 1),
+                optimizer=OptimizerConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=2),
+                dtype="float64", seed=5)
     return TrainSettings(**{**base, **kw})
 
 
 def _dataset():
-    from megatron_chunkflow.checks.verify import make_sequences
+    from megatron_chunkflow.data.synthetic import make_sequences
 
     return make_sequences([max(n, 2) for n in LENGTHS], 1000, seed=3)
 
@@ -30,7 +32,7 @@ def _losses(rank, runs):
     out = []
     for kw in runs:
         s = _settings(**kw)
-        init_distributed(tp=s.tp, pp=s.pp, seed=s.seed)
+        init_distributed(tp=s.parallel.tp, pp=s.parallel.pp, seed=s.seed)
         out.append([m["loss"] for m in train(s, _dataset())])
     shutdown()
     return out
@@ -39,8 +41,12 @@ def _losses(rank, runs):
 @pytest.mark.parametrize("pp", [1, 2])
 def test_chunkflow_trains_like_stock_megatron(pp):
     """20 steps, float64, same data order and seed: the losses agree step by step to 1e-8."""
-    chunkflow, baseline = run_gloo(_losses, pp, [dict(pp=pp), dict(pp=pp, chunkflow=False)],
-                                   timeout=900)[-1]
+    from megatron_chunkflow.config import ParallelConfig
+
+    layout = ParallelConfig(pp=pp)
+    chunkflow, baseline = run_gloo(
+        _losses, pp, [dict(parallel=layout), dict(parallel=layout, system="megatron")],
+        timeout=900)[-1]
     assert len(chunkflow) == len(baseline) == 20
     for step, (a, b) in enumerate(zip(chunkflow, baseline), start=1):
         assert a == pytest.approx(b, rel=1e-8), f"step {step}: {a} vs {b}"
@@ -52,11 +58,14 @@ def _losses_with_crashed_save(rank, ckpt):
     half-written iter_*.tmp, tracker untouched); then resume."""
     from pathlib import Path
 
-    first = _losses(rank, [dict(save=ckpt, save_interval=10, exit_interval=10)])[0]
+    from megatron_chunkflow.training.checkpoint import CheckpointConfig
+
+    first = _losses(rank, [dict(checkpoint=CheckpointConfig(save=ckpt, save_interval=10),
+                                exit_interval=10)])[0]
     partial = Path(ckpt) / "iter_0000015.tmp"
     partial.mkdir()
     (partial / "__0_0.distcp").write_bytes(b"half a shard")
-    return first, _losses(rank, [dict(load=ckpt)])[0]
+    return first, _losses(rank, [dict(checkpoint=CheckpointConfig(load=ckpt))])[0]
 
 
 def test_resume_gives_the_same_losses(tmp_path):

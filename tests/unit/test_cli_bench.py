@@ -1,19 +1,19 @@
-"""`chunkflow bench` without running it: the budget rules (perfmodel/budget.py) and bad flags (exit 2
-naming the flag, before any process starts)."""
+"""`chunkflow bench` without running it: the budget rules (perfmodel/budget.py) and bad flags
+(exit 2 naming the flag, before any process starts)."""
 
 import pytest
 
 from megatron_chunkflow.cli import main
+from megatron_chunkflow.core.models import get_model_shape
 from megatron_chunkflow.perfmodel.budget import (
     ActivationRates,
     baseline_peak,
     baseline_recompute,
+    choose_chunking,
     chunk_size_candidates,
     chunkflow_peak,
-    choose_chunking,
     state_bound,
 )
-from megatron_chunkflow.core.models import get_model_shape
 
 SHAPE = get_model_shape("tiny-bench")
 RATES = ActivationRates(per_token=(40_000.0, 45_000.0), kv_per_token=(1024.0, 1024.0),
@@ -40,6 +40,19 @@ def test_state_bound_covers_the_exact_k1_peak():
     assert state_bound(1000, 1024, 1, RATES, 1) == 0.0
     assert state_bound(4096, 1024, 1, RATES, 1) - state_bound(4096, 1024, 1, RATES, 0) == \
         (4096 - 1024) * RATES.hidden_per_token
+    # the n - K re-forwarded chunks are full even when the last one is short
+    assert state_bound(4000, 1024, 1, RATES, 1) - state_bound(4000, 1024, 1, RATES, 0) == \
+        3 * 1024 * RATES.hidden_per_token
+
+
+def test_state_bound_counts_one_prefix_copy_per_held_chunk():
+    """Each more chunk holding activations adds its cat(prefix, own) K/V copy, (j + 1) C tokens
+    for chunk j, and one chunk fewer of kept stage inputs."""
+    u, h = RATES.kv_per_token[1], RATES.hidden_per_token
+    n, c, length = 20, 1024, 20_000
+    assert state_bound(length, c, 2, RATES, 1) - state_bound(length, c, 1, RATES, 1) == \
+        (n - 1) * c * u - c * h
+    assert state_bound(length, c, 1, RATES, 0) == length * (2 * u + RATES.acc_per_token[0])
 
 
 def test_choose_chunking_takes_the_fastest_that_fits():
@@ -87,16 +100,15 @@ def test_chunk_size_candidates():
     (["--warmup", "-1"], "--warmup"),
     (["--budget-mib", "0"], "--budget-mib"),
     (["--chunk-size", "65536"], "--chunk-size"),
-    (["--k", "0"], "--k"),
+    (["--chunkflow-k", "0"], "--chunkflow-k"),
     (["--chunk-size", "0"], "--chunk-size"),
     (["--threads", "0"], "--threads"),
-    (["--backend", "nope"], "--backend"),
     (["--nproc", "3"], "--nproc"),
     (["--pp", "3", "--nproc", "3"], "--pp"),
-    (["--num-sequences", "0"], "--num-sequences"),
+    (["--global-batch-size", "0"], "--global-batch-size"),
     (["--lengths-file", "/nonexistent/lengths.txt"], "--lengths-file"),
     (["--sharegpt", "--lengths-file", "/nonexistent/lengths.txt"], "--sharegpt"),
-    (["--pp", "1", "--num-sequences", "4", "--scale", "0.01"], "--num-sequences"),
+    (["--pp", "1", "--global-batch-size", "4", "--scale", "0.01"], "--global-batch-size"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(capsys, argv, flag):
     assert main(["bench", *argv]) == 2
@@ -104,19 +116,20 @@ def test_bad_flags_exit_2_naming_the_flag(capsys, argv, flag):
     assert err.startswith("chunkflow bench: error:") and flag in err
 
 
-def test_unknown_choice_is_argparse_exit_2(capsys):
+@pytest.mark.parametrize("flag", ["--megatron-recompute", "--attention-backend"])
+def test_unknown_choice_is_argparse_exit_2(capsys, flag):
     with pytest.raises(SystemExit) as e:
-        main(["bench", "--megatron-recompute", "sometimes"])
-    assert e.value.code == 2 and "--megatron-recompute" in capsys.readouterr().err
+        main(["bench", flag, "sometimes"])
+    assert e.value.code == 2 and flag in capsys.readouterr().err
 
 
 def test_cpu_device_host_time_per_op():
     """The CPU device's host time per op adds once to every F/R and B of every stage (twice to
     a B that re-runs the forward under full recompute), and nothing on GPUs (default 0)."""
+    from megatron_chunkflow.core.types import DataChunk, Segment
     from megatron_chunkflow.perfmodel.hardware import hardware_from_measurements
     from megatron_chunkflow.perfmodel.layout import Layout
     from megatron_chunkflow.perfmodel.roofline import Roofline
-    from megatron_chunkflow.core.types import DataChunk, Segment
 
     kw = dict(gemm_flops=1e11, attn_fwd_flops=5e10, attn_bwd_flops=5e10, memory_bytes=1e10,
               p2p_bytes_per_s=1e9)

@@ -29,13 +29,13 @@ def test_train_bad_flags(capsys, argv, message):
 
 
 @pytest.mark.parametrize("argv,message", LORA_CASES + [
-    (["--sparse-backward", "0"], "--sparse-backward must be >= 1, got 0"),
-    (["--sparse-backward", "9", "--lengths-file", "{lengths}", "--chunk-size", "16"],
-     "--sparse-backward 9: a sequence has at most 7 chunks in this batch (longest 100 tokens"),
-    (["--sparse-backward", "2", "--draws", "1"], "--draws must be >= 2"),
-    (["--draws", "8"], "--draws needs --sparse-backward"),
-    (["--sparse-backward", "2", "--memory"], "--sparse-backward cannot be combined with --memory"),
-    (["--sparse-backward", "2", "--steps", "2"], "--steps must be 1"),
+    (["--chunkflow-sparse-backward", "0"], "--chunkflow-sparse-backward must be >= 1, got 0"),
+    (["--chunkflow-sparse-backward", "9", "--lengths-file", "{lengths}", "--chunk-size", "16"],
+     "--chunkflow-sparse-backward 9: a sequence has at most 7 chunks in this batch (longest 100 tokens"),
+    (["--chunkflow-sparse-backward", "2", "--draws", "1"], "--draws must be >= 2"),
+    (["--draws", "8"], "--draws needs --chunkflow-sparse-backward"),
+    (["--chunkflow-sparse-backward", "2", "--memory"], "--chunkflow-sparse-backward cannot be combined with --memory"),
+    (["--chunkflow-sparse-backward", "2", "--steps", "2"], "--steps must be 1"),
 ])
 def test_verify_bad_flags(capsys, tmp_path, argv, message):
     lengths = tmp_path / "lengths.txt"

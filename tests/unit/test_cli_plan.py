@@ -7,6 +7,9 @@ import sys
 import pytest
 
 from megatron_chunkflow.cli import main
+from megatron_chunkflow.core.models import get_model_shape
+from megatron_chunkflow.perfmodel.footprint import kv_state_bytes_per_token, per_token_bytes
+from megatron_chunkflow.perfmodel.layout import Layout
 
 
 def run_json(capsys, *argv):
@@ -16,8 +19,9 @@ def run_json(capsys, *argv):
 
 
 def test_json_contract(capsys):
-    rc, obj, err = run_json(capsys, "--profile", "A", "--num-sequences", "400", "--chunk-size",
-                            "4096", "--k", "2", "--pp", "2", "--dp", "2", "--dp-rank", "1")
+    rc, obj, err = run_json(capsys, "--profile", "A", "--global-batch-size", "400",
+                            "--chunk-size", "4096", "--chunkflow-k", "2", "--pp", "2", "--dp", "2",
+                            "--dp-rank", "1")
     assert rc == 0 and "ChunkFlow" in err  # human text on stderr
     stats = obj["stats"]
     assert {"num_chunks", "num_sequences", "tokens", "padding_fraction", "bins_lower_bound",
@@ -45,6 +49,24 @@ def test_lengths_file_and_png(tmp_path, capsys):
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_memory_is_the_simulators_model(tmp_path, capsys):
+    """The printed peaks are perfmodel/footprint.py's bf16 model. One 100,000-token sequence on
+    PP=1: stock Megatron holds it whole; ChunkFlow (K=1) holds one 8K chunk at a time beside the
+    state 2 L u + L a (stored K/V, one prefix copy, fp32 accumulators)."""
+    f = tmp_path / "lengths.txt"
+    f.write_text("100000\n")
+    rc, obj, _ = run_json(capsys, "--lengths-file", str(f), "--chunk-size", "8192",
+                          "--chunkflow-k", "1")
+    shape = get_model_shape("qwen2.5-7b")
+    per_token = per_token_bytes(shape, Layout(), 2, 1)[0]
+    u = kv_state_bytes_per_token(shape, shape.num_layers, 2, with_grad=False)
+    a = kv_state_bytes_per_token(shape, shape.num_layers, 2) - u
+    assert rc == 0
+    assert obj["baseline"]["peak_memory_gib"] == [round(100_000 * per_token / 2**30, 3)]
+    assert obj["stats"]["peak_memory_gib"] == [
+        round((8192 * per_token + 100_000 * (2 * u + a)) / 2**30, 3)]
+
+
 @pytest.mark.parametrize("content,message", [
     ("", "no lengths"),
     ("12\n0\n", ":2: length 0 must be positive"),
@@ -61,15 +83,16 @@ def test_bad_lengths_file(tmp_path, capsys, content, message):
 
 @pytest.mark.parametrize("argv,message", [
     (["--chunk-size", "0"], "--chunk-size must be >= 1, got 0"),
-    (["--k", "0"], "--k must be >= 1, got 0"),
-    (["--pp", "0"], "--pp must be >= 1"),
+    (["--chunkflow-k", "0"], "--chunkflow-k must be >= 1, got 0"),
+    (["--pp", "0"], "--pipeline-model-parallel-size (--pp) must be >= 1"),
+    (["--dp", "0"], "--data-parallel-size (--dp) must be >= 1"),
     (["--dp", "2", "--dp-rank", "2"], "--dp-rank must be in [0, 2)"),
-    (["--num-sequences", "0"], "--num-sequences must be >= 1"),
+    (["--global-batch-size", "0"], "--global-batch-size must be >= 1"),
     (["--lengths-file", "/nonexistent/x"], "/nonexistent/x: no such file"),
     (["--seq-length", "10"], "more than --seq-length 10"),
 ])
 def test_bad_input_exits_2(capsys, argv, message):
-    assert main(["plan", "--num-sequences", "50", *argv]) == 2
+    assert main(["plan", "--global-batch-size", "50", *argv]) == 2
     assert message in capsys.readouterr().err
 
 

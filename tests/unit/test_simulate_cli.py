@@ -23,7 +23,7 @@ def run_json(capsys, *argv):
 def test_json_contract(capsys):
     rc, obj, err = run_json(capsys, *SMALL, "--megatron-parallel", "4,1,1,none",
                             "--chunkflow-parallel", "2,1,2,selective", "--chunk-size", "4096",
-                            "--k", "2")
+                            "--chunkflow-k", "2")
     assert rc == 0 and "stock Megatron" in err and "ChunkFlow" in err
     assert {"megatron", "chunkflow", "speedup", "chunk_size", "k"} <= set(obj)
     for system in ("megatron", "chunkflow"):
@@ -61,7 +61,7 @@ def test_auto_fits_the_budget(capsys):
     cf = obj["chunkflow"]
     assert rc == 0 and cf["fits"] and cf["peak_mem_gib"] <= obj["setup"]["usable_gib"]
     assert (cf["chunk_size"], cf["k"]) == (obj["chunk_size"], obj["k"])
-    assert f"--chunk-size {obj['chunk_size']} --k {obj['k']}" in err
+    assert f"--chunk-size {obj['chunk_size']} --chunkflow-k {obj['k']}" in err
     # a tighter budget still gets a fitting choice, with a smaller footprint
     rc, tight, _ = run_json(capsys, "--model", "qwen2.5-1.5b", *SMALL, "--seq-length", "65536",
                             "--megatron-parallel", "2,1,1,none", "--chunkflow-parallel",
@@ -91,7 +91,7 @@ def test_auto_layouts_and_lengths_file(tmp_path, capsys):
     (["--gpus", "0"], "--gpus must be >= 1"),
     (["--seq-length", "0"], "--seq-length must be >= 1"),
     (["--global-batch-size", "0"], "--global-batch-size must be >= 1"),
-    (["--k", "0"], "--k must be >= 1"),
+    (["--chunkflow-k", "0"], "--chunkflow-k must be >= 1"),
     (["--gpu-set", "tflops=3"], "--gpu-set 'tflops=3': expected KEY=VALUE"),
     (["--gpu-set", "hbm_gb=lots"], "--gpu-set 'hbm_gb=lots': 'lots' is not a valid float"),
     (["--calibration", "/nonexistent.json"], "--calibration /nonexistent.json: no such file"),

@@ -1,0 +1,138 @@
+"""A ChunkFlow training step on megatron-core: plan it, then execute it. Every caller (`chunkflow
+train`, the Megatron-LM plugin, verify, bench) goes through these two functions.
+
+    step = plan_step(sequences, chunkflow, parallel, shape, dp_size=dp, dp_rank=rank)
+    reports = execute_step(step, ddp_model, make_forward_step(), observers=[timeline])
+
+plan_step: the core planner cuts, packs and distributes the global batch over DP (every rank builds
+the same chunks from the same lengths), plans this DP rank's chunks for the pipeline (state-aware
+1F1B), builds their THD inputs (padded to a multiple of TP under sequence parallelism) and, with
+SpaCO, draws which dependent chunks run backward.
+
+execute_step: checks that every rank of the model replica (TP x PP) holds the same plan, runs this
+pipeline stage's ops (runtime/pipeline.py) and then Megatron's finalize_model_grads, which divides
+the gradients once by the step's token count over all DP ranks (config.calculate_per_token_loss):
+chunked training then has the gradients of ordinary training. Returns the last stage's loss
+reports (one per chunk whose forward counts).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+
+from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+from megatron_chunkflow.core.costs import OpCosts
+from megatron_chunkflow.core.models import ModelShape
+from megatron_chunkflow.core.packer import build_chunks
+from megatron_chunkflow.core.schedule import state_aware_plan
+from megatron_chunkflow.data.sequence import TokenSequence
+from megatron_chunkflow.runtime.inputs import ChunkedStep, build_step
+from megatron_chunkflow.runtime.model import get_state_store
+from megatron_chunkflow.runtime.observe import StepObserver
+from megatron_chunkflow.runtime.pipeline import StageRun
+from megatron_chunkflow.runtime.sparse import SparseConfig, sparsify
+
+
+def plan_step(sequences: Sequence[TokenSequence], chunkflow: ChunkFlowConfig,
+              parallel: ParallelConfig, shape: ModelShape, *, dp_size: int, dp_rank: int,
+              sparse: SparseConfig | None = None, seed: int = 0, step_index: int = 0,
+              device=None) -> ChunkedStep:
+    """This DP rank's step of the global batch `sequences` (the same on every rank)."""
+    batch = build_chunks([len(s) for s in sequences], chunkflow.chunk_size, dp_size,
+                         chunkflow.k, shape)
+    chunks = batch.chunks_for_rank(dp_rank)
+    costs = OpCosts.from_model(chunks, shape, parallel.pp)
+    plan = state_aware_plan(chunks, parallel.pp, chunkflow.k, costs)
+    step = build_step(plan, sequences, chunkflow.chunk_size, device=device,
+                      pad_multiple=parallel.pad_multiple, batch=batch, costs=costs)
+    if sparse is not None and sparse.enabled:
+        step = sparsify(step, sparse.sparse_backward, seed, step_index)
+    return step
+
+
+def execute_step(step: ChunkedStep, model, forward_step_func, *,
+                 observers: Sequence[StepObserver] = (), forward_only: bool = False,
+                 collect_non_loss_data: bool = False, pg_collection=None,
+                 p2p_communicator=None, force_all_reduce: bool = False) -> list:
+    """Run this stage's share of `step` on `model` (a GPTModel stage patched by apply_chunkflow,
+    usually wrapped in Megatron's DDP); `forward_step_func` is a Megatron forward_step_func
+    (runtime/loss.py: make_forward_step). With `forward_only` (evaluation) every chunk runs once,
+    in forward order, without graph."""
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model)
+    if not config.calculate_per_token_loss:
+        raise ValueError("ChunkFlow needs per-token loss (--calculate-per-token-loss / "
+                         "calculate_per_token_loss=True): a chunk's loss is a sum over its tokens")
+    pp_group = _group(pg_collection, "pp")
+    num_stages, stage = pp_group.size(), pp_group.rank()
+    if step.plan.num_stages != num_stages:
+        raise ValueError(f"the step was planned for {step.plan.num_stages} pipeline stages, but "
+                         f"the pipeline has {num_stages}")
+    check_same_plan(step, _group(pg_collection, "mp"))
+    link = None
+    if num_stages > 1:
+        from megatron_chunkflow.runtime.p2p import StageLink
+
+        link = StageLink(pp_group, config, p2p_communicator)
+    store = get_state_store(model)
+    ops = step.plan.stages[stage]
+    if forward_only:
+        ops = tuple(op for op in ops if op.kind == "F")
+    if config.timers is not None:
+        config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+    for observer in observers:
+        observer.step_began()
+    try:
+        forward_data_store, total_num_tokens = StageRun(
+            step=step, ops=ops, model=model, config=config, link=link, store=store,
+            forward_step_func=forward_step_func, observers=observers, forward_only=forward_only,
+            collect_non_loss_data=collect_non_loss_data, is_first=stage == 0,
+            is_last=stage == num_stages - 1).run()
+    except BaseException:
+        store.clear()
+        raise
+    for observer in observers:
+        observer.step_ended()
+    if forward_only:
+        store.clear()
+    assert store.is_empty(), "the plan left K/V state behind"
+    if config.finalize_model_grads_func is not None and not forward_only:
+        config.finalize_model_grads_func([model], total_num_tokens, pg_collection=pg_collection,
+                                         force_all_reduce=force_all_reduce)
+    if config.timers is not None:
+        config.timers("forward-backward").stop()
+    return forward_data_store
+
+
+def check_same_plan(step: ChunkedStep, group) -> None:
+    """Every rank of a model replica (TP x PP) must run the same plan: compare a digest."""
+    import torch.distributed as dist
+
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    text = repr([[(op.kind, op.chunk) for op in ops] for ops in step.plan.stages]) + repr(
+        sorted((c, m.cu_seqlens, m.seq_id, m.index, m.grad_weight) for c, m in step.metas.items()))
+    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+    mine = torch.tensor([digest], dtype=torch.int64)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    if any(int(t) != digest for t in everyone):
+        raise RuntimeError("ranks of one model replica built different ChunkFlow plans for this "
+                           "step (digests " + ", ".join(f"{int(t):x}" for t in everyone) + "); "
+                           "chunk construction must see the same sequence lengths everywhere")
+
+
+def _group(pg_collection, name: str):
+    """The pipeline ("pp") or model-parallel ("mp") group: from `pg_collection` when it has one,
+    else megatron's parallel_state."""
+    if pg_collection is not None and getattr(pg_collection, name, None) is not None:
+        return getattr(pg_collection, name)
+    from megatron.core import parallel_state
+
+    if name == "pp":
+        return parallel_state.get_pipeline_model_parallel_group()
+    return parallel_state.get_model_parallel_group()

@@ -1,0 +1,96 @@
+"""Observers: measurement attached to a step from outside its op loop.
+
+    timeline = StageTimeline()
+    execute_step(step, model, forward_step, observers=[timeline, meter])
+    timeline.busy, timeline.step_time
+
+runtime/execute.py calls every observer, in list order, at these points of one pipeline stage's
+step (point-to-point waits are outside every context, so they count as idle time):
+- `step_began()` before the first op, `step_ended()` after the last send has completed;
+- `forward(op, keeps_graph)`: a context around one F or R (Megatron's forward_step, loss
+  included); `keeps_graph` says whether autograd keeps its graph for a later B;
+- `backward(op)`: a context around one B (Megatron's backward_step);
+- `input_kept(chunk, tensor)` / `input_released(chunk)`: a stage input kept after a forward
+  without graph (stages after the first) until the chunk's re-forward takes it.
+bench/instrument.py drives the same hooks from Megatron's own schedule, so both systems are
+measured by the same observers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_chunkflow.core.types import Op
+
+
+class StepObserver:
+    """Base class: every hook does nothing, so an observer overrides only what it measures."""
+
+    def step_began(self) -> None:
+        """Before the stage's first op."""
+
+    @contextlib.contextmanager
+    def forward(self, op: Op, keeps_graph: bool):
+        """Around one forward (F or R) of chunk `op.chunk`."""
+        yield
+
+    @contextlib.contextmanager
+    def backward(self, op: Op):
+        """Around one backward (B) of chunk `op.chunk`."""
+        yield
+
+    def input_kept(self, chunk: int, tensor: torch.Tensor) -> None:
+        """A stage input kept for the chunk's later re-forward."""
+
+    def input_released(self, chunk: int) -> None:
+        """The kept stage input of `chunk`, taken by its re-forward."""
+
+    def step_ended(self) -> None:
+        """After the stage's last op and the completion of its sends."""
+
+
+@dataclass
+class StageTimeline(StepObserver):
+    """Per-op compute intervals (kind, chunk, start, end), seconds since the step began."""
+
+    ops: list[tuple[str, int, float, float]] = field(default_factory=list)
+    step_time: float = 0.0
+    _t0: float = 0.0
+
+    @property
+    def busy(self) -> float:
+        return sum(end - start for _, _, start, end in self.ops)
+
+    def step_began(self) -> None:
+        self._t0 = time.perf_counter()
+
+    @contextlib.contextmanager
+    def forward(self, op: Op, keeps_graph: bool):
+        with self._interval(op):
+            yield
+
+    @contextlib.contextmanager
+    def backward(self, op: Op):
+        with self._interval(op):
+            yield
+
+    def step_ended(self) -> None:
+        self.step_time = time.perf_counter() - self._t0
+
+    @contextlib.contextmanager
+    def _interval(self, op: Op):
+        start = time.perf_counter()
+        yield
+        self.ops.append((op.kind, op.chunk, start - self._t0, time.perf_counter() - self._t0))
+
+
+def observing(observers, hook: str, *args) -> contextlib.ExitStack:
+    """One context entering `hook(*args)` of every observer, in order."""
+    stack = contextlib.ExitStack()
+    for observer in observers:
+        stack.enter_context(getattr(observer, hook)(*args))
+    return stack

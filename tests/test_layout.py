@@ -1,0 +1,117 @@
+"""The package's layout: one folder per concern, dependencies one way, modules a reader can hold.
+
+    python -m pytest tests/test_layout.py -q
+
+The rules are docs/design.md's ("Module map"): a folder imports only the folders listed before it
+(function-level imports included), core/ and perfmodel/ import neither torch nor megatron, no
+module is over 400 lines, no folder holds more than a third of the package, and the README's and
+docs/design.md's maps name exactly the folders and modules that exist.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PKG = REPO / "megatron_chunkflow"
+# dependencies point down this list: a folder may import the ones before it, never after
+ORDER = ["config", "core", "perfmodel", "attention", "data", "runtime", "training",
+         "megatron_lm", "checks", "bench", "cli"]
+TOP_LEVEL = {"__init__", "__main__", "launch"}  # entry points: may import anything
+MODULES = sorted(p for p in PKG.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def room(path: pathlib.Path) -> str:
+    """The folder (or top-level module) a file of the package belongs to."""
+    rel = path.relative_to(PKG)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def imports_of(path: pathlib.Path) -> set[str]:
+    """Every module `path` imports, at any depth of the file."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.add(node.module)
+    return out
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PKG)))
+def test_dependencies_point_one_way(path):
+    mine = room(path)
+    if mine in TOP_LEVEL:
+        return
+    allowed = set(ORDER[: ORDER.index(mine) + 1])
+    for module in imports_of(path):
+        parts = module.split(".")
+        if parts[0] != "megatron_chunkflow" or len(parts) == 1:
+            continue
+        assert parts[1] in allowed, f"{path.relative_to(PKG)} ({mine}/) imports {module}"
+
+
+@pytest.mark.parametrize("folder", ["core", "perfmodel"])
+def test_models_of_the_step_are_pure(folder):
+    """core/ and perfmodel/ are plain Python: no torch, megatron, flash_attn or TE."""
+    for path in (PKG / folder).glob("*.py"):
+        for module in imports_of(path):
+            assert module.split(".")[0] not in ("torch", "megatron", "flash_attn",
+                                                "transformer_engine"), (path.name, module)
+
+
+def test_attention_imports_no_gpu_or_megatron_library_at_import():
+    for path in (PKG / "attention").glob("*.py"):
+        top = [n for n in ast.parse(path.read_text()).body
+               if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = {a.name for n in top if isinstance(n, ast.Import) for a in n.names} | \
+            {n.module for n in top if isinstance(n, ast.ImportFrom) and n.module}
+        assert not {m.split(".")[0] for m in names} & {"megatron", "flash_attn",
+                                                       "transformer_engine"}, path.name
+
+
+def test_module_and_folder_sizes():
+    lines = {p: len(p.read_text().splitlines()) for p in MODULES}
+    big = {str(p.relative_to(PKG)): n for p, n in lines.items() if n > 400}
+    assert not big, f"modules over 400 lines: {big}"
+    total = sum(lines.values())
+    per_room: dict[str, int] = {}
+    for p, n in lines.items():
+        per_room[room(p)] = per_room.get(room(p), 0) + n
+    assert max(per_room.values()) * 3 <= total, per_room
+
+
+def test_readme_layout_names_every_folder():
+    """The README's layout block lists each folder of the package and no folder that is gone."""
+    block = re.search(r"## Layout\n.*?```\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    assert block, "README.md has no Layout section with a code block"
+    listed = set(re.findall(r"^  (\w+)/", block.group(1), re.M))
+    folders = {p.name for p in PKG.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert listed == folders
+    for path in re.findall(r"^([\w./-]+)\s", block.group(1), re.M):
+        if path != "megatron_chunkflow/":
+            assert (REPO / path.rstrip("/")).exists() or list(REPO.glob(path)), path
+
+
+def test_design_module_map_names_every_module():
+    """docs/design.md's module map has one line per module of the package, and only those."""
+    text = (REPO / "docs" / "design.md").read_text()
+    block = re.search(r"```\nmegatron_chunkflow/\n(.*?)```", text, re.S)
+    assert block, "docs/design.md has no module map starting with megatron_chunkflow/"
+    listed, folder = set(), ""
+    for line in block.group(1).splitlines():
+        m = re.match(r"^(  |    )([\w.]+/?)\s", line + " ")
+        if not m:
+            continue
+        name = m.group(2)
+        if name.endswith("/"):
+            folder = name
+        elif name.endswith(".py"):
+            listed.add((folder if m.group(1) == "    " else "") + name)
+    actual = {str(p.relative_to(PKG)) for p in MODULES if p.name != "__init__.py"}
+    actual |= {"cli/__init__.py"}  # the parser lives in the package's __init__
+    assert listed == actual, (sorted(actual - listed), sorted(listed - actual))
