@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         from megatron_chunkflow.training.dist import run_processes
 
         try:
-            result = run_processes(_job, args.nproc, settings)
+            result = run_processes(_job, args.nproc, settings)[0]
         except RuntimeError as e:  # a rank crashed: its traceback, exit 1
             print(f"chunkflow bench: {e}", file=sys.stderr)
             return 1

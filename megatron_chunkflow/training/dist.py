@@ -1,8 +1,10 @@
 """Process groups for one process or a torchrun job: torch.distributed + megatron parallel_state.
 
     init_distributed(tp=2, pp=1)          # under torchrun: env:// ; alone: a world of one
+    results = run_processes(fn, 4, arg)   # fn(arg) in 4 spawned processes forming one job
 
-On CPU the backend is gloo and training/cpu.py's shims are installed first.
+On CPU the backend is gloo and training/cpu.py's shims are installed first. run_processes is the
+one process harness: `chunkflow bench`, the benchmark scripts and the tests all use it.
 """
 
 from __future__ import annotations
@@ -63,21 +65,22 @@ def _spawned(rank: int, world_size: int, port: int, fn, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
-        result = fn(*args)
-        if rank == 0:
-            queue.put(("ok", rank, result))
-    except ValueError as e:  # bad input: every rank raises the same, rank 0 reports it
+        queue.put(("ok", rank, fn(*args)))
+    except ValueError as e:  # bad input: every rank raises the same
         queue.put(("value", rank, str(e)))
     except BaseException:
         queue.put(("error", rank, traceback.format_exc()))
         raise
 
 
-def run_processes(fn, world_size: int, *args):
+def run_processes(fn, world_size: int, *args, timeout: float | None = None) -> list:
     """Run fn(*args) in `world_size` fresh processes forming one job (torchrun's environment
-    variables, torch.multiprocessing spawn); returns rank 0's result. A ValueError raised in the
-    job is re-raised here; any other failure, or a rank that dies, ends every rank and raises
-    RuntimeError with the rank's traceback."""
+    variables, torch.multiprocessing spawn); returns every rank's result, in rank order.
+
+    A ValueError raised in the job (bad input) is re-raised here with its message; any other
+    exception, a rank that dies, or `timeout` seconds passing ends every rank and raises
+    RuntimeError (TimeoutError for the timeout) with the failing rank's traceback. `fn` and its
+    arguments must be picklable; a rank's number is in os.environ["RANK"]."""
     import time
 
     import torch.multiprocessing as mp
@@ -89,26 +92,30 @@ def run_processes(fn, world_size: int, *args):
              for r in range(world_size)]
     for p in procs:
         p.start()
-    finished = False
+    results: dict[int, object] = {}
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        while True:
+        while len(results) < world_size:
             if not queue.empty():
                 status, rank, value = queue.get()
                 if status == "ok":
-                    finished = True
-                    return value
+                    results[rank] = value
+                    continue
                 if status == "value":
                     raise ValueError(value)
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
             if dead and queue.empty():
-                raise RuntimeError(f"rank {dead[0][0]} died with exit code {dead[0][1]}")
-            if all(p.exitcode == 0 for p in procs) and queue.empty():
-                raise RuntimeError("every rank exited without a result from rank 0")
+                raise RuntimeError(f"rank {dead[0][0]} died with exit code {dead[0][1]} without "
+                                   "reporting (killed?)")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the job did not finish in {timeout:.0f} s")
             time.sleep(0.05)
     finally:
+        finished = len(results) == world_size
         for p in procs:
-            p.join(timeout=60 if finished else 0.5)  # after a failure the others are stuck
+            p.join(timeout=60 if finished else 0.5)  # after a failure the others may be stuck
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=10)
+    return [results[r] for r in range(world_size)]

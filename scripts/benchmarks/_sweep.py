@@ -71,7 +71,7 @@ def run(args, configs: list[dict], name: str, title: str) -> tuple[list[dict], P
         parallel=ParallelConfig(pp=args.pp, dp=1), warmup=args.warmup, repeats=args.repeats,
         attention_backend=args.attention_backend, seed=args.seed,
         threads=max(1, (os.cpu_count() or 1) // args.pp))
-    rows = run_processes(_job, args.pp, settings, configs)
+    rows = run_processes(_job, args.pp, settings, configs)[0]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     header = (f"{title}: {args.model}, PP={args.pp}, float32, {args.attention_backend} attention; "
