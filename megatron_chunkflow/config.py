@@ -165,11 +165,13 @@ class _Deprecated(argparse.Action):
 
 
 def add_config_arguments(parser, cls: type, *, fields: tuple[str, ...] | None = None,
-                         defaults: dict | None = None, flags: dict | None = None,
-                         prefix: str = "", dest_prefix: str = "", aliases: bool = True) -> None:
+                         defaults: dict | None = None, default_help: dict | None = None,
+                         flags: dict | None = None, prefix: str = "", dest_prefix: str = "",
+                         aliases: bool = True) -> None:
     """Add one flag per field of dataclass `cls` (or of `fields`), help from its docstring.
 
-    `defaults` overrides field defaults for one command (None: chosen by the command); `flags`
+    `defaults` overrides field defaults for one command (None: chosen by the command, which
+    `default_help` can say in words); `flags`
     renames a field's flag (the Megatron-LM launcher's `--chunkflow-attention-backend`);
     `dest_prefix` prefixes the argparse destination (`lora_rank` for LoRAConfig.rank); without
     `aliases` only the canonical flag is registered (inside Megatron-LM's own parser)."""
@@ -181,7 +183,8 @@ def add_config_arguments(parser, cls: type, *, fields: tuple[str, ...] | None = 
         default = (defaults or {}).get(f.name, f.default)
         kind, choices = _kind(hints[f.name])
         names = [flag, *(f.metadata.get("aliases", ()) if aliases else ())]
-        help_text = f"{docs[f.name]}" + (f" (default: {default})" if kind is not bool else "")
+        shown = (default_help or {}).get(f.name, default)
+        help_text = f"{docs[f.name]}" + (f" (default: {shown})" if kind is not bool else "")
         dest = dest_prefix + f.name
         if kind is bool:
             parser.add_argument(*names, dest=dest, action="store_true", default=default,

@@ -55,6 +55,7 @@ from megatron_chunkflow.bench.systems import (
     timed_step,
     train_settings,
 )
+from megatron_chunkflow.attention import resolve_backend
 from megatron_chunkflow.bench.instrument import cache_freed_memory
 from megatron_chunkflow.data.synthetic import make_sequences
 
@@ -251,7 +252,9 @@ def _setup(s: BenchSettings, dp: int, act: ActivationRates, rates, hw, chunking,
         "model": s.model_name, "shape": dataclasses.asdict(s.shape), "caching_malloc": caching,
         "layout": {"tp": s.parallel.tp, "pp": s.parallel.pp, "dp": dp,
                    "world": dist.get_world_size()},
-        "threads_per_rank": s.threads, "backend": s.attention_backend, "dtype": "float32",
+        "threads_per_rank": s.threads, "dtype": "float32",
+        "backend": resolve_backend(s.attention_backend,
+                                   "cuda" if torch.cuda.is_available() else "cpu"),
         "num_sequences": len(lengths), "tokens": sum(lengths), "longest": max(lengths),
         "seq_length": s.seq_length, "budget_bytes": s.budget_bytes,
         "warmup": s.warmup, "repeats": s.repeats, "seed": s.seed,

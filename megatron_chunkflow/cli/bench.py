@@ -67,9 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--megatron-recompute", choices=("auto", "none", "full"), default="auto",
                    help="stock Megatron's recompute; auto: none if its largest micro-batch fits "
                         "the budget, else full (default: auto)")
-    # None: the fastest (chunk size, K) that fits the budget
     add_config_arguments(g, ChunkFlowConfig, fields=("chunk_size", "k"),
-                         defaults={"chunk_size": None, "k": None})
+                         defaults={"chunk_size": None, "k": None},
+                         default_help={"chunk_size": "the fastest that fits --budget-mib",
+                                       "k": "chosen with the chunk size"})
     g = p.add_argument_group("measurement")
     g.add_argument("--warmup", type=int, default=DEFAULTS["warmup"], metavar="N",
                    help="unmeasured steps of each system first; the first pair also measures "
