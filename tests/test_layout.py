@@ -5,7 +5,8 @@
 The rules are docs/design.md's ("Module map"): a folder imports only the folders listed before it
 (function-level imports included), core/ and perfmodel/ import neither torch nor megatron, no
 module is over 400 lines, no folder holds more than a third of the package, and the README's and
-docs/design.md's maps name exactly the folders and modules that exist.
+docs/design.md's maps name exactly the folders and modules that exist. The test tree mirrors the
+package: tests/<folder>/ tests megatron_chunkflow/<folder>/ (tests/gpu/ aside).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PKG = REPO / "megatron_chunkflow"
+TESTS = REPO / "tests"
 # dependencies point down this list: a folder may import the ones before it, never after
 ORDER = ["config", "core", "perfmodel", "attention", "data", "runtime", "training",
          "megatron_lm", "checks", "bench", "cli"]
@@ -115,3 +117,21 @@ def test_design_module_map_names_every_module():
     actual = {str(p.relative_to(PKG)) for p in MODULES if p.name != "__init__.py"}
     actual |= {"cli/__init__.py"}  # the parser lives in the package's __init__
     assert listed == actual, (sorted(actual - listed), sorted(listed - actual))
+
+
+def test_tests_mirror_the_package():
+    """Every tests/<folder>/ is named after a package folder (tests/gpu/ aside: the tests that need
+    a CUDA GPU), is a package (the tests import each other as tests.<folder>.<module>) and holds
+    tests; every package folder with code has its tests/<folder>/."""
+    def folders(root):
+        return {p.name for p in root.iterdir()
+                if p.is_dir() and p.name != "__pycache__" and not p.name.startswith(".")}
+
+    package, tests = folders(PKG), folders(TESTS)
+    assert tests - {"gpu"} <= package, f"test folders named after no package folder: " \
+        f"{sorted(tests - {'gpu'} - package)}"
+    with_code = {f for f in package if any(p.name != "__init__.py" for p in (PKG / f).glob("*.py"))}
+    assert with_code <= tests, f"package folders without a test folder: {sorted(with_code - tests)}"
+    for folder in tests:
+        assert (TESTS / folder / "__init__.py").is_file(), f"tests/{folder}/ has no __init__.py"
+        assert list((TESTS / folder).glob("test_*.py")), f"tests/{folder}/ holds no test module"

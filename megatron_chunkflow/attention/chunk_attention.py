@@ -5,7 +5,7 @@ ChunkFlow cuts a long sequence into data chunks; chunk c's queries attend to the
 sits at the bottom-right corner of its [lq, lk] score block. Several segments (sequences packed
 into one chunk) go into one call through cu_seqlens, as in flash_attn_varlen_func.
 
-Run its tests: python -m pytest tests/unit/test_chunk_attention.py -q
+Run its tests: python -m pytest tests/attention/test_chunk_attention.py -q
 """
 
 # Shape suffixes (as in backends.py): T packed tokens (Tq on the query side, Tk on the key/value

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_chunkflow.attention import available_backends, chunk_attention
-from tests.unit.test_chunk_attention import (
+from tests.attention.test_chunk_attention import (
     CASES,
     cumsum,
     dense_reference,

@@ -1,0 +1,112 @@
+"""float64 exactness of ChunkFlow against unchunked stock Megatron (PP = 1), on CPU with gloo.
+
+    python -m pytest tests/checks/test_exact.py -q
+
+Each layout runs in one set of spawned processes (real GPTModel, DDP, Megatron's
+forward_backward_no_pipelining as the reference; see checks/verify.py) over several steps whose
+chunk counts differ; the tests then assert on the results.
+"""
+
+import pytest
+import torch
+
+from megatron_chunkflow.training.dist import run_processes
+
+pytestmark = pytest.mark.slow
+
+C = 16
+MIXED = [70, 5, 33, 100, 12, 64, 1, 16, 48, 9]  # not multiples of C, 1 token, C, 3C, 4C, ...
+STANDALONE = [5, 9, 16, 3, 11]
+DEPENDENT = [100, 37, 17]
+SINGLE_CHUNK = [5, 7]  # one standalone chunk: fewer chunks than stages
+STEPS = [MIXED, STANDALONE, DEPENDENT, SINGLE_CHUNK]
+
+# PP = 1, one process: name -> (model, steps, K, dtype, backend, fully masked sequences[, recompute])
+SINGLE = {
+    "recompute_full": ("tiny", [MIXED], 1, torch.float64, "torch", (), "full"),
+    "recompute_selective": ("tiny", [MIXED], 2, torch.float64, "torch", (), "selective"),
+    "k1": ("tiny", STEPS, 1, torch.float64, "torch", ()),
+    "k2": ("tiny", [MIXED, DEPENDENT], 2, torch.float64, "torch", ()),
+    "k_ge_n": ("tiny", [MIXED], 8, torch.float64, "torch", ()),
+    "untied_embeddings": ("tiny-untied", [MIXED], 1, torch.float64, "torch", ()),
+    "masked_sequences": ("tiny", [MIXED], 1, torch.float64, "torch", (3, 1)),
+    "sdpa_backend": ("tiny", [MIXED], 1, torch.float64, "sdpa", ()),
+    "auto_backend": ("tiny", [MIXED, DEPENDENT], 2, torch.float64, "auto", ()),  # cpu_flash
+    "float32": ("tiny", [MIXED], 1, torch.float32, "torch", ()),
+}
+# several processes: name -> (world, TP, PP, sequence parallel, K values, steps)
+LAYOUTS = {
+    "tp2": (2, 2, 1, False, (2,), [MIXED]),
+    "tp2_sequence_parallel": (2, 2, 1, True, (1,), [MIXED]),
+    "dp2": (2, 1, 1, False, (1,), [MIXED, DEPENDENT]),
+    "pp2": (2, 1, 2, False, (1, 2), STEPS),
+    "pp4": (4, 1, 4, False, (1, 2), [MIXED, SINGLE_CHUNK, DEPENDENT]),
+    "tp2_pp2": (4, 2, 2, True, (2,), [MIXED, STANDALONE]),
+    "dp2_pp2": (4, 1, 2, False, (1,), [MIXED, DEPENDENT]),
+}
+BOUND = {torch.float64: 1e-10, torch.float32: 1e-4}
+
+
+def _summary(results):
+    return [(r.max_rel_grad_err, r.worst_param, r.loss_ref, r.loss_chunked, r.num_chunks)
+            for r in results]
+
+
+def _run_single():
+    from megatron_chunkflow.checks.verify import run_verify
+    from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+    from megatron_chunkflow.core.models import get_model_shape
+    from megatron_chunkflow.training.dist import shutdown
+
+    out = {}
+    for name, (model, steps, k, dtype, backend, masked, *recompute) in SINGLE.items():
+        out[name] = _summary(run_verify(get_model_shape(model), steps,
+                                        ChunkFlowConfig(C, k, backend), ParallelConfig(), dtype,
+                                        seed=1, fully_masked=masked,
+                                        recompute=recompute[0] if recompute else None))
+    shutdown()
+    return out
+
+
+def _run_layout(name):
+    from megatron_chunkflow.checks.verify import run_verify
+    from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+    from megatron_chunkflow.core.models import get_model_shape
+    from megatron_chunkflow.training.dist import shutdown
+
+    _, tp, pp, sp, ks, steps = LAYOUTS[name]
+    parallel = ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp)
+    out = {k: _summary(run_verify(get_model_shape("tiny"), steps, ChunkFlowConfig(C, k, "torch"),
+                                  parallel, seed=2)) for k in ks}
+    shutdown()
+    return out
+
+
+def _check(name, rows, bound):
+    for step, (err, worst, loss_ref, loss_cf, _) in enumerate(rows):
+        assert err <= bound, f"{name} step {step}: max relative grad error {err:.2e} at {worst}"
+        assert loss_cf == pytest.approx(loss_ref, rel=bound, abs=bound)
+        assert loss_ref > 0
+
+
+@pytest.fixture(scope="module")
+def single_results():
+    return run_processes(_run_single, 1, timeout=600)[0]
+
+
+@pytest.mark.parametrize("name", SINGLE)
+def test_exact_pp1_single_process(single_results, name):
+    _check(name, single_results[name], BOUND[SINGLE[name][3]])
+
+
+def test_chunk_count_changes_between_steps(single_results):
+    counts = [num_chunks for *_, num_chunks in single_results["k1"]]
+    assert len(set(counts)) == len(counts) and min(counts) == 1
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_exact_layout(name):
+    world = LAYOUTS[name][0]
+    for per_rank in run_processes(_run_layout, world, name, timeout=900):
+        for k, rows in per_rank.items():
+            _check(f"{name} K={k}", rows, 1e-10)

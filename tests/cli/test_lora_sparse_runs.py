@@ -1,0 +1,82 @@
+"""The LoRA and SpaCO command lines end to end: memory with LoRA, verify's JSON, train's labels.
+
+    python -m pytest tests/cli/test_lora_sparse_runs.py -q
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+C = 64
+SMALL = {"num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64, "num_attention_heads": 4,
+         "num_query_groups": 2, "vocab_size": 128, "tie_embeddings": True}
+
+
+def run_cli(*argv):
+    proc = subprocess.run([sys.executable, "-m", "megatron_chunkflow", *argv],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout), proc.stderr
+
+
+def test_memory_with_lora_follows_the_chunk_size():
+    """One process training LoRA adapters, K=1, L = 4C, 8C, 16C: activation bytes are the same
+    at every length (set by C), unchunked grows >= 3x, the K/V state matches its formula."""
+    out, _ = run_cli("verify", "--memory", "--lora-rank", "8", "--lengths",
+                     f"{4 * C},{8 * C},{16 * C}", "--chunk-size", str(C), "--chunkflow-k", "1", "--json")
+    assert out["lora"] == {"rank": 8, "alpha": 16.0, "targets": ["qkv", "proj", "fc1", "fc2"]}
+    rows = out["rows"]
+    assert len({row["chunked_bytes"] for row in rows}) == 1
+    assert rows[-1]["unchunked_bytes"] / rows[0]["unchunked_bytes"] >= 3
+    for row in rows:
+        assert row["state_bytes"] == pytest.approx(row["state_formula_bytes"], rel=0.10)
+        assert row["chunked_bytes"] < row["unchunked_bytes"] / 3
+
+
+@pytest.fixture
+def small_model(tmp_path):
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps(SMALL))
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("48\n20\n9\n5\n")
+    return ["--model-config", str(path), "--lengths-file", str(lengths), "--chunk-size", "16"]
+
+
+def test_verify_lora_json(small_model):
+    out, _ = run_cli("verify", *small_model, "--lora-rank", "4", "--json")
+    assert out["passed"] and out["max_rel_grad_err"] <= 1e-10
+    assert out["lora"]["rank"] == 4 and ".lora_" in out["worst_param"]
+
+
+def test_verify_sparse_json_is_labelled_approximate(small_model):
+    out, text = run_cli("verify", *small_model, "--chunkflow-sparse-backward", "1", "--draws", "8",
+                        "--json")
+    assert out["approximate"] is True and out["passed"]
+    sparse = out["sparse"]
+    assert {"t", "draws", "rel_err_of_mean", "expected_rel_err"} <= set(sparse)
+    assert sparse["t"] == 1 and sparse["draws"] == 8
+    assert 0 < sparse["rel_err_of_mean"] <= 4 * sparse["expected_rel_err"]
+    assert [row["draws"] for row in sparse["curve"]] == [1, 4, 8]
+    assert out["loss_sparse"] == pytest.approx(out["loss_ref"], rel=1e-12)
+    assert any(line.startswith("APPROXIMATE (SpaCO)") for line in text.splitlines())
+
+
+def test_train_labels_every_sparse_record(tmp_path):
+    model = tmp_path / "small.json"
+    model.write_text(json.dumps({**SMALL, "vocab_size": 151936}))  # the Qwen2.5 tokenizer's ids
+    log = tmp_path / "steps.jsonl"
+    out, text = run_cli("train", "--model-config", str(model), "--train-iters", "2",
+                        "--lr-warmup-iters", "0", "--global-batch-size", "2", "--max-samples", "8",
+                        "--chunk-size", "64", "--seq-length", "4096", "--lora-rank", "4",
+                        "--chunkflow-sparse-backward", "2", "--json", "--log-json", str(log))
+    assert out["approximate"] is True and out["sparse_backward"] == 2 and out["lora"]["rank"] == 4
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    for record in rows + out["steps"]:
+        assert record["approximate"] is True and record["sparse_backward"] == 2
+        assert 0 <= record["backward_chunks"] <= record["dependent_chunks"]
+    assert "SpaCO sparse backward, APPROXIMATE" in text
+    assert text.count("| APPROXIMATE (SpaCO T=2)") == 2 and "(APPROXIMATE gradients" in text

@@ -1,0 +1,39 @@
+"""`chunkflow verify` stops on bad input with exit 2 and a message naming the flag or file, before
+any process group starts (in-process: cli.main)."""
+
+import json
+
+import pytest
+
+from megatron_chunkflow.cli import main
+
+
+def run_verify(capsys, *argv):
+    """(exit code, stderr) of `chunkflow verify ARGV`."""
+    rc = main(["verify", *argv])
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--chunkflow-k", "0"], "--chunkflow-k must be >= 1"),
+    (["--chunk-size", "0"], "--chunk-size must be >= 1"),
+    (["--tp", "3"], "--tensor-model-parallel-size (--tp) 3 does not divide"),
+    (["--tp", "2", "--sequence-parallel", "--chunk-size", "15"],
+     "--chunk-size 15 is not a multiple of the tensor-parallel size 2"),
+    (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size (--tp) > 1"),
+    (["--model-config", "/nonexistent.json"], "no such file"),
+])
+def test_verify_bad_input_exits_2(capsys, argv, message):
+    rc, err = run_verify(capsys, *argv)
+    assert rc == 2 and message in err, err[-2000:]
+
+
+def test_model_config_file_errors(capsys, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"hidden_size": 64,\n "num_layers": }')
+    rc, err = run_verify(capsys, "--model-config", str(bad))
+    assert rc == 2 and f"{bad}:2" in err
+    partial = tmp_path / "partial.json"
+    partial.write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 2}))
+    rc, err = run_verify(capsys, "--model-config", str(partial))
+    assert rc == 2 and "missing ffn_hidden_size" in err

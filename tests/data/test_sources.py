@@ -1,0 +1,155 @@
+"""Record sources (JSONL, JSON arrays, directories, Parquet, Megatron indexed datasets) read
+through open_sft_dataset, and the bad-record errors that name FILE:LINE.
+
+    python -m pytest tests/data/test_sources.py -q
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_chunkflow.data import encode_conversation, load_tokenizer, open_sft_dataset
+
+CHAT = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}
+SHAREGPT = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Yo"}]}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(None)
+
+
+def write_jsonl(path, lines):
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return str(path)
+
+
+def test_jsonl_record_kinds(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [CHAT, SHAREGPT, "", {"text": "plain words"}])
+    ds = open_sft_dataset(path, tok, seq_length=4096)
+    assert len(ds) == 3 and ds.stats["records"] == 3
+    assert torch.equal(ds[0].tokens, ds[1].tokens)  # ChatML and ShareGPT spellings agree
+    assert ds[2].tokens.tolist() == tok.encode("plain words") + [tok.eod_id]
+    assert ds[2].loss_mask.sum() == len(ds[2]) - 1
+    assert ds.lengths == [len(s) for s in ds]
+    assert ds.stats["assistant_tokens"] == int(sum(s.loss_mask.sum() for s in ds))
+    assert ds.stats["tokens"] == sum(ds.lengths)
+
+
+@pytest.mark.parametrize("bad_line, reason", [
+    ('{"messages": [', "malformed JSON"),
+    ('{"prompt": "x"}', "record has none of messages, conversations, text"),
+    ('{"messages": []}', "empty conversation"),
+    ("[1, 2]", "record is a list"),
+])
+def test_bad_jsonl_line_names_file_and_line(tmp_path, tok, bad_line, reason):
+    path = write_jsonl(tmp_path / "d.jsonl", [CHAT, CHAT, bad_line, CHAT])
+    with pytest.raises(ValueError, match=rf"d\.jsonl:3: {reason}.*--skip-bad-records"):
+        open_sft_dataset(path, tok, seq_length=4096)
+
+
+def test_skip_bad_records_counts_and_keeps_examples(tmp_path, tok):
+    lines = [CHAT, "{oops", {"messages": []}, CHAT, {"text": 7}] + ["nope"] * 6
+    path = write_jsonl(tmp_path / "d.jsonl", lines)
+    ds = open_sft_dataset(path, tok, seq_length=4096, skip_bad_records=True)
+    assert len(ds) == 2
+    assert ds.stats["bad_records"] == 9 and ds.stats["records"] == 11
+    assert len(ds.stats["bad_examples"]) == 5
+    assert ds.stats["bad_examples"][0].split("d.jsonl:")[1].startswith("2: malformed JSON (")
+    assert "9 bad records skipped" in ds.report()
+
+
+def test_empty_dataset_names_path(tmp_path, tok):
+    empty = write_jsonl(tmp_path / "empty.jsonl", [])
+    with pytest.raises(ValueError, match=r"empty\.jsonl: no usable samples \(0 records read\)"):
+        open_sft_dataset(empty, tok, seq_length=4096)
+    bad = write_jsonl(tmp_path / "bad.jsonl", ["{", {"messages": []}])
+    with pytest.raises(ValueError, match=r"bad\.jsonl: no usable samples.*2 bad records"):
+        open_sft_dataset(bad, tok, seq_length=4096, skip_bad_records=True)
+    with pytest.raises(ValueError, match=r"--data-path .*missing: no such file"):
+        open_sft_dataset(str(tmp_path / "missing"), tok, seq_length=4096)
+
+
+def test_too_short_sequences_are_skipped_and_counted(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": ""}, CHAT])  # "" -> [eod]: no target
+    ds = open_sft_dataset(path, tok, seq_length=4096)
+    assert len(ds) == 1 and ds.stats["too_short"] == 1
+
+
+def test_max_samples_stops_reading(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [CHAT] * 5 + ["{broken"])
+    ds = open_sft_dataset(path, tok, seq_length=4096, max_samples=5)
+    assert len(ds) == 5 and ds.stats["records"] == 5  # the broken line is never read
+
+
+def test_json_array_and_directory(tmp_path, tok):
+    (tmp_path / "b.json").write_text(json.dumps([SHAREGPT, CHAT], indent=2))
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "first"}])
+    (tmp_path / "notes.txt").write_text("ignored")
+    ds = open_sft_dataset(str(tmp_path), tok, seq_length=4096)
+    assert len(ds) == 3
+    assert ds[0].tokens.tolist() == tok.encode("first") + [tok.eod_id]  # a.jsonl sorts first
+
+
+def test_json_array_bad_element_names_index(tmp_path, tok):
+    path = tmp_path / "arr.json"
+    path.write_text(json.dumps([CHAT, {"conversations": [{"from": "gpt", "value": 3}]}]))
+    with pytest.raises(ValueError, match=r"arr\.json:\[1\]: message 0 \(assistant\) content is"):
+        open_sft_dataset(str(path), tok, seq_length=4096)
+    path.write_text(json.dumps([CHAT, CHAT])[:-30])  # cut mid-record
+    with pytest.raises(ValueError, match=r"arr\.json:\[1\]: the file ends inside this element"):
+        open_sft_dataset(str(path), tok, seq_length=4096)
+
+
+def test_indexed_dataset_round_trip(tmp_path, tok):
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    docs = [tok.encode("the first document, longer") + [tok.eod_id], [7, 8, 9, 10, 11], [42, 43]]
+    prefix = str(tmp_path / "corpus_text_document")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    for doc in docs:
+        builder.add_item(torch.tensor(doc))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    ds = open_sft_dataset(prefix, tok, seq_length=4096)
+    assert [s.tokens.tolist() for s in ds] == docs
+    assert all(s.loss_mask.tolist() == [1.0] * (len(s) - 1) + [0.0] for s in ds)
+    ds = open_sft_dataset(prefix, tok, seq_length=4, overlong="drop")
+    assert ds.stats["dropped_overlong"] == 2 and len(ds) == 1
+
+
+def test_indexed_dataset_foreign_vocabulary(tmp_path, tok):
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "foreign")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    builder.add_item(torch.tensor([1, 200_000]))
+    builder.end_document()
+    builder.finalize(prefix + ".idx")
+    with pytest.raises(ValueError, match=r"foreign:doc 0: token ids span .* outside the vocab"):
+        open_sft_dataset(prefix, tok, seq_length=4096)
+
+
+def test_parquet(tmp_path, tok):
+    pa = pytest.importorskip("pyarrow", reason="the 'parquet' extra (pyarrow) is absent")
+    import pyarrow.parquet as pq
+
+    rows = [CHAT["messages"], None, [{"role": "user", "content": "no answer"}]]
+    pq.write_table(pa.table({"messages": rows, "other": [1, 2, 3]}), tmp_path / "m.parquet")
+    with pytest.raises(ValueError, match=r"m\.parquet:row 1: null messages"):
+        open_sft_dataset(str(tmp_path / "m.parquet"), tok, seq_length=4096)
+    ds = open_sft_dataset(str(tmp_path / "m.parquet"), tok, seq_length=4096,
+                          skip_bad_records=True)
+    assert len(ds) == 1 and ds.stats["bad_records"] == 2
+    assert torch.equal(ds[0].tokens, encode_conversation(CHAT["messages"], tok).tokens)
+    assert ds.stats["bad_examples"][1].endswith("m.parquet:row 2: no assistant message")
+
+    pq.write_table(pa.table({"text": ["a b c", "d"]}), tmp_path / "t.parquet")
+    assert len(open_sft_dataset(str(tmp_path / "t.parquet"), tok, seq_length=4096)) == 2
+    pq.write_table(pa.table({"prompt": ["x"]}), tmp_path / "p.parquet")
+    with pytest.raises(ValueError, match=r"p\.parquet: Parquet file has none of the columns"):
+        open_sft_dataset(str(tmp_path / "p.parquet"), tok, seq_length=4096)

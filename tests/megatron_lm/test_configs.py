@@ -1,0 +1,513 @@
+"""Shipped configs and SLURM scripts (for Megatron-LM's pretrain_gpt.py).
+
+    .venv/bin/python -m pytest tests/megatron_lm/test_configs.py -q
+
+Every configs/models/qwen2.5-*.sh must be exactly what scripts/gen_model_configs.py writes from
+core/models.py (`make configs` regenerates them). Each is also parsed by bash and checked against
+core/models.QWEN25 (the Hugging Face shapes), then built at 2 layers as a real megatron-core
+GPTModel on the meta device (no memory: the 72B embedding alone is 1.2B parameters). With a
+Megatron-LM checkout (MEGATRON_LM_DIR, or third_party/Megatron-LM) its own parser, validate_args
+and gpt_builder also read every model and run config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+
+from megatron_chunkflow.config import AttentionBackend
+from megatron_chunkflow.core.models import QWEN25, ModelShape
+from megatron_chunkflow.training.dist import run_processes
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_FILES = {p.stem: p for p in sorted((REPO / "configs" / "models").glob("qwen2.5-*.sh"))}
+RUN_FILES = sorted((REPO / "configs" / "runs").glob("h100_*.sh"))
+RUN_MODELS = ["qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b"]
+SBATCH = REPO / "scripts" / "slurm" / "train.sbatch"
+SUBMIT = REPO / "scripts" / "slurm" / "submit.sh"
+SHELL_FILES = [*MODEL_FILES.values(), REPO / "configs" / "runs" / "common.sh", *RUN_FILES,
+               SBATCH, SUBMIT]
+SYSTEMS_CONTEXTS = [(c, s) for c in ("32k", "256k") for s in ("stock", "chunkflow")]
+BACKENDS = typing.get_args(AttentionBackend)  # --chunkflow-attention-backend's choices
+
+
+def bash(script: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", "set -euo pipefail\n" + script], cwd=REPO, text=True,
+                          capture_output=True, check=check,
+                          env={**os.environ, **(env or {})})
+
+
+def bash_arrays(script: str, *names: str) -> list[list[str]]:
+    """The bash arrays `names` after running `script`, each as a list of words."""
+    out = bash(f"{script}\n{_print_arrays(names)}").stdout
+    return [part.split("\0")[:-1] for part in out.split("@@")]
+
+
+def _print_arrays(names) -> str:
+    """Bash that prints each array's words NUL-terminated, arrays separated by '@@'."""
+    return "; echo -n '@@'; ".join(f'for w in "${{{n}[@]}}"; do printf "%s\\0" "$w"; done'
+                                   for n in names)
+
+
+def flags(argv: list[str]) -> dict[str, str | bool]:
+    """--flag value / --flag (True); a later occurrence wins, as in argparse."""
+    out, i = {}, 0
+    while i < len(argv):
+        assert argv[i].startswith("--"), f"stray word {argv[i]!r} in {argv}"
+        if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            out[argv[i]], i = argv[i + 1], i + 2
+        else:
+            out[argv[i]], i = True, i + 1
+    return out
+
+
+def model_args(name: str) -> list[str]:
+    return bash_arrays(f"source {MODEL_FILES[name]}", "MODEL_ARGS")[0]
+
+
+def shape_from_flags(f: dict) -> ModelShape:
+    """The ModelShape a parsed MODEL_ARGS describes (vocabulary: the padded one)."""
+    return ModelShape(
+        num_layers=int(f["--num-layers"]), hidden_size=int(f["--hidden-size"]),
+        ffn_hidden_size=int(f["--ffn-hidden-size"]),
+        num_attention_heads=int(f["--num-attention-heads"]),
+        num_query_groups=int(f["--num-query-groups"]), vocab_size=int(f["--padded-vocab-size"]),
+        tie_embeddings="--untie-embeddings-and-output-weights" not in f,
+        qkv_bias="--add-qkv-bias" in f, rotary_base=float(f["--rotary-base"]),
+        norm_eps=float(f["--norm-epsilon"]))
+
+
+# ---- shell syntax -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", SHELL_FILES, ids=lambda p: str(p.relative_to(REPO)))
+def test_bash_syntax(path):
+    result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+# ---- model configs ------------------------------------------------------------------------------
+
+
+def test_every_qwen25_size_has_a_model_config():
+    assert sorted(MODEL_FILES) == sorted(QWEN25)
+
+
+@pytest.mark.parametrize("name", sorted(QWEN25))
+def test_model_config_matches_hf_shape(name):
+    shape = QWEN25[name]
+    f = flags(model_args(name))
+    assert shape_from_flags(f) == shape  # layers, sizes, heads, groups, tie, bias, eps, base
+    assert int(f["--kv-channels"]) == shape.head_dim
+    assert f["--group-query-attention"] is True and f["--swiglu"] is True
+    assert f["--disable-bias-linear"] is True and f["--add-qkv-bias"] is True
+    assert f["--normalization"] == "RMSNorm" and f["--position-embedding-type"] == "rope"
+    assert float(f["--attention-dropout"]) == 0.0 and float(f["--hidden-dropout"]) == 0.0
+    assert f["--tokenizer-type"] == "HuggingFaceTokenizer"
+    # the padded vocabulary is the checkpoint's, and splits evenly over TP = 1, 2, 4, 8
+    assert int(f["--padded-vocab-size"]) == shape.vocab_size and shape.vocab_size % 8 == 0
+
+
+@pytest.mark.parametrize("name", sorted(QWEN25))
+def test_model_config_header_cites_its_hf_config(name):
+    text = MODEL_FILES[name].read_text()
+    size = name.split("-")[1].upper()
+    assert f"https://huggingface.co/Qwen/Qwen2.5-{size}/blob/main/config.json" in text
+    shape = QWEN25[name]
+    for key, value in [("num_hidden_layers", shape.num_layers), ("hidden_size", shape.hidden_size),
+                       ("intermediate_size", shape.ffn_hidden_size),
+                       ("num_key_value_heads", shape.num_query_groups),
+                       ("vocab_size", shape.vocab_size)]:
+        assert re.search(rf"\b{key} {value}\b", text), f"{key} {value} not in the header"
+    assert f"tie_word_embeddings {str(shape.tie_embeddings).lower()}" in text
+
+
+def _load_generator():
+    spec = importlib.util.spec_from_file_location("gen_model_configs",
+                                                  REPO / "scripts" / "gen_model_configs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gen_model_configs = _load_generator()
+
+
+def test_model_configs_are_generated():
+    """The shipped files are byte for byte what the generator writes from core/models.py."""
+    problems = gen_model_configs.stale(MODEL_FILES["qwen2.5-7b"].parent)
+    assert not problems, ("stale model configs, run `make configs` "
+                          "(python scripts/gen_model_configs.py):\n"
+                          + "".join(diff for _, diff in problems))
+
+
+def test_model_config_generator_names_stale_files(tmp_path, capsys):
+    for path in MODEL_FILES.values():
+        (tmp_path / path.name).write_text(path.read_text())
+    edited = tmp_path / "qwen2.5-7b.sh"
+    edited.write_text(edited.read_text().replace("--num-layers 28", "--num-layers 29"))
+    (tmp_path / "qwen2.5-3b.sh").unlink()
+    (tmp_path / "qwen2.5-9b.sh").write_text("MODEL_ARGS=()\n")
+    problems = dict(gen_model_configs.stale(tmp_path))
+    assert sorted(p.name for p in problems) == ["qwen2.5-3b.sh", "qwen2.5-7b.sh", "qwen2.5-9b.sh"]
+    assert "-    --num-layers 29\n+    --num-layers 28\n" in problems[edited]
+    assert sorted(p.name for p in gen_model_configs.write(tmp_path)) == ["qwen2.5-3b.sh",
+                                                                         "qwen2.5-7b.sh"]
+    assert "qwen2.5-9b.sh: not generated" in capsys.readouterr().err  # named, not deleted
+    assert [p.name for p, _ in gen_model_configs.stale(tmp_path)] == ["qwen2.5-9b.sh"]
+    assert edited.read_text() == MODEL_FILES["qwen2.5-7b"].read_text()
+
+
+def test_tokenizer_variable_reaches_the_flags():
+    argv = bash_arrays(f"TOKENIZER=/ckpt/tok; source {MODEL_FILES['qwen2.5-7b']}", "MODEL_ARGS")[0]
+    assert flags(argv)["--tokenizer-model"] == "/ckpt/tok"
+
+
+def _build_on_meta(shapes):
+    """(child) Build each shape with training/build.py on the meta device."""
+    import torch
+
+    from megatron_chunkflow.training.build import build_gpt_model, transformer_config
+
+    out = {}
+    for name, shape in shapes.items():
+        config = transformer_config(shape, dtype=torch.bfloat16)
+        with torch.device("meta"):
+            model = build_gpt_model(shape, config, max_seq_length=4096)
+        out[name] = {k: (tuple(p.shape), p.device.type) for k, p in model.named_parameters()}
+    return out
+
+
+def _child(shapes, megatron_lm_dir, model_argvs, run_argvs):
+    """One child process (world of one, gloo) for everything that needs process groups."""
+    import torch
+
+    from megatron_chunkflow.training.dist import init_distributed, shutdown
+
+    has_cuda = torch.cuda.is_available()  # before training/cpu.py's shims
+    init_distributed(1, 1)
+    try:
+        out = {"core": _build_on_meta(shapes)}
+        if megatron_lm_dir is not None:
+            out.update(_megatron_lm_parse(megatron_lm_dir, model_argvs, run_argvs, has_cuda))
+        return out
+    finally:
+        shutdown()
+
+
+@pytest.fixture(scope="module")
+def child_results():
+    """Every model config built at 2 layers by build.py and, with a checkout, by Megatron-LM's
+    gpt_builder; every run config through Megatron-LM's validate_args."""
+    shapes = {name: dataclasses.replace(shape_from_flags(flags(model_args(name))), num_layers=2)
+              for name in MODEL_FILES}
+    model_argvs, run_argvs = {}, {}
+    if MEGATRON_LM_OK:
+        model_argvs = {name: model_args(name) for name in MODEL_FILES}
+        for run_file in RUN_FILES:
+            for model in RUN_MODELS:
+                rc = run_config(run_file, model)
+                # what train.sbatch passes, data flags aside (mock data here)
+                run_argvs[(run_file.stem, model)] = (
+                    rc["model_args"] + rc["parallel_args"] + rc["training_args"]
+                    + rc["chunkflow_args"] + (["--dataloader-type", "external"]
+                                              if rc["chunkflow_args"] else []),
+                    rc["nodes"] * rc["gpus"])
+    megatron_lm = MEGATRON_LM if MEGATRON_LM_OK else None
+    return run_processes(_child, 1, shapes, megatron_lm, model_argvs, run_argvs, timeout=300)[0]
+
+
+def check_parameter_shapes(params: dict, shape: ModelShape) -> None:
+    """QKV, MLP, embedding and output rows of a Qwen2.5 GPTModel (TP = 1)."""
+    h, hd, f = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size
+    qkv_rows = (shape.num_attention_heads + 2 * shape.num_query_groups) * hd
+    layer = "decoder.layers.0."
+    assert params[layer + "self_attention.linear_qkv.weight"] == (qkv_rows, h)
+    assert params[layer + "self_attention.linear_qkv.bias"] == (qkv_rows,)
+    proj = params[layer + "self_attention.linear_proj.weight"]
+    assert proj == (h, shape.num_attention_heads * hd)
+    assert layer + "self_attention.linear_proj.bias" not in params  # --disable-bias-linear
+    assert params[layer + "mlp.linear_fc1.weight"] == (2 * f, h)  # gate and up (SwiGLU)
+    assert params[layer + "mlp.linear_fc2.weight"] == (h, f)
+    assert params["embedding.word_embeddings.weight"] == (shape.vocab_size, h)
+    assert ("output_layer.weight" in params) == (not shape.tie_embeddings)
+    if not shape.tie_embeddings:
+        assert params["output_layer.weight"] == (shape.vocab_size, h)
+    assert "embedding.position_embeddings.weight" not in params  # RoPE
+
+
+@pytest.mark.megatron
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(QWEN25))
+def test_model_config_builds_at_reduced_depth(name, child_results):
+    built = child_results["core"][name]
+    assert {device for _, device in built.values()} == {"meta"}
+    check_parameter_shapes({k: s for k, (s, _) in built.items()}, QWEN25[name])
+
+
+# ---- run configs --------------------------------------------------------------------------------
+
+
+def run_config(run_file: Path, model: str) -> dict:
+    script = (f"source {MODEL_FILES[model]}; source {run_file}; run_config {model}; "
+              "echo $NODES $GPUS_PER_NODE $TP $PP $CP $DP $RECOMPUTE $SYSTEM $SEQ_LENGTH "
+              "$GLOBAL_BATCH_SIZE ${CHUNK_SIZE:-0} ${CHUNKFLOW_K:-0} >&2")
+    names = ("model_args", "parallel_args", "training_args", "chunkflow_args")
+    result = bash(f"{script}\n{_print_arrays(n.upper() for n in names)}")
+    keys = "nodes gpus tp pp cp dp recompute system seq gbs chunk k".split()
+    out = dict(zip(keys, result.stderr.split()))
+    out = {k: (v if k in ("recompute", "system") else int(v)) for k, v in out.items()}
+    out.update({n: part.split("\0")[:-1] for n, part in zip(names, result.stdout.split("@@"))})
+    return out
+
+
+@pytest.mark.parametrize("model", RUN_MODELS)
+@pytest.mark.parametrize("run_file", RUN_FILES, ids=lambda p: p.stem)
+def test_run_config_layout_is_consistent(run_file, model):
+    rc = run_config(run_file, model)
+    shape = QWEN25[model]
+    tp, pp, cp, world = rc["tp"], rc["pp"], rc["cp"], rc["nodes"] * rc["gpus"]
+    assert tp * pp * cp * rc["dp"] == world
+    assert rc["gbs"] % rc["dp"] == 0  # micro-batch size 1
+    assert shape.num_layers % pp == 0
+    assert shape.num_query_groups % tp == 0 and shape.num_attention_heads % tp == 0
+    assert shape.vocab_size % tp == 0
+    f = flags(rc["model_args"] + rc["parallel_args"] + rc["training_args"])
+    assert int(f["--seq-length"]) == rc["seq"] == {"32k": 32768, "256k": 262144}[
+        run_file.stem.split("_")[1]]
+    assert int(f["--max-position-embeddings"]) >= rc["seq"]  # Megatron asserts it
+    assert int(f["--tensor-model-parallel-size"]) == tp
+    assert int(f["--context-parallel-size"]) == cp
+    assert ("--sequence-parallel" in f) == (tp > 1)
+    if rc["system"] == "chunkflow":
+        c = flags(rc["chunkflow_args"])
+        assert cp == 1, "ChunkFlow runs must use --context-parallel-size 1"
+        assert int(c["--chunk-size"]) == rc["chunk"] and int(c["--chunkflow-k"]) == rc["k"]
+        assert rc["chunk"] % tp == 0, "sequence parallelism splits every chunk over TP"
+        assert c["--chunkflow"] is True and "--no-rope-fusion" in f
+        assert c["--chunkflow-attention-backend"] in BACKENDS
+    else:
+        assert rc["chunkflow_args"] == [] and "--chunkflow" not in f
+        if rc["seq"] > 32768:
+            assert cp > 1 and rc["recompute"] == "full"
+
+
+@pytest.mark.parametrize("context", ["32k", "256k"])
+@pytest.mark.parametrize("model", RUN_MODELS)
+def test_stock_and_chunkflow_runs_get_the_same_nodes(context, model):
+    runs = REPO / "configs" / "runs"
+    stock = run_config(runs / f"h100_{context}_stock.sh", model)
+    chunkflow = run_config(runs / f"h100_{context}_chunkflow.sh", model)
+    assert stock["nodes"] == chunkflow["nodes"]
+
+
+def test_run_config_names_an_unknown_model():
+    result = bash(f"source {RUN_FILES[0]}; run_config qwen2.5-3b", check=False)
+    assert result.returncode != 0
+    assert "no layout for model 'qwen2.5-3b'" in result.stderr and "qwen2.5-7b" in result.stderr
+
+
+# ---- SLURM scripts ------------------------------------------------------------------------------
+
+
+def dry_run(tmp_path, **env) -> subprocess.CompletedProcess:
+    base = {"DRY_RUN": "1", "MEGATRON_LM_DIR": "/opt/Megatron-LM", "OUT": str(tmp_path),
+            "DATA": "/data/sft/prefix", "REPO_DIR": str(REPO)}
+    return subprocess.run(["bash", str(SBATCH)], capture_output=True, text=True,
+                          env={**os.environ, **base, **env})
+
+
+@pytest.mark.parametrize("model", RUN_MODELS)
+@pytest.mark.parametrize("context,system", SYSTEMS_CONTEXTS)
+def test_sbatch_dry_run_command(tmp_path, context, system, model):
+    result = dry_run(tmp_path, MODEL=model, CONTEXT=context, SYSTEM=system,
+                     CHECKPOINT="/ckpt/megatron", TOKENIZER="/ckpt/hf")
+    assert result.returncode == 0, result.stderr
+    words = shlex.split(result.stdout.splitlines()[-1])
+    rc = run_config(REPO / "configs" / "runs" / f"h100_{context}_{system}.sh", model)
+    assert words[:3] == ["srun", "--nodes", str(rc["nodes"])]
+    torchrun = words.index("torchrun")
+    assert words[torchrun + 1:torchrun + 5] == ["--nnodes", str(rc["nodes"]),
+                                                "--nproc-per-node", "8"]
+    if system == "chunkflow":
+        start = words.index("-m")
+        assert words[start:start + 3] == ["-m", "megatron_chunkflow.launch",
+                                          "/opt/Megatron-LM/pretrain_gpt.py"]
+        argv = words[start + 3:]
+    else:
+        assert "-m" not in words and "--chunkflow" not in words
+        argv = words[words.index("/opt/Megatron-LM/pretrain_gpt.py") + 1:]
+    f = flags(argv)
+    assert f["--load"] == "/ckpt/megatron" and f["--finetune"] is True
+    assert f["--tokenizer-model"] == "/ckpt/hf"
+    assert f["--data-path"] == "/data/sft/prefix"
+    assert f["--tensorboard-dir"].startswith(str(tmp_path))
+    assert f == {**f, **flags(rc["parallel_args"] + rc["training_args"] + rc["chunkflow_args"])}
+    if system == "chunkflow":
+        assert f["--dataloader-type"] == "external"
+
+
+def test_sbatch_refuses_jsonl_for_stock(tmp_path):
+    result = dry_run(tmp_path, MODEL="qwen2.5-7b", CONTEXT="32k", SYSTEM="stock",
+                     DATA="/data/sft.jsonl")
+    assert result.returncode == 2 and "indexed dataset" in result.stderr
+
+
+def test_sbatch_chunkflow_text_data_needs_a_tokenizer_directory(tmp_path):
+    kw = dict(MODEL="qwen2.5-7b", CONTEXT="32k", SYSTEM="chunkflow", DATA="/data/sft.jsonl")
+    result = dry_run(tmp_path, **kw)
+    assert result.returncode == 2 and "needs TOKENIZER" in result.stderr
+    result = dry_run(tmp_path, **kw, TOKENIZER=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+
+
+def test_sbatch_mock_data_uses_the_context_profile(tmp_path):
+    result = dry_run(tmp_path, MODEL="qwen2.5-7b", CONTEXT="256k", SYSTEM="chunkflow", MOCK="1",
+                     DATA="")
+    assert result.returncode == 0, result.stderr
+    words = shlex.split(result.stdout.splitlines()[-1])
+    f = flags(words[words.index("-m") + 3:])
+    assert f["--mock-data"] is True and f["--chunkflow-mock-profile"] == "B"
+    assert "--data-path" not in f
+
+
+def test_sbatch_names_missing_variables(tmp_path):
+    result = dry_run(tmp_path, MODEL="qwen2.5-7b", CONTEXT="64k", SYSTEM="stock")
+    assert result.returncode == 2 and "h100_64k_stock.sh" in result.stderr
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    result = subprocess.run(["bash", str(SBATCH)], capture_output=True, text=True,
+                            env={**env, "MODEL": "qwen2.5-7b", "CONTEXT": "32k",
+                                 "SYSTEM": "stock", "MEGATRON_LM_DIR": "/x"})
+    assert result.returncode != 0 and "OUT" in result.stderr
+
+
+def test_submit_all_dry_run():
+    result = subprocess.run([str(SUBMIT), "all", "all", "both", "--time", "04:00:00"],
+                            capture_output=True, text=True, env={**os.environ, "DRY_RUN": "1"})
+    assert result.returncode == 0, result.stderr
+    lines = [shlex.split(line) for line in result.stdout.splitlines()]
+    assert len(lines) == 16
+    for words in lines:
+        model, context, system = words[words.index("--job-name") + 1].split("_")
+        rc = run_config(REPO / "configs" / "runs" / f"h100_{context}_{system}.sh", model)
+        assert words[:3] == ["sbatch", "--nodes", str(rc["nodes"])]
+        assert words[-3:] == ["--time", "04:00:00", str(SBATCH)]
+
+
+# ---- Megatron-LM's own parser (needs a core_v0.16.1 checkout) ------------------------------------
+
+
+def _megatron_lm_dir() -> Path | None:
+    for candidate in (os.environ.get("MEGATRON_LM_DIR"), REPO / "third_party" / "Megatron-LM"):
+        if candidate and (Path(candidate) / "pretrain_gpt.py").is_file():
+            return Path(candidate)
+    return None
+
+
+MEGATRON_LM = _megatron_lm_dir()
+MEGATRON_LM_OK = MEGATRON_LM is not None and importlib.util.find_spec("six") is not None
+needs_megatron_lm = pytest.mark.skipif(
+    not MEGATRON_LM_OK,
+    reason="needs a Megatron-LM core_v0.16.1 checkout (MEGATRON_LM_DIR or third_party/Megatron-LM)"
+           " and the `six` package that megatron.training imports")
+
+# CPU stand-ins for runtime flags whose kernels need CUDA / Transformer Engine (not model shape)
+CPU_FLAGS = ["--transformer-impl", "local", "--no-rope-fusion", "--no-bias-swiglu-fusion",
+             "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion",
+             "--no-persist-layer-norm", "--use-cpu-initialization"]
+
+
+def _megatron_lm_parse(megatron_lm_dir, model_argvs, run_argvs, has_cuda):
+    """(child) Megatron-LM's parser with the launcher's flags, validate_args and the launcher's
+    checks on every config; gpt_builder on meta."""
+    import argparse
+    import contextlib
+    import io
+
+    import torch
+
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # validate_args asserts it when TP/CP > 1
+    if not has_cuda:  # what the launcher installs on CPU (triton-only kernels, CUDA queries)
+        from megatron_chunkflow.training.cpu import install_megatron_lm_cpu_shims
+
+        install_megatron_lm_cpu_shims()
+    # the installed megatron.core first: the checkout's root has its own megatron/core, which would
+    # shadow it once the checkout is on sys.path
+    importlib.import_module("megatron.core")
+
+    sys.path.append(str(megatron_lm_dir))
+    from megatron.training import arguments, global_vars
+
+    from megatron_chunkflow.megatron_lm.args import (
+        add_chunkflow_arguments,
+        check_chunkflow_args,
+    )
+
+    if not has_cuda:
+        arguments.get_device_arch_version = lambda: 9  # the configs' target: Hopper
+    import gpt_builders
+
+    def parse(argv, world_size):
+        parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+        args = add_chunkflow_arguments(parser).parse_args(argv)
+        args.rank, args.world_size = 0, world_size
+        with contextlib.redirect_stdout(io.StringIO()):
+            arguments.validate_args(args, {})
+            check_chunkflow_args(args, args.dataloader_type)
+        return args
+
+    models = {}
+    for name, argv in model_argvs.items():
+        args = parse(argv + ["--num-layers", "2", "--seq-length", "4096", "--micro-batch-size",
+                             "1", "--train-iters", "1", "--lr", "1e-5", "--mock-data"]
+                     + CPU_FLAGS, 1)
+        global_vars.set_args(args)
+        with torch.device("meta"), contextlib.redirect_stdout(io.StringIO()):
+            model = gpt_builders.gpt_builder(args, True, True)
+        global_vars.set_args(None)
+        models[name] = {"params": {k: tuple(p.shape) for k, p in model.named_parameters()},
+                        "padded_vocab_size": args.padded_vocab_size,
+                        "layernorm_epsilon": args.layernorm_epsilon}
+    runs = {}
+    for key, (argv, world_size) in run_argvs.items():
+        args = parse(argv + ["--mock-data"], world_size)
+        runs[key] = {"data_parallel_size": args.data_parallel_size,
+                     "sequence_parallel": args.sequence_parallel,
+                     "context_parallel_size": args.context_parallel_size,
+                     "chunkflow": args.chunkflow}
+    return {"models": models, "runs": runs}
+
+
+@pytest.mark.megatron
+@pytest.mark.slow
+@needs_megatron_lm
+@pytest.mark.parametrize("name", sorted(QWEN25))
+def test_megatron_lm_builds_each_model_config(name, child_results):
+    built = child_results["models"][name]
+    shape = QWEN25[name]
+    assert built["padded_vocab_size"] == shape.vocab_size  # --padded-vocab-size is honoured
+    assert built["layernorm_epsilon"] == shape.norm_eps
+    check_parameter_shapes(built["params"], shape)
+
+
+@pytest.mark.megatron
+@pytest.mark.slow
+@needs_megatron_lm
+@pytest.mark.parametrize("model", RUN_MODELS)
+@pytest.mark.parametrize("run_file", RUN_FILES, ids=lambda p: p.stem)
+def test_megatron_lm_validates_each_run_config(run_file, model, child_results):
+    rc = run_config(run_file, model)
+    got = child_results["runs"][(run_file.stem, model)]
+    assert got["data_parallel_size"] == rc["dp"]
+    assert got["context_parallel_size"] == rc["cp"]
+    assert got["sequence_parallel"] == (rc["tp"] > 1)
+    assert got["chunkflow"] == (rc["system"] == "chunkflow")

@@ -1,0 +1,113 @@
+"""`chunkflow bench`'s budget rules (perfmodel/budget.py): when stock Megatron recomputes, the
+K/V-state bound, the choice of (chunk size, K); and the CPU device's host time per op."""
+
+import pytest
+
+from megatron_chunkflow.core.models import get_model_shape
+from megatron_chunkflow.perfmodel.budget import (
+    ActivationRates,
+    baseline_peak,
+    baseline_recompute,
+    choose_chunking,
+    chunk_size_candidates,
+    chunkflow_peak,
+    state_bound,
+)
+
+SHAPE = get_model_shape("tiny-bench")
+RATES = ActivationRates(per_token=(40_000.0, 45_000.0), kv_per_token=(1024.0, 1024.0),
+                        acc_per_token=(1024.0, 1024.0), hidden_per_token=512.0)
+LENGTHS = [20_000] + [500] * 60  # one long sequence; 32K micro-batches: 20K + 25 x 500, 17.5K
+
+
+def test_baseline_recompute_switches_at_the_largest_microbatch():
+    largest = baseline_peak(LENGTHS, 32768, 1, RATES)
+    assert largest == 32_500 * 45_000.0  # 20,000 + 25 x 500 tokens, on the last stage's rate
+    assert baseline_recompute(LENGTHS, 32768, 1, RATES, budget=largest) == "none"
+    assert baseline_recompute(LENGTHS, 32768, 1, RATES, budget=largest - 1) == "full"
+
+
+def test_state_bound_covers_the_exact_k1_peak():
+    """K = 1: the bound is >= docs/exactness.md's exact peak of stored K/V, prefix copies and
+    accumulators; zero for a sequence that is not cut; stage inputs only after the first stage."""
+    u = a = 1024.0
+    for length, c in [(20_000, 1024), (4096, 1024), (3000, 2048)]:
+        n = -(-length // c)
+        exact = max(((n - 1) * c + length) * u,
+                    ((n - 2) * c + ((n - 1) * c if n >= 3 else 0)) * u + (n - 1) * c * a)
+        assert state_bound(length, c, 1, RATES, 0) >= exact
+    assert state_bound(1000, 1024, 1, RATES, 1) == 0.0
+    assert state_bound(4096, 1024, 1, RATES, 1) - state_bound(4096, 1024, 1, RATES, 0) == \
+        (4096 - 1024) * RATES.hidden_per_token
+    # the n - K re-forwarded chunks are full even when the last one is short
+    assert state_bound(4000, 1024, 1, RATES, 1) - state_bound(4000, 1024, 1, RATES, 0) == \
+        3 * 1024 * RATES.hidden_per_token
+
+
+def test_state_bound_counts_one_prefix_copy_per_held_chunk():
+    """Each more chunk holding activations adds its cat(prefix, own) K/V copy, (j + 1) C tokens
+    for chunk j, and one chunk fewer of kept stage inputs."""
+    u, h = RATES.kv_per_token[1], RATES.hidden_per_token
+    n, c, length = 20, 1024, 20_000
+    assert state_bound(length, c, 2, RATES, 1) - state_bound(length, c, 1, RATES, 1) == \
+        (n - 1) * c * u - c * h
+    assert state_bound(length, c, 1, RATES, 0) == length * (2 * u + RATES.acc_per_token[0])
+
+
+def test_choose_chunking_takes_the_fastest_that_fits():
+    budget = 300 * 2**20
+    chosen = choose_chunking(LENGTHS, 32768, 1, SHAPE, RATES, budget,
+                             predict_s=lambda c, k: 1.0 / c + 0.01 / k)  # big C, big K fastest
+    fitting = [x for x in chosen.candidates if x.fits]
+    assert fitting and all(x.peak_bytes <= budget for x in fitting)
+    assert all(x.predicted_s is None for x in chosen.candidates if x.peak_bytes > budget)
+    assert chosen.peak_bytes <= budget
+    assert chosen.predicted_s == min(x.predicted_s for x in fitting)  # no ties here
+    assert any(x.chunk_size > chosen.chunk_size for x in chosen.candidates)  # too big to fit
+    assert chosen.peak_bytes == chunkflow_peak(LENGTHS, chosen.chunk_size, chosen.k, 1, SHAPE,
+                                               RATES)
+    # a peak grows with C at fixed K
+    peaks = [chunkflow_peak(LENGTHS, c, 1, 1, SHAPE, RATES) for c in (1024, 2048, 4096)]
+    assert peaks == sorted(peaks)
+
+
+def test_choose_chunking_near_ties_go_to_the_smaller_peak():
+    """Predictions within 3% of the fastest are a tie: the smallest modelled peak wins."""
+    budget = 2**40
+    times = {1024: 1.02, 2048: 1.0, 4096: 1.05, 8192: 1.2, 16384: 1.3, 32768: 1.4}
+    chosen = choose_chunking(LENGTHS, 32768, 1, SHAPE, RATES, budget, ks=(1,),
+                             predict_s=lambda c, k: times[c])
+    assert (chosen.chunk_size, chosen.k) == (1024, 1)
+    chosen = choose_chunking(LENGTHS, 32768, 1, SHAPE, RATES, budget, ks=(1,), tie=0.01,
+                             predict_s=lambda c, k: times[c])
+    assert (chosen.chunk_size, chosen.k) == (2048, 1)
+
+
+def test_choose_chunking_nothing_fits_names_the_budget():
+    with pytest.raises(ValueError, match=r"--budget-mib 1: no \(chunk size, K\) fits"):
+        choose_chunking(LENGTHS, 32768, 1, SHAPE, RATES, 2**20, predict_s=lambda c, k: 1.0)
+
+
+def test_chunk_size_candidates():
+    assert chunk_size_candidates(32768) == [1024, 2048, 4096, 8192, 16384, 32768]
+    assert chunk_size_candidates(1000) == [64, 128, 256, 512]
+
+
+def test_cpu_device_host_time_per_op():
+    """The CPU device's host time per op adds once to every F/R and B of every stage (twice to
+    a B that re-runs the forward under full recompute), and nothing on GPUs (default 0)."""
+    from megatron_chunkflow.core.types import DataChunk, Segment
+    from megatron_chunkflow.perfmodel.hardware import hardware_from_measurements
+    from megatron_chunkflow.perfmodel.layout import Layout
+    from megatron_chunkflow.perfmodel.roofline import Roofline
+
+    kw = dict(gemm_flops=1e11, attn_fwd_flops=5e10, attn_bwd_flops=5e10, memory_bytes=1e10,
+              p2p_bytes_per_s=1e9)
+    chunk = DataChunk(id=0, kind="standalone", segments=(Segment(0, 0, 500),))
+    for recompute, extra in (("none", 1), ("full", 2)):
+        layout = Layout(pp=2, recompute=recompute)
+        f0, b0 = Roofline(SHAPE, layout, hardware_from_measurements(**kw)).chunk_costs(chunk, 2)
+        f1, b1 = Roofline(SHAPE, layout, hardware_from_measurements(
+            **kw, op_overhead_s=0.01)).chunk_costs(chunk, 2)
+        assert [b - a for a, b in zip(f0, f1)] == pytest.approx([0.01, 0.01])
+        assert [b - a for a, b in zip(b0, b1)] == pytest.approx([0.01 * extra] * 2)
