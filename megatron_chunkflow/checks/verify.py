@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig, Recompute
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.simulate import simulate
 from megatron_chunkflow.data.synthetic import make_sequences
@@ -50,7 +50,7 @@ class VerifyResult:
 def run_verify(shape: ModelShape, steps: Sequence[Sequence[int]], chunkflow: ChunkFlowConfig,
                parallel: ParallelConfig = ParallelConfig(), dtype: torch.dtype = torch.float64,
                seed: int = 0, fully_masked: Sequence[int] = (), meter_cls=None,
-               recompute: str | None = None, lora=None) -> list[VerifyResult]:
+               recompute: Recompute = Recompute(), lora=None) -> list[VerifyResult]:
     """One training step per entry of `steps` (sequence lengths), both ways; one result each.
 
     `parallel`: the chunked model's TP, PP and sequence parallelism (the reference runs at the same
@@ -110,20 +110,20 @@ def _run_reference(shape, batches, dtype, lora=None, seed: int = 0):
 
 
 def build_chunked_model(shape, ref_state, dtype, chunkflow: ChunkFlowConfig,
-                        sequence_parallel: bool, recompute=None, lora=None):
+                        sequence_parallel: bool, recompute: Recompute = Recompute(),
+                        lora=None):
     """This stage's GPTModel with the reference weights (and adapters), patched for ChunkFlow and
     wrapped in DDP: (model, ddp, {stage name: PP = 1 name}, K/V store)."""
     from megatron_chunkflow.runtime.model import apply_chunkflow
     from megatron_chunkflow.training.build import (
         build_gpt_model,
         full_model_name,
-        recompute_settings,
         transformer_config,
         wrap_ddp,
     )
 
     config = transformer_config(shape, dtype, sequence_parallel=sequence_parallel,
-                                **recompute_settings(recompute))
+                                **recompute.megatron_kwargs())
     model = build_gpt_model(shape, config)
     if lora is not None:
         from megatron_chunkflow.training.lora import apply_lora
@@ -136,7 +136,8 @@ def build_chunked_model(shape, ref_state, dtype, chunkflow: ChunkFlowConfig,
 
 
 def _run_chunked(shape, batches, reference, chunkflow: ChunkFlowConfig, parallel: ParallelConfig,
-                 dtype, meter_cls, recompute=None, lora=None) -> list[VerifyResult]:
+                 dtype, meter_cls, recompute: Recompute = Recompute(),
+                 lora=None) -> list[VerifyResult]:
     from megatron.core import parallel_state
 
     ref_state, ref_steps = reference

@@ -24,12 +24,15 @@ import torch
 
 from megatron_chunkflow.cli.output import Output
 from megatron_chunkflow.config import (
+    RECOMPUTE_MODULES,
     ChunkFlowConfig,
     ParallelConfig,
+    Recompute,
     add_config_arguments,
     config_from_args,
 )
 from megatron_chunkflow.core.models import MODEL_SHAPES
+from megatron_chunkflow.core.step import BASELINES
 from megatron_chunkflow.runtime.sparse import SparseConfig
 from megatron_chunkflow.training.checkpoint import CheckpointConfig
 from megatron_chunkflow.training.lora import LoRAConfig
@@ -77,11 +80,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(g, OptimizerConfig, defaults={k: DEFAULTS[k] for k in (
         "lr", "min_lr", "lr_warmup_iters")})
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
-                   help="Megatron's activation recompute inside each micro-batch or chunk")
+                   help="Megatron's activation recompute inside each micro-batch or chunk "
+                        "(default: none)")
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                   help="with full: uniform (every layer re-runs; the default) or block (the "
+                        "first --recompute-num-layers layers of each stage)")
+    g.add_argument("--recompute-num-layers", type=int, default=None, metavar="N",
+                   help="with --recompute-method block: N (uniform: only 1)")
+    g.add_argument("--recompute-modules", nargs="+", choices=RECOMPUTE_MODULES, default=None,
+                   metavar="MODULE", help="with selective: any of core_attn, mlp, layernorm "
+                                          "(default: core_attn)")
     add_config_arguments(g, CheckpointConfig)
     g = p.add_argument_group("chunkflow")
     g.add_argument("--chunkflow", action=argparse.BooleanOptionalAction, default=True,
                    help="ChunkFlow (default) or --no-chunkflow for stock Megatron's path")
+    g.add_argument("--baseline", choices=BASELINES, default=None,
+                   help="with --no-chunkflow, the stock path: megatron-sft (Megatron-LM's SFT "
+                        "as shipped: first-fit packed lines padded to --seq-length), "
+                        "megatron-packed (best-fit packing, no padding) or megatron-unpacked "
+                        "(one sequence per micro-batch) (default: megatron-packed)")
     add_config_arguments(g, ChunkFlowConfig, defaults={"chunk_size": DEFAULTS["chunk_size"]})
     add_config_arguments(g, SparseConfig)
     g = p.add_argument_group("LoRA (adapters on a frozen model)")
@@ -129,16 +146,44 @@ def settings_from_args(args) -> TrainSettings:
     sparse.check(max_chunks, args.chunkflow,
                  f" (--seq-length {args.seq_length} / --chunk-size {cfg.chunk_size})")
     parallel.check_model(shape)
+    if args.chunkflow and args.baseline:
+        raise ValueError(f"--baseline {args.baseline} names a stock path: add --no-chunkflow")
+    recompute = recompute_from_flags(args)
+    recompute.check_layers(shape.num_layers // parallel.pp, "--recompute-num-layers")
     if args.bf16 and not torch.cuda.is_available():
         raise ValueError("--bf16 needs a GPU; CPU runs train in float32 (or --fp64)")
     return TrainSettings(
         shape=shape, model_name=checkpoint.load_hf or args.model_config or args.model,
-        system="chunkflow" if args.chunkflow else "megatron", chunkflow=cfg, parallel=parallel,
+        system="chunkflow" if args.chunkflow else args.baseline or "megatron-packed",
+        chunkflow=cfg, parallel=parallel,
         optimizer=optimizer, checkpoint=checkpoint, train_iters=args.train_iters,
         global_batch_size=args.global_batch_size, seq_length=args.seq_length, seed=args.seed,
         exit_interval=args.exit_interval,
         dtype="bfloat16" if args.bf16 else "float64" if args.fp64 else "float32",
-        recompute=args.recompute_granularity, hf_shape=hf_shape, lora=lora, sparse=sparse)
+        recompute=recompute, hf_shape=hf_shape, lora=lora, sparse=sparse)
+
+
+def recompute_from_flags(args) -> Recompute:
+    """Megatron-LM's four recompute flags as one option of the recompute menu."""
+    granularity, method = args.recompute_granularity, args.recompute_method
+    num_layers, modules = args.recompute_num_layers, args.recompute_modules
+    if granularity != "selective" and modules is not None:
+        raise ValueError("--recompute-modules needs --recompute-granularity selective")
+    if granularity != "full" and (method is not None or num_layers is not None):
+        raise ValueError("--recompute-method and --recompute-num-layers need "
+                         "--recompute-granularity full")
+    if granularity == "selective":
+        return Recompute("selective", tuple(modules or ("core_attn",)))
+    if granularity == "full" and method == "block":
+        if num_layers is None:
+            raise ValueError("--recompute-method block needs --recompute-num-layers N")
+        return Recompute("block", num_layers=num_layers)
+    if granularity == "full":
+        if num_layers not in (None, 1):
+            raise ValueError(f"--recompute-num-layers {num_layers}: uniform recompute runs one "
+                             "layer per checkpoint here (use --recompute-method block for N)")
+        return Recompute("full")
+    return Recompute()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -165,9 +210,9 @@ def run(args: argparse.Namespace) -> int:
     c = s.chunkflow
     path = (f"ChunkFlow (C={c.chunk_size}, K={c.k}, state-aware "
             f"{'1F1B' if pp > 1 else 'schedule'})" if s.uses_chunkflow else
-            f"stock Megatron (THD micro-batches of {s.seq_length}, "
+            f"stock Megatron, {s.system} (micro-batches of up to {s.seq_length} tokens, "
             f"{'1F1B' if pp > 1 else 'forward_backward_no_pipelining'}, recompute "
-            f"{s.recompute or 'none'})")
+            f"{s.recompute})")
     world = torch.distributed.get_world_size()
     out.say(f"chunkflow train: {path}; model {s.model_name} ({s.dtype}), TP={tp} PP={pp} "
             f"DP={world // (tp * pp)}, global batch {s.global_batch_size} sequences, "

@@ -22,8 +22,9 @@ def attention_pairs(prefix: int, num_q: int) -> int:
 
 
 def chunk_attention_pairs(chunk: DataChunk) -> int:
-    """(query, key) pairs of a chunk: a dependent chunk attends to its sequence's prefix."""
-    return sum(attention_pairs(s.start if chunk.is_dependent else 0, s.num_tokens)
+    """(query, key) pairs a chunk's forward computes: a dependent chunk attends to its sequence's
+    prefix; a segment's padding is attended as part of it."""
+    return sum(attention_pairs(s.start if chunk.is_dependent else 0, s.computed_tokens)
                for s in chunk.segments)
 
 
@@ -64,7 +65,7 @@ class ChunkFlops:
 
 def chunk_flops(chunk: DataChunk, shape: ModelShape) -> ChunkFlops:
     """Forward FLOPs of `chunk`, per layer and of the output layer."""
-    tokens = chunk.num_tokens
+    tokens = chunk.computed_tokens
     per_layer = (tokens * linear_flops_per_token_per_layer(shape)
                  + chunk_attention_pairs(chunk) * attention_flops_per_pair_per_layer(shape))
     return ChunkFlops(float(per_layer), float(tokens * logits_flops_per_token(shape)))

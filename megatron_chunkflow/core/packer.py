@@ -63,6 +63,22 @@ def best_fit_decreasing(sizes: Sequence[int], ids: Sequence[int], capacity: int)
     return bins
 
 
+def first_fit(sizes: Sequence[int], ids: Sequence[int], capacity: int) -> list[list[int]]:
+    """Pack items (sizes[i] <= capacity) in the given order, each into the first bin with room
+    (the usual offline SFT pre-packing: Megatron-Bridge's / NeMo's first_fit_shuffle is this over
+    shuffled data); returns lists of ids per bin."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for size, item in zip(sizes, ids):
+        b = next((j for j, r in enumerate(room) if r >= size), len(bins))
+        if b == len(bins):
+            bins.append([])
+            room.append(capacity)
+        bins[b].append(item)
+        room[b] -= size
+    return bins
+
+
 def split_long(seq_id: int, length: int, chunk_size: int, first_id: int) -> list[DataChunk]:
     n = math.ceil(length / chunk_size)
     return [

@@ -1,11 +1,20 @@
-"""One training step planned end to end, for ChunkFlow and for the stock-Megatron baseline.
+"""One training step planned end to end, for ChunkFlow and for the stock-Megatron baselines.
 
 ChunkFlow: build_chunks (cut, pack, distribute over DP) -> state_aware_plan per DP rank.
-Baseline (stock Megatron): every sequence whole, packed (THD) into micro-batches of `seq_length`
-tokens with the same best-fit-decreasing packer (kinder to the baseline than Megatron's in-order
-packing), micro-batches dealt round-robin over DP ranks as Megatron splits a global batch, run with
-Megatron's 1F1B order. Both replay through the same simulator and cost model. A DP step ends when
-its slowest rank ends, so step_time is the maximum over ranks.
+Stock Megatron, every sequence whole, in one of three ways (BASELINES), micro-batches dealt
+round-robin over DP ranks as Megatron splits a global batch and run with Megatron's 1F1B order:
+- megatron-sft: Megatron-LM's SFT path as shipped. The sequences are packed offline into lines of
+  `seq_length` by first fit in data order (Megatron-Bridge's / NeMo's first_fit_shuffle on
+  shuffled data) and each line is padded to `seq_length`, the padding computed as part of the
+  line's last sequence (megatron/training/datasets/sft_dataset.py attaches it there); the
+  pipeline sends fixed `seq_length` shapes.
+- megatron-packed: best-fit-decreasing packing into micro-batches of at most `seq_length` with no
+  padding computed (THD), variable shapes: the strongest stock option.
+- megatron-unpacked: one sequence per micro-batch (micro-batch size 1), variable shapes.
+With context parallelism Megatron pads every sequence to a multiple of 2 x CP (its load-balanced
+THD split needs it); the padding is computed as part of the sequence.
+Both systems replay through the same simulator and cost model. A DP step ends when its slowest
+rank ends, so step_time is the maximum over ranks.
 
 The planner works on time only: memory enters through optional hooks (perfmodel/footprint.py's
 memory_hooks model it; perfmodel/budget.py passes measured rates), so core stays free of a
@@ -14,15 +23,25 @@ memory model. Without them every byte count below is zero.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from megatron_chunkflow.core.costs import OpCosts
 from megatron_chunkflow.core.models import ModelShape
-from megatron_chunkflow.core.packer import best_fit_decreasing, build_chunks, validate_lengths
+from megatron_chunkflow.core.packer import (
+    best_fit_decreasing,
+    build_chunks,
+    first_fit,
+    validate_lengths,
+)
 from megatron_chunkflow.core.schedule import megatron_1f1b_plan, state_aware_plan
 from megatron_chunkflow.core.simulate import SimResult, simulate
 from megatron_chunkflow.core.types import ChunkBatch, DataChunk, Segment, StagePlan
+
+Baseline = Literal["megatron-sft", "megatron-packed", "megatron-unpacked"]
+BASELINES: tuple[str, ...] = typing.get_args(Baseline)
 
 
 @dataclass(frozen=True)
@@ -85,29 +104,46 @@ def plan_chunkflow(seq_lengths: Sequence[int], chunk_size: int, k: int, num_stag
     return batch, RankPlans(per_rank, tuple(plans), tuple(sims), tuple(state))
 
 
-def baseline_microbatches(seq_lengths: Sequence[int], seq_length: int,
-                          num_dp_ranks: int) -> list[DataChunk]:
-    """Stock Megatron's micro-batches: whole sequences packed into `seq_length` tokens, dealt
-    round-robin over DP ranks; ValueError for a sequence longer than `seq_length`."""
+def baseline_microbatches(seq_lengths: Sequence[int], seq_length: int, num_dp_ranks: int,
+                          baseline: Baseline = "megatron-packed", cp: int = 1) -> list[DataChunk]:
+    """A stock baseline's micro-batches (see the module docstring), dealt round-robin over DP
+    ranks; ValueError for a sequence longer than `seq_length` (Megatron would truncate it)."""
     validate_lengths(seq_lengths)
-    for i, n in enumerate(seq_lengths):
-        if n > seq_length:
-            raise ValueError(f"sequence {i} has {n} tokens, more than --seq-length {seq_length}; "
-                             "stock Megatron would truncate it")
-    bins = best_fit_decreasing(list(seq_lengths), list(range(len(seq_lengths))), seq_length)
-    return [
-        DataChunk(id=b, kind="standalone", dp_rank=b % num_dp_ranks,
-                  segments=tuple(Segment(i, 0, seq_lengths[i]) for i in members))
-        for b, members in enumerate(bins)
-    ]
+    if baseline not in BASELINES:
+        raise ValueError(f"unknown baseline {baseline!r}; choose from {', '.join(BASELINES)}")
+    multiple = 2 * cp if cp > 1 else 1
+    padded = [-(-n // multiple) * multiple for n in seq_lengths]
+    for i, (n, p) in enumerate(zip(seq_lengths, padded)):
+        if p > seq_length:
+            what = f" ({p} padded to a multiple of 2 x CP)" if p != n else ""
+            raise ValueError(f"sequence {i} has {n} tokens{what}, more than --seq-length "
+                             f"{seq_length}; stock Megatron would truncate it")
+    ids = list(range(len(seq_lengths)))
+    if baseline == "megatron-packed":
+        bins = best_fit_decreasing(padded, ids, seq_length)
+    elif baseline == "megatron-unpacked":
+        bins = [[i] for i in ids]
+    else:
+        bins = first_fit(padded, ids, seq_length)
+    out = []
+    for b, members in enumerate(bins):
+        segments = [Segment(i, 0, seq_lengths[i], padded[i] - seq_lengths[i]) for i in members]
+        if baseline == "megatron-sft":  # the line's padding, computed with its last sequence
+            last = segments[-1]
+            line = sum(padded[i] for i in members)
+            segments[-1] = Segment(last.seq_id, 0, last.end, last.padding + seq_length - line)
+        out.append(DataChunk(id=b, kind="standalone", dp_rank=b % num_dp_ranks,
+                             segments=tuple(segments)))
+    return out
 
 
 def plan_baseline(seq_lengths: Sequence[int], seq_length: int, num_stages: int,
                   num_dp_ranks: int, shape: ModelShape, costs_for: CostHook | None = None,
-                  held_bytes_for: CostHook | None = None) -> RankPlans:
-    """Stock Megatron's step: baseline_microbatches run with 1F1B per DP rank, replayed. Whole
+                  held_bytes_for: CostHook | None = None, baseline: Baseline = "megatron-packed",
+                  cp: int = 1) -> RankPlans:
+    """A stock baseline's step: baseline_microbatches run with 1F1B per DP rank, replayed. Whole
     sequences keep no state between micro-batches, so state_bytes is zero."""
-    mbs = baseline_microbatches(seq_lengths, seq_length, num_dp_ranks)
+    mbs = baseline_microbatches(seq_lengths, seq_length, num_dp_ranks, baseline, cp)
     per_rank = tuple(tuple(c for c in mbs if c.dp_rank == r) for r in range(num_dp_ranks))
     plans, sims = [], []
     for chunks in per_rank:

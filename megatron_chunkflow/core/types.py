@@ -19,15 +19,25 @@ ChunkKind = Literal["standalone", "dependent"]
 
 @dataclass(frozen=True)
 class Segment:
-    """Tokens [start, end) of sequence `seq_id`, placed contiguously inside one data chunk."""
+    """Tokens [start, end) of sequence `seq_id`, placed contiguously inside one data chunk, then
+    `padding` pad tokens computed as part of it (a stock baseline's: Megatron-LM's SFT dataset
+    pads a packed line to --seq-length and each sequence to a multiple of 2 x CP): they are
+    attended causally like the sequence's own tokens, continue its positions and carry no loss."""
 
     seq_id: int
     start: int
     end: int
+    padding: int = 0
 
     @property
     def num_tokens(self) -> int:
+        """The sequence's tokens (what the model is trained on)."""
         return self.end - self.start
+
+    @property
+    def computed_tokens(self) -> int:
+        """Tokens the model computes for this segment: its own plus the padding."""
+        return self.end - self.start + self.padding
 
 
 @dataclass(frozen=True)
@@ -48,7 +58,13 @@ class DataChunk:
 
     @property
     def num_tokens(self) -> int:
+        """Sequence tokens in the chunk (padding excluded)."""
         return sum(s.num_tokens for s in self.segments)
+
+    @property
+    def computed_tokens(self) -> int:
+        """Tokens the forward pass computes: sequence tokens plus padding."""
+        return sum(s.computed_tokens for s in self.segments)
 
     @property
     def is_dependent(self) -> bool:
@@ -60,18 +76,20 @@ class DataChunk:
         return self.segments[0].start if self.is_dependent else 0
 
     def cu_seqlens(self) -> list[int]:
-        """Cumulative segment boundaries inside the chunk, [0, len0, len0+len1, ...]."""
+        """Cumulative segment boundaries inside the chunk, [0, len0, len0+len1, ...] (a segment's
+        padding inside its boundaries)."""
         out = [0]
         for s in self.segments:
-            out.append(out[-1] + s.num_tokens)
+            out.append(out[-1] + s.computed_tokens)
         return out
 
     def position_ids(self) -> list[int]:
-        """RoPE positions per token: continuing across a sequence's chunks, restarting per segment."""
-        return [p for s in self.segments for p in range(s.start, s.end)]
+        """RoPE positions per token: continuing across a sequence's chunks, restarting per
+        segment, continuing through a segment's padding."""
+        return [p for s in self.segments for p in range(s.start, s.end + s.padding)]
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "id": self.id,
             "kind": self.kind,
             "parent": self.parent,
@@ -80,6 +98,9 @@ class DataChunk:
             "tokens": self.num_tokens,
             "dp_rank": self.dp_rank,
         }
+        if self.computed_tokens != self.num_tokens:
+            out["padding"] = [s.padding for s in self.segments]
+        return out
 
 
 @dataclass(frozen=True)

@@ -52,10 +52,11 @@ class ChunkedStep:
 def chunk_meta(chunk: DataChunk, chunk_size: int, pad_multiple: int = 1) -> ChunkMeta:
     """`pad_multiple`: pad the chunk to a multiple of this many tokens (the TP size under sequence
     parallelism) with a padding segment that attends only to itself and has no loss."""
-    num_padding = -chunk.num_tokens % pad_multiple
+    computed = chunk.computed_tokens
+    num_padding = -computed % pad_multiple
     assert not (num_padding and chunk.is_dependent and chunk.index + 1 < chunk.num_siblings), \
         "only a sequence's last chunk can need padding (C is a multiple of the TP size)"
-    cu = chunk.cu_seqlens() + ([chunk.num_tokens + num_padding] if num_padding else [])
+    cu = chunk.cu_seqlens() + ([computed + num_padding] if num_padding else [])
     pos = torch.tensor(chunk.position_ids() + list(range(num_padding)), dtype=torch.long)
     return ChunkMeta(
         chunk_id=chunk.id,
@@ -82,11 +83,8 @@ def chunk_input(chunk: DataChunk, sequences: Sequence[TokenSequence], meta: Chun
             nxt = torch.cat([nxt, nxt.new_zeros(seg.num_tokens - nxt.numel())])
         labels.append(nxt)
         mask.append(seq.loss_mask[seg.start:seg.end])
-    if meta.num_padding:
-        pad = torch.zeros(meta.num_padding, dtype=torch.long)
-        tokens.append(pad)
-        labels.append(pad)
-        mask.append(torch.zeros(meta.num_padding, dtype=mask[0].dtype))
+        _pad(tokens, labels, mask, seg.padding)  # a baseline's padding, part of the segment
+    _pad(tokens, labels, mask, meta.num_padding)  # a segment of its own
     cu = torch.tensor(meta.cu_seqlens, dtype=torch.int32, device=device)
     max_len = int((cu[1:] - cu[:-1]).max())
     packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
@@ -98,6 +96,15 @@ def chunk_input(chunk: DataChunk, sequences: Sequence[TokenSequence], meta: Chun
         position_ids=meta.position_ids.view(1, -1).to(device),
         packed_seq_params=packed,
     )
+
+
+def _pad(tokens: list, labels: list, mask: list, n: int) -> None:
+    """Append `n` padding tokens (id 0, target 0, no loss)."""
+    if n:
+        pad = torch.zeros(n, dtype=torch.long)
+        tokens.append(pad)
+        labels.append(pad)
+        mask.append(torch.zeros(n, dtype=mask[0].dtype))
 
 
 def build_step(plan: StagePlan, sequences: Sequence[TokenSequence], chunk_size: int,

@@ -82,23 +82,14 @@ def local_layer_spec(config):
                                       layer_norm=TorchRMSNorm)
 
 
-def recompute_settings(granularity: str | None) -> dict:
-    """TransformerConfig fields for Megatron's activation recompute: none, full or selective."""
-    if granularity is None:
-        return {}
-    if granularity == "full":
-        return dict(recompute_granularity="full", recompute_method="uniform",
-                    recompute_num_layers=1)
-    if granularity == "selective":
-        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
-    raise ValueError(f"--recompute-granularity must be full or selective, got {granularity!r}")
-
-
 def build_gpt_model(shape: ModelShape, config, max_seq_length: int = 1 << 20):
     """A GPTModel for this pipeline stage, cast to config.params_dtype (norms included)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    from megatron_chunkflow.training.cpu import fix_checkpoint_without_output
+
+    fix_checkpoint_without_output()  # selective layernorm recompute without Transformer Engine
     spec = local_layer_spec(config)
     model = GPTModel(
         config=config,

@@ -60,6 +60,29 @@ def _clip_grad_by_total_norm(parameters, max_norm, total_norm, use_decoupled_gra
             g.mul_(clip_coeff)
 
 
+def fix_checkpoint_without_output() -> None:
+    """megatron-core 0.16.1's tensor_parallel.CheckpointWithoutOutput (selective recompute of the
+    layernorms) sets `self.fp8 = fp8 is not None`, so its default fp8=False reads as FP8 and its
+    forward calls Transformer Engine's FP8GlobalStateManager, which is undefined without TE (a
+    NameError). Without TE there is no FP8: the flag is made False. A no-op when TE is installed
+    (then the check works as intended)."""
+    import importlib.util
+
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    if importlib.util.find_spec("transformer_engine") is not None or \
+            getattr(mcore_random.CheckpointWithoutOutput, "_chunkflow_fixed", False):
+        return
+    original = mcore_random.CheckpointWithoutOutput.__init__
+
+    def __init__(self, fp8=False):
+        original(self, fp8)
+        self.fp8 = False
+
+    mcore_random.CheckpointWithoutOutput.__init__ = __init__
+    mcore_random.CheckpointWithoutOutput._chunkflow_fixed = True
+
+
 def install_cpu_shims() -> bool:
     """Patch torch (and megatron-core's CUDA RNG helpers) for CPU; returns True if installed."""
     global _INSTALLED
@@ -87,6 +110,7 @@ def install_cpu_shims() -> bool:
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm
 
+    fix_checkpoint_without_output()
     _CudaToCpu().__enter__()  # stays active for the life of the process
     _INSTALLED = True
     return True

@@ -6,9 +6,11 @@ Per step, every rank takes the same global batch of `global_batch_size` sequence
 of the dataset, epoch after epoch, data/sampler.py) and then:
 - ChunkFlow: runtime/execute.py's plan_step (cut, pack, distribute over DP, plan for PP) and
   execute_step;
-- baseline (--no-chunkflow): whole sequences packed (THD) into micro-batches of --seq-length, dealt
-  round-robin over DP, Megatron's own get_forward_backward_func() (1F1B for PP >= 2, with its
-  variable_seq_lengths shape exchange), Megatron's recompute as configured.
+- a stock baseline (--no-chunkflow; core/step.py: megatron-sft, megatron-packed or
+  megatron-unpacked): whole sequences in micro-batches of at most --seq-length, dealt round-robin
+  over DP, Megatron's own get_forward_backward_func() (1F1B for PP >= 2: fixed --seq-length
+  shapes for megatron-sft, else its variable_seq_lengths shape exchange), Megatron's recompute as
+  configured.
 Both then run Megatron's optimizer (get_megatron_optimizer: Adam, weight decay, gradient clipping) and
 OptimizerParamScheduler (linear warmup, cosine decay), per-token loss throughout. The loop itself
 only loads a checkpoint, runs steps and saves (training/checkpoint.py: Checkpointer).
@@ -52,17 +54,12 @@ def build_training(s: TrainSettings) -> Training:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron_chunkflow.training.build import (
-        build_gpt_model,
-        recompute_settings,
-        transformer_config,
-        wrap_ddp,
-    )
+    from megatron_chunkflow.training.build import build_gpt_model, transformer_config, wrap_ddp
     from megatron_chunkflow.runtime.model import apply_chunkflow
 
     dtype = DTYPES[s.dtype]
     config = transformer_config(s.shape, dtype, sequence_parallel=s.parallel.sequence_parallel,
-                                **recompute_settings(s.recompute))
+                                **s.recompute.megatron_kwargs())
     model = build_gpt_model(s.shape, config)
     if s.checkpoint.load_hf:
         from megatron_chunkflow.training.hf import import_hf_weights
@@ -106,18 +103,22 @@ def run_step(s: TrainSettings, sequences, ddp, config, step_index: int = 0, obse
                          dp_rank=dp_rank, sparse=s.sparse, seed=s.seed, step_index=step_index)
         reports = execute_step(step, ddp, step_fn, observers=observers)
         return reports, len(step.batch.chunks), num_backward_chunks(step)
-    mbs = baseline_microbatches([len(x) for x in sequences], s.seq_length, dp)
+    mbs = baseline_microbatches([len(x) for x in sequences], s.seq_length, dp, s.system)
     mine = [c for c in mbs if c.dp_rank == dp_rank]
     if not mine:
-        raise ValueError(f"--global-batch-size {s.global_batch_size} packs into {len(mbs)} "
-                         f"micro-batches of --seq-length {s.seq_length}, fewer than the {dp} "
-                         "data-parallel ranks")
+        raise ValueError(f"--global-batch-size {s.global_batch_size} makes {len(mbs)} "
+                         f"{s.system} micro-batches of --seq-length {s.seq_length}, fewer than "
+                         f"the {dp} data-parallel ranks")
     pad = s.parallel.pad_multiple
     inputs = [chunk_input(c, sequences, chunk_meta(c, s.seq_length, pad)) for c in mine]
-    config.variable_seq_lengths = s.parallel.pp > 1  # Megatron's shape exchange
+    # Megatron-LM's SFT path sends fixed --seq-length shapes (every line is padded to it); the
+    # others exchange each micro-batch's shape first (variable_seq_lengths)
+    fixed = s.system == "megatron-sft"
+    config.variable_seq_lengths = s.parallel.pp > 1 and not fixed
     reports = get_forward_backward_func()(
         forward_step_func=step_fn, data_iterator=iter(inputs), model=ddp,
-        num_microbatches=len(inputs), seq_length=max(x.tokens.size(1) for x in inputs),
+        num_microbatches=len(inputs),
+        seq_length=s.seq_length if fixed else max(x.tokens.size(1) for x in inputs),
         micro_batch_size=1)
     return reports, len(mbs), (0, 0)
 

@@ -13,15 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig, Recompute
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.runtime.sparse import SparseConfig
 from megatron_chunkflow.training.checkpoint import CheckpointConfig
 from megatron_chunkflow.training.lora import LoRAConfig
 
 DType = Literal["float32", "float64", "bfloat16"]
-Recompute = Literal["full", "selective"]
-System = Literal["chunkflow", "megatron"]
+# ChunkFlow, or one of the stock baselines (core/step.py: BASELINES)
+System = Literal["chunkflow", "megatron-sft", "megatron-packed", "megatron-unpacked"]
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class TrainSettings:
 
     shape: ModelShape
     model_name: str
-    system: System = "chunkflow"  # "megatron": stock Megatron's own schedule, whole sequences
+    system: System = "chunkflow"  # a stock baseline: Megatron's own schedule, whole sequences
     chunkflow: ChunkFlowConfig = field(default_factory=ChunkFlowConfig)  # attention for both
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -61,7 +61,8 @@ class TrainSettings:
     seed: int = 1234
     exit_interval: int | None = None  # stop after this many steps of this run (Megatron-LM's)
     dtype: DType = "float32"
-    recompute: Recompute | None = None  # Megatron's activation recompute granularity
+    recompute: Recompute = field(default_factory=Recompute)  # Megatron's, inside each
+    # micro-batch or chunk
     hf_shape: ModelShape | None = None  # the --load-hf checkpoint's shape (unpadded vocabulary)
     lora: LoRAConfig | None = None  # adapters only, the base frozen
     sparse: SparseConfig = field(default_factory=SparseConfig)  # SpaCO (approximate)

@@ -25,6 +25,9 @@ STEPS = [MIXED, STANDALONE, DEPENDENT, SINGLE_CHUNK]
 SINGLE = {
     "recompute_full": ("tiny", [MIXED], 1, torch.float64, "torch", (), "full"),
     "recompute_selective": ("tiny", [MIXED], 2, torch.float64, "torch", (), "selective"),
+    "recompute_mlp_layernorm": ("tiny", [MIXED], 1, torch.float64, "auto", (),
+                                "selective:mlp+layernorm"),
+    "recompute_block": ("tiny", [MIXED, DEPENDENT], 2, torch.float64, "auto", (), "block:2"),
     "k1": ("tiny", STEPS, 1, torch.float64, "torch", ()),
     "k2": ("tiny", [MIXED, DEPENDENT], 2, torch.float64, "torch", ()),
     "k_ge_n": ("tiny", [MIXED], 8, torch.float64, "torch", ()),
@@ -54,7 +57,7 @@ def _summary(results):
 
 def _run_single():
     from megatron_chunkflow.checks.verify import run_verify
-    from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+    from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig, Recompute
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.training.dist import shutdown
 
@@ -63,7 +66,8 @@ def _run_single():
         out[name] = _summary(run_verify(get_model_shape(model), steps,
                                         ChunkFlowConfig(C, k, backend), ParallelConfig(), dtype,
                                         seed=1, fully_masked=masked,
-                                        recompute=recompute[0] if recompute else None))
+                                        recompute=Recompute.parse(recompute[0] if recompute
+                                                                  else "none")))
     shutdown()
     return out
 

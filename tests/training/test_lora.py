@@ -27,9 +27,9 @@ MIXED = [70, 5, 33, 100, 12, 64, 1, 16, 48, 9]
 DEPENDENT = [100, 37, 17]
 # name -> (K, steps, targets, recompute)
 SINGLE = {
-    "k1": (1, [MIXED, DEPENDENT], "qkv,proj,fc1,fc2", None),
-    "k2": (2, [MIXED], "qkv,proj,fc1,fc2", None),
-    "qkv_fc2": (1, [MIXED], "qkv,fc2", None),
+    "k1": (1, [MIXED, DEPENDENT], "qkv,proj,fc1,fc2", "none"),
+    "k2": (2, [MIXED], "qkv,proj,fc1,fc2", "none"),
+    "qkv_fc2": (1, [MIXED], "qkv,fc2", "none"),
     "recompute_full": (1, [MIXED], "qkv,proj,fc1,fc2", "full"),
 }
 LAYOUTS = {"tp2_sequence_parallel": (2, 1, True), "pp2": (1, 2, False)}
@@ -42,7 +42,7 @@ def _summary(results):
 
 def _verify_single():
     from megatron_chunkflow.checks.verify import run_verify
-    from megatron_chunkflow.config import ChunkFlowConfig
+    from megatron_chunkflow.config import ChunkFlowConfig, Recompute
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.training.dist import shutdown
     from megatron_chunkflow.training.lora import LoRAConfig
@@ -50,7 +50,7 @@ def _verify_single():
     out = {name: _summary(run_verify(get_model_shape("tiny"), steps,
                                      ChunkFlowConfig(C, k, "torch"), seed=1,
                                      lora=LoRAConfig(rank=4, targets=targets),
-                                     recompute=recompute))
+                                     recompute=Recompute.parse(recompute)))
            for name, (k, steps, targets, recompute) in SINGLE.items()}
     shutdown()
     return out
@@ -231,7 +231,7 @@ def _train(ckpt, hf_dir):
     embedding = before["embedding.word_embeddings.weight"]
     qkv = before["decoder.layers.0.self_attention.linear_qkv.weight"]
     runs = {"chunkflow": dict(checkpoint=CheckpointConfig(save_hf=hf_dir)),
-            "megatron": dict(system="megatron"),
+            "megatron": dict(system="megatron-packed"),
             "first": dict(checkpoint=CheckpointConfig(save=ckpt, save_interval=3),
                           exit_interval=3),
             "resumed": dict(checkpoint=CheckpointConfig(load=ckpt))}
