@@ -1,9 +1,8 @@
 """Instruments for comparing training steps: activation bytes, per-op timestamps, peak RSS.
 
-- BenchMeter: checks/memory.py's ActivationMeter (bytes saved for backward, weights excluded,
-  plus the K/V state) that also counts what a backward saves while it runs: Megatron's full
-  recompute re-runs each layer's forward inside the backward, and those tensors live until autograd
-  frees them (tracked through the saved-tensor hooks' packed objects).
+- BenchMeter: checks/memory.py's ActivationMeter, the one exact meter (bytes saved for backward
+  from save to free, in forwards and in the backward's recomputes, weights excluded, plus the K/V
+  state); the name stays for bench's callers.
 - instrument_megatron: calls the same observers (runtime/observe.py) from Megatron's own schedule,
   by wrapping its module-level forward_step and backward_step, as ChunkFlow's execute_step does.
 - reset_peak_rss / peak_rss: the process's resident-set high-water mark (VmHWM), reset per step.
@@ -15,72 +14,11 @@ from __future__ import annotations
 import contextlib
 import re
 
-import torch
-
 from megatron_chunkflow.checks.memory import ActivationMeter
 from megatron_chunkflow.core.types import Op
 from megatron_chunkflow.runtime.observe import observing
 
-
-class BenchMeter(ActivationMeter):
-    """ActivationMeter plus the tensors saved while a backward runs (Megatron's full recompute
-    re-runs each layer's forward there), counted from when they are saved until autograd frees
-    them."""
-
-    def __init__(self, model, store=None):
-        super().__init__(model, store)
-        self.peak_recompute = 0
-
-    @contextlib.contextmanager
-    def backward(self, op):
-        with self.track_backward():
-            yield
-        self.release(op.chunk)
-
-    @contextlib.contextmanager
-    def track_backward(self):
-        live, refs = [0], {}
-        params, meter = self._param_ptrs, self
-
-        class Saved:
-            __slots__ = ("tensor", "ptr")
-
-            def __init__(self, tensor, ptr):
-                self.tensor, self.ptr = tensor, ptr
-
-            def __del__(self):
-                count, nbytes = refs[self.ptr]
-                if count == 1:
-                    del refs[self.ptr]
-                    live[0] -= nbytes
-                else:
-                    refs[self.ptr] = (count - 1, nbytes)
-
-        def pack(t: torch.Tensor):
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr in params or storage.nbytes() == 0:
-                return t
-            count, nbytes = refs.get(ptr, (0, storage.nbytes()))
-            if count == 0:
-                live[0] += nbytes
-                meter._peak_with(live[0])
-            refs[ptr] = (count + 1, nbytes)
-            return Saved(t, ptr)
-
-        def unpack(x):
-            return x.tensor if isinstance(x, Saved) else x
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            yield
-
-    def _peak_with(self, extra: int) -> None:
-        self.peak_recompute = max(self.peak_recompute, extra)
-        act = sum(a for a, _ in self._held.values()) + extra
-        state = sum(s for _, s in self._held.values()) + sum(self._extra.values())
-        state += self.store.nbytes() if self.store is not None else 0
-        self.peak_activation = max(self.peak_activation, act)
-        self.peak_total = max(self.peak_total, act + state)
+BenchMeter = ActivationMeter  # peak_total, peak_activation, peak_state, peak_recompute, ...
 
 
 @contextlib.contextmanager
