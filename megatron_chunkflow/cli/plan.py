@@ -6,9 +6,12 @@
     chunkflow plan --png plan.png
 
 Times are FLOPs on the critical path of one GPU under the named model's cost model (attention
-counted per segment); the ratio of the two systems is what to read. Memory is
-perfmodel/footprint.py's model (the simulator's) in bf16 without recompute: activations the plan
-holds at once and, for ChunkFlow, the long sequence's K/V state.
+counted per segment, a baseline's padding included); the ratio of the two systems is what to
+read. Memory is perfmodel/footprint.py's model (the simulator's) in bf16 without recompute:
+activations the plan holds at once and, for ChunkFlow, the long sequence's K/V state. Stock
+Megatron is planned as each of core/step.py's BASELINES (megatron-sft: first-fit lines padded to
+--seq-length; megatron-packed: best fit, no padding, the strongest and the JSON's "baseline";
+megatron-unpacked: one sequence per micro-batch).
 """
 
 from __future__ import annotations
@@ -24,16 +27,27 @@ from megatron_chunkflow.config import (
     config_from_args,
 )
 from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape
-from megatron_chunkflow.core.step import plan_baseline, plan_chunkflow
+from megatron_chunkflow.core.step import BASELINES, plan_baseline, plan_chunkflow
 from megatron_chunkflow.perfmodel.footprint import memory_hooks
 from megatron_chunkflow.perfmodel.layout import Layout
 
 GIB = 2.0**30
 BF16_BYTES = 2  # the printed memory model's element size
+STRONGEST = "megatron-packed"  # the JSON's "baseline" (kept for compatibility)
 
 
 def _gib(values) -> str:
     return "[" + ", ".join(f"{v / GIB:.1f}" for v in values) + "]"
+
+
+def _baseline_summary(rp, dp_rank: int) -> dict:
+    """One stock baseline's plan in numbers (the JSON's "baselines" entries)."""
+    chunks = [c for rank in rp.chunks for c in rank]
+    computed = sum(c.computed_tokens for c in chunks)
+    return {"num_microbatches": len(chunks),
+            "padding_fraction": 1 - sum(c.num_tokens for c in chunks) / max(computed, 1),
+            "bubble_ratio": rp.sims[dp_rank].bubble_ratio, "step_time": rp.step_time,
+            "peak_memory_gib": [round(b / GIB, 3) for b in rp.peak_memory_bytes(dp_rank)]}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
                                        cfg.chunk_size, cfg.k)
     batch, cf = plan_chunkflow(lengths, cfg.chunk_size, cfg.k, args.pp, args.dp, shape,
                                held_bytes_for=held_for, state_bytes_for=state_for)
-    base = plan_baseline(lengths, seq_length, args.pp, args.dp, shape, held_bytes_for=held_for)
+    bases = {b: plan_baseline(lengths, seq_length, args.pp, args.dp, shape,
+                              held_bytes_for=held_for, baseline=b) for b in BASELINES}
+    base = bases[STRONGEST]
     r = args.dp_rank
     plan, sim = cf.plans[r], cf.sims[r]
     speedup = base.step_time / cf.step_time
@@ -83,13 +99,16 @@ def run(args: argparse.Namespace) -> int:
     out.say(f"  DP rank {r}: {len(cf.chunks[r])} chunks, bubble {sim.bubble_ratio:.1%}, "
             f"peak chunks holding activations per stage {list(sim.peak_held)}, "
             f"{sim.num_recompute} re-forwarded")
-    out.say(f"Stock Megatron  seq-length {seq_length}: {sum(len(c) for c in base.chunks)} "
-            f"micro-batches, DP rank {r} bubble {base.sims[r].bubble_ratio:.1%}")
-    out.say(f"Modelled peak activation memory per stage, GiB (bf16, no recompute; ChunkFlow "
-            f"includes K/V state): {_gib(cf.peak_memory_bytes(r))} vs "
-            f"{_gib(base.peak_memory_bytes(r))}")
-    out.say(f"Predicted step time (model {args.model}, slowest DP rank): "
-            f"{cf.step_time:.3e} vs {base.step_time:.3e} FLOPs -> speedup {speedup:.2f}x")
+    out.say(f"ChunkFlow peak activation memory per stage, GiB (bf16, no recompute, K/V state "
+            f"included): {_gib(cf.peak_memory_bytes(r))}; step time {cf.step_time:.3e} FLOPs "
+            f"(model {args.model}, slowest DP rank)")
+    summaries = {b: _baseline_summary(p, r) for b, p in bases.items()}
+    for b, x in summaries.items():
+        out.say(f"Stock {b:<17} seq-length {seq_length}: {x['num_microbatches']} micro-batches, "
+                f"padding {x['padding_fraction']:.1%}, DP rank {r} bubble "
+                f"{x['bubble_ratio']:.1%}, peak GiB {_gib(bases[b].peak_memory_bytes(r))}, "
+                f"step time {x['step_time']:.3e} -> ChunkFlow speedup "
+                f"{x['step_time'] / cf.step_time:.2f}x")
     if len(cf.chunks[r]) < args.pp:
         out.say(f"note: DP rank {r} has {len(cf.chunks[r])} chunks for {args.pp} pipeline "
                 "stages; the pipeline cannot fill")
@@ -98,8 +117,8 @@ def run(args: argparse.Namespace) -> int:
 
         draw_timelines(args.png, [
             (f"ChunkFlow C={cfg.chunk_size} K={cfg.k}, DP rank {r}", sim, plan),
-            (f"stock Megatron 1F1B, seq-length {seq_length}, DP rank {r}", base.sims[r],
-             base.plans[r]),
+            (f"stock Megatron ({STRONGEST}) 1F1B, seq-length {seq_length}, DP rank {r}",
+             base.sims[r], base.plans[r]),
         ])
         out.say(f"timeline written to {args.png}")
 
@@ -121,13 +140,16 @@ def run(args: argparse.Namespace) -> int:
         },
         "baseline": {
             "seq_length": seq_length,
+            "name": STRONGEST,
             "num_microbatches": sum(len(c) for c in base.chunks),
             "bubble_ratio": base.sims[r].bubble_ratio,
             "peak_held_chunks": list(base.sims[r].peak_held),
             "step_time": base.step_time,
             "peak_memory_gib": [round(b / GIB, 3) for b in base.peak_memory_bytes(r)],
         },
+        "baselines": summaries,
         "speedup": speedup,
+        "speedups": {b: x["step_time"] / cf.step_time for b, x in summaries.items()},
         "setup": {"chunk_size": cfg.chunk_size, "k": cfg.k, "pp": args.pp, "dp": args.dp,
                   "dp_rank": r, "model": args.model, "source": source},
     })

@@ -1,15 +1,23 @@
-"""`chunkflow simulate`: predicted step time, MFU and peak memory per GPU, stock Megatron against
-ChunkFlow, for a Qwen2.5 model on a cluster of named GPUs (roofline cost model, docs/benchmarks.md).
+"""`chunkflow simulate`: predicted step time, MFU and peak memory per GPU, stock Megatron (three
+baselines) against ChunkFlow, for a Qwen2.5 model on a cluster of named GPUs (roofline cost
+model, docs/benchmarks.md).
 
     chunkflow simulate                                       # qwen2.5-7b, 32K, 32 x h100, profile B
     chunkflow simulate --model qwen2.5-72b --seq-length 262144 --gpus 128 --auto
-    chunkflow simulate --megatron-parallel 4,2,1,full --chunkflow-parallel 4,1,1,none \\
-        --chunk-size 16384 --chunkflow-k 2 --gpu a100 --gpu-set network_gb_s=50 --json
-    chunkflow simulate --gpu h100 --calibration h100_calibration.json
+    chunkflow simulate --baseline megatron-sft --megatron-parallel 4,2,1,block:4 \\
+        --chunkflow-parallel 4,1,1,selective:mlp --chunk-size 16384 --chunkflow-k 2 --json
+    chunkflow simulate --gpu h100 --calibration h100_calibration.json --gpu-set cp_overlap=1
 
-A layout is TP,CP,PP,RECOMPUTE (RECOMPUTE: none, selective or full); DP is what --gpus leaves.
-"auto" (the default) picks the fastest layout that fits in memory. Sequences longer than
---seq-length are truncated to it for both systems (the context limit of the run).
+The baselines (core/step.py BASELINES): megatron-sft (Megatron-LM's SFT: lines packed first-fit in
+data order and padded to --seq-length, fixed-shape pipeline sends), megatron-packed (best fit, no
+padding, variable shapes: the strongest), megatron-unpacked (one sequence per micro-batch);
+under CP every sequence is padded to a multiple of 2 x CP. `--baseline all` (the default) predicts
+each on its own fastest layout and recompute. A layout is TP,CP,PP,RECOMPUTE with RECOMPUTE one of
+Megatron's menu (none, selective, selective:mlp+layernorm, full, block:N); DP is what --gpus
+leaves; "auto" (the default) searches every layout and recompute option for the fastest that fits.
+Every stock prediction is repeated with CP overlap 0 and 1 (Hardware.cp_overlap's range, searched
+again when the layout was). Sequences longer than --seq-length are truncated to it for every
+system (the context limit of the run).
 """
 
 from __future__ import annotations
@@ -25,14 +33,22 @@ from megatron_chunkflow.config import (
     add_config_arguments,
     config_from_args,
 )
-from megatron_chunkflow.perfmodel.hardware import GPUS, apply_calibration, get_gpu, with_overrides
-from megatron_chunkflow.perfmodel.layout import parse_layout
 from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape
+from megatron_chunkflow.core.profiles import PROFILES, sample_lengths
+from megatron_chunkflow.core.step import BASELINES
+from megatron_chunkflow.perfmodel.hardware import (
+    GPUS,
+    apply_calibration,
+    get_gpu,
+    with_overrides,
+)
+from megatron_chunkflow.perfmodel.layout import parse_layout
 from megatron_chunkflow.perfmodel.predict import GIB, Prediction
 from megatron_chunkflow.perfmodel.search import best_chunkflow, best_megatron
-from megatron_chunkflow.core.profiles import PROFILES, sample_lengths
 
 DEFAULT_BATCH = 2048
+STRONGEST = "megatron-packed"  # what the JSON's "megatron" and "speedup" keep reporting
+CP_OVERLAP_ENDS = (0.0, 1.0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,8 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu", default="h100", choices=sorted(GPUS),
                    help="GPU type, datasheet numbers in perfmodel/hardware.py (default: h100)")
     g.add_argument("--gpu-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one hardware parameter, e.g. nvlink_gb_s=400 or "
-                        "gemm_max_eff=0.7 (repeatable; keys: perfmodel/hardware.py Hardware)")
+                   help="override one hardware parameter, e.g. nvlink_gb_s=400, cp_overlap=1 or "
+                        "kernel_launch_us=10 (repeatable; keys: perfmodel/hardware.py Hardware)")
     g.add_argument("--calibration", metavar="FILE",
                    help="efficiencies measured by scripts/benchmarks/gpu_calibrate.py")
     g = parser.add_argument_group("data")
@@ -60,9 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"sequences per step drawn from --profile (default: {DEFAULT_BATCH})")
     g.add_argument("--seed", type=int, default=0, help="profile seed (default: 0)")
     g.add_argument("--step", type=int, default=0, help="training step to draw (default: 0)")
-    g = parser.add_argument_group("layouts")
+    g = parser.add_argument_group("stock Megatron and layouts")
+    g.add_argument("--baseline", choices=[*BASELINES, "all"], default="all",
+                   help="the stock system(s) to predict (default: all three)")
     g.add_argument("--megatron-parallel", default="auto", metavar="TP,CP,PP,RECOMPUTE",
-                   help="stock Megatron's layout, or auto (default: auto)")
+                   help="stock Megatron's layout (every baseline's), or auto (default: auto)")
     g.add_argument("--chunkflow-parallel", default="auto", metavar="TP,CP,PP,RECOMPUTE",
                    help="ChunkFlow's layout (CP must be 1), or auto (default: auto)")
     g = parser.add_argument_group("chunkflow")
@@ -91,9 +109,18 @@ def _row(name: str, p: Prediction, usable: float) -> str:
     layout = f"{lay.tp} {lay.cp} {lay.pp} {lay.dp} {lay.recompute}"
     if p.system == "chunkflow":
         layout += f"  C={p.chunk_size} K={p.k}"
-    return (f"{name:<15} {layout:<26} {p.step_s:>9.3f} {p.tokens_per_s:>11,.0f} "
-            f"{p.mfu:>6.1%} {p.bubble:>7.1%} {p.peak_mem_bytes / GIB:>7.1f} / "
-            f"{usable / GIB:<5.1f} {'yes' if p.fits else 'NO'}")
+    return (f"{name:<17} {layout:<44} {p.step_s:>9.3f} {p.tokens_per_s:>11,.0f} "
+            f"{p.mfu:>6.1%} {p.bubble:>7.1%} {p.padding_fraction:>6.1%} "
+            f"{p.peak_mem_bytes / GIB:>7.1f} / {usable / GIB:<5.1f} {'yes' if p.fits else 'NO'}")
+
+
+def speedup_of(stock: Prediction, cf: Prediction) -> float | None:
+    """Stock step time over ChunkFlow's, None unless both fit."""
+    return stock.step_s / cf.step_s if stock.fits and cf.fits else None
+
+
+def _x(value: float | None) -> str:
+    return f"{value:.2f}x" if value is not None else "n/a"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,48 +148,76 @@ def run(args: argparse.Namespace) -> int:
     raw, source = _lengths(args)
     lengths = [min(n, args.seq_length) for n in raw]
     truncated = sum(n > args.seq_length for n in raw)
+    names = list(BASELINES) if args.baseline == "all" else [args.baseline]
 
-    mg = best_megatron(lengths, shape, hw, args.gpus, args.seq_length, mg_layout)
+    def stock(name: str, device) -> Prediction:
+        try:
+            return best_megatron(lengths, shape, device, args.gpus, args.seq_length, mg_layout,
+                                 name)
+        except ValueError as e:
+            raise ValueError(f"--baseline {name}: {e}") from None
+
+    preds = {name: stock(name, hw) for name in names}
     cf = best_chunkflow(lengths, shape, hw, args.gpus, args.seq_length, cf_layout,
                         cfg.chunk_size, cfg.k, auto_chunking=args.auto)
-    ratio = mg.step_s / cf.step_s
-    speedup = ratio if mg.fits and cf.fits else None
+    speedups = {name: speedup_of(p, cf) for name, p in preds.items()}
+    ratios = {name: p.step_s / cf.step_s for name, p in preds.items()}
+    ends = {}  # CP overlap 0 and 1: the stock systems again (ChunkFlow runs without CP)
+    for end in CP_OVERLAP_ENDS:
+        device = dataclasses.replace(hw, cp_overlap=end)
+        again = {n: preds[n] if end == hw.cp_overlap else stock(n, device) for n in names}
+        ends[f"{end:g}"] = {n: {"step_s": p.step_s, "speedup": speedup_of(p, cf),
+                                "layout": p.layout.to_json(), "fits": p.fits}
+                            for n, p in again.items()}
 
     out.say(f"{args.model} on {args.gpus} x {hw.name} ({hw.hbm_gb:g} GB, "
             f"{hw.peak_tflops:g} TFLOP/s peak); {len(lengths)} sequences ({source}), "
             f"{sum(lengths):,} tokens, longest {max(lengths):,}"
             + (f", {truncated} truncated to --seq-length {args.seq_length}" if truncated else ""))
-    out.say(f"\n{'system':<15} {'TP CP PP DP recompute':<26} {'step (s)':>9} {'tokens/s':>11} "
-            f"{'MFU':>6} {'bubble':>7} {'peak / usable GiB':>15} fits")
-    out.say(_row("stock Megatron", mg, hw.usable_bytes))
+    out.say(f"\n{'system':<17} {'TP CP PP DP recompute':<44} {'step (s)':>9} {'tokens/s':>11} "
+            f"{'MFU':>6} {'bubble':>7} {'pad':>6} {'peak / usable GiB':>15} fits")
+    for name, p in preds.items():
+        out.say(_row(name, p, hw.usable_bytes))
     out.say(_row("ChunkFlow", cf, hw.usable_bytes))
-    if speedup is not None:
-        out.say(f"\nChunkFlow speedup: {speedup:.2f}x")
-    else:
-        who = " and ".join(n for n, p in (("stock Megatron", mg), ("ChunkFlow", cf)) if not p.fits)
-        out.say(f"\n{who} does not fit in {hw.usable_bytes / GIB:.1f} GiB per GPU; step-time "
-                f"ratio ignoring memory: {ratio:.2f}x")
-    chosen = [f"--megatron-parallel {mg.layout.to_flag()}"] if mg_layout is None else []
+    out.say("")
+    for name in names:
+        lo, hi = (ends[f"{e:g}"][name]["speedup"] for e in CP_OVERLAP_ENDS)
+        if speedups[name] is not None:
+            out.say(f"ChunkFlow speedup vs {name}: {speedups[name]:.2f}x (CP overlap "
+                    f"{hw.cp_overlap:g}; at 0: {_x(lo)}, at 1: {_x(hi)})")
+        else:
+            who = " and ".join(n for n, p in ((name, preds[name]), ("ChunkFlow", cf))
+                               if not p.fits)
+            out.say(f"vs {name}: {who} does not fit in {hw.usable_bytes / GIB:.1f} GiB per GPU; "
+                    f"step-time ratio ignoring memory: {ratios[name]:.2f}x")
+    chosen = [f"--megatron-parallel {p.layout.to_flag()} ({n})" for n, p in preds.items()
+              if mg_layout is None]
     if cf_layout is None:
         chosen.append(f"--chunkflow-parallel {cf.layout.to_flag()}")
     if args.auto:
         chosen.append(f"--chunk-size {cf.chunk_size} --chunkflow-k {cf.k}")
     if chosen:
-        out.say("chosen by search (fastest that fits): " + " ".join(chosen))
+        out.say("chosen by search (fastest that fits): " + "; ".join(chosen))
 
+    main = STRONGEST if STRONGEST in preds else names[0]
     out.result({
-        "megatron": mg.to_json(),
+        "megatron": preds[main].to_json(),
         "chunkflow": cf.to_json(),
-        "speedup": speedup,
-        "step_time_ratio": ratio,
+        "speedup": speedups[main],
+        "step_time_ratio": ratios[main],
+        "baselines": {name: p.to_json() for name, p in preds.items()},
+        "speedups": speedups,
+        "step_time_ratios": ratios,
+        "cp_overlap": {"value": hw.cp_overlap, "range": ends},
         "chunk_size": cf.chunk_size,
         "k": cf.k,
         "setup": {
             "model": args.model, "gpu": hw.name, "gpus": args.gpus,
             "seq_length": args.seq_length, "global_batch_size": len(lengths),
-            "tokens": sum(lengths), "truncated": truncated, "source": source,
+            "tokens": sum(lengths), "longest": max(lengths), "truncated": truncated,
+            "source": source,
             "usable_gib": hw.usable_bytes / GIB, "calibration": args.calibration,
-            "hardware": dataclasses.asdict(hw),
+            "baseline": args.baseline, "hardware": dataclasses.asdict(hw),
         },
     })
     return 0

@@ -6,33 +6,57 @@ over the d = DP x CP ranks that hold the same weights); fp32 params (CPU runs) 8
 Parameters are split over TP and PP.
 
 Activations saved for backward per token per layer, after Korthikanti et al. 2022 ("Reducing
-Activation Recomputation in Large Transformer Models"), whose GPT count is 34 bytes * h plus
-5 * a * s bytes of attention scores. Adapted to Qwen2.5 (GQA with K/V width kv, SwiGLU with
-width f, RMSNorm, no dropout) and a fused flash-style kernel that never stores the scores:
-two norm inputs (2h), QKV input (h), Q (h), K and V (2 kv), attention output = projection
-input (h), fc1 input (h), fc1 output (2f), SwiGLU output (f): 6h + 2kv + 3f elements, plus
-the kernel's fp32 log-sum-exp (4 bytes per head). Check: with kv = h, a 4h GeLU MLP and the
-two 1-byte dropout masks this gives Korthikanti's 34h bytes. Sequence parallelism divides all
-of it by TP (Korthikanti section 4.2.2).
-- selective recompute (Megatron's core_attn module): Q, K, V stay as checkpoint inputs and the
-  output is the projection's input, so only the log-sum-exp is saved (the s^2 term it was
-  designed for is already gone with a fused kernel).
-- full recompute: the layer input only, 2 * h / TP bytes (Korthikanti's 2sbh per layer).
+Activation Recomputation in Large Transformer Models"), adapted to Qwen2.5 (GQA with K/V width
+kv, SwiGLU with width f, RMSNorm, no dropout) and a fused flash-style kernel that never stores
+the scores. Term by term (ACTIVATION_TERMS, elements per token unless said), what megatron-core
+0.16.1's layer (transformer_layer.py, attention.py, mlp.py) keeps without recompute:
+  norm_inputs  2h   both RMSNorms' inputs (the residual stream)
+  qkv_input    h    the input norm's output, saved by the QKV linear
+  q, kv        a, 2kv  post-RoPE Q, K, V saved by the attention kernel (a = heads x head dim)
+  lse          4 bytes per head: the kernel's fp32 log-sum-exp
+  proj_input   a    the attention output, saved by the projection
+  fc1_input    h    the pre-MLP norm's output, saved by fc1
+  fc1_output   2f   saved by SwiGLU
+  act_output   f    SwiGLU's output, saved by fc2
+6h + 2kv + 3f elements (a = h in Qwen2.5) plus the log-sum-exp; with kv = h, a 4h GeLU MLP and
+the two 1-byte dropout masks this is Korthikanti's 34h bytes. Sequence parallelism divides all of
+it by TP (the linears save their SP-split input and all-gather it again in the backward).
+What each recompute option drops (RECOMPUTE_DROPS), from megatron-core's code:
+- core_attn (attention.py _checkpointed_attention_forward: tensor_parallel.checkpoint of the core
+  attention on Q, K, V): Q, K, V stay as the checkpoint's inputs and the output is the
+  projection's input anyway, so only the log-sum-exp goes;
+- mlp (transformer_layer.py _forward_mlp: tensor_parallel.checkpoint of the whole MLP on the
+  pre-MLP norm's output): fc1's output and SwiGLU's output go, fc1's input stays as the
+  checkpoint's input;
+- layernorm (CheckpointWithoutOutput on both norms, discard_output_and_register_recompute): the
+  norms' outputs go (qkv_input and fc1_input), their inputs stay as the checkpoint's inputs;
+- full (transformer_block.py _checkpointed_forward, CheckpointFunction per layer): the layer
+  input only, h elements (Korthikanti's 2sbh per layer), recomputed whole in the backward;
+  block:N does that for the first N layers of each stage and keeps everything in the others.
 The output layer keeps its input and the final norm's (2h / TP) and the fp32 softmax of the
 vocabulary-parallel cross entropy (4 V / TP bytes per token) on the last stage.
 
-Transient: while a layer runs backward (or is recomputed) its activations and their gradients
-live at once; we add one layer's full activations of the largest micro-batch, or the bf16
-logits on the last stage if larger.
+Transient (transient_bytes): while a layer runs backward its activation gradients are live
+beside the saved activations; we count one layer's full activations of the largest micro-batch
+for them (the gradient working set), and, on top, what recompute brings back at that moment:
+selective modules re-create the dropped tensors of the layer being back-propagated (the first
+layer to run backward, while every other layer still holds its own); a fully recomputed layer
+re-creates all but its input, but only when every layer of the stage is recomputed (full, or
+block with N = the stage's layers): with block N < layers the first recomputed layer runs when
+the stage's kept layers have already freed more than it re-creates. On the last stage the bf16
+logits count instead if larger.
 
 ChunkFlow adds, per stage, the state of the one long sequence in flight (long_sequence_state_bytes,
 the one formula for it, on per-token bytes: modelled here from shape, layout and dtype, measured
 by `chunkflow bench` in perfmodel/budget.py) and, after the first stage, the stage inputs saved
-for its re-forwards.
+for its re-forwards. The cat(prefix, own) K/V copy that each held chunk's attention saves is held
+only by layers whose core attention is not recomputed (core_attn, full or block recompute re-create
+it in the backward, one layer at a time: one layer's copy of the sequence is added for that).
 
 Every function takes the bytes per element of weights and activations (`dtype_bytes`: 2 for
 bf16, 4 for fp32; a device's Hardware.dtype_bytes); nothing else about the device matters here.
-The planner (core/step.py) models time only; memory_hooks hands it this model.
+Token counts are computed tokens (a baseline's padding included, core/types.py). The planner
+(core/step.py) models time only; memory_hooks hands it this model.
 """
 
 from __future__ import annotations
@@ -40,10 +64,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+from megatron_chunkflow.config import Recompute
 from megatron_chunkflow.core.costs import layers_per_stage, linear_weights_per_layer
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.types import DataChunk
-from megatron_chunkflow.perfmodel.layout import Layout
+from megatron_chunkflow.perfmodel.layout import NO_RECOMPUTE, Layout, recomputed_layers
 
 
 def layer_params(shape: ModelShape) -> int:
@@ -84,16 +109,67 @@ def static_bytes(params: float, layout: Layout, dtype_bytes: int) -> float:
     return local * (dtype_bytes + 4 + states / (layout.dp * layout.cp))
 
 
+def recompute_of(layout: Layout, recompute: Recompute | str | None) -> Recompute:
+    """`recompute` (or its text form), else the layout's."""
+    if recompute is None:
+        return layout.recompute
+    return Recompute.parse(recompute) if isinstance(recompute, str) else recompute
+
+
+ACTIVATION_TERMS = ("norm_inputs", "qkv_input", "q", "kv", "lse", "proj_input", "fc1_input",
+                    "fc1_output", "act_output")
+RECOMPUTE_DROPS = {"core_attn": ("lse",), "mlp": ("fc1_output", "act_output"),
+                   "layernorm": ("qkv_input", "fc1_input")}
+
+
+def activation_terms(shape: ModelShape, layout: Layout, dtype_bytes: int) -> dict[str, float]:
+    """Bytes per token (on this GPU, after CP) of each tensor one layer saves for backward
+    without recompute (the module docstring's table), split over TP by sequence parallelism."""
+    h, kv, f, t = shape.hidden_size, shape.kv_dim, shape.ffn_hidden_size, layout.tp
+    a = shape.num_attention_heads * shape.head_dim
+    elems = {"norm_inputs": 2 * h, "qkv_input": h, "q": a, "kv": 2 * kv, "proj_input": a,
+             "fc1_input": h, "fc1_output": 2 * f, "act_output": f}
+    out = {k: v * dtype_bytes / t for k, v in elems.items()}
+    out["lse"] = 4.0 * shape.num_attention_heads / t
+    return {k: out[k] for k in ACTIVATION_TERMS}
+
+
+def dropped_bytes(shape: ModelShape, layout: Layout, dtype_bytes: int,
+                  recompute: Recompute | str | None = None) -> float:
+    """Bytes per token per layer a selective option does not keep (0 for the others)."""
+    rc = recompute_of(layout, recompute)
+    if rc.kind != "selective":
+        return 0.0
+    terms = activation_terms(shape, layout, dtype_bytes)
+    return sum(terms[n] for n in {t for m in rc.modules for t in RECOMPUTE_DROPS[m]})
+
+
+def layer_input_bytes(shape: ModelShape, layout: Layout, dtype_bytes: int) -> float:
+    """What a fully recomputed layer keeps per token: its SP-split input."""
+    return dtype_bytes * shape.hidden_size / layout.tp
+
+
 def layer_activation_bytes(shape: ModelShape, layout: Layout, dtype_bytes: int,
-                           recompute: str | None = None) -> float:
-    """Bytes saved for backward per token (on this GPU, after CP) per transformer layer."""
-    recompute = recompute or layout.recompute
-    t, h = layout.tp, shape.hidden_size
-    if recompute == "full":
-        return dtype_bytes * h / t
-    elems = 6 * h + 2 * shape.kv_dim + 3 * shape.ffn_hidden_size
-    lse = 4 * shape.num_attention_heads if recompute == "none" else 0
-    return (elems * dtype_bytes + lse) / t
+                           recompute: Recompute | str | None = None) -> float:
+    """Bytes saved for backward per token (on this GPU, after CP) by one layer under `recompute`
+    (default: the layout's): everything less the selective modules' drops, or for a fully
+    recomputed layer (full; block's first N layers) its input. For block, the bytes of one of
+    its recomputed layers (stage_activation_bytes has the stage's mix)."""
+    rc = recompute_of(layout, recompute)
+    if rc.kind in ("full", "block"):
+        return layer_input_bytes(shape, layout, dtype_bytes)
+    return (sum(activation_terms(shape, layout, dtype_bytes).values())
+            - dropped_bytes(shape, layout, dtype_bytes, rc))
+
+
+def stage_activation_bytes(shape: ModelShape, layout: Layout, dtype_bytes: int,
+                           layers: int) -> float:
+    """Bytes per token a micro-batch keeps on a stage of `layers` layers under the layout's
+    recompute: its recomputed layers keep their input, the others their (selective) bytes."""
+    r = recomputed_layers(layout.recompute, layers)
+    kept = layer_activation_bytes(shape, layout, dtype_bytes,
+                                  NO_RECOMPUTE if r else layout.recompute)
+    return r * layer_input_bytes(shape, layout, dtype_bytes) + (layers - r) * kept
 
 
 def head_activation_bytes(shape: ModelShape, layout: Layout, dtype_bytes: int) -> float:
@@ -106,17 +182,22 @@ def head_activation_bytes(shape: ModelShape, layout: Layout, dtype_bytes: int) -
 def per_token_bytes(shape: ModelShape, layout: Layout, dtype_bytes: int,
                     num_stages: int) -> list[float]:
     """Activation bytes a micro-batch holds per token (after CP) on each stage."""
-    layer = layer_activation_bytes(shape, layout, dtype_bytes)
-    out = [n * layer for n in layers_per_stage(shape.num_layers, num_stages)]
+    out = [stage_activation_bytes(shape, layout, dtype_bytes, n)
+           for n in layers_per_stage(shape.num_layers, num_stages)]
     out[-1] += head_activation_bytes(shape, layout, dtype_bytes)
     return out
+
+
+def chunk_tokens(chunk: DataChunk, cp: int = 1) -> int:
+    """Tokens a micro-batch computes on one of its CP ranks (padding included)."""
+    return math.ceil(chunk.computed_tokens / cp)
 
 
 def chunk_bytes_fn(chunks: Sequence[DataChunk], per_token: Sequence[float],
                    cp: int = 1) -> Callable[[int, int], float]:
     """held_bytes(chunk id, stage) for core.simulate.simulate: `per_token[stage]` bytes (modelled
-    or measured) for each of the chunk's tokens on this GPU (after CP)."""
-    tokens = {c.id: math.ceil(c.num_tokens / cp) for c in chunks}
+    or measured) for each of the chunk's computed tokens on this GPU (after CP)."""
+    tokens = {c.id: chunk_tokens(c, cp) for c in chunks}
     return lambda chunk, stage: per_token[stage] * tokens[chunk]
 
 
@@ -128,12 +209,19 @@ def held_bytes_fn(chunks: Sequence[DataChunk], shape: ModelShape, layout: Layout
 
 
 def transient_bytes(max_tokens: int, shape: ModelShape, layout: Layout, dtype_bytes: int,
-                    last_stage: bool) -> float:
+                    last_stage: bool, layers: int | None = None) -> float:
     """Working memory of the backward of one layer (or the logits) for the largest micro-batch
-    on this GPU (`max_tokens` after CP)."""
-    layer = layer_activation_bytes(shape, layout, dtype_bytes, recompute="none")
+    on this GPU (`max_tokens` after CP), on a stage of `layers` layers (default: an even split):
+    the gradient working set plus what recompute re-creates then (module docstring)."""
+    layers = shape.num_layers // layout.pp if layers is None else layers
+    full = layer_activation_bytes(shape, layout, dtype_bytes, NO_RECOMPUTE)
+    r = recomputed_layers(layout.recompute, layers)
+    if r and r == layers:
+        extra = full - layer_input_bytes(shape, layout, dtype_bytes)
+    else:
+        extra = 0.0 if r else dropped_bytes(shape, layout, dtype_bytes)
     logits = 2 * math.ceil(shape.vocab_size / layout.tp) if last_stage else 0.0
-    return max_tokens * max(layer, logits)
+    return max_tokens * max(full + extra, logits)
 
 
 def kv_state_bytes_per_token(shape: ModelShape, num_layers: int, dtype_bytes: int = 2,
@@ -147,14 +235,16 @@ def kv_state_bytes_per_token(shape: ModelShape, num_layers: int, dtype_bytes: in
 
 
 def long_sequence_state_bytes(longest: int, chunk_size: int, k: int, kv: float, acc: float,
-                              hidden: float) -> float:
+                              hidden: float, copy_kv: float | None = None) -> float:
     """An upper bound of the state one stage keeps for a long sequence of `longest` tokens cut
     into C = `chunk_size` token chunks, K = `k` of them holding activations, as the plugin keeps
     it (docs/exactness.md, "Memory"). Per-token bytes of the stage: `kv` (u) its stored K/V,
     `acc` (a) their gradient accumulators, `hidden` (h) the stage input kept for each
-    re-forwarded chunk (0 on the first stage, which re-reads its input). With n = ceil(L / C):
+    re-forwarded chunk (0 on the first stage, which re-reads its input), `copy_kv` (c, default u)
+    the cat(prefix, own) copies held (less than u when recompute re-creates some layers'). With
+    n = ceil(L / C):
 
-        L (u + a)  +  u * sum over the last K chunks j of min((j+1) C, L)  +  (n - K) C h
+        L (u + a)  +  c * sum over the last K chunks j of min((j+1) C, L)  +  (n - K) C h
 
     the stored K/V and accumulators, the cat(prefix, own) K/V copy the attention of each chunk
     holding activations saves, the inputs of the n - K re-forwarded (full) chunks. For K = 1 the
@@ -163,22 +253,30 @@ def long_sequence_state_bytes(longest: int, chunk_size: int, k: int, kv: float, 
     when n = 2). Zero for a sequence that is not cut."""
     if longest <= chunk_size:
         return 0.0
+    copy_kv = kv if copy_kv is None else copy_kv
     n = math.ceil(longest / chunk_size)
     first_kept = max(0, n - k)
     copies = sum(min((j + 1) * chunk_size, longest) for j in range(first_kept, n))
-    return longest * (kv + acc) + copies * kv + first_kept * chunk_size * hidden
+    return longest * (kv + acc) + copies * copy_kv + first_kept * chunk_size * hidden
 
 
 def sequence_state_bytes(longest: int, chunk_size: int, k: int, shape: ModelShape,
                          layout: Layout, dtype_bytes: int, num_stages: int) -> list[float]:
     """long_sequence_state_bytes per stage, on per-token bytes modelled from the shape: K/V in
-    `dtype_bytes`, fp32 accumulators, stage inputs of hidden_size / TP elements."""
+    `dtype_bytes`, fp32 accumulators, stage inputs of hidden_size / TP elements. Layers whose
+    core attention is recomputed hold no prefix copy; the one they re-create in the backward (at
+    most the whole sequence's, one layer at a time) is added."""
     out = []
+    rc = layout.recompute
     for s, layers in enumerate(layers_per_stage(shape.num_layers, num_stages)):
         u = kv_state_bytes_per_token(shape, layers, dtype_bytes, layout.tp, with_grad=False)
         a = kv_state_bytes_per_token(shape, layers, dtype_bytes, layout.tp) - u
         h = dtype_bytes * shape.hidden_size / layout.tp if s > 0 else 0.0
-        out.append(long_sequence_state_bytes(longest, chunk_size, k, u, a, h))
+        saving = 0 if "core_attn" in rc.modules else layers - recomputed_layers(rc, layers)
+        state = long_sequence_state_bytes(longest, chunk_size, k, u, a, h, u * saving / layers)
+        if saving < layers and longest > chunk_size:
+            state += longest * u / layers
+        out.append(state)
     return out
 
 
@@ -203,36 +301,3 @@ def memory_hooks(shape: ModelShape, layout: Layout, dtype_bytes: int, chunk_size
     return (lambda chunks, p: held_bytes_fn(chunks, shape, layout, dtype_bytes, p),
             lambda chunks, p: chunkflow_state_bytes(chunks, shape, layout, dtype_bytes, p,
                                                     chunk_size, k))
-
-
-def chunkflow_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: Layout,
-                           dtype_bytes: int, chunk_size: int, k: int) -> float:
-    """A lower bound of ChunkFlow's peak memory per GPU, without planning (to skip hopeless
-    (chunk size, K) candidates): on every stage the last K chunks of the longest sequence hold
-    activations at once (all are forwarded before the first of them runs backward), beside its
-    state, the static memory and the transient of one chunk."""
-    longest = max(lengths)
-    if longest > chunk_size:
-        n = math.ceil(longest / chunk_size)
-        held = longest - (n - min(k, n)) * chunk_size
-    else:
-        held = longest
-    per_token = per_token_bytes(shape, layout, dtype_bytes, layout.pp)
-    params = stage_params(shape, layout.pp)
-    state = sequence_state_bytes(longest, chunk_size, k, shape, layout, dtype_bytes, layout.pp)
-    return max(static_bytes(params[s], layout, dtype_bytes) + held * per_token[s] + state[s]
-               + transient_bytes(min(chunk_size, longest), shape, layout, dtype_bytes,
-                                 s == layout.pp - 1)
-               for s in range(layout.pp))
-
-
-def megatron_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: Layout,
-                          dtype_bytes: int) -> float:
-    """A lower bound of stock Megatron's peak memory per GPU, without planning: on every stage
-    the micro-batch with the longest sequence holds activations at some point."""
-    tokens = math.ceil(max(lengths) / layout.cp)
-    per_token = per_token_bytes(shape, layout, dtype_bytes, layout.pp)
-    params = stage_params(shape, layout.pp)
-    return max(static_bytes(params[s], layout, dtype_bytes) + tokens * per_token[s]
-               + transient_bytes(tokens, shape, layout, dtype_bytes, s == layout.pp - 1)
-               for s in range(layout.pp))

@@ -41,6 +41,24 @@ Assumptions that are not datasheet numbers (stated, overridable, replaced by gpu
 - comm_eff: fraction of link bandwidth a NCCL ring reaches (0.8); latency per ring hop.
 - reserve_fraction: HBM not available to tensors (CUDA context, NCCL buffers, allocator
   fragmentation): 10%.
+- cp_overlap: the fraction of context parallelism's ring traffic hidden behind the attention
+  compute, in [0, 1]: attention costs compute + transfer - cp_overlap * min(compute, transfer)
+  (1: max of the two, perfect overlap; 0: their sum). Transformer Engine's ring attention
+  (transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py,
+  AttnFuncWithCPAndKVP2P, which Megatron's TEDotProductAttention calls under CP) posts step i+1's
+  K/V send/receive before step i's attention kernel, so the transfer is meant to hide behind it;
+  what the ideal misses is that NCCL's send/receive kernels hold SMs the attention kernel wants
+  while they run, and that each step's output and log-sum-exp correction and the wait for the
+  next step's K/V serialize. 0.8 (a fifth of the hideable transfer stays exposed) is an
+  assumption, not a measurement: `chunkflow simulate` reports the speedups at 0 and 1 beside it.
+- kernel_launch_us: the host time of one kernel launch, the pace at which eager PyTorch can feed
+  the GPU: an op cannot run faster than its kernels can be launched (perfmodel/layer.py counts
+  the kernels of a layer). 3.8 us: NVIDIA's "Getting Started with CUDA Graphs" (A. Gray, 2019,
+  https://developer.nvidia.com/blog/cuda-graphs/) measures 3.8 us per kernel for back-to-back
+  launches of a 2.9 us kernel in a stream (the launch path, not the kernel, setting the pace;
+  9.6 us with a synchronization after each). It is the CUDA launch alone, so a lower bound for
+  eager PyTorch, whose dispatcher and Python add to it (`--gpu-set kernel_launch_us=10` shows
+  what that would cost). 0 for measured CPU devices, whose host time per op is `op_overhead_us`.
 """
 
 from __future__ import annotations
@@ -51,6 +69,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 GB = 1e9
+CP_OVERLAP = 0.8  # assumption, stated in the module docstring; reported at 0 and 1 by simulate
+KERNEL_LAUNCH_US = 3.8  # https://developer.nvidia.com/blog/cuda-graphs/ (module docstring)
 
 
 @dataclass(frozen=True)
@@ -95,6 +115,10 @@ class Hardware:
     op_overhead_us: float = 0.0
     """Host time of one forward or backward op of a pipeline stage beyond its kernels (Python,
     framework); 0 on GPUs, where kernel launches run ahead of the kernels; measured on CPUs."""
+    cp_overlap: float = CP_OVERLAP
+    """Fraction of CP's ring traffic hidden behind attention compute, in [0, 1] (see above)."""
+    kernel_launch_us: float = KERNEL_LAUNCH_US
+    """Host time per kernel launch: a layer's op takes at least its kernels x this (see above)."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -109,6 +133,9 @@ class Hardware:
             if getattr(self, f) > 1:
                 raise ValueError(f"hardware {self.name}: {f} is a fraction of peak, got "
                                  f"{getattr(self, f)} > 1")
+        if not 0 <= self.cp_overlap <= 1:
+            raise ValueError(f"hardware {self.name}: cp_overlap is the hidden fraction of the CP "
+                             f"ring traffic, in [0, 1], got {self.cp_overlap}")
         if not 0 <= self.reserve_fraction < 1:
             raise ValueError(f"hardware {self.name}: reserve_fraction must be in [0, 1)")
         if self.dtype_bytes not in (2, 4):
@@ -208,7 +235,8 @@ def hardware_from_measurements(gemm_flops: float, attn_fwd_flops: float, attn_bw
 
     The fastest of the three compute rates becomes the peak (usually the GEMM rate, so MFU is
     relative to the measured GEMM rate) and each rate an efficiency relative to it. Tile and
-    wave quantization are off. All ranks count as one node linked at `p2p_bytes_per_s`.
+    wave quantization are off. All ranks count as one node linked at `p2p_bytes_per_s`. No
+    kernel launch floor: the measured host time per op (`op_overhead_s`) stands for it.
     """
     rates = {"gemm_flops": gemm_flops, "attn_fwd_flops": attn_fwd_flops,
              "attn_bwd_flops": attn_bwd_flops, "memory_bytes": memory_bytes,
@@ -225,4 +253,4 @@ def hardware_from_measurements(gemm_flops: float, attn_fwd_flops: float, attn_bw
         attn_bwd_eff=attn_bwd_flops / peak, attn_block=0, mem_eff=1.0,
         comm_eff=1.0, nvlink_latency_us=p2p_latency_s * 1e6,
         network_latency_us=p2p_latency_s * 1e6, reserve_fraction=reserve_fraction,
-        dtype_bytes=dtype_bytes, op_overhead_us=op_overhead_s * 1e6)
+        dtype_bytes=dtype_bytes, op_overhead_us=op_overhead_s * 1e6, kernel_launch_us=0.0)

@@ -1,10 +1,14 @@
-"""Predicted step time, MFU and peak memory per GPU of one training step, for stock Megatron and
-for ChunkFlow, on a named device (perfmodel/hardware.py) with the roofline cost model.
+"""Predicted step time, MFU and peak memory per GPU of one training step, for stock Megatron (one
+of core/step.py's BASELINES) and for ChunkFlow, on a named device (perfmodel/hardware.py) with the
+roofline cost model.
 
-Both systems go through core/step.py (plan_baseline: sequences packed into micro-batches of
-seq_length run with Megatron's 1F1B; plan_chunkflow: chunks with state-aware 1F1B) and
-core/simulate.py, with per-op seconds from perfmodel/roofline.py and bytes (activations held and
-the long sequence's state, as core/step.py's memory hooks) from perfmodel/footprint.py.
+Both systems go through core/step.py (plan_baseline: megatron-sft, -packed or -unpacked
+micro-batches, every sequence padded to a multiple of 2 x CP under CP, run with Megatron's 1F1B;
+plan_chunkflow: chunks with state-aware 1F1B) and core/simulate.py, with per-op seconds from
+perfmodel/roofline.py (recompute, launch floor, each system's pipeline sends) and bytes (activations
+held and the long sequence's state, as core/step.py's memory hooks) from perfmodel/footprint.py.
+Padding is computed like the sequence's own tokens (core/types.py Segment.padding), so it costs
+time and memory but is not model FLOPs.
 
 Step time = the slowest (DP rank, stage) of: its last backward, or the distributed optimizer's
 gradient reduce-scatter if longer (Megatron's --overlap-grad-reduce launches it during the last
@@ -17,17 +21,20 @@ speedup = ratio of step times = ratio of MFUs.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from megatron_chunkflow.core.costs import sequence_model_flops
+from megatron_chunkflow.core.costs import layers_per_stage, sequence_model_flops
 from megatron_chunkflow.core.models import ModelShape
-from megatron_chunkflow.core.schedule import is_reforwarded
-from megatron_chunkflow.core.step import RankPlans, plan_baseline, plan_chunkflow
-from megatron_chunkflow.core.types import DataChunk
+from megatron_chunkflow.core.step import (
+    Baseline,
+    RankPlans,
+    plan_baseline,
+    plan_chunkflow,
+)
 from megatron_chunkflow.perfmodel.footprint import (
+    chunk_tokens,
     memory_hooks,
     stage_params,
     static_bytes,
@@ -35,7 +42,7 @@ from megatron_chunkflow.perfmodel.footprint import (
 )
 from megatron_chunkflow.perfmodel.hardware import Hardware
 from megatron_chunkflow.perfmodel.layout import Layout
-from megatron_chunkflow.perfmodel.roofline import Roofline, chunk_work
+from megatron_chunkflow.perfmodel.roofline import Roofline
 
 GIB = 2.0**30
 
@@ -61,6 +68,8 @@ class Prediction:
     recompute_chunks: int = 0  # ChunkFlow re-forwards, all DP ranks
     chunk_size: int | None = None
     k: int | None = None
+    baseline: str | None = None  # stock Megatron: which of core/step.py's BASELINES
+    padding_fraction: float = 0.0  # computed tokens that are padding, all DP ranks
 
     @property
     def fits(self) -> bool:
@@ -75,6 +84,7 @@ class Prediction:
         return self.num_tokens / self.step_s
 
     def to_json(self) -> dict:
+        """Times in seconds, memory in GiB, the layout with its recompute's text form."""
         out = {
             "step_s": self.step_s, "mfu": self.mfu, "peak_mem_gib": self.peak_mem_bytes / GIB,
             "fits": self.fits, "tokens_per_s": self.tokens_per_s, "bubble": self.bubble,
@@ -82,7 +92,10 @@ class Prediction:
             "step_end_s": self.step_s - self.pipeline_s, "optimizer_s": self.optimizer_s,
             "num_microbatches": self.num_microbatches,
             "memory_gib": {k: v / GIB for k, v in self.memory.items()},
+            "padding_fraction": self.padding_fraction,
         }
+        if self.baseline is not None:
+            out["baseline"] = self.baseline
         if self.system == "chunkflow":
             out.update(chunk_size=self.chunk_size, k=self.k,
                        recompute_chunks=self.recompute_chunks)
@@ -93,11 +106,12 @@ def _finish(system: str, rp: RankPlans, model: Roofline, shape: ModelShape, hw: 
             lengths: Sequence[int], **extra) -> Prediction:
     layout = model.layout
     params = stage_params(shape, layout.pp)
+    layers = layers_per_stage(shape.num_layers, layout.pp)
     dp = [model.dp_times(p) for p in params]
     opt = [model.optimizer_time(p) for p in params]
     step, worst_mem, memory = 0.0, -1.0, {}
     for r, sim in enumerate(rp.sims):
-        max_tokens = max((math.ceil(c.num_tokens / layout.cp) for c in rp.chunks[r]), default=0)
+        max_tokens = max((chunk_tokens(c, layout.cp) for c in rp.chunks[r]), default=0)
         for s in range(layout.pp):
             rs, ag = dp[s]
             ops = sim.timeline[s]
@@ -107,61 +121,40 @@ def _finish(system: str, rp: RankPlans, model: Roofline, shape: ModelShape, hw: 
             mem = {"static": static_bytes(params[s], layout, hw.dtype_bytes),
                    "activations": sim.peak_bytes[s], "kv_state": rp.state_bytes[r][s],
                    "transient": transient_bytes(max_tokens, shape, layout, hw.dtype_bytes,
-                                                s == layout.pp - 1)}
+                                                s == layout.pp - 1, layers[s])}
             if sum(mem.values()) > worst_mem:
                 worst_mem, memory = sum(mem.values()), mem
     slowest = max(range(len(rp.sims)), key=lambda r: rp.sims[r].step_time)
+    chunks = [c for rank in rp.chunks for c in rank]
+    computed = sum(c.computed_tokens for c in chunks)
     return Prediction(
         system=system, layout=layout, step_s=step, pipeline_s=rp.step_time,
         optimizer_s=max(opt), model_flops=sequence_model_flops(lengths, shape),
         num_tokens=sum(lengths), num_gpus=layout.num_gpus, peak_flops=hw.peak_flops,
         peak_mem_bytes=worst_mem, usable_bytes=hw.usable_bytes, memory=memory,
-        bubble=rp.sims[slowest].bubble_ratio, num_microbatches=sum(len(c) for c in rp.chunks),
-        recompute_chunks=sum(s.num_recompute for s in rp.sims), **extra)
+        bubble=rp.sims[slowest].bubble_ratio, num_microbatches=len(chunks),
+        recompute_chunks=sum(s.num_recompute for s in rp.sims),
+        padding_fraction=1 - sum(c.num_tokens for c in chunks) / max(computed, 1), **extra)
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=2048)
 def roofline(shape: ModelShape, layout: Layout, hw: Hardware) -> Roofline:
     """One Roofline per (model, layout, device), so searches reuse its per-chunk cost cache."""
     return Roofline(shape, layout, hw)
 
 
-def chunk_work_items(chunks: Sequence[DataChunk], block: int, cp: int = 1,
-                     k: int = 1) -> list[tuple[int, bool, int, float]]:
-    """(DP rank, re-forwarded, tokens, pairs) per chunk: what time_floor needs, independent
-    of TP, PP and recompute, so a search computes it once per chunking."""
-    return [(c.dp_rank, is_reforwarded(c, k), *chunk_work(c, block, cp)) for c in chunks]
-
-
-def time_floor(items: Sequence[tuple[int, bool, int, float]], model: Roofline) -> float:
-    """A lower bound of the step time without planning. Stage s of a DP rank runs all its ops
-    (F and B of every chunk, R of every re-forwarded one), cannot start before some chunk has
-    gone forward through stages 0..s-1 and, after its last B, that chunk still runs backward
-    through stages s-1..0 before stage 0's optimizer step (or stage s's own, if longer)."""
-    pp = model.layout.pp
-    opt = [model.optimizer_time(p) for p in stage_params(model.shape, pp)]
-    rows: dict[int, list[list[float]]] = {}  # rank -> [busy, min F prefix, min B prefix]
-    for rank, reforward, tokens, pairs in items:
-        fwd, bwd = model.work_costs(tokens, pairs, pp)
-        busy, f_pre, b_pre = rows.setdefault(rank, [[0.0] * pp, [math.inf] * pp,
-                                                    [math.inf] * pp])
-        f_acc = b_acc = 0.0
-        for s in range(pp):
-            busy[s] += fwd[s] * (2 if reforward else 1) + bwd[s]
-            f_pre[s], b_pre[s] = min(f_pre[s], f_acc), min(b_pre[s], b_acc)
-            f_acc, b_acc = f_acc + fwd[s], b_acc + bwd[s]
-    return max((busy[s] + f_pre[s] + max(opt[s], b_pre[s] + opt[0])
-                for busy, f_pre, b_pre in rows.values() for s in range(pp)), default=0.0)
-
-
 def predict_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware, layout: Layout,
-                     seq_length: int) -> Prediction:
-    """Stock Megatron: whole sequences packed into micro-batches of `seq_length`, 1F1B."""
+                     seq_length: int, baseline: Baseline = "megatron-packed") -> Prediction:
+    """Stock Megatron: whole sequences in micro-batches of at most `seq_length` as `baseline`
+    builds them (core/step.py), padded to 2 x CP under CP, Megatron's 1F1B; megatron-sft sends
+    fixed seq_length shapes, the others each micro-batch's own after a shape handshake."""
     model = roofline(shape, layout, hw)
     held_for, _ = memory_hooks(shape, layout, hw.dtype_bytes)
+    sends = "fixed" if baseline == "megatron-sft" else "variable"
     rp = plan_baseline(lengths, seq_length, layout.pp, layout.dp, shape,
-                       lambda chunks, p: model.stage_costs(chunks, p, seq_length), held_for)
-    return _finish("megatron", rp, model, shape, hw, lengths)
+                       lambda chunks, p: model.stage_costs(chunks, p, seq_length, sends),
+                       held_for, baseline=baseline, cp=layout.cp)
+    return _finish("megatron", rp, model, shape, hw, lengths, baseline=baseline)
 
 
 def predict_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware, layout: Layout,
@@ -176,6 +169,6 @@ def predict_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware, l
     model = roofline(shape, layout, hw)
     held_for, state_for = memory_hooks(shape, layout, hw.dtype_bytes, chunk_size, k)
     _, rp = plan_chunkflow(lengths, chunk_size, k, layout.pp, layout.dp, shape,
-                           lambda chunks, p: model.stage_costs(chunks, p, chunk_size), held_for,
-                           state_for)
+                           lambda chunks, p: model.stage_costs(chunks, p, chunk_size, "async"),
+                           held_for, state_for)
     return _finish("chunkflow", rp, model, shape, hw, lengths, chunk_size=chunk_size, k=k)

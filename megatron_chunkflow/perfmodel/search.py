@@ -1,17 +1,19 @@
-"""Searches: the fastest prediction that fits in memory, over parallel layouts and, for
-ChunkFlow, (chunk size, K).
+"""Searches: the fastest prediction that fits in memory, over parallel layouts and Megatron's whole
+recompute menu, per stock baseline, and for ChunkFlow over the same and (chunk size, K).
 
 Candidates: every (TP, CP, PP) Megatron accepts (TP inside a node, dividing the attention heads
-and K/V groups; CP 1 for ChunkFlow) with recompute none or full, and for --auto every chunk size
-2K..seq_length (powers of two) with K = 1, 2, 4, 8 while K is below the longest sequence's
-number of chunks. Selective recompute is not a candidate: with a fused attention kernel it saves
-only the log-sum-exp (perfmodel/footprint.py) and costs an attention forward.
+and K/V groups; PP dividing the layers; CP 1 for ChunkFlow), each with every option of
+config.Recompute.menu for its layers per stage (none, the 7 selective module sets, block 1 ..
+layers - 1, full); ChunkFlow's option applies inside every chunk. For --auto, every chunk size
+2K..seq_length (powers of two) with K = 1, 2, 4, 8 while K is below the longest sequence's number
+of chunks.
 
-The search is exhaustive but prunes exactly, with two lower bounds computed without planning:
-a memory floor (perfmodel/footprint.py: *_memory_floor) drops candidates that cannot fit, and a time
-floor (perfmodel/predict.py: time_floor) orders the rest; candidates are simulated in that order
-until the next floor is no faster than the fastest fitting prediction so far. If nothing fits,
-the result is the candidate needing the least memory, reported as not fitting.
+The search is exhaustive but prunes exactly, with two lower bounds computed without planning
+(perfmodel/floors.py): a memory floor drops candidates that cannot fit (for stock Megatron it is
+the peak itself), and a time floor orders the rest; candidates are simulated in that order until
+the next floor is no faster than the fastest fitting prediction so far. If nothing fits, the
+result is the candidate needing the least memory, reported as not fitting. The floors' per-chunk
+sums are shared by every recompute option of a parallel layout.
 """
 
 from __future__ import annotations
@@ -19,19 +21,26 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+from megatron_chunkflow.config import Recompute
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.packer import build_chunks
-from megatron_chunkflow.core.step import baseline_microbatches
-from megatron_chunkflow.perfmodel.footprint import chunkflow_memory_floor, megatron_memory_floor
+from megatron_chunkflow.core.step import Baseline, baseline_microbatches
+from megatron_chunkflow.perfmodel.floors import (
+    chunk_work_items,
+    chunkflow_memory_floor,
+    floor_sums,
+    inflight_tokens,
+    megatron_memory_floor,
+    relaxed_1f1b_floor,
+    time_floor,
+)
 from megatron_chunkflow.perfmodel.hardware import Hardware
 from megatron_chunkflow.perfmodel.layout import Layout, make_layout
 from megatron_chunkflow.perfmodel.predict import (
     Prediction,
-    chunk_work_items,
     predict_chunkflow,
     predict_megatron,
     roofline,
-    time_floor,
 )
 
 CHUNK_SIZES = (2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
@@ -43,14 +52,20 @@ def _divisors(n: int, limit: int) -> list[int]:
 
 
 def candidate_layouts(shape: ModelShape, hw: Hardware, num_gpus: int, allow_cp: bool,
-                      max_pp: int = 16, max_cp: int = 32) -> list[Layout]:
+                      max_pp: int = 16, max_cp: int = 32,
+                      recompute: Sequence[Recompute] | None = None) -> list[Layout]:
+    """Every layout Megatron accepts on `num_gpus` GPUs, each with every recompute option of the
+    menu for its layers per stage (or only those in `recompute`)."""
     heads = math.gcd(shape.num_attention_heads, shape.num_query_groups)
     out = []
     for tp in _divisors(math.gcd(heads, num_gpus), hw.gpus_per_node):
         for cp in (_divisors(num_gpus // tp, max_cp) if allow_cp else [1]):
             for pp in _divisors(num_gpus // (tp * cp), min(max_pp, shape.num_layers)):
-                for recompute in ("none", "full"):
-                    out.append(make_layout(tp, cp, pp, recompute, num_gpus, shape))
+                if shape.num_layers % pp:
+                    continue  # Megatron-LM asserts that PP divides the layers
+                menu = Recompute.menu(shape.num_layers // pp)
+                for rc in (menu if recompute is None else [r for r in recompute if r in menu]):
+                    out.append(make_layout(tp, cp, pp, rc, num_gpus, shape))
     return out
 
 
@@ -69,8 +84,13 @@ def chunking_candidates(lengths: Sequence[int], seq_length: int, tp: int) -> lis
 
 def search(candidates: list, predict: Callable[..., Prediction],
            time_floor_of: Callable[..., float], memory_floor_of: Callable[..., float],
-           budget: float) -> Prediction:
-    """The fastest fitting prediction among `candidates` (see the module docstring)."""
+           budget: float, refine: Callable[..., float] | None = None,
+           dominates: Callable[..., bool] | None = None) -> Prediction:
+    """The fastest fitting prediction among `candidates` (see the module docstring). Optional,
+    both exact: `refine(c)` a tighter (costlier) lower bound of c's step time, tried before
+    simulating c once something fits; `dominates(a, c)`: every op of c costs at least a's, so
+    c's step time and its refined floor are at least a's (both are monotone in op costs), and c
+    is skipped once a fits or its refined floor has ruled it out."""
     if not candidates:
         raise ValueError("no candidate layout suits this model, GPU count and chunk size")
     memory = [memory_floor_of(c) for c in candidates]
@@ -78,55 +98,129 @@ def search(candidates: list, predict: Callable[..., Prediction],
     if not hopeful:
         return predict(candidates[min(range(len(candidates)), key=memory.__getitem__)])
     ordered = sorted((time_floor_of(c), i) for i, c in enumerate(hopeful))
-    best, tried = None, []
+    best, tried, settled = None, [], []  # settled: fitting, or ruled out by their refined floor
     for floor, i in ordered:
         if best is not None and floor >= best.step_s:
             break
-        p = predict(hopeful[i])
+        cand = hopeful[i]
+        if dominates is not None and any(dominates(a, cand) for a in settled):
+            continue
+        if refine is not None and best is not None and refine(cand) >= best.step_s:
+            settled.append(cand)
+            continue
+        p = predict(cand)
         tried.append(p)
-        if p.fits and (best is None or p.step_s < best.step_s):
-            best = p
+        if p.fits:
+            settled.append(cand)
+            if best is None or p.step_s < best.step_s:
+                best = p
     return best or min(tried, key=lambda p: p.peak_mem_bytes)
 
 
+def recompute_dominates(a: Recompute, b: Recompute) -> bool:
+    """Every op of a layout under `b` costs at least what it costs under `a` (same parallel
+    layout, perfmodel/roofline.py): none is cheapest; a selective set is cheaper than its
+    supersets and than full; block:N than block:M for M >= N and than full (a recomputed layer's
+    backward exceeds any selective one's: the layer's forward holds every module's)."""
+    if a == b or a.kind == "none":
+        return True
+    if b.kind == "full":
+        return a.kind in ("selective", "block")
+    if a.kind == "selective" and b.kind == "selective":
+        return set(a.modules) <= set(b.modules)
+    return a.kind == b.kind == "block" and b.num_layers >= a.num_layers
+
+
+class _Floors:
+    """Time-floor sums cached per (chunking key, parallel layout)."""
+
+    def __init__(self, shape: ModelShape, hw: Hardware):
+        self.shape, self.hw, self.sums = shape, hw, {}
+
+    def time(self, key, items, layout: Layout) -> float:
+        model = roofline(self.shape, layout, self.hw)
+        if (key, layout.parallel) not in self.sums:
+            self.sums[key, layout.parallel] = floor_sums(items, model)
+        return time_floor(items, model, self.sums[key, layout.parallel])
+
+
 def best_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_gpus: int,
-                  seq_length: int, layout: Layout | None = None) -> Prediction:
-    """Stock Megatron on `layout`, or on the fastest layout that fits."""
+                  seq_length: int, layout: Layout | None = None,
+                  baseline: Baseline = "megatron-packed") -> Prediction:
+    """Stock Megatron as `baseline` on `layout`, or on the fastest layout and recompute option
+    that fits. Layouts whose CP padding makes a sequence longer than `seq_length` are skipped."""
     if layout is not None:
-        return predict_megatron(lengths, shape, hw, layout, seq_length)
+        return predict_megatron(lengths, shape, hw, layout, seq_length, baseline)
+    mbs: dict[tuple[int, int], list | None] = {}  # (DP, CP) -> micro-batches
 
-    def floor(lay: Layout) -> float:
-        mbs = baseline_microbatches(lengths, seq_length, lay.dp)
-        return time_floor(chunk_work_items(mbs, hw.attn_block, lay.cp), roofline(shape, lay, hw))
+    def microbatches(lay: Layout):
+        if (lay.dp, lay.cp) not in mbs:
+            try:
+                mbs[lay.dp, lay.cp] = baseline_microbatches(lengths, seq_length, lay.dp,
+                                                            baseline, lay.cp)
+            except ValueError:
+                mbs[lay.dp, lay.cp] = None
+        return mbs[lay.dp, lay.cp]
 
-    return search(candidate_layouts(shape, hw, num_gpus, allow_cp=True),
-                  lambda lay: predict_megatron(lengths, shape, hw, lay, seq_length), floor,
-                  lambda lay: megatron_memory_floor(lengths, shape, lay, hw.dtype_bytes),
-                  hw.usable_bytes)
+    items, inflight, ranks, floors = {}, {}, {}, _Floors(shape, hw)
+    sends = "fixed" if baseline == "megatron-sft" else "variable"
+
+    def time_of(lay: Layout) -> float:
+        key = (lay.dp, lay.cp)
+        if key not in items:
+            items[key] = chunk_work_items(microbatches(lay), hw.attn_block, lay.cp)
+        return floors.time(key, items[key], lay)
+
+    def memory_of(lay: Layout) -> float:
+        key = (lay.dp, lay.cp, lay.pp)
+        if key not in inflight:
+            inflight[key] = inflight_tokens(microbatches(lay), lay.dp, lay.cp, lay.pp)
+        return megatron_memory_floor(lengths, shape, lay, hw.dtype_bytes, inflight[key])
+
+    def refine(lay: Layout) -> float:
+        chunks = microbatches(lay)
+        if (lay.dp, lay.cp) not in ranks:
+            ranks[lay.dp, lay.cp] = [[c for c in chunks if c.dp_rank == r]
+                                     for r in range(lay.dp)]
+        model = roofline(shape, lay, hw)
+        return relaxed_1f1b_floor(ranks[lay.dp, lay.cp], model,
+                                  model.stage_costs(chunks, lay.pp, seq_length, sends))
+
+    def dominates(a: Layout, b: Layout) -> bool:
+        # exact for Megatron's fixed 1F1B order: its replay is monotone in the op costs, and
+        # recompute changes only backward costs (the first forward, which the DP tail reads,
+        # costs the same)
+        return a.parallel == b.parallel and recompute_dominates(a.recompute, b.recompute)
+
+    layouts = [lay for lay in candidate_layouts(shape, hw, num_gpus, allow_cp=True)
+               if microbatches(lay) is not None]
+    return search(layouts,
+                  lambda lay: predict_megatron(lengths, shape, hw, lay, seq_length, baseline),
+                  time_of, memory_of, hw.usable_bytes, refine, dominates)
 
 
 def best_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_gpus: int,
                    seq_length: int, layout: Layout | None = None, chunk_size: int = 8192,
                    k: int = 1, auto_chunking: bool = False) -> Prediction:
-    """ChunkFlow on `layout` (or the fastest fitting one) with (chunk_size, k), or with the
-    fastest fitting (chunk size, K) when `auto_chunking`."""
+    """ChunkFlow on `layout` (or the fastest fitting layout and recompute option) with
+    (chunk_size, k), or with the fastest fitting (chunk size, K) when `auto_chunking`."""
     if layout is not None and not auto_chunking:
         return predict_chunkflow(lengths, shape, hw, layout, chunk_size, k)
     layouts = [layout] if layout else candidate_layouts(shape, hw, num_gpus, allow_cp=False)
     candidates = [(lay, c, kk) for lay in layouts
                   for c, kk in (chunking_candidates(lengths, seq_length, lay.tp) if auto_chunking
                                 else [(chunk_size, k)] if chunk_size % lay.tp == 0 else [])]
+    work, floors = {}, _Floors(shape, hw)  # (chunk size, DP, K) -> chunk_work_items
 
-    work = {}  # (chunk size, DP, K) -> chunk_work_items, shared by layouts with the same DP
-
-    def floor(cand) -> float:
+    def time_of(cand) -> float:
         lay, c, kk = cand
-        if (c, lay.dp, kk) not in work:
+        key = (c, lay.dp, kk)
+        if key not in work:
             chunks = build_chunks(lengths, c, lay.dp, kk, shape).chunks
-            work[c, lay.dp, kk] = chunk_work_items(chunks, hw.attn_block, 1, kk)
-        return time_floor(work[c, lay.dp, kk], roofline(shape, lay, hw))
+            work[key] = chunk_work_items(chunks, hw.attn_block, 1, kk)
+        return floors.time(key, work[key], lay)
 
-    return search(candidates, lambda cand: predict_chunkflow(lengths, shape, hw, *cand), floor,
+    return search(candidates, lambda cand: predict_chunkflow(lengths, shape, hw, *cand), time_of,
                   lambda cand: chunkflow_memory_floor(lengths, shape, cand[0], hw.dtype_bytes,
                                                      *cand[1:]),
                   hw.usable_bytes)

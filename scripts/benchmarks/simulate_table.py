@@ -1,13 +1,16 @@
-"""The simulator's prediction table in docs/benchmarks.md: every Qwen2.5 size at 32K and 256K.
+"""The simulator's prediction table in docs/benchmarks.md: every Qwen2.5 size at 32K and 256K,
+against each stock baseline.
 
     python scripts/benchmarks/simulate_table.py                 # markdown on stdout
     python scripts/benchmarks/simulate_table.py --gpu h200 --json
+    python scripts/benchmarks/simulate_table.py --models qwen2.5-7b --seq-lengths 32768
 
-Per row: stock Megatron on its fastest layout that fits, ChunkFlow on its fastest layout and
-(chunk size, K) that fit (`chunkflow simulate --auto`, layouts searched), then the pinned command
-that reproduces the row, which is run once through the CLI and checked to give the same numbers.
-GPUs per model and the global batch (64 sequences per GPU, at least 2048; profile B, seed 0)
-are fixed below.
+Per (model, context): `chunkflow simulate --baseline all --auto` (every layout and recompute
+option searched for each stock baseline, ChunkFlow's layout, recompute and (chunk size, K)
+searched too, each stock prediction again at CP overlap 0 and 1), run in-process through the CLI;
+then, per baseline, the pinned command that reproduces its row, run once more and checked to
+give the same numbers. GPUs per model and the global batch (64 sequences per GPU, at least 2048;
+profile B, seed 0) are fixed below.
 """
 
 from __future__ import annotations
@@ -23,11 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_chunkflow.cli import main as cli_main  # noqa: E402
+from megatron_chunkflow.core.step import BASELINES  # noqa: E402
 from megatron_chunkflow.perfmodel.hardware import GPUS, get_gpu  # noqa: E402
-from megatron_chunkflow.core.models import get_model_shape  # noqa: E402
 from megatron_chunkflow.perfmodel.predict import GIB  # noqa: E402
-from megatron_chunkflow.core.profiles import sample_lengths  # noqa: E402
-from megatron_chunkflow.perfmodel.search import best_chunkflow, best_megatron  # noqa: E402
 
 GPUS_PER_MODEL = {"qwen2.5-0.5b": 8, "qwen2.5-1.5b": 8, "qwen2.5-3b": 8, "qwen2.5-7b": 32,
                   "qwen2.5-14b": 32, "qwen2.5-32b": 64, "qwen2.5-72b": 128}
@@ -38,14 +39,17 @@ def batch_size(gpus: int) -> int:
     return max(2048, 64 * gpus)
 
 
-def command(model: str, seq: int, gpus: int, gpu: str, mg, cf) -> list[str]:
+def setup_args(model: str, seq: int, gpus: int, gpu: str) -> list[str]:
     return ["--model", model, "--seq-length", str(seq), "--gpus", str(gpus), "--gpu", gpu,
-            "--global-batch-size", str(batch_size(gpus)),
-            "--megatron-parallel", mg.layout.to_flag(), "--chunkflow-parallel", cf.layout.to_flag(),
-            "--chunk-size", str(cf.chunk_size), "--chunkflow-k", str(cf.k)]
+            "--global-batch-size", str(batch_size(gpus))]
 
 
-def reproduce(argv: list[str]) -> dict:
+def flag(layout: dict) -> str:
+    return f"{layout['tp']},{layout['cp']},{layout['pp']},{layout['recompute']}"
+
+
+def simulate(argv: list[str]) -> dict:
+    """`chunkflow simulate ARGV --json`, in-process."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
         rc = cli_main(["simulate", *argv, "--json"])
@@ -53,63 +57,100 @@ def reproduce(argv: list[str]) -> dict:
     return json.loads(out.getvalue())
 
 
-def layout_cell(p) -> str:
-    lay = p.layout
-    return f"{lay.tp},{lay.cp},{lay.pp},{lay.dp} {lay.recompute}"
+def layout_cell(p: dict, chunkflow: bool = False) -> str:
+    lay = p["layout"]
+    cell = f"{lay['tp']},{lay['cp']},{lay['pp']},{lay['dp']} {lay['recompute']}"
+    if chunkflow:
+        cell += f", {p['chunk_size'] // 1024}K, {p['k']}"
+    return cell
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--gpu", choices=sorted(GPUS), default="h100")
-    ap.add_argument("--json", action="store_true", help="rows as JSON instead of markdown")
-    args = ap.parse_args()
-    hw = get_gpu(args.gpu)
+def speedup_cell(x: float | None) -> str:
+    return f"{x:.2f}x" if x is not None else "n/a"
+
+
+def rows_for(model: str, seq: int, gpus: int, gpu: str) -> list[dict]:
+    """One row per baseline: the searched predictions and the pinned command, checked."""
+    setup = setup_args(model, seq, gpus, gpu)
+    found = simulate([*setup, "--baseline", "all", "--auto"])
+    cf = found["chunkflow"]
     rows = []
-    for model, gpus in GPUS_PER_MODEL.items():
-        shape = get_model_shape(model)
-        raw = sample_lengths("B", batch_size(gpus), seed=0)
-        for seq in SEQ_LENGTHS:
-            t = time.process_time()
-            lengths = [min(n, seq) for n in raw]
-            mg = best_megatron(lengths, shape, hw, gpus, seq)
-            cf = best_chunkflow(lengths, shape, hw, gpus, seq, auto_chunking=True)
-            argv = command(model, seq, gpus, args.gpu, mg, cf)
-            again = reproduce(argv)
-            for name, p in (("megatron", mg), ("chunkflow", cf)):
-                assert abs(again[name]["step_s"] - p.step_s) <= 1e-9 * p.step_s, (argv, name)
-            rows.append({"model": model, "seq_length": seq, "gpus": gpus,
-                         "sequences": len(lengths), "tokens": sum(lengths),
-                         "longest": max(lengths), "megatron": mg.to_json(),
-                         "chunkflow": cf.to_json(), "speedup": again["speedup"],
-                         "command": "chunkflow simulate " + " ".join(argv)})
-            print(f"{model} {seq}: {time.process_time() - t:.1f}s", file=sys.stderr)
-    if args.json:
-        json.dump(rows, sys.stdout, indent=1)
-        print()
-        return 0
-    print(f"| # | model | context | GPUs ({args.gpu}) | tokens (longest) | Megatron TP,CP,PP,DP "
-          "recompute | step s | MFU | GiB | ChunkFlow TP,CP,PP,DP recompute, C, K | step s | "
-          "MFU | GiB | speedup |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name in BASELINES:
+        argv = [*setup, "--baseline", name, "--megatron-parallel",
+                flag(found["baselines"][name]["layout"]), "--chunkflow-parallel",
+                flag(cf["layout"]), "--chunk-size", str(cf["chunk_size"]), "--chunkflow-k",
+                str(cf["k"])]
+        again = simulate(argv)
+        for got, want in ((again["baselines"][name], found["baselines"][name]),
+                          (again["chunkflow"], cf)):
+            assert abs(got["step_s"] - want["step_s"]) <= 1e-9 * want["step_s"], (argv, name)
+        rng = found["cp_overlap"]["range"]
+        rows.append({"model": model, "seq_length": seq, "gpus": gpus, "baseline": name,
+                     "sequences": found["setup"]["global_batch_size"],
+                     "tokens": found["setup"]["tokens"], "longest": found["setup"]["longest"],
+                     "megatron": found["baselines"][name], "chunkflow": cf,
+                     "speedup": found["speedups"][name],
+                     "speedup_cp_overlap": {e: rng[e][name]["speedup"] for e in rng},
+                     "cp_overlap": found["cp_overlap"]["value"],
+                     "command": "chunkflow simulate " + " ".join(argv)})
+    return rows
+
+
+def markdown(rows: list[dict], gpu: str) -> None:
+    hw = get_gpu(gpu)
+    print(f"| # | model | context | GPUs ({gpu}) | tokens (longest) | baseline | "
+          "Megatron TP,CP,PP,DP recompute | "
+          "step s | MFU | GiB | pad | ChunkFlow TP,CP,PP,DP recompute, C, K | step s | MFU | "
+          f"GiB | speedup (CP overlap {rows[0]['cp_overlap']:g}; 0 / 1) |")
+    print("|---" * 16 + "|")
     for i, r in enumerate(rows, 1):
         mg, cf = r["megatron"], r["chunkflow"]
-        sp = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "n/a (does not fit)"
-        cells = [str(i), r["model"].removeprefix("qwen2.5-").upper(), f"{r['seq_length'] // 1024}K",
-                 str(r["gpus"]), f"{r['tokens'] / 1e6:.2f}M ({r['longest'] // 1024}K)"]
-        for p, extra in ((mg, ""), (cf, f", {cf['chunk_size'] // 1024}K, {cf['k']}")):
-            lay = p["layout"]
-            fits = "" if p["fits"] else " (does not fit)"
-            cells += [f"{lay['tp']},{lay['cp']},{lay['pp']},{lay['dp']} {lay['recompute']}{extra}",
-                      f"{p['step_s']:.2f}", f"{p['mfu']:.1%}", f"{p['peak_mem_gib']:.1f}{fits}"]
-        cells.append(sp)
+        first = i == 1 or (rows[i - 2]["model"], rows[i - 2]["seq_length"]) != \
+            (r["model"], r["seq_length"])
+        fits = "" if mg["fits"] else " (does not fit)"
+        cells = [str(i), r["model"].removeprefix("qwen2.5-").upper() if first else "",
+                 f"{r['seq_length'] // 1024}K" if first else "", str(r["gpus"]) if first else "",
+                 f"{r['tokens'] / 1e6:.2f}M ({r['longest'] // 1024}K)" if first else "",
+                 r["baseline"].removeprefix("megatron-"), layout_cell(mg), f"{mg['step_s']:.2f}",
+                 f"{mg['mfu']:.1%}", f"{mg['peak_mem_gib']:.1f}{fits}",
+                 f"{mg['padding_fraction']:.1%}"]
+        if first:
+            cf_fits = "" if cf["fits"] else " (does not fit)"
+            cells += [layout_cell(cf, chunkflow=True), f"{cf['step_s']:.2f}", f"{cf['mfu']:.1%}",
+                      f"{cf['peak_mem_gib']:.1f}{cf_fits}"]
+        else:
+            cells += ["", "", "", ""]
+        ends = r["speedup_cp_overlap"]
+        cells.append(f"{speedup_cell(r['speedup'])} ({speedup_cell(ends['0'])} / "
+                     f"{speedup_cell(ends['1'])})")
         print("| " + " | ".join(cells) + " |")
     print("\nCommands (row number: command):\n\n```")
     for i, r in enumerate(rows, 1):
         print(f"{i:>2}: {r['command']}")
     print("```")
-    usable = hw.usable_bytes / GIB
-    print(f"\nMemory budget: {usable:.1f} GiB usable of {hw.hbm_gb:g} GB per GPU "
+    print(f"\nMemory budget: {hw.usable_bytes / GIB:.1f} GiB usable of {hw.hbm_gb:g} GB per GPU "
           f"(reserve {hw.reserve_fraction:.0%}).")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gpu", choices=sorted(GPUS), default="h100")
+    ap.add_argument("--models", nargs="+", choices=sorted(GPUS_PER_MODEL),
+                    default=list(GPUS_PER_MODEL))
+    ap.add_argument("--seq-lengths", nargs="+", type=int, default=list(SEQ_LENGTHS))
+    ap.add_argument("--json", action="store_true", help="rows as JSON instead of markdown")
+    args = ap.parse_args()
+    rows = []
+    for model in args.models:
+        for seq in args.seq_lengths:
+            t = time.perf_counter()
+            rows += rows_for(model, seq, GPUS_PER_MODEL[model], args.gpu)
+            print(f"{model} {seq}: {time.perf_counter() - t:.0f}s", file=sys.stderr, flush=True)
+    if args.json:
+        json.dump(rows, sys.stdout, indent=1)
+        print()
+    else:
+        markdown(rows, args.gpu)
     return 0
 
 

@@ -8,7 +8,11 @@ import pytest
 
 from megatron_chunkflow.cli import main
 from megatron_chunkflow.core.models import get_model_shape
-from megatron_chunkflow.perfmodel.footprint import kv_state_bytes_per_token, per_token_bytes
+from megatron_chunkflow.core.step import BASELINES
+from megatron_chunkflow.perfmodel.footprint import (
+    kv_state_bytes_per_token,
+    per_token_bytes,
+)
 from megatron_chunkflow.perfmodel.layout import Layout
 
 
@@ -37,6 +41,28 @@ def test_json_contract(capsys):
         assert {op["op"] for op in stage} <= {"F", "R", "B"}
     assert {"num_microbatches", "bubble_ratio"} <= set(obj["baseline"])
     assert obj["speedup"] > 0
+
+
+def test_three_baselines(capsys):
+    """"baselines" has each stock baseline's plan in numbers; "baseline" stays megatron-packed's.
+    megatron-sft pads its lines to --seq-length, megatron-unpacked runs a sequence per
+    micro-batch."""
+    rc, obj, err = run_json(capsys, "--global-batch-size", "300", "--seq-length", "32768",
+                            "--pp", "2", "--dp", "2")
+    assert rc == 0 and set(obj["baselines"]) == set(BASELINES) == set(obj["speedups"])
+    for name, b in obj["baselines"].items():
+        assert set(b) == {"num_microbatches", "padding_fraction", "bubble_ratio", "step_time",
+                          "peak_memory_gib"}
+        assert f"Stock {name}" in err
+        assert obj["speedups"][name] == pytest.approx(b["step_time"] / obj["stats"]["step_time"])
+    packed, sft = obj["baselines"]["megatron-packed"], obj["baselines"]["megatron-sft"]
+    for key in ("num_microbatches", "bubble_ratio", "step_time", "peak_memory_gib"):
+        assert obj["baseline"][key] == packed[key]
+    assert obj["baseline"]["name"] == "megatron-packed" and obj["speedup"] == \
+        obj["speedups"]["megatron-packed"]
+    assert packed["padding_fraction"] == 0 < sft["padding_fraction"]
+    assert sft["step_time"] > packed["step_time"]
+    assert obj["baselines"]["megatron-unpacked"]["num_microbatches"] == 300
 
 
 def test_lengths_file_and_png(tmp_path, capsys):

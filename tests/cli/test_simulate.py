@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_chunkflow.cli import main
+from megatron_chunkflow.core.step import BASELINES
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--global-batch-size", "200", "--gpus", "8"]
@@ -24,21 +25,62 @@ def test_json_contract(capsys):
     rc, obj, err = run_json(capsys, *SMALL, "--megatron-parallel", "4,1,1,none",
                             "--chunkflow-parallel", "2,1,2,selective", "--chunk-size", "4096",
                             "--chunkflow-k", "2")
-    assert rc == 0 and "stock Megatron" in err and "ChunkFlow" in err
-    assert {"megatron", "chunkflow", "speedup", "chunk_size", "k"} <= set(obj)
-    for system in ("megatron", "chunkflow"):
-        p = obj[system]
-        assert {"step_s", "mfu", "peak_mem_gib", "fits", "tokens_per_s", "bubble",
-                "layout"} <= set(p)
+    assert rc == 0 and "megatron-packed" in err and "ChunkFlow" in err
+    assert {"megatron", "chunkflow", "speedup", "chunk_size", "k", "baselines", "speedups",
+            "cp_overlap"} <= set(obj)
+    assert set(obj["baselines"]) == set(obj["speedups"]) == set(BASELINES)
+    for p in (obj["chunkflow"], *obj["baselines"].values()):
+        assert {"step_s", "mfu", "peak_mem_gib", "fits", "tokens_per_s", "bubble", "layout",
+                "padding_fraction"} <= set(p)
         assert p["step_s"] > 0 and 0 < p["mfu"] < 1 and p["peak_mem_gib"] > 0 and p["fits"]
-    assert obj["megatron"]["layout"] == {"tp": 4, "cp": 1, "pp": 1, "dp": 2, "recompute": "none"}
+    # "megatron" and "speedup" stay the strongest baseline's, megatron-packed
+    assert obj["megatron"] == obj["baselines"]["megatron-packed"]
+    assert obj["megatron"]["baseline"] == "megatron-packed"
+    assert obj["speedup"] == obj["speedups"]["megatron-packed"]
+    for name, p in obj["baselines"].items():
+        assert p["layout"] == {"tp": 4, "cp": 1, "pp": 1, "dp": 2, "recompute": "none"}
+        assert obj["speedups"][name] == pytest.approx(p["step_s"] / obj["chunkflow"]["step_s"])
+        # same sequences, so the speedup is also the ratio of MFUs
+        assert obj["speedups"][name] == pytest.approx(obj["chunkflow"]["mfu"] / p["mfu"])
+    assert obj["baselines"]["megatron-sft"]["padding_fraction"] > 0
     assert obj["chunkflow"]["layout"] == {"tp": 2, "cp": 1, "pp": 2, "dp": 2,
                                           "recompute": "selective"}
     assert (obj["chunk_size"], obj["k"]) == (4096, 2)
-    assert obj["speedup"] == pytest.approx(obj["megatron"]["step_s"] / obj["chunkflow"]["step_s"])
-    # same sequences, so the speedup is also the ratio of MFUs
-    assert obj["speedup"] == pytest.approx(obj["chunkflow"]["mfu"] / obj["megatron"]["mfu"])
     assert obj["setup"]["global_batch_size"] == 200 and obj["setup"]["gpu"] == "h100"
+    assert obj["setup"]["baseline"] == "all"
+
+
+def test_one_baseline_and_recompute_options(capsys):
+    rc, obj, err = run_json(capsys, *SMALL, "--baseline", "megatron-sft",
+                            "--megatron-parallel", "2,2,2,block:3",
+                            "--chunkflow-parallel", "2,1,2,selective:mlp+layernorm")
+    assert rc == 0 and set(obj["baselines"]) == {"megatron-sft"}
+    assert obj["megatron"] == obj["baselines"]["megatron-sft"]
+    assert obj["megatron"]["layout"]["recompute"] == "block:3"
+    assert obj["chunkflow"]["layout"]["recompute"] == "selective:mlp+layernorm"
+    assert "megatron-packed" not in err and "block:3" in err and "selective:mlp+layernorm" in err
+
+
+def test_cp_overlap_range(capsys):
+    """Every stock prediction again at CP overlap 0 and 1: slower to faster under CP, the same
+    without; the default is the Hardware's, overridable."""
+    rc, obj, err = run_json(capsys, *SMALL, "--megatron-parallel", "2,4,1,none",
+                            "--chunkflow-parallel", "2,1,1,none")
+    rng = obj["cp_overlap"]
+    assert rc == 0 and rng["value"] == 0.8 and set(rng["range"]) == {"0", "1"}
+    for name, p in obj["baselines"].items():
+        lo, hi = rng["range"]["0"][name], rng["range"]["1"][name]
+        assert lo["step_s"] > p["step_s"] > hi["step_s"]
+        assert lo["speedup"] > obj["speedups"][name] > hi["speedup"]
+        assert f"vs {name}: {obj['speedups'][name]:.2f}x (CP overlap 0.8; at 0: " in err
+    _, one, _ = run_json(capsys, *SMALL, "--megatron-parallel", "2,4,1,none",
+                         "--chunkflow-parallel", "2,1,1,none", "--gpu-set", "cp_overlap=1")
+    assert one["megatron"]["step_s"] == pytest.approx(rng["range"]["1"]["megatron-packed"]
+                                                      ["step_s"])
+    _, flat, _ = run_json(capsys, *SMALL, "--megatron-parallel", "2,1,1,none",
+                          "--chunkflow-parallel", "2,1,1,none")
+    for name, p in flat["baselines"].items():
+        assert flat["cp_overlap"]["range"]["0"][name]["step_s"] == p["step_s"]
 
 
 def test_does_not_fit_is_reported(tmp_path, capsys):
@@ -51,7 +93,8 @@ def test_does_not_fit_is_reported(tmp_path, capsys):
     assert obj["megatron"]["fits"] is False and obj["chunkflow"]["fits"] is True
     assert obj["megatron"]["peak_mem_gib"] > obj["setup"]["usable_gib"]
     assert obj["speedup"] is None and obj["step_time_ratio"] > 0
-    assert "stock Megatron does not fit" in err and " NO" in err
+    assert all(x is None for x in obj["speedups"].values())
+    assert "megatron-packed does not fit" in err and " NO" in err
 
 
 def test_auto_fits_the_budget(capsys):
@@ -83,7 +126,12 @@ def test_auto_layouts_and_lengths_file(tmp_path, capsys):
 @pytest.mark.parametrize("argv,message", [
     (["--megatron-parallel", "3,1,1,none"], "does not divide --gpus 8"),
     (["--megatron-parallel", "8,1,1,none"], "--megatron-parallel 8,1,1,none: TP 8 must divide"),
-    (["--megatron-parallel", "2,1,1,some"], "RECOMPUTE must be one of none, selective, full"),
+    (["--megatron-parallel", "2,1,1,some"],
+     "--megatron-parallel 2,1,1,some: RECOMPUTE 'some': expected none, full, block:N, selective"),
+    (["--megatron-parallel", "2,1,1,block:29"],
+     "2,1,1,block:29: RECOMPUTE block:29: a pipeline stage has only 28 layers"),
+    (["--megatron-parallel", "2,1,1,selective:attn"], "modules must be a non-empty subset"),
+    (["--megatron-parallel", "1,1,8,none"], "PP 8 must divide the model's 28 layers"),
     (["--megatron-parallel", "2,1"], "--megatron-parallel '2,1': expected TP,CP,PP,RECOMPUTE"),
     (["--chunkflow-parallel", "2,2,1,none"], "--chunkflow-parallel 2,2,1,none: CP must be 1"),
     (["--chunkflow-parallel", "4,1,1,none", "--chunk-size", "4098"],
@@ -104,6 +152,7 @@ def test_bad_input_exits_2(capsys, argv, message):
 
 
 @pytest.mark.parametrize("argv,flag", [(["--gpu", "v100"], "--gpu"),
+                                       (["--baseline", "megatron"], "--baseline"),
                                        (["--model", "gpt-9"], "--model"),
                                        (["--seq-length", "long"], "--seq-length")])
 def test_usage_errors_exit_2(capsys, argv, flag):

@@ -13,8 +13,8 @@ from megatron_chunkflow.core.costs import attention_pairs
 from megatron_chunkflow.core.models import get_model_shape
 from megatron_chunkflow.core.profiles import sample_lengths
 from megatron_chunkflow.perfmodel.budget import ActivationRates, state_bound
+from megatron_chunkflow.perfmodel.floors import chunkflow_memory_floor
 from megatron_chunkflow.perfmodel.footprint import (
-    chunkflow_memory_floor,
     kv_state_bytes_per_token,
     layer_activation_bytes,
     sequence_state_bytes,

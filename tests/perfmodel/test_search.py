@@ -1,74 +1,147 @@
-"""Layout and (chunk size, K) searches (perfmodel/search.py): the pruned search finds exactly what
-an exhaustive one finds, because both floors are lower bounds."""
+"""Layout, recompute and (chunk size, K) searches (perfmodel/search.py): the pruned search finds
+exactly what an exhaustive one over Megatron's whole recompute menu finds, because the floors
+are lower bounds and the dominance rule holds op by op. A 4-layer model keeps the menu (12
+options at PP 1) and brute force small."""
 
 import pytest
 
-from megatron_chunkflow.core.models import get_model_shape
+from megatron_chunkflow.config import Recompute
+from megatron_chunkflow.core.models import ModelShape, get_model_shape
 from megatron_chunkflow.core.packer import build_chunks
 from megatron_chunkflow.core.profiles import sample_lengths
-from megatron_chunkflow.core.step import baseline_microbatches
-from megatron_chunkflow.perfmodel.footprint import chunkflow_memory_floor, megatron_memory_floor
-from megatron_chunkflow.perfmodel.hardware import get_gpu, with_overrides
-from megatron_chunkflow.perfmodel.predict import (
+from megatron_chunkflow.core.step import BASELINES, baseline_microbatches
+from megatron_chunkflow.perfmodel.floors import (
     chunk_work_items,
+    chunkflow_memory_floor,
+    inflight_tokens,
+    megatron_memory_floor,
+    relaxed_1f1b_floor,
+    time_floor,
+)
+from megatron_chunkflow.perfmodel.hardware import get_gpu, with_overrides
+from megatron_chunkflow.perfmodel.layout import Layout
+from megatron_chunkflow.perfmodel.predict import (
     predict_chunkflow,
     predict_megatron,
     roofline,
-    time_floor,
 )
 from megatron_chunkflow.perfmodel.search import (
     best_chunkflow,
     best_megatron,
     candidate_layouts,
     chunking_candidates,
+    recompute_dominates,
 )
 
-SHAPE = get_model_shape("qwen2.5-1.5b")
-HW = with_overrides(get_gpu("h100"), ["hbm_gb=40"])  # a budget that excludes some candidates
-SEQ = 65536
-LENGTHS = [min(n, SEQ) for n in sample_lengths("B", 400, seed=3)] + [60000]
+SHAPE = ModelShape(4, 2048, 5632, 16, 4, 32000)
+SEQ = 32768
+LENGTHS = [min(n, SEQ) for n in sample_lengths("B", 120, seed=3)] + [30000]
+STOCK_HW = with_overrides(get_gpu("h100"), ["hbm_gb=11"])  # none fits only with CP 2
+CF_HW = with_overrides(get_gpu("h100"), ["hbm_gb=7"])  # C = 16K fits only with recompute
 
 
-def exhaustive(predictions):
-    fitting = [p for p in predictions if p.fits]
-    return min(fitting, key=lambda p: p.step_s)
+def fastest_fitting(predictions):
+    return min((p for p in predictions if p.fits), key=lambda p: p.step_s)
 
 
-def test_floors_bound_every_candidate():
-    for lay in candidate_layouts(SHAPE, HW, 8, allow_cp=True)[::3]:
-        p = predict_megatron(LENGTHS, SHAPE, HW, lay, SEQ)
-        mbs = baseline_microbatches(LENGTHS, SEQ, lay.dp)
-        floor = time_floor(chunk_work_items(mbs, HW.attn_block, lay.cp), roofline(SHAPE, lay, HW))
-        assert floor <= p.step_s * (1 + 1e-9)
-        floor = megatron_memory_floor(LENGTHS, SHAPE, lay, HW.dtype_bytes)
-        assert floor <= p.peak_mem_bytes * (1 + 1e-9)
-    for lay in candidate_layouts(SHAPE, HW, 8, allow_cp=False)[::2]:
+def test_candidates_are_megatrons_layouts_with_the_whole_menu():
+    shape = get_model_shape("qwen2.5-7b")  # 28 layers: PP 8 does not divide them
+    layouts = candidate_layouts(shape, get_gpu("h100"), 32, allow_cp=True)
+    assert {lay.pp for lay in layouts} == {1, 2, 4}
+    for pp in (1, 2, 4):
+        menu = {lay.recompute for lay in layouts if (lay.tp, lay.cp, lay.pp) == (2, 2, pp)}
+        assert menu == set(Recompute.menu(28 // pp))
+    at_pp4 = {lay.recompute for lay in layouts if lay.pp == 4}
+    assert Recompute("block", num_layers=6) in at_pp4  # block:7 of 7 layers is full
+    assert Recompute("block", num_layers=7) not in at_pp4 and Recompute("full") in at_pp4
+
+
+@pytest.mark.parametrize("baseline", BASELINES)
+def test_floors_bound_every_stock_candidate(baseline):
+    """Time floor <= refined floor <= step; the memory floor from the micro-batches in flight is
+    the predicted peak itself."""
+    for lay in candidate_layouts(SHAPE, STOCK_HW, 2, allow_cp=True)[::3]:
+        p = predict_megatron(LENGTHS, SHAPE, STOCK_HW, lay, SEQ, baseline)
+        mbs = baseline_microbatches(LENGTHS, SEQ, lay.dp, baseline, lay.cp)
+        model = roofline(SHAPE, lay, STOCK_HW)
+        floor = time_floor(chunk_work_items(mbs, STOCK_HW.attn_block, lay.cp), model)
+        ranks = [[c for c in mbs if c.dp_rank == r] for r in range(lay.dp)]
+        sends = "fixed" if baseline == "megatron-sft" else "variable"
+        refined = relaxed_1f1b_floor(ranks, model, model.stage_costs(mbs, lay.pp, SEQ, sends))
+        assert floor <= p.step_s * (1 + 1e-9) and refined <= p.step_s * (1 + 1e-9)
+        memory = megatron_memory_floor(LENGTHS, SHAPE, lay, STOCK_HW.dtype_bytes,
+                                       inflight_tokens(mbs, lay.dp, lay.cp, lay.pp))
+        assert memory == pytest.approx(p.peak_mem_bytes, rel=1e-9)
+        loose = megatron_memory_floor(LENGTHS, SHAPE, lay, STOCK_HW.dtype_bytes)
+        assert loose <= p.peak_mem_bytes * (1 + 1e-9)
+
+
+def test_floors_bound_every_chunkflow_candidate():
+    for lay in candidate_layouts(SHAPE, CF_HW, 2, allow_cp=False)[::2]:
         for c, k in chunking_candidates(LENGTHS, SEQ, lay.tp)[::3]:
-            p = predict_chunkflow(LENGTHS, SHAPE, HW, lay, c, k)
+            p = predict_chunkflow(LENGTHS, SHAPE, CF_HW, lay, c, k)
             items = chunk_work_items(build_chunks(LENGTHS, c, lay.dp, k, SHAPE).chunks,
-                                     HW.attn_block, 1, k)
-            assert time_floor(items, roofline(SHAPE, lay, HW)) <= p.step_s * (1 + 1e-9)
-            floor = chunkflow_memory_floor(LENGTHS, SHAPE, lay, HW.dtype_bytes, c, k)
+                                     CF_HW.attn_block, 1, k)
+            assert time_floor(items, roofline(SHAPE, lay, CF_HW)) <= p.step_s * (1 + 1e-9)
+            floor = chunkflow_memory_floor(LENGTHS, SHAPE, lay, CF_HW.dtype_bytes, c, k)
             assert floor <= p.peak_mem_bytes * (1 + 1e-9)
 
 
-def test_megatron_search_is_exact():
-    layouts = candidate_layouts(SHAPE, HW, 8, allow_cp=True)
-    brute = exhaustive([predict_megatron(LENGTHS, SHAPE, HW, lay, SEQ) for lay in layouts])
-    found = best_megatron(LENGTHS, SHAPE, HW, 8, SEQ)
+def test_dominance_holds_op_by_op():
+    """recompute_dominates(a, b): every op under b costs at least what it costs under a, which
+    is what lets the stock search skip b once a fits or is ruled out."""
+    chunks = baseline_microbatches(LENGTHS, SEQ, 1, "megatron-packed")
+    menu = Recompute.menu(2)
+    for a in menu:
+        for b in menu:
+            if not recompute_dominates(a, b):
+                continue
+            ca, cb = (roofline(SHAPE, Layout(2, 1, 2, 1, rc), STOCK_HW)
+                      .stage_costs(chunks, 2, SEQ, "variable") for rc in (a, b))
+            for c in chunks:
+                for s in range(2):
+                    assert ca("F", c.id, s) == cb("F", c.id, s)
+                    assert ca("B", c.id, s) <= cb("B", c.id, s)
+    assert recompute_dominates(Recompute("block", num_layers=1), Recompute("full"))
+    assert not recompute_dominates(Recompute("block", num_layers=1),
+                                   Recompute("selective", ("core_attn",)))
+
+
+@pytest.mark.parametrize("baseline", BASELINES)
+def test_megatron_search_is_exact(baseline):
+    layouts = candidate_layouts(SHAPE, STOCK_HW, 2, allow_cp=True)
+    brute = fastest_fitting(predict_megatron(LENGTHS, SHAPE, STOCK_HW, lay, SEQ, baseline)
+                            for lay in layouts)
+    found = best_megatron(LENGTHS, SHAPE, STOCK_HW, 2, SEQ, baseline=baseline)
     assert found.fits and found.step_s == pytest.approx(brute.step_s, rel=1e-12)
+    assert found.baseline == baseline
+
+
+def test_megatron_search_picks_from_the_menu():
+    """On this budget the fastest fitting stock layout needs a recompute option that is
+    neither none nor full."""
+    found = best_megatron(LENGTHS, SHAPE, STOCK_HW, 2, SEQ)
+    assert found.layout.recompute.kind in ("selective", "block")
 
 
 def test_chunkflow_search_is_exact():
-    layouts = candidate_layouts(SHAPE, HW, 8, allow_cp=False)
-    brute = exhaustive([predict_chunkflow(LENGTHS, SHAPE, HW, lay, c, k) for lay in layouts
-                        for c, k in chunking_candidates(LENGTHS, SEQ, lay.tp)])
-    found = best_chunkflow(LENGTHS, SHAPE, HW, 8, SEQ, auto_chunking=True)
+    layouts = candidate_layouts(SHAPE, CF_HW, 2, allow_cp=False)
+    brute = fastest_fitting(predict_chunkflow(LENGTHS, SHAPE, CF_HW, lay, 16384, 1)
+                            for lay in layouts)
+    found = best_chunkflow(LENGTHS, SHAPE, CF_HW, 2, SEQ, chunk_size=16384, k=1)
     assert found.fits and found.step_s == pytest.approx(brute.step_s, rel=1e-12)
-    assert found.layout.cp == 1
+    assert found.layout.cp == 1 and found.layout.recompute.kind != "none"
+
+
+def test_chunkflow_auto_search_is_exact():
+    lay = Layout(2, 1, 1, 1, "selective:mlp")
+    brute = fastest_fitting(predict_chunkflow(LENGTHS, SHAPE, CF_HW, lay, c, k)
+                            for c, k in chunking_candidates(LENGTHS, SEQ, 2))
+    found = best_chunkflow(LENGTHS, SHAPE, CF_HW, 2, SEQ, layout=lay, auto_chunking=True)
+    assert found.step_s == pytest.approx(brute.step_s, rel=1e-12)
 
 
 def test_nothing_fits_returns_the_smallest_footprint():
-    tiny_hbm = with_overrides(HW, ["hbm_gb=4"])
-    p = best_chunkflow(LENGTHS, SHAPE, tiny_hbm, 8, SEQ, auto_chunking=True)
-    assert not p.fits and p.chunk_size == 2048
+    tiny_hbm = with_overrides(CF_HW, ["hbm_gb=2"])
+    p = best_chunkflow(LENGTHS, SHAPE, tiny_hbm, 2, SEQ, chunk_size=2048)
+    assert not p.fits and p.layout.recompute == Recompute("full")

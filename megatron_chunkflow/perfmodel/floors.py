@@ -1,0 +1,258 @@
+"""Lower bounds computed without planning, for the exact pruned searches (perfmodel/search.py).
+
+Time floor (time_floor): stage s of a DP rank runs all its ops (F and B of every chunk, R of every
+re-forwarded one), cannot start before some chunk has gone forward through stages 0..s-1 and,
+after its last B, that chunk still runs backward through stages s-1..0 before stage 0's optimizer
+step (or stage s's own, if longer). Sends, bubbles and the DP tail only add to it.
+
+The floor is computed from per-rank sums (FloorSums), one pass over the chunks per parallel
+layout, then per recompute option in O(stages): the forward sums are exact; a backward's launch
+floor is a max per layer and chunk (perfmodel/roofline.py), and a sum of maxima is at least the
+max of the sums, so max(roofline sum, kernel sum x launch) bounds it from below; the first
+backwards' prefix uses the backward without recompute, which every option's exceeds.
+
+Memory floors: stock Megatron's (megatron_memory_floor) is exact when given the micro-batches in
+flight (inflight_tokens): under Megatron's 1F1B, stage s of p holds min(p - s, m) consecutive
+micro-batches of its rank at once (core/schedule.py megatron_1f1b_plan), so the held peak is the
+largest window of that many; the peak adds the static bytes and the transient of the rank's
+largest micro-batch, exactly as perfmodel/predict.py counts it. ChunkFlow's
+(chunkflow_memory_floor) is a bound: the last K chunks of the longest sequence are held at once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from megatron_chunkflow.core.costs import layers_per_stage
+from megatron_chunkflow.core.models import ModelShape
+from megatron_chunkflow.core.schedule import is_reforwarded
+from megatron_chunkflow.core.types import DataChunk
+from megatron_chunkflow.perfmodel.footprint import (
+    chunk_tokens,
+    per_token_bytes,
+    sequence_state_bytes,
+    stage_params,
+    static_bytes,
+    transient_bytes,
+)
+from megatron_chunkflow.perfmodel.layer import Work, chunk_work
+from megatron_chunkflow.perfmodel.layout import Layout, recomputed_layers
+from megatron_chunkflow.perfmodel.roofline import Roofline
+
+MODULES = ("core_attn", "mlp", "layernorm")
+
+
+def chunk_work_items(chunks: Sequence[DataChunk], block: int, cp: int = 1,
+                     k: int = 1) -> list[tuple[int, bool, Work]]:
+    """(DP rank, re-forwarded, Work) per chunk: what time_floor needs, independent of TP, PP and
+    recompute, so a search computes it once per chunking."""
+    return [(c.dp_rank, is_reforwarded(c, k), chunk_work(c, block, cp)) for c in chunks]
+
+
+@dataclass
+class RankSums:
+    """One DP rank's chunks summed (FloorSums)."""
+
+    ops: int = 0  # F and R ops, each paying the host time once per stage
+    chunks: int = 0
+    fwd: float = 0.0  # layer forwards, launch floor applied, R included
+    emb_fwd: float = 0.0
+    head_fwd: float = 0.0
+    emb_bwd: float = 0.0
+    head_bwd: float = 0.0
+    bwd: float = 0.0  # roofline layer backward, no recompute
+    bwd_kernels: int = 0
+    fwd_roof: float = 0.0  # roofline layer forward (what full recompute re-runs)
+    fwd_kernels: int = 0
+    module: dict = field(default_factory=lambda: {m: 0.0 for m in MODULES})
+    module_kernels: dict = field(default_factory=lambda: {m: 0 for m in MODULES})
+    f_pre: list = field(default_factory=list)  # per stage: least forward through earlier stages
+    b_pre: list = field(default_factory=list)  # per stage: least backward through earlier stages
+    # upper bounds of one op's duration, for the DP tail (the first F, the last B of a stage)
+    max_fwd: float = 0.0  # a layer's forward
+    max_bwd: float = 0.0  # a layer's backward under any recompute option
+    max_ends: tuple = (0.0, 0.0, 0.0, 0.0)  # embedding and head, forward and backward
+
+
+def floor_sums(items: Sequence[tuple[int, bool, Work]], model: Roofline) -> dict[int, RankSums]:
+    """Per DP rank, the sums time_floor combines; they depend on the parallel layout, not on
+    recompute, so a search shares them between every recompute option of a layout."""
+    pp, launch = model.layout.pp, model.launch_s
+    host = model.hw.op_overhead_us * 1e-6
+    rows: dict[int, RankSums] = {}
+    for rank, reforward, work in items:
+        parts = model.layer.parts(work)
+        (emb_f, emb_b), (head_f, head_b), layers = model.ends(work.tokens, pp)
+        f_layer = max(parts.fwd, parts.fwd_kernels * launch)
+        b_layer = max(parts.bwd, parts.bwd_kernels * launch)
+        r = rows.setdefault(rank, RankSums(f_pre=[math.inf] * pp, b_pre=[math.inf] * pp))
+        times = 2 if reforward else 1
+        r.ops += times
+        r.chunks += 1
+        r.fwd += times * f_layer
+        r.emb_fwd += times * emb_f
+        r.head_fwd += times * head_f
+        r.emb_bwd += emb_b
+        r.head_bwd += head_b
+        r.bwd += parts.bwd
+        r.bwd_kernels += parts.bwd_kernels
+        r.fwd_roof += parts.fwd
+        r.fwd_kernels += parts.fwd_kernels
+        for m, (sec, kernels) in parts.modules.items():
+            r.module[m] += sec
+            r.module_kernels[m] += kernels
+        every = [parts.modules[m] for m in MODULES]  # the costliest selective option
+        r.max_fwd = max(r.max_fwd, f_layer)
+        r.max_bwd = max(r.max_bwd, parts.bwd + parts.fwd, parts.bwd + sum(e[0] for e in every),
+                        (parts.bwd_kernels + parts.fwd_kernels) * launch,
+                        (parts.bwd_kernels + sum(e[1] for e in every)) * launch)
+        r.max_ends = tuple(map(max, r.max_ends, (emb_f, emb_b, head_f, head_b)))
+        f_acc = b_acc = 0.0
+        for s, n in enumerate(layers):
+            r.f_pre[s], r.b_pre[s] = min(r.f_pre[s], f_acc), min(r.b_pre[s], b_acc)
+            f_acc += n * f_layer + host + (emb_f if s == 0 else 0.0) + \
+                (head_f if s == pp - 1 else 0.0)
+            b_acc += n * b_layer + host + (emb_b if s == 0 else 0.0) + \
+                (head_b if s == pp - 1 else 0.0)
+    return rows
+
+
+def time_floor(items: Sequence[tuple[int, bool, Work]], model: Roofline,
+               sums: dict[int, RankSums] | None = None) -> float:
+    """A lower bound of the step time without planning (module docstring); `sums` are
+    floor_sums(items, model) when the caller has them already. The DP tail counts too: the
+    gradient reduce-scatter beyond the stage's last backward (at most one op long) and the
+    parameter all-gather beyond its first forward, as perfmodel/predict.py charges them."""
+    sums = floor_sums(items, model) if sums is None else sums
+    pp, rc, launch = model.layout.pp, model.layout.recompute, model.launch_s
+    host = model.hw.op_overhead_us * 1e-6
+    params = stage_params(model.shape, pp)
+    opt = [model.optimizer_time(p) for p in params]
+    dp = [model.dp_times(p) for p in params]
+    layers = layers_per_stage(model.shape.num_layers, pp)
+    best = 0.0
+    for r in sums.values():
+        x_s = sum(r.module[m] for m in rc.modules)
+        x_k = sum(r.module_kernels[m] for m in rc.modules)
+        keep = max(r.bwd + x_s, (r.bwd_kernels + x_k) * launch)
+        full = max(r.bwd + r.fwd_roof, (r.bwd_kernels + r.fwd_kernels) * launch)
+        for s, n in enumerate(layers):
+            k = recomputed_layers(rc, n)
+            busy = (n * r.fwd + host * r.ops + k * full + (n - k) * keep
+                    + host * r.chunks * (1 + k / max(n, 1)))
+            first_f, last_b = n * r.max_fwd + host, n * r.max_bwd + 2 * host
+            if s == 0:
+                busy += r.emb_fwd + r.emb_bwd
+                first_f, last_b = first_f + r.max_ends[0], last_b + r.max_ends[1]
+            if s == pp - 1:
+                busy += r.head_fwd + r.head_bwd
+                first_f, last_b = first_f + r.max_ends[2], last_b + r.max_ends[3]
+            rs, ag = dp[s]
+            tail = max(0.0, rs - last_b) + opt[s] + max(0.0, ag - first_f)
+            best = max(best, busy + r.f_pre[s] + max(tail, r.b_pre[s] + opt[0]))
+    return best
+
+
+def relaxed_1f1b_floor(per_rank: Sequence[Sequence[DataChunk]], model: Roofline,
+                       costs) -> float:
+    """A tighter lower bound of stock Megatron's step for the candidate `model` (its layout and
+    recompute), from its op costs (`costs`, StageCosts of every rank's micro-batches), cheaper
+    than the replay: each stage runs its ops in Megatron's 1F1B order
+    (core/schedule.py megatron_1f1b_plan), an F no earlier than its micro-batch's forwards on
+    the stages before it, a B no earlier than its forward here plus its own forwards and
+    backwards on the stages after it; what the other stages do to each other is ignored (so it
+    bounds the replay from below), then the DP tail as perfmodel/predict.py charges it."""
+    pp = model.layout.pp
+    params = stage_params(model.shape, pp)
+    opt = [model.optimizer_time(p) for p in params]
+    dp = [model.dp_times(p) for p in params]
+    best = 0.0
+    for chunks in per_rank:
+        if not chunks:
+            continue
+        ids = [c.id for c in chunks]
+        f = [[costs("F", i, s) for s in range(pp)] for i in ids]
+        b = [[costs("B", i, s) for s in range(pp)] for i in ids]
+        m = len(ids)
+        for s in range(pp):
+            before = [sum(row[:s]) for row in f]
+            after = [sum(fr[s + 1:]) + sum(br[s + 1:]) for fr, br in zip(f, b)]
+            warmup = min(pp - s - 1, m)
+            order = [("F", i) for i in range(warmup)]
+            for i in range(m - warmup):
+                order += [("F", warmup + i), ("B", i)]
+            order += [("B", i) for i in range(m - warmup, m)]
+            t, f_end, start = 0.0, [0.0] * m, 0.0
+            for kind, i in order:
+                ready = before[i] if kind == "F" else f_end[i] + after[i]
+                start = max(t, ready)
+                t = start + (f[i][s] if kind == "F" else b[i][s])
+                if kind == "F":
+                    f_end[i] = t
+            rs, ag = dp[s]
+            end = max(t, start + rs)
+            best = max(best, end + opt[s] + max(0.0, ag - f[0][s]))
+    return best
+
+
+def inflight_tokens(microbatches: Sequence[DataChunk], num_dp_ranks: int, cp: int,
+                    num_stages: int) -> list[tuple[tuple[int, ...], int]]:
+    """Per DP rank: (per stage the most tokens on a GPU (after CP) that Megatron's 1F1B holds at
+    once, the largest micro-batch's tokens): windows of min(p - s, m) consecutive micro-batches."""
+    out = []
+    for rank in range(num_dp_ranks):
+        tokens = [chunk_tokens(c, cp) for c in microbatches if c.dp_rank == rank]
+        windows = []
+        for s in range(num_stages):
+            w = min(num_stages - s, len(tokens))
+            acc = best = sum(tokens[:w])
+            for i in range(w, len(tokens)):
+                acc += tokens[i] - tokens[i - w]
+                best = max(best, acc)
+            windows.append(best)
+        out.append((tuple(windows), max(tokens, default=0)))
+    return out
+
+
+def megatron_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: Layout,
+                          dtype_bytes: int,
+                          inflight: list[tuple[tuple[int, ...], int]] | None = None) -> float:
+    """A lower bound of stock Megatron's peak memory per GPU, without planning. With `inflight`
+    (inflight_tokens of the baseline's micro-batches on this layout) it is the peak itself;
+    without, the micro-batch holding the longest sequence (padded to a multiple of 2 x CP under
+    CP) holds activations on every stage at some point."""
+    per_token = per_token_bytes(shape, layout, dtype_bytes, layout.pp)
+    params = stage_params(shape, layout.pp)
+    layers = layers_per_stage(shape.num_layers, layout.pp)
+    if inflight is None:
+        multiple = 2 * layout.cp if layout.cp > 1 else 1
+        tokens = math.ceil(-(-max(lengths) // multiple) * multiple / layout.cp)
+        inflight = [((tokens,) * layout.pp, tokens)]
+    last = layout.pp - 1
+    return max(static_bytes(params[s], layout, dtype_bytes) + windows[s] * per_token[s]
+               + transient_bytes(largest, shape, layout, dtype_bytes, s == last, layers[s])
+               for windows, largest in inflight for s in range(layout.pp))
+
+
+def chunkflow_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: Layout,
+                           dtype_bytes: int, chunk_size: int, k: int) -> float:
+    """A lower bound of ChunkFlow's peak memory per GPU, without planning (to skip hopeless
+    (chunk size, K) candidates): on every stage the last K chunks of the longest sequence hold
+    activations at once (all are forwarded before the first of them runs backward), beside its
+    state, the static memory and the transient of one chunk."""
+    longest = max(lengths)
+    if longest > chunk_size:
+        n = math.ceil(longest / chunk_size)
+        held = longest - (n - min(k, n)) * chunk_size
+    else:
+        held = longest
+    per_token = per_token_bytes(shape, layout, dtype_bytes, layout.pp)
+    params = stage_params(shape, layout.pp)
+    layers = layers_per_stage(shape.num_layers, layout.pp)
+    state = sequence_state_bytes(longest, chunk_size, k, shape, layout, dtype_bytes, layout.pp)
+    return max(static_bytes(params[s], layout, dtype_bytes) + held * per_token[s] + state[s]
+               + transient_bytes(min(chunk_size, longest), shape, layout, dtype_bytes,
+                                 s == layout.pp - 1, layers[s])
+               for s in range(layout.pp))

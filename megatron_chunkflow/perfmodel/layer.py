@@ -1,0 +1,312 @@
+"""One transformer layer on one GPU, in seconds and in kernels: the pieces perfmodel/roofline.py
+composes into per-op costs (recompute, launch floor), for a micro-batch of T tokens on the GPU
+(T / CP under CP; padding included).
+
+- GEMMs (QKV, projection, fc1, fc2) take max(FLOPs / (peak * eff), bytes / (mem bw)).
+  eff = gemm_max_eff * tile * wave * k_eff, from first principles: the output is cut into tiles
+  (the best of a few CUTLASS-like shapes, with split-K when there are fewer tiles than SMs);
+  tile quantization wastes the padded part of edge tiles, wave quantization the idle SMs of the
+  last wave, and k_eff = K / (K + 128) charges each tile a pipeline fill and epilogue worth 128
+  K-elements. Backward = data-gradient GEMM + weight-gradient GEMM, each with its own shape.
+- Attention (fused, flash-style): 4 * pairs * heads * head_dim FLOPs forward, 2.5x that backward
+  (5 matmuls instead of 2), pairs counted per segment as core/costs.py does. The kernel computes
+  whole 128x128 tiles, so each segment is charged its tiles (a short sequence wastes most of its
+  diagonal tiles) at attn_fwd_eff / attn_bwd_eff of peak.
+- Elementwise work (RMSNorms, residual adds, rotary, SwiGLU) is memory-bound: bytes / (mem bw *
+  mem_eff); the backward moves twice the bytes.
+- TP with sequence parallelism: forward 4 exposed ring collectives (all-gather before QKV and
+  fc1, reduce-scatter after projection and fc2) of T*h activations; backward the two
+  row-parallel all-gathers are exposed and, as in Megatron's linear layers, the all-gather of a
+  column-parallel input overlaps its data-gradient GEMM and the reduce-scatter of its input
+  gradient overlaps its weight-gradient GEMM. Ring time = (n-1) * (latency + bytes/n/bw), NVLink
+  inside a node, network across.
+- CP (stock Megatron only): ring attention passes K/V of T/CP tokens CP-1 times forward (K/V and
+  their gradients backward) beside the attention compute; Hardware.cp_overlap is the hidden
+  fraction: time = compute + transfer - cp_overlap * min(compute, transfer). Every sequence is
+  split into 2*CP pieces (load-balanced causal), so tiles are charged on pieces of L / (2 CP).
+- ChunkFlow's own traffic (runtime/state.py, every layer): a dependent chunk's forward and
+  re-forward concatenate its sequence's stored prefix K/V with its own (torch.cat reads both and
+  writes the copy, K and V); its backward adds the prefix part of the K/V gradient into each
+  earlier chunk's fp32 accumulator (read the gradient, read-modify-write fp32: the first touch is
+  a cheaper cast-copy, charged as a read-modify-write too) and, for every chunk but its
+  sequence's last, adds its own accumulator to its own gradient (read fp32, cast, add).
+
+Recomputed pieces (what a recompute option re-runs inside the backward, megatron-core 0.16.1):
+core_attn the attention core forward (its CP ring and ChunkFlow's cat included: the cat is inside
+the core attention); mlp fc1 and fc2 GEMMs, SwiGLU and the MLP's two TP collectives (the whole
+MLP under tensor_parallel.checkpoint); layernorm the two RMSNorms and the copy of each output back
+into its released storage (CheckpointWithoutOutput._recompute); full the whole layer forward.
+
+Kernels per layer (KERNELS_*), counted from Megatron-LM's GPU layer as its run files use it
+(Transformer Engine spec, bf16, fusions on), module by module (transformer_layer.py,
+attention.py, mlp.py; TE's LayerNormLinear fuses the norm with the linear):
+  forward 12: RMSNorm + QKV GEMM with its bias in the epilogue (2), RoPE on Q and on K (2),
+  attention (1), projection GEMM (1), bias-dropout-add (1), RMSNorm + fc1 GEMM (2), SwiGLU (1),
+  fc2 GEMM (1), bias-dropout-add (1);
+  backward 22: fc2 data and weight gradients (2), SwiGLU (1), fc1 data and weight gradients (2),
+  RMSNorm data and weight gradients (2), residual gradient add (1), projection (2), attention
+  (3: flash-attention's dO.O pre-pass, the kernel, the dQ conversion), RoPE (2), Q/K/V gradients
+  into one tensor (1), QKV data and weight gradients (2), QKV bias gradient (1), RMSNorm (2),
+  residual gradient add (1).
+  TP > 1 adds its collectives: 4 forward, 6 backward (the 4 reversed, and the column-parallel
+  linears' input all-gathers again for their weight gradients). CP > 1 runs the attention once
+  per ring step, with a send/receive and an output correction per extra step: 3 more kernels per
+  step, forward and backward. ChunkFlow adds 2 forward (the K and V cat) and, backward, 2 per
+  earlier chunk (accumulators) and 4 (own accumulator, cast and add, K and V).
+  Recompute re-launches what it re-runs: core_attn 1 (+3 per CP step), mlp 3 (+2 collectives),
+  layernorm 4 (two norms, two copies), full the forward's.
+  A cross-check: the unfused local spec on CPU dispatches 55 ATen ops forward and 72 backward
+  for one layer (counted with a TorchDispatchMode on the `tiny` shape), so 12 / 22 is the fused
+  floor; eager PyTorch launches at least this many.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
+
+from megatron_chunkflow.core.costs import (
+    attention_flops_per_pair_per_layer,
+    attention_pairs,
+)
+from megatron_chunkflow.core.models import ModelShape
+from megatron_chunkflow.core.types import DataChunk
+from megatron_chunkflow.perfmodel.hardware import Hardware
+from megatron_chunkflow.perfmodel.layout import Layout
+
+GEMM_TILES = ((128, 256), (256, 128), (128, 128), (64, 128), (128, 64))
+SPLIT_K = (1, 2, 4, 8, 16)
+K_OVERHEAD = 128  # per-tile fill + epilogue, in K elements (about two 64-wide main-loop steps)
+ATTN_BWD_FLOPS = 2.5  # flash backward: 5 matmuls (QK^T again, dP, dV, dQ, dK) vs 2 forward
+KERNELS_FWD, KERNELS_BWD = 12, 22  # one layer, TE spec, fused (module docstring)
+TP_KERNELS_FWD, TP_KERNELS_BWD = 4, 6  # its collectives under TP > 1
+CP_KERNELS_PER_STEP = 3  # attention, send/receive, correction per extra ring step
+RECOMPUTE_KERNELS = {"core_attn": 1, "mlp": 3, "layernorm": 4}
+PARTS_CACHE = 50_000  # Parts kept per LayerModel
+
+
+@lru_cache(maxsize=65536)
+def gemm_shape_factor(m: int, n: int, k: int, num_sms: int) -> float:
+    """Tile x wave x k efficiency of an (m x k) @ (k x n) GEMM, in (0, 1]; 1 when num_sms = 0."""
+    if num_sms == 0:
+        return 1.0
+    best = 0.0
+    for tm, tn in GEMM_TILES:
+        tiles = math.ceil(m / tm) * math.ceil(n / tn)
+        tile_eff = m * n / (tiles * tm * tn)
+        for split in SPLIT_K:
+            k_slice = math.ceil(k / split)
+            if split > 1 and (k_slice < 4 * K_OVERHEAD or tiles >= num_sms):
+                break
+            units = tiles * split
+            wave_eff = units / (math.ceil(units / num_sms) * num_sms)
+            best = max(best, tile_eff * wave_eff * k_slice / (k_slice + K_OVERHEAD))
+    return best
+
+
+def gemm_efficiency(m: int, n: int, k: int, hw: Hardware) -> float:
+    """Fraction of peak an (m x k) @ (k x n) GEMM reaches on `hw` (<= hw.gemm_max_eff)."""
+    return hw.gemm_max_eff * gemm_shape_factor(m, n, k, hw.num_sms)
+
+
+def gemm_time(m: int, n: int, k: int, hw: Hardware) -> float:
+    """Seconds of an (m x k) @ (k x n) GEMM: compute- or memory-bound, whichever is slower."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    flops = 2.0 * m * n * k
+    nbytes = hw.dtype_bytes * (m * k + k * n + m * n)
+    return max(flops / (hw.peak_flops * gemm_efficiency(m, n, k, hw)),
+               nbytes / (hw.hbm_gb_s * 1e9 * hw.mem_eff))
+
+
+def attention_tiles(prefix: int, num_q: int, block: int) -> int:
+    """block x block tiles a causal, bottom-right-aligned kernel computes for `num_q` queries
+    after `prefix` keys: query block i sees ceil((prefix + min((i+1) block, q)) / block)."""
+    nq = math.ceil(num_q / block)
+    return ((nq - 1) * math.ceil(prefix / block) + (nq - 1) * nq // 2
+            + math.ceil((prefix + num_q) / block))
+
+
+def computed_pairs(prefix: int, num_q: int, block: int, cp: int = 1) -> float:
+    """(query, key) pairs the kernel computes for one segment, tiles included, summed over the CP
+    ranks: with CP the segment is cut into 2*CP pieces and every (piece, earlier piece) pair
+    is a full block, every piece with itself a causal one."""
+    if block == 0:
+        return float(attention_pairs(prefix, num_q))
+    if cp == 1:
+        return float(attention_tiles(prefix, num_q, block) * block * block)
+    assert prefix == 0, "CP splits whole sequences only"
+    pieces = 2 * cp
+    piece = math.ceil(num_q / pieces)
+    full = pieces * (pieces - 1) // 2 * math.ceil(piece / block) ** 2
+    return float((full + pieces * attention_tiles(0, piece, block)) * block * block)
+
+
+class Work(NamedTuple):
+    """What a chunk's op costs depend on, on one of its CP ranks."""
+
+    tokens: int  # computed tokens (padding included) on this GPU
+    pairs: float  # computed attention pairs on this GPU
+    prefix: int = 0  # ChunkFlow: K/V tokens of the earlier chunks it concatenates
+    prior: int = 0  # ChunkFlow: earlier chunks whose fp32 accumulators its backward updates
+    relayed: bool = False  # ChunkFlow: its own accumulator is added to its gradient
+
+
+def chunk_work(chunk: DataChunk, block: int, cp: int = 1) -> Work:
+    """Work of a chunk on one of its CP ranks: computed tokens and pairs (a segment's padding is
+    attended as part of it), and a dependent chunk's K/V state."""
+    dep = chunk.is_dependent
+    pairs = sum(computed_pairs(s.start if dep else 0, s.computed_tokens, block, cp)
+                for s in chunk.segments)
+    tokens = math.ceil(chunk.computed_tokens / cp)
+    if not dep:
+        return Work(tokens, pairs / cp)
+    return Work(tokens, pairs / cp, chunk.segments[0].start, chunk.index,
+                chunk.index < chunk.num_siblings - 1)
+
+
+def ring_time(nbytes: float, n: int, link: tuple[float, float]) -> float:
+    """All-gather or reduce-scatter of a tensor of `nbytes` (whole) over a ring of n ranks."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bw, latency = link
+    return (n - 1) * (latency + nbytes / n / bw)
+
+
+class Dense(NamedTuple):
+    """Seconds of one layer's GEMMs, elementwise work and TP collectives (no attention core)."""
+
+    fwd: float
+    bwd: float
+    mlp_fwd: float  # the MLP's forward: what selective mlp re-runs
+    norms_fwd: float  # the two norms and the copy-back: what selective layernorm re-runs
+
+
+@dataclass(frozen=True)
+class Parts:
+    """One layer of one chunk: roofline seconds and kernels of its forward and backward (no
+    recompute), and per selective module what a recompute of it re-runs (seconds, kernels)."""
+
+    fwd: float
+    bwd: float
+    fwd_kernels: int
+    bwd_kernels: int
+    modules: dict  # module -> (seconds, kernels)
+
+
+class LayerModel:
+    """One layer's pieces on one parallel layout and device (see the module docstring); caches
+    the dense part by token count. Independent of recompute, so shared by every option."""
+
+    def __init__(self, shape: ModelShape, layout: Layout, hw: Hardware):
+        self.shape, self.layout, self.hw = shape, layout, hw
+        t = layout.tp  # per-GPU widths: heads, K/V groups and the MLP are split over TP
+        self.kv = shape.kv_dim // t
+        self.attn_width = shape.num_attention_heads * shape.head_dim // t
+        self.qkv_out = self.attn_width + 2 * self.kv
+        self.ffn = shape.ffn_hidden_size // t
+        self.mem_bw = hw.hbm_gb_s * 1e9 * hw.mem_eff
+        self.tp_link = hw.link(layout.span("tp"))
+        self.cp_link = hw.link(layout.span("cp"))
+        # the dense part depends on neither CP overlap nor launch cost: shared across both
+        self._dense = _dense_cache(shape, t, dataclasses.replace(hw, cp_overlap=0.0,
+                                                                 kernel_launch_us=0.0))
+        self._parts: dict[Work, Parts] = {}
+        self.ends_cache: dict = {}  # perfmodel/roofline.py's embedding and head, by tokens
+        tp, cp = (t > 1), layout.cp - 1
+        self.kernels_fwd = KERNELS_FWD + TP_KERNELS_FWD * tp + CP_KERNELS_PER_STEP * cp
+        self.kernels_bwd = KERNELS_BWD + TP_KERNELS_BWD * tp + CP_KERNELS_PER_STEP * cp
+        self.module_kernels = {"core_attn": RECOMPUTE_KERNELS["core_attn"]
+                               + CP_KERNELS_PER_STEP * cp,
+                               "mlp": RECOMPUTE_KERNELS["mlp"] + 2 * tp,
+                               "layernorm": RECOMPUTE_KERNELS["layernorm"]}
+
+    def dense(self, tokens: int) -> Dense:
+        """The dense part of one layer for `tokens` tokens on this GPU (already divided by CP)."""
+        if tokens in self._dense:
+            return self._dense[tokens]
+        hw, h, T = self.hw, self.shape.hidden_size, tokens
+        col = [(self.qkv_out, h), (2 * self.ffn, h)]  # (N out, K in): QKV, fc1
+        row = [(h, self.attn_width), (h, self.ffn)]  # projection, fc2
+        fwd = sum(gemm_time(T, n, k, hw) for n, k in col + row)
+        ag = ring_time(T * h * hw.dtype_bytes, self.layout.tp, self.tp_link)
+        bwd = 2 * ag
+        for n, k in col:  # dgrad overlaps the input all-gather, wgrad the grad reduce-scatter
+            bwd += max(gemm_time(T, k, n, hw), ag) + max(gemm_time(k, n, T, hw), ag)
+        for n, k in row:
+            bwd += gemm_time(T, k, n, hw) + gemm_time(k, n, T, hw)
+        # elements moved per token: 2 RMSNorms (read + write h) and 2 residual adds (2 reads, 1
+        # write) on the SP-split h; rotary on Q and K, SwiGLU (read 2f, write f) on TP-split heads
+        per_elem = T * hw.dtype_bytes / self.mem_bw
+        swiglu = 3 * self.ffn * per_elem
+        ew = (10 * h / self.layout.tp + 2 * (self.attn_width + self.kv)) * per_elem + swiglu
+        mlp = gemm_time(T, 2 * self.ffn, h, hw) + gemm_time(T, h, self.ffn, hw) + 2 * ag + swiglu
+        norms = 8 * h / self.layout.tp * per_elem  # 2 norms (read + write), 2 copy-backs
+        out = Dense(fwd + 4 * ag + ew, bwd + 2 * ew, mlp, norms)
+        self._dense[tokens] = out
+        return out
+
+    def attention(self, tokens: int, pairs: float) -> tuple[float, float]:
+        """(forward, backward) seconds of one layer's attention core on one GPU for `tokens`
+        tokens and `pairs` computed (query, key) pairs on it (chunk_work), CP ring included."""
+        hw, cp = self.hw, self.layout.cp
+        flops = pairs * attention_flops_per_pair_per_layer(self.shape, self.layout.tp)
+        fwd = flops / (hw.peak_flops * hw.attn_fwd_eff)
+        bwd = ATTN_BWD_FLOPS * flops / (hw.peak_flops * hw.attn_bwd_eff)
+        if cp > 1:
+            bw, latency = self.cp_link
+            kv_bytes = tokens * 2 * self.kv * hw.dtype_bytes
+            fwd = overlapped(fwd, (cp - 1) * kv_bytes / bw, hw.cp_overlap) + latency
+            bwd = overlapped(bwd, (cp - 1) * 2 * kv_bytes / bw, hw.cp_overlap) + latency
+        return fwd, bwd
+
+    def state_traffic(self, work: Work) -> tuple[float, float]:
+        """(forward, backward) seconds of ChunkFlow's K/V concatenation and fp32 accumulators for
+        one layer of a dependent chunk (module docstring); 0 for other chunks."""
+        d, elems = self.hw.dtype_bytes, 2 * self.kv  # K and V per token on this TP rank
+        fwd = 2 * (work.prefix + work.tokens) * elems * d if work.prefix else 0.0
+        bwd = work.prefix * elems * (d + 8) + (work.tokens * elems * (4 + 4 * d)
+                                                 if work.relayed else 0.0)
+        return fwd / self.mem_bw, bwd / self.mem_bw
+
+    def parts(self, work: Work) -> Parts:
+        """Roofline seconds and kernels of one layer of a chunk doing `work` (no recompute), with
+        what each selective module's recompute would add; cached (every recompute option of a
+        search asks again)."""
+        out = self._parts.get(work)
+        if out is None:
+            if len(self._parts) >= PARTS_CACHE:
+                self._parts.clear()  # bounded: a search's chunkings come and go
+            out = self._parts[work] = self._compute_parts(work)
+        return out
+
+    def _compute_parts(self, work: Work) -> Parts:
+        d = self.dense(work.tokens)
+        a_fwd, a_bwd = self.attention(work.tokens, work.pairs)
+        s_fwd, s_bwd = self.state_traffic(work)
+        cat_kernels = 2 if work.prefix else 0
+        acc_kernels = 2 * work.prior + (4 if work.relayed else 0)
+        mk = self.module_kernels
+        modules = {"core_attn": (a_fwd + s_fwd, mk["core_attn"] + cat_kernels),
+                   "mlp": (d.mlp_fwd, mk["mlp"]), "layernorm": (d.norms_fwd, mk["layernorm"])}
+        return Parts(d.fwd + a_fwd + s_fwd, d.bwd + a_bwd + s_bwd,
+                     self.kernels_fwd + cat_kernels, self.kernels_bwd + acc_kernels, modules)
+
+
+@lru_cache(maxsize=256)
+def _dense_cache(shape: ModelShape, tp: int, hw: Hardware) -> dict[int, Dense]:
+    return {}
+
+
+def overlapped(compute: float, transfer: float, overlap: float) -> float:
+    """compute and transfer running side by side, `overlap` of the shorter one hidden."""
+    return compute + transfer - overlap * min(compute, transfer)
+
+
+@lru_cache(maxsize=256)
+def layer_model(shape: ModelShape, layout: Layout, hw: Hardware) -> LayerModel:
+    """One LayerModel per (model, parallel layout without recompute, device)."""
+    return LayerModel(shape, layout.parallel, hw)

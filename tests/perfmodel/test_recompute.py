@@ -1,0 +1,136 @@
+"""Megatron's recompute menu in the cost and memory model (perfmodel/footprint.py, layer.py,
+roofline.py): what each option keeps and re-runs, and the orders that implies."""
+
+import pytest
+
+from megatron_chunkflow.config import Recompute
+from megatron_chunkflow.core.models import get_model_shape
+from megatron_chunkflow.core.profiles import sample_lengths
+from megatron_chunkflow.perfmodel.footprint import (
+    RECOMPUTE_DROPS,
+    activation_terms,
+    dropped_bytes,
+    kv_state_bytes_per_token,
+    layer_activation_bytes,
+    per_token_bytes,
+    sequence_state_bytes,
+    transient_bytes,
+)
+from megatron_chunkflow.perfmodel.hardware import get_gpu
+from megatron_chunkflow.perfmodel.layout import Layout, make_layout
+from megatron_chunkflow.perfmodel.predict import predict_chunkflow, predict_megatron
+
+H100 = get_gpu("h100")
+Q7B = get_model_shape("qwen2.5-7b")
+LENGTHS = [min(n, 32768) for n in sample_lengths("B", 300, seed=1)]
+SEL = {m: Recompute("selective", m) for m in (("core_attn",), ("mlp",), ("layernorm",),
+                                                ("core_attn", "mlp", "layernorm"))}
+
+
+def test_terms_add_up_to_the_documented_count():
+    """6h + 2kv + 3f elements plus the fp32 log-sum-exp, split over TP; each module drops its
+    own terms; full keeps the layer input."""
+    h, kv, f = Q7B.hidden_size, Q7B.kv_dim, Q7B.ffn_hidden_size
+    for tp in (1, 4):
+        terms = activation_terms(Q7B, Layout(tp), 2)
+        assert sum(terms.values()) == pytest.approx(
+            (2 * (6 * h + 2 * kv + 3 * f) + 4 * Q7B.num_attention_heads) / tp)
+        assert layer_activation_bytes(Q7B, Layout(tp), 2) == pytest.approx(sum(terms.values()))
+        for module, names in RECOMPUTE_DROPS.items():
+            assert dropped_bytes(Q7B, Layout(tp), 2, Recompute("selective", (module,))) == \
+                pytest.approx(sum(terms[n] for n in names))
+        assert layer_activation_bytes(Q7B, Layout(tp), 2, "full") == 2 * h / tp
+    # mlp + layernorm share fc1's input (the pre-MLP norm's output): counted once
+    both = dropped_bytes(Q7B, Layout(), 2, Recompute("selective", ("mlp", "layernorm")))
+    assert both == 2 * (h + h + 2 * f + f)
+
+
+def test_block_keeps_inputs_for_its_first_n_layers():
+    layout = Layout(4, 1, 2, 1, "block:3")
+    kept, inp = (layer_activation_bytes(Q7B, layout, 2, rc) for rc in ("none", "full"))
+    per_token = per_token_bytes(Q7B, layout, 2, 2)
+    assert per_token[0] == pytest.approx(3 * inp + 11 * kept)
+    assert per_token_bytes(Q7B, Layout(4, 1, 2, 1, "block:14"), 2, 2) == \
+        per_token_bytes(Q7B, Layout(4, 1, 2, 1, "full"), 2, 2)
+
+
+def test_transient_is_what_the_backward_recreates():
+    """Selective modules re-create their drops for the layer in backward; full re-creates the
+    whole layer; block with N below the stage's layers adds nothing (its kept layers have freed
+    more by then)."""
+    base = transient_bytes(1000, Q7B, Layout(4), 2, False, 28)
+    full = transient_bytes(1000, Q7B, Layout(4, recompute="full"), 2, False, 28)
+    inp = layer_activation_bytes(Q7B, Layout(4), 2, "full")
+    assert full == pytest.approx(2 * base - 1000 * inp)  # its gradients and itself, less input
+    assert transient_bytes(1000, Q7B, Layout(4, recompute="block:5"), 2, False, 28) == base
+    assert transient_bytes(1000, Q7B, Layout(4, recompute="block:28"), 2, False, 28) == full
+    mlp = transient_bytes(1000, Q7B, Layout(4, recompute=SEL[("mlp",)]), 2, False, 28)
+    assert mlp == pytest.approx(base + 1000 * dropped_bytes(Q7B, Layout(4), 2, SEL[("mlp",)]))
+
+
+def _pair(system, rc, pp=2):
+    layout = Layout(4, 1, pp, 2, rc)
+    if system == "megatron":
+        p = predict_megatron(LENGTHS, Q7B, H100, layout, 32768)
+    else:
+        p = predict_chunkflow(LENGTHS, Q7B, H100, layout, 4096, 2)
+    return p.step_s, p.peak_mem_bytes
+
+
+@pytest.mark.parametrize("system", ["megatron", "chunkflow"])
+def test_more_recompute_less_memory_more_time(system):
+    """Along each chain of the menu, memory falls and time rises: none, block:1 .. block:13,
+    full; none, core_attn, core_attn + mlp + layernorm; none, layernorm, mlp + layernorm."""
+    chains = [["none"] + [f"block:{n}" for n in range(1, 14)] + ["full"],
+              ["none", SEL[("core_attn",)], SEL[("core_attn", "mlp", "layernorm")]],
+              ["none", SEL[("layernorm",)], Recompute("selective", ("mlp", "layernorm"))]]
+    for chain in chains:
+        points = [_pair(system, rc) for rc in chain]
+        for (t0, m0), (t1, m1) in zip(points, points[1:]):
+            assert t1 > t0 and m1 < m0
+    # block:1 lies between none and full, and mlp saves the most of the selective modules
+    (tn, mn), (tb, mb), (tf, mf) = (_pair(system, rc) for rc in ("none", "block:1", "full"))
+    assert tn < tb < tf and mn > mb > mf
+    savings = {m: _pair(system, "none")[1] - _pair(system, SEL[(m,)])[1]
+               for m in ("core_attn", "mlp", "layernorm")}
+    assert savings["mlp"] > savings["layernorm"] > savings["core_attn"] > 0
+
+
+@pytest.mark.parametrize("system", ["megatron", "chunkflow"])
+def test_block_with_every_layer_is_full(system):
+    assert _pair(system, "block:14") == _pair(system, "full")
+
+
+def test_full_recompute_re_runs_the_forward():
+    """Full adds the whole layer forward to every backward (with its TP collectives): about
+    4/3 of forward + backward; selective mlp most of that (the MLP holds most GEMM FLOPs)."""
+    t_none, t_mlp, t_full = (_pair("megatron", rc, pp=1)[0]
+                             for rc in ("none", SEL[("mlp",)], "full"))
+    assert t_full / t_none == pytest.approx(4 / 3, abs=0.05)
+    assert t_none < t_mlp < t_full
+
+
+def test_chunkflow_prefix_copies_follow_core_attention():
+    """A layer whose core attention is recomputed holds no cat(prefix, own) copy between its
+    forward and backward; the one its recompute re-creates (one layer's) is charged instead."""
+    L, C = 10 * 4096, 4096
+    none = sequence_state_bytes(L, C, 1, Q7B, Layout(4, 1, 2, 1), 2, 2)
+    attn = sequence_state_bytes(L, C, 1, Q7B, Layout(4, 1, 2, 1, SEL[("core_attn",)]), 2, 2)
+    u = kv_state_bytes_per_token(Q7B, 14, 2, 4, with_grad=False)
+    assert none[0] - attn[0] == pytest.approx(L * u - L * u / 14)
+    mlp = sequence_state_bytes(L, C, 1, Q7B, Layout(4, 1, 2, 1, SEL[("mlp",)]), 2, 2)
+    assert mlp == none
+
+
+def test_layout_text_forms_and_validation():
+    lay = make_layout(4, 1, 2, "selective:mlp+layernorm", 32, Q7B)
+    assert lay.recompute == Recompute("selective", ("mlp", "layernorm"))
+    assert lay.to_flag() == "4,1,2,selective:mlp+layernorm"
+    assert lay.to_json()["recompute"] == "selective:mlp+layernorm"
+    assert lay.describe() == "TP4 CP1 PP2 DP4 selective:mlp+layernorm"
+    assert make_layout(4, 1, 2, "block:14", 32, Q7B).recompute.num_layers == 14
+    with pytest.raises(ValueError, match="a pipeline stage has only 14 layers"):
+        make_layout(4, 1, 2, "block:15", 32, Q7B)
+    with pytest.raises(ValueError, match="PP 8 must divide the model's 28 layers"):
+        make_layout(1, 1, 8, "none", 32, Q7B)
+    assert Layout(recompute="full").recompute == Recompute("full")  # text accepted
