@@ -1,24 +1,26 @@
-"""Stock Megatron against ChunkFlow: one model, batch, layout and memory budget (`chunkflow bench`).
+"""Stock Megatron's baselines against ChunkFlow: one model, batch, layout and memory budget
+(`chunkflow bench`).
 
 Run in every process of a job (cli/bench.py spawns them, or torchrun). Per run:
 1. Calibrate: this CPU's GEMM, attention, memory and point-to-point rates and two timed probe
    micro-batches of the real model (bench/calibrate.py: kernel rates, then the model's dense
    efficiency and host time per op fitted) make a `cpu` device for the simulator, re-measured
-   before every measured pair (medians); a probe micro-batch measures the activation bytes per
-   token of each stage (saved-tensor hooks, checks/memory.py).
-2. Budget (perfmodel/budget.py): stock Megatron gets no recompute when its largest micro-batch fits,
-   else Megatron's full recompute; ChunkFlow the fastest (chunk size, K) whose modelled peak fits.
-3. Both systems are built (bench/systems.py: same model shape and seed, Megatron's
-   DDP, Adam and scheduler, the same attention kernel) and stepped on the same global batch,
-   alternately: warm-up pairs, then measured pairs. Stock Megatron is training/loop.py's path
-   (sequences packed THD into micro-batches of --seq-length, Megatron's get_forward_backward_func);
-   ChunkFlow is forward_backward_chunkflow on the core planner's plan. glibc malloc keeps freed
-   memory (bench/instrument.py: cache_freed_memory), as a GPU caching allocator would.
+   before every measured round (medians). Probe micro-batches measure the activation bytes per
+   token of each stage under every option of Megatron's recompute menu (bench/systems.py,
+   checks/memory.py's exact meter).
+2. Budget (bench/choose.py, perfmodel/budget.py): each stock baseline gets the fastest recompute
+   option whose modelled peak fits; ChunkFlow the fastest (chunk size, K, recompute) that fits.
+   A baseline that no option fits is not run (the JSON's "not_run" says why).
+3. Every system is built (bench/systems.py: same model shape and seed, Megatron's DDP, Adam and
+   scheduler, the same attention kernel) and stepped on the same global batch, in turn: warm-up
+   rounds, then measured rounds. A stock baseline is training/loop.py's path (core/step.py:
+   megatron-sft, megatron-packed, megatron-unpacked on Megatron's get_forward_backward_func);
+   ChunkFlow is runtime/execute.py on the core planner's plan. glibc malloc keeps freed memory
+   (bench/instrument.py: cache_freed_memory), as a GPU caching allocator would.
 Measured per step: wall time of forward, backward and optimizer (slowest rank); per-op compute
-intervals (bubble = 1 - busy / (p x span)); activation bytes (ActivationMeter: bytes saved for
-backward plus K/V state; for Megatron the meter wraps its forward_step and is released at its
-backward_step, and the tensors that full recompute saves *during* the backward are counted while
-they are alive); peak RSS (VmHWM after returning freed heap to the OS, in the first pair).
+intervals (bubble = 1 - busy / (p x span)); activation bytes (the exact meter: a saved tensor from
+its save until autograd frees it, plus ChunkFlow's K/V state, the same meter for every system);
+peak RSS (VmHWM after returning freed heap to the OS, in the first round).
 """
 
 from __future__ import annotations
@@ -30,21 +32,9 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from megatron_chunkflow.perfmodel.budget import (
-    ActivationRates,
-    Chunking,
-    baseline_peak,
-    baseline_recompute,
-    chunkflow_peak,
-    choose_chunking,
-)
-from megatron_chunkflow.core.costs import chunk_flops, sequence_model_flops
-from megatron_chunkflow.perfmodel.layout import Layout
-from megatron_chunkflow.core.models import ModelShape
-from megatron_chunkflow.core.packer import build_chunks
-from megatron_chunkflow.core.schedule import is_reforwarded
-from megatron_chunkflow.perfmodel.predict import predict_chunkflow, predict_megatron
-from megatron_chunkflow.core.step import baseline_microbatches
+from megatron_chunkflow.attention import resolve_backend
+from megatron_chunkflow.bench.choose import Plan, choose_all, menu, recompute_flops
+from megatron_chunkflow.bench.instrument import cache_freed_memory
 from megatron_chunkflow.bench.systems import (
     PROBE_SEGMENT,
     PROBE_SIZES,
@@ -55,24 +45,12 @@ from megatron_chunkflow.bench.systems import (
     timed_step,
     train_settings,
 )
-from megatron_chunkflow.attention import resolve_backend
-from megatron_chunkflow.bench.instrument import cache_freed_memory
+from megatron_chunkflow.config import Recompute
+from megatron_chunkflow.core.costs import sequence_model_flops
 from megatron_chunkflow.data.synthetic import make_sequences
-
-
-def recompute_flops(system: str, lengths, shape: ModelShape, seq_length: int, dp: int,
-                    chunk_size: int = 0, k: int = 1, recompute: str = "none") -> float:
-    """FLOPs re-run in one step: Megatron's full recompute re-runs every transformer layer's
-    forward; ChunkFlow re-forwards (whole stage, logits included) every dependent chunk but the
-    last K of its sequence."""
-    if system == "megatron":
-        if recompute != "full":
-            return 0.0
-        mbs = baseline_microbatches(lengths, seq_length, dp)
-        return sum(chunk_flops(c, shape).per_layer * shape.num_layers for c in mbs)
-    chunks = build_chunks(lengths, chunk_size, dp, k, shape).chunks
-    return sum(chunk_flops(c, shape).forward(shape.num_layers) for c in chunks
-               if is_reforwarded(c, k))
+from megatron_chunkflow.perfmodel.budget import ActivationRates
+from megatron_chunkflow.perfmodel.layout import Layout
+from megatron_chunkflow.perfmodel.predict import predict_chunkflow, predict_megatron
 
 
 def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
@@ -89,13 +67,13 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
     caching = s.caching_malloc and cache_freed_memory()
     dp = parallel_state.get_data_parallel_world_size()
     load = [os.getloadavg()[0]]
-    pp, tp = s.parallel.pp, s.parallel.tp
+    pp = s.parallel.pp
     chunkflow = build_system("chunkflow", train_settings(s, "chunkflow"))
     calibrations, fit = [], {}
 
     def calibrate():
         """Kernel rates and probe step times, measured now (the machine may be shared, so this
-        runs again before every measured pair and the simulator takes the medians)."""
+        runs again before every measured round and the simulator takes the medians)."""
         rates = average_rates(measure_cpu_rates(
             s.shape, s.attention_backend, parallel_state.get_pipeline_model_parallel_group(),
             tokens=min(2048, max(128, s.seq_length // 16))))
@@ -111,75 +89,98 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
 
     log("calibrating: GEMM, attention, memory and point-to-point rates, host time per op")
     rates, hw = calibrate()
-    act = probe_rates(chunkflow, s)
-    recompute = s.megatron_recompute
-    if recompute == "auto":
-        recompute = baseline_recompute(s.lengths, s.seq_length, dp, act, s.budget_bytes)
-    layout = Layout(tp, 1, pp, dp, "none")
-    if s.chunk_size is None:
-        chunking = choose_chunking(
-            s.lengths, s.seq_length, dp, s.shape, act, s.budget_bytes,
-            lambda c, k: predict_chunkflow(s.lengths, s.shape, hw, layout, c, k).step_s,
-            ks=(s.k,) if s.k else (1, 2, 4))
-    else:
-        k = s.k or 1
-        peak = chunkflow_peak(s.lengths, s.chunk_size, k, dp, s.shape, act)
-        chunking = Chunking(s.chunk_size, k, peak, predict_chunkflow(
-            s.lengths, s.shape, hw, layout, s.chunk_size, k).step_s)
-    chunkflow.settings = train_settings(s, "chunkflow", chunking.chunk_size, chunking.k)
-    megatron = build_system("megatron", train_settings(
-        s, "megatron", recompute=None if recompute == "none" else recompute))
-    log(f"budget {s.budget_bytes / 2**20:.0f} MiB: stock Megatron recompute {recompute} "
-        f"(largest micro-batch {baseline_peak(s.lengths, s.seq_length, dp, act) / 2**20:.0f} "
-        f"MiB without); ChunkFlow C={chunking.chunk_size} K={chunking.k} (modelled peak "
-        f"{chunking.peak_bytes / 2**20:.0f} MiB)")
+    options = {str(o): o for o in menu(s, s.megatron_recompute) + menu(s, s.chunkflow_recompute)}
+    log(f"probing activation bytes per token under {len(options)} recompute option(s)")
+    act = probe_rates(chunkflow, s, [Recompute()] + [o for o in options.values()
+                                                      if o.kind != "none"])
+    plans, unfit = choose_all(s, dp, act, hw)
+    for name, why in unfit.items():
+        log(f"{name} is not run: {why}")
+    s = dataclasses.replace(s, baselines=tuple(b for b in s.baselines if b in plans))
+    cf_plan = plans["chunkflow"]
+    chunkflow.settings = train_settings(s, "chunkflow", cf_plan.choice.chunk_size,
+                                        cf_plan.choice.k, cf_plan.recompute)
+    chunkflow = build_system("chunkflow", chunkflow.settings) \
+        if cf_plan.recompute.kind != "none" else chunkflow
+    systems = [build_system(b, train_settings(s, b, recompute=plans[b].recompute))
+               for b in s.baselines] + [chunkflow]
+    for name, plan in plans.items():
+        what = (f"C={plan.choice.chunk_size} K={plan.choice.k} " if name == "chunkflow" else "")
+        log(f"budget {s.budget_bytes / 2**20:.0f} MiB: {name} {what}recompute {plan.recompute} "
+            f"(modelled peak {plan.choice.peak_bytes / 2**20:.0f} MiB)")
 
     sequences = make_sequences(s.lengths, s.shape.vocab_size, s.seed)
-    # Peak RSS comes from the first pair of steps, each after a malloc_trim; later warm-up steps
-    # grow the heap back to the larger system's peak, so the measured steps reuse it (as a
+    # Peak RSS comes from the first round, each step after a malloc_trim; later warm-up rounds
+    # grow the heap back to the largest system's peak, so the measured steps reuse it (as a
     # caching allocator would) instead of paying its page faults in the first measured step.
-    measured: dict[str, list[list[dict]]] = {"megatron": [], "chunkflow": []}
-    rss = {"megatron": 0, "chunkflow": 0}
+    measured: dict[str, list[list[dict]]] = {x.name: [] for x in systems}
+    rss = {x.name: 0 for x in systems}
     for i in range(s.warmup + s.repeats):
         warm = i < s.warmup
         phase = f"warm-up {i + 1}/{s.warmup}" if warm else f"repeat {i - s.warmup + 1}/{s.repeats}"
         if not warm:
             rates, hw = calibrate()
-        for system in (megatron, chunkflow):
+        for system in systems:
             first = i == 0 or not s.warmup
             rows = timed_step(system, sequences, trim=first)
             if not warm:
                 measured[system.name].append(rows)
             if first:
                 rss[system.name] = max(rss[system.name], max(r["rss"] for r in rows))
-            log(f"{phase}  {system.name:<9}  {max(r['elapsed'] for r in rows):7.2f} s")
+            log(f"{phase}  {system.name:<18} {max(r['elapsed'] for r in rows):7.2f} s")
         load.append(os.getloadavg()[0])
 
-    preds = {"megatron": predict_megatron(s.lengths, s.shape, hw,
-                                          dataclasses.replace(layout, recompute=recompute),
-                                          s.seq_length),
-             "chunkflow": predict_chunkflow(s.lengths, s.shape, hw, layout, chunking.chunk_size,
-                                            chunking.k)}
-    out = {}
-    for name, system in (("megatron", megatron), ("chunkflow", chunkflow)):
-        re_flops = recompute_flops(name, s.lengths, s.shape, s.seq_length, dp,
-                                   chunking.chunk_size, chunking.k, recompute)
-        out[name] = summarize(measured[name], s, preds[name], re_flops)
-        out[name]["peak_rss_bytes"] = rss[name]
-    out["megatron"].update(recompute=recompute, modelled_peak_activation_bytes=(
-        baseline_peak(s.lengths, s.seq_length, dp, act) if recompute == "none" else None))
-    out["chunkflow"].update(chunk_size=chunking.chunk_size, k=chunking.k,
-                            modelled_peak_activation_bytes=chunking.peak_bytes)
-    mg, cf = out["megatron"], out["chunkflow"]
+    out = {x.name: _system_result(x.name, plans[x.name], measured[x.name], rss[x.name], s, dp,
+                                  hw, act) for x in systems}
+    result = _result(out, s, dp, act, rates, hw, plans, caching, load, fit,
+                     [dataclasses.asdict(r) | {"probe_step_s": p} for r, p in calibrations])
+    result["not_run"] = unfit
+    return result
+
+
+def _system_result(name: str, plan: Plan, repeats: list[list[dict]], rss: int,
+                   s: BenchSettings, dp: int, hw, act: ActivationRates) -> dict:
+    """One system's summary, prediction and configuration."""
+    layout = Layout(s.parallel.tp, 1, s.parallel.pp, dp, plan.recompute)
+    if name == "chunkflow":
+        pred = predict_chunkflow(s.lengths, s.shape, hw, layout, plan.choice.chunk_size,
+                                 plan.choice.k)
+    else:
+        pred = predict_megatron(s.lengths, s.shape, hw, layout, s.seq_length, name)
+    re_flops = recompute_flops(name, s.lengths, s.shape, s.seq_length, dp, s.parallel.pp, plan)
+    out = summarize(repeats, s, pred, re_flops)
+    out.update(peak_rss_bytes=rss, recompute=str(plan.recompute),
+               modelled_peak_activation_bytes=plan.choice.peak_bytes,
+               recompute_candidates=[c.to_json() for c in plan.choice.candidates])
+    if name == "chunkflow":
+        out.update(chunk_size=plan.choice.chunk_size, k=plan.choice.k)
+    return out
+
+
+def _result(out: dict, s: BenchSettings, dp: int, act, rates, hw, plans, caching, load, fit,
+            calibrations) -> dict:
+    """The JSON object: every system, and ChunkFlow against each baseline. "baseline" and the
+    unsuffixed ratios are against megatron-packed (the strongest) when it ran."""
+    cf = out["chunkflow"]
+    names = list(s.baselines)
+    ref = "megatron-packed" if "megatron-packed" in names else names[0]
+
+    def per(fn):
+        return {b: fn(out[b]) for b in names}
+
+    speedups = per(lambda mg: mg["step_s"] / cf["step_s"])
+    memory = per(lambda mg: cf["peak_activation_bytes"] / mg["peak_activation_bytes"])
     return {
-        "baseline": mg, "chunkflow": cf,
-        "speedup": mg["step_s"] / cf["step_s"],
-        "speedup_factors": speedup_factors(mg, cf),
-        "activation_memory_ratio": cf["peak_activation_bytes"] / mg["peak_activation_bytes"],
-        "rss_ratio": cf["peak_rss_bytes"] / mg["peak_rss_bytes"],
-        "predicted_speedup": mg["predicted_step_s"] / cf["predicted_step_s"],
-        "setup": _setup(s, dp, act, rates, hw, chunking, caching, load, fit,
-                        [dataclasses.asdict(r) | {"probe_step_s": p} for r, p in calibrations]),
+        "baseline": out[ref], "baseline_name": ref, "chunkflow": cf,
+        "baselines": {b: out[b] for b in names},
+        "speedup": speedups[ref], "speedups": speedups,
+        "speedup_factors": speedup_factors(out[ref], cf),
+        "speedup_factors_per_baseline": per(lambda mg: speedup_factors(mg, cf)),
+        "activation_memory_ratio": memory[ref], "activation_memory_ratios": memory,
+        "rss_ratio": cf["peak_rss_bytes"] / out[ref]["peak_rss_bytes"],
+        "predicted_speedup": out[ref]["predicted_step_s"] / cf["predicted_step_s"],
+        "predicted_speedups": per(lambda mg: mg["predicted_step_s"] / cf["predicted_step_s"]),
+        "setup": _setup(s, dp, act, rates, hw, caching, load, fit, calibrations),
     }
 
 
@@ -243,8 +244,8 @@ def _bubble(rows: list[dict]) -> float:
     return 1.0 - busy / (len(replica) * span) if span > 0 else 0.0
 
 
-def _setup(s: BenchSettings, dp: int, act: ActivationRates, rates, hw, chunking,
-           caching: bool, load: list[float], fit: dict, calibrations: list[dict]) -> dict:
+def _setup(s: BenchSettings, dp: int, act: ActivationRates, rates, hw, caching: bool,
+           load: list[float], fit: dict, calibrations: list[dict]) -> dict:
     import megatron.core
 
     lengths = s.lengths
@@ -262,7 +263,9 @@ def _setup(s: BenchSettings, dp: int, act: ActivationRates, rates, hw, chunking,
         "kv_bytes_per_token": list(act.kv_per_token),
         "cpu_rates": rates.to_json(), "model_fit": fit,
         "hardware": dataclasses.asdict(hw),
-        "chunking_candidates": [dataclasses.asdict(c) for c in chunking.candidates],
+        "activation_bytes_per_token_by_recompute": {
+            name: {"held": list(r.held), "peak": list(r.peak)} for name, r in act.options.items()},
+        "baselines": list(s.baselines),
         "calibrations": calibrations, "load_average_1min": load, "torch": torch.__version__,
         "megatron_core": megatron.core.__version__,
     }

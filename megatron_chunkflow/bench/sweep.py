@@ -1,14 +1,14 @@
 """Measure many training configurations on one batch: the engine of scripts/benchmarks/sweep_*.py.
 
     rows = sweep(settings, [{"system": "chunkflow", "chunk_size": 1024, "k": 1},
-                            {"system": "megatron", "recompute": "full"}])
+                            {"system": "megatron-packed", "recompute": "block:1"}])
 
 Run in every process of a job (training/dist.py: run_processes). Each configuration is a
-system of bench/systems.py (ChunkFlow with its (C, K), or stock Megatron with its
-recompute), stepped `warmup + repeats` times on the same batch with the same meters as
-`chunkflow bench`; a row holds the median step time, the measured peaks (activations and K/V
-state, per stage) and, for ChunkFlow, the budget model's modelled peak (perfmodel/budget.py) beside
-the measured one.
+system of bench/systems.py (ChunkFlow with its (C, K), or a stock baseline of core/step.py
+with a recompute option of Megatron's menu), stepped `warmup + repeats` times on the same batch
+with the same meters as `chunkflow bench`; a row holds the median step time, the measured peaks
+(activations and K/V state, per stage) and, for ChunkFlow, the budget model's modelled peak
+(perfmodel/budget.py) beside the measured one.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import statistics
 
 import torch
 
+from megatron_chunkflow.config import Recompute
 from megatron_chunkflow.perfmodel.budget import chunkflow_peak
 from megatron_chunkflow.bench.systems import (
     BenchSettings,
@@ -53,11 +54,11 @@ def sweep(s: BenchSettings, configs: list[dict], log=lambda text: None) -> list[
             system = systems[key]
             system.settings = train_settings(s, "chunkflow", cfg["chunk_size"], cfg["k"])
         else:
-            key = f"megatron-{cfg['recompute']}"
+            baseline = cfg["system"]
+            key = f"{baseline}-{cfg['recompute']}"
             if key not in systems:
-                recompute = None if cfg["recompute"] == "none" else cfg["recompute"]
-                systems[key] = build_system("megatron", train_settings(
-                    s, "megatron", recompute=recompute))
+                systems[key] = build_system(baseline, train_settings(
+                    s, baseline, recompute=Recompute.parse(cfg["recompute"])))
             system = systems[key]
         records = [timed_step(system, sequences, trim=i < s.warmup or not s.warmup)
                    for i in range(s.warmup + s.repeats)]
@@ -85,7 +86,7 @@ def _summary(repeats: list[list[dict]], pp: int) -> dict:
 
 def _describe(row: dict) -> str:
     name = (f"ChunkFlow C={row['chunk_size']} K={row['k']}" if row["system"] == "chunkflow"
-            else f"stock Megatron, recompute {row['recompute']}")
+            else f"{row['system']}, recompute {row['recompute']}")
     return (f"{name}: {row['step_s']:.2f} s, peak {row['peak_bytes'] / MIB:.1f} MiB "
             f"(K/V state {max(row['state_bytes_per_stage']) / MIB:.1f} MiB)")
 
@@ -103,7 +104,8 @@ def markdown_table(rows: list[dict]) -> list[str]:
             head = (f"| ChunkFlow | {r['chunk_size']} | {r['k']} | {r['chunk_size'] * r['k']} ")
             modelled = f"{r['modelled_peak_bytes'] / MIB:.1f}"
         else:
-            head, modelled = f"| stock Megatron, recompute {r['recompute']} | - | - | - ", "-"
+            head = f"| {r['system']}, recompute {r['recompute']} | - | - | - "
+            modelled = "-"
         lines.append(f"{head}| {r['num_microbatches']} | {r['peak_bytes'] / MIB:.1f} "
                      f"| {mib(r['activation_bytes_per_stage'])} "
                      f"| {mib(r['state_bytes_per_stage'])} | {modelled} | {r['step_s']:.2f} |")

@@ -1,10 +1,11 @@
-"""The two systems `chunkflow bench` compares, built and stepped the same way, and its probes.
+"""The systems `chunkflow bench` compares, built and stepped the same way, and its probes.
 
-- BenchSettings: what one comparison runs (model, batch, layout, budget, repeats, kernel).
-- build_system / step_system: training/loop.py's build_training and run_step (stock Megatron's
-  own schedule, or ChunkFlow's forward_backward_chunkflow) with a meter and a timeline attached.
+- BenchSettings: what one comparison runs (model, batch, layout, budget, baselines, repeats).
+- build_system / step_system: training/loop.py's build_training and run_step (a stock baseline on
+  Megatron's own schedule, or ChunkFlow's execute_step) with a meter and a timeline attached.
 - timed_step: one step measured on every rank (wall time, per-op intervals, metered bytes, RSS).
-- probe_rates: activation bytes per token per stage, measured on a probe micro-batch.
+- probe_rates: activation bytes per token per stage under every recompute option, measured on a
+  probe micro-batch with the exact meter.
 - probe_step_times: a stage's forward + backward of two probe micro-batches, timed, from which
   bench/calibrate.py fits the CPU device's host time per op and dense-work efficiency.
 Run in every process of a job.
@@ -28,11 +29,12 @@ from megatron_chunkflow.bench.instrument import (
     peak_rss,
     reset_peak_rss,
 )
-from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig, Recompute
 from megatron_chunkflow.core.costs import layers_per_stage
 from megatron_chunkflow.core.models import ModelShape
+from megatron_chunkflow.core.step import BASELINES
 from megatron_chunkflow.data.synthetic import make_sequences
-from megatron_chunkflow.perfmodel.budget import ActivationRates
+from megatron_chunkflow.perfmodel.budget import ActivationRates, OptionRates
 from megatron_chunkflow.perfmodel.footprint import kv_state_bytes_per_token
 from megatron_chunkflow.runtime.observe import StageTimeline
 from megatron_chunkflow.training.settings import OptimizerConfig, TrainSettings
@@ -49,8 +51,10 @@ class BenchSettings:
     budget_bytes: float
     chunk_size: int | None = None  # None: chosen by the budget
     k: int | None = None  # None: chosen by the budget
-    attention_backend: str = "auto"  # both systems' kernel
-    megatron_recompute: str = "auto"  # auto (by the budget), none, full
+    attention_backend: str = "auto"  # every system's kernel
+    baselines: tuple[str, ...] = BASELINES  # the stock systems compared with ChunkFlow
+    megatron_recompute: str = "auto"  # auto (by the budget) or a Recompute text form
+    chunkflow_recompute: str = "auto"  # the same, inside ChunkFlow's chunks
     parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig(pp=2))
     warmup: int = 1
     repeats: int = 2
@@ -63,7 +67,7 @@ class BenchSettings:
 class System:
     """One trained system: its settings and Megatron's model, DDP, optimizer and scheduler."""
 
-    name: str  # "megatron" or "chunkflow"
+    name: str  # "chunkflow" or a baseline's name
     settings: TrainSettings
     training: object  # training.loop.Training
 
@@ -88,7 +92,7 @@ def build_system(name: str, ts: TrainSettings) -> System:
 
 
 def train_settings(s: BenchSettings, system: str, chunk_size: int | None = None,
-                   k: int | None = None, recompute: str | None = None) -> TrainSettings:
+                   k: int | None = None, recompute: Recompute = Recompute()) -> TrainSettings:
     """`chunkflow train`'s settings for one of the two systems on this comparison's batch; the
     chunking defaults to the given one (or C = --seq-length, K = 1 until one is chosen)."""
     chunkflow = ChunkFlowConfig(chunk_size or s.chunk_size or s.seq_length, k or s.k or 1,
@@ -144,37 +148,50 @@ def timed_step(system: System, sequences, trim: bool = True) -> list[dict]:
         "rss": peak_rss(), "count": count})
 
 
-def probe_rates(system: System, s: BenchSettings) -> ActivationRates:
-    """Bytes per token per stage, measured: one micro-batch of PROBE_TOKENS tokens (4 packed
-    sequences) per DP rank through `system`'s model (no recompute) on Megatron's schedule,
-    metered, the largest over ranks of a stage; K/V, accumulator and hidden bytes from the
-    tensors' shapes and dtypes."""
+def probe_rates(system: System, s: BenchSettings,
+                options: list[Recompute] = (Recompute(),)) -> ActivationRates:
+    """Bytes per token per stage, measured with the exact meter on one probe micro-batch of
+    PROBE_TOKENS tokens (4 packed sequences) per DP rank on Megatron's schedule, the largest over
+    ranks of a stage: for every recompute option in `options`, what the micro-batch holds
+    between its forward and its backward and the most live while it runs (a model per option,
+    since Megatron's layers read the recompute setting when they are built); K/V, accumulator
+    and hidden bytes from the tensors' shapes and dtypes."""
     from megatron.core import parallel_state
 
-    from megatron_chunkflow.training.loop import run_step
+    from megatron_chunkflow.training.loop import build_training, run_step
 
     dp = parallel_state.get_data_parallel_world_size()
     probe = make_sequences([PROBE_TOKENS // 4] * 4 * dp, s.shape.vocab_size, s.seed)
-    ts = dataclasses.replace(system.settings, system="megatron", seq_length=PROBE_TOKENS,
-                             recompute=None)
-    meter = BenchMeter(system.model, system.store)
-    with instrument_megatron([meter]):
-        run_step(ts, probe, system.ddp, system.model.config)
-    system.ddp.zero_grad_buffer()
-    rows = gather({"stage": parallel_state.get_pipeline_model_parallel_rank(),
-                    "per_token": meter.max_chunk_activation / PROBE_TOKENS})
     pp, tp = s.parallel.pp, s.parallel.tp
-    per_token = [0.0] * pp
-    for r in rows:
-        per_token[r["stage"]] = max(per_token[r["stage"]], r["per_token"])
+    measured = {}
+    for option in options:
+        ts = dataclasses.replace(system.settings, system="megatron-packed",
+                                 seq_length=PROBE_TOKENS, recompute=option)
+        torch.manual_seed(s.seed)
+        tr = system.training if option.kind == "none" else build_training(ts)
+        meter = BenchMeter(tr.model, tr.store)
+        with instrument_megatron([meter]):
+            run_step(ts, probe, tr.ddp, tr.model.config)
+        tr.ddp.zero_grad_buffer()
+        rows = gather({"stage": parallel_state.get_pipeline_model_parallel_rank(),
+                       "held": meter.max_chunk_activation / PROBE_TOKENS,
+                       "peak": meter.peak_total / PROBE_TOKENS})
+        held, peak = [0.0] * pp, [0.0] * pp
+        for r in rows:
+            held[r["stage"]] = max(held[r["stage"]], r["held"])
+            peak[r["stage"]] = max(peak[r["stage"]], r["peak"])
+        measured[str(option)] = OptionRates(tuple(held), tuple(peak))
+        del tr
     elem = torch.finfo(system.model.config.params_dtype).bits // 8
     layers = layers_per_stage(s.shape.num_layers, pp)
 
     def kv(n, nbytes):  # K and V of n layers, `nbytes` per element, this TP rank's heads
         return kv_state_bytes_per_token(s.shape, n, nbytes, tp, with_grad=False)
 
-    return ActivationRates(tuple(per_token), tuple(kv(n, elem) for n in layers),
-                           tuple(kv(n, 4) for n in layers), s.shape.hidden_size * elem)
+    none = measured.get("none")
+    return ActivationRates(none.held if none else (0.0,) * pp, tuple(kv(n, elem) for n in layers),
+                           tuple(kv(n, 4) for n in layers), s.shape.hidden_size * elem,
+                           measured)
 
 
 PROBE_SIZES = (512, 4096)  # tokens of the two timing probes
@@ -195,8 +212,8 @@ def probe_step_times(system: System, s: BenchSettings, repeats: int = 3) -> dict
         dp = parallel_state.get_data_parallel_world_size()
         batch = make_sequences([PROBE_SEGMENT] * (tokens // PROBE_SEGMENT) * dp,
                                s.shape.vocab_size, s.seed)
-        ts = dataclasses.replace(system.settings, system="megatron", seq_length=tokens,
-                                 recompute=None)
+        ts = dataclasses.replace(system.settings, system="megatron-packed", seq_length=tokens,
+                                 recompute=Recompute())
         times = []
         for _ in range(repeats + 1):
             timeline = StageTimeline()

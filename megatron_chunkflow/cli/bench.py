@@ -3,17 +3,21 @@
     chunkflow bench                               # the default scenario (below), ~3 min on 2 cores
     chunkflow bench --json --png out/bench        # JSON on stdout; throughput, memory, timelines
     chunkflow bench --budget-mib 2048 --chunk-size 4096 --chunkflow-k 2 --repeats 3
+    chunkflow bench --baseline megatron-packed --megatron-recompute block:1
     chunkflow bench --lengths-file lengths.txt --seq-length 16384 --nproc 4   # PP=2 x DP=2
     chunkflow bench --sharegpt --global-batch-size 64       # ShareGPT's lengths (+ a profile tail)
     torchrun --nproc_per_node 2 -m megatron_chunkflow bench            # under any launcher
 
 Default scenario: the tiny-bench model (Qwen2.5-shaped, 4 layers) on PP=2 over 2 processes (spawned
 here, or the launcher's), one global batch of 256 profile-B sequences scaled by 1/8 to a 32K
-context (at least one longer than 4K), float32 on CPU, the `cpu_flash` attention kernel for both
-systems, and an activation budget of 1 GiB per rank, under which stock Megatron's 32K micro-batch
-needs full recompute (1.4 GiB without). Two warm-up steps of each, then 3 measured steps of each,
-alternated. How the budget decides recompute: perfmodel/budget.py; what is measured and how:
-bench/compare.py; results: docs/benchmarks.md ("CPU measurements").
+context (at least one longer than 4K), float32 on CPU, the `cpu_flash` attention kernel in every
+system, and an activation budget of 1 GiB per rank. ChunkFlow is compared with the three stock
+baselines (megatron-sft, megatron-packed, megatron-unpacked; `--baseline` picks one), each with the
+fastest option of Megatron's recompute menu (none, selective module sets, block:N, full) whose
+modelled peak fits the budget, ChunkFlow with the fastest (chunk size, K, recompute) that fits.
+Two warm-up steps of each system, then 3 measured steps of each, in turn. How the budget decides:
+perfmodel/budget.py; what is measured and how: bench/compare.py; results: docs/benchmarks.md
+("CPU measurements").
 """
 
 from __future__ import annotations
@@ -27,10 +31,12 @@ from megatron_chunkflow.cli.output import Output
 from megatron_chunkflow.config import (
     ChunkFlowConfig,
     ParallelConfig,
+    Recompute,
     add_config_arguments,
     config_from_args,
 )
 from megatron_chunkflow.core.models import MODEL_SHAPES
+from megatron_chunkflow.core.step import BASELINES
 
 DEFAULTS = dict(model="tiny-bench", global_batch_size=256, scale=1 / 8, seq_length=32768,
                 budget_mib=1024.0, pp=2, nproc=2, warmup=2, repeats=3, min_long=1)
@@ -64,9 +70,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--budget-mib", type=float, default=DEFAULTS["budget_mib"], metavar="MIB",
                    help="activation memory per rank (bytes saved for backward + K/V state) "
                         "that decides recompute (default: 1024)")
-    g.add_argument("--megatron-recompute", choices=("auto", "none", "full"), default="auto",
-                   help="stock Megatron's recompute; auto: none if its largest micro-batch fits "
-                        "the budget, else full (default: auto)")
+    g.add_argument("--baseline", choices=[*BASELINES, "all"], default="all",
+                   help="the stock system(s) ChunkFlow is compared with (default: all): "
+                        "megatron-sft (Megatron-LM's SFT: first-fit lines padded to "
+                        "--seq-length), megatron-packed (best-fit, no padding: the strongest), "
+                        "megatron-unpacked (one sequence per micro-batch)")
+    g.add_argument("--megatron-recompute", default="auto", metavar="OPTION",
+                   help="every stock baseline's recompute: auto (the fastest option of "
+                        "Megatron's menu whose modelled peak fits --budget-mib), none, full, "
+                        "block:N or selective:M1+M2 (modules core_attn, mlp, layernorm) "
+                        "(default: auto)")
+    g.add_argument("--chunkflow-recompute", default="auto", metavar="OPTION",
+                   help="Megatron's recompute inside ChunkFlow's chunks, the same forms "
+                        "(default: auto, chosen with the chunk size and K)")
     add_config_arguments(g, ChunkFlowConfig, fields=("chunk_size", "k"),
                          defaults={"chunk_size": None, "k": None},
                          default_help={"chunk_size": "the fastest that fits --budget-mib",
@@ -114,6 +130,10 @@ def settings_from_args(args: argparse.Namespace):
     except ValueError as e:
         raise ValueError(f"--nproc {world}: {e}") from None
     parallel.check_model(shape)
+    for flag in ("--megatron-recompute", "--chunkflow-recompute"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value != "auto":
+            Recompute.parse(value, flag).check_layers(shape.num_layers // parallel.pp, flag)
     if args.sharegpt:
         if args.lengths_file:
             raise ValueError("--sharegpt and --lengths-file are two sources of lengths; give one")
@@ -128,16 +148,20 @@ def settings_from_args(args: argparse.Namespace):
     from megatron_chunkflow.core.step import baseline_microbatches
 
     dp = parallel.dp
-    if len(baseline_microbatches(lengths, args.seq_length, dp)) < dp:
-        raise ValueError(f"the batch ({len(lengths)} sequences, --global-batch-size) packs into "
-                         f"fewer micro-batches of --seq-length {args.seq_length} than the {dp} "
-                         "data-parallel ranks: stock Megatron would leave a rank idle")
+    for name in BASELINES if args.baseline == "all" else (args.baseline,):
+        if len(baseline_microbatches(lengths, args.seq_length, dp, name)) < dp:
+            raise ValueError(f"the batch ({len(lengths)} sequences, --global-batch-size) packs "
+                             f"into fewer {name} micro-batches of --seq-length "
+                             f"{args.seq_length} than the {dp} data-parallel ranks: stock "
+                             "Megatron would leave a rank idle")
     threads = args.threads or max(1, (os.cpu_count() or 1) // world)
     settings = BenchSettings(
         shape=shape, model_name=args.model_config or args.model, lengths=lengths,
         seq_length=args.seq_length, budget_bytes=args.budget_mib * MIB,
         chunk_size=args.chunk_size, k=args.k, attention_backend=args.attention_backend,
-        megatron_recompute=args.megatron_recompute, parallel=parallel, warmup=args.warmup,
+        megatron_recompute=args.megatron_recompute, chunkflow_recompute=args.chunkflow_recompute,
+        baselines=tuple(BASELINES) if args.baseline == "all" else (args.baseline,),
+        parallel=parallel, warmup=args.warmup,
         repeats=args.repeats, seed=args.seed, threads=threads,
         caching_malloc=not args.system_malloc)
     return settings, source + (f"; {truncated} truncated to --seq-length" if truncated else "")

@@ -1,22 +1,19 @@
-"""An activation-memory budget decides recompute, as it would for a user (`chunkflow bench`).
+"""An activation-memory budget decides recompute and chunking, as it would for a user
+(`chunkflow bench`).
 
-Inputs are *measured* bytes per token (bench/systems.py probes a micro-batch through the
-real model with the saved-tensor meter), so the rules below hold for whatever the model saves.
-"Activation memory" is what checks/memory.py meters: bytes saved for backward (weights
-excluded) plus ChunkFlow's K/V state (stored K/V, fp32 gradient accumulators, prefix copies, stage
-inputs kept for re-forwards), per pipeline stage, the worst stage counting.
+Inputs are *measured* bytes per token (bench/systems.py probes a micro-batch through the real model
+under every option of Megatron's recompute menu with checks/memory.py's exact meter), so the rules
+below hold for whatever the model saves. "Activation memory" is what that meter counts: bytes saved
+for backward from their save until autograd frees them (weights excluded), plus ChunkFlow's K/V
+state (stored K/V, fp32 gradient accumulators, prefix copies, stage inputs kept for re-forwards),
+per pipeline stage, the worst stage counting.
 
-Stock Megatron: the cheapest configuration that fits. No recompute if its largest micro-batch's
-activations fit in the budget on every stage, else Megatron's full recompute (each transformer
-layer keeps only its input and re-runs in the backward).
-
-ChunkFlow: among chunk sizes C (powers of two from 1/32 of the context up to it) and K, those
-whose modelled peak fits in the budget; of these the fastest by the simulator (`predict_s`),
-where predictions within 3% of the fastest count as a tie (the simulator is no better than that)
-and a tie goes to the smaller peak. The modelled peak on stage s is the most activation bytes
-the plan holds at once there (core/simulate.py replays the plan with per-token bytes) plus an
-upper bound of the state of the longest sequence, perfmodel/footprint.py's
-long_sequence_state_bytes (the simulator's formula) on the measured K/V, accumulator and
+The modelled peak of a plan under a recompute option, on stage s: the plan replayed with each
+micro-batch or chunk holding `held[s]` bytes per computed token between its forward and its
+backward (core/simulate.py's peak of bytes held at once), plus the largest working set one
+backward adds on top of that (`peak[s] - held[s]` per token, measured on a micro-batch alone),
+plus for ChunkFlow an upper bound of the state of the longest sequence,
+perfmodel/footprint.py's long_sequence_state_bytes on the measured K/V, accumulator and
 hidden-state bytes per token of the stage:
 
     L (u + a)  +  u * sum over the last K chunks j of min((j+1) C, L)  +  (n - K) C h
@@ -24,6 +21,13 @@ hidden-state bytes per token of the stage:
 (stored K/V and accumulators, the cat(prefix, own) copies of the K chunks holding activations,
 the inputs kept for the n - K re-forwarded chunks on stages > 0; n = ceil(L / C)). For K = 1
 the K/V part is 2 L u + L a, above docs/exactness.md's exact peak.
+
+The rule, the same for every system: among the configurations whose modelled peak fits in the
+budget, the fastest by the simulator calibrated on this machine (`predict_s`); predictions within
+3% of the fastest count as a tie (the simulator is no better than that) and a tie goes to the
+smaller peak. Stock Megatron's configurations are the options of Megatron's recompute menu
+(config.Recompute.menu) for each baseline; ChunkFlow's are (chunk size C, K, recompute option
+inside its chunks), C a power of two from 1/32 of the context up to it.
 """
 
 from __future__ import annotations
@@ -32,13 +36,26 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from megatron_chunkflow.config import Recompute
 from megatron_chunkflow.core.models import ModelShape
-from megatron_chunkflow.core.step import baseline_microbatches, plan_chunkflow
+from megatron_chunkflow.core.step import Baseline, RankPlans, plan_baseline, plan_chunkflow
 from megatron_chunkflow.perfmodel.footprint import (
     chunk_bytes_fn,
     long_sequence_state_bytes,
     longest_cut_sequence,
 )
+
+TIE = 0.03  # predictions this close (relative) to the fastest are a tie
+
+
+@dataclass(frozen=True)
+class OptionRates:
+    """One recompute option measured on a probe micro-batch alone: bytes per token per stage."""
+
+    held: tuple[float, ...]
+    """Live between the micro-batch's forward and its backward."""
+    peak: tuple[float, ...]
+    """The most live while it runs alone (what it holds plus what its backward adds)."""
 
 
 @dataclass(frozen=True)
@@ -53,24 +70,48 @@ class ActivationRates:
     """The K/V gradient accumulators (fp32; fp64 in fp64 runs)."""
     hidden_per_token: float
     """One token's stage input, kept on stages after the first for a re-forward."""
+    options: dict[str, OptionRates] = field(default_factory=dict)
+    """str(Recompute) -> its measured rates; without an entry, no recompute: held = peak =
+    per_token."""
 
     @property
     def num_stages(self) -> int:
         return len(self.per_token)
 
+    def of(self, recompute: Recompute) -> OptionRates:
+        """The rates of one recompute option (ValueError if it was not measured)."""
+        if str(recompute) in self.options:
+            return self.options[str(recompute)]
+        if recompute.kind == "none":
+            return OptionRates(self.per_token, self.per_token)
+        raise ValueError(f"recompute {recompute} was not measured")
 
-def baseline_peak(lengths: Sequence[int], seq_length: int, num_dp_ranks: int,
-                  rates: ActivationRates) -> float:
-    """Activations of stock Megatron's largest micro-batch on its worst stage, no recompute."""
-    mbs = baseline_microbatches(lengths, seq_length, num_dp_ranks)
-    largest = max(c.num_tokens for c in mbs)
-    return largest * max(rates.per_token)
+
+def _plan_peak(rp: RankPlans, rates: OptionRates) -> float:
+    """Worst (DP rank, stage) of: bytes held at once (the replay) + the largest working set of
+    one backward + the state."""
+    worst = 0.0
+    for r, chunks in enumerate(rp.chunks):
+        held = rp.peak_memory_bytes(r)
+        for s in range(len(held)):
+            extra = rates.peak[s] - rates.held[s]
+            work = max((c.computed_tokens * extra for c in chunks), default=0.0)
+            worst = max(worst, held[s] + max(0.0, work))
+    return worst
 
 
-def baseline_recompute(lengths: Sequence[int], seq_length: int, num_dp_ranks: int,
-                       rates: ActivationRates, budget: float) -> str:
-    """'none' when the largest micro-batch fits in `budget` bytes, else 'full'."""
-    return "none" if baseline_peak(lengths, seq_length, num_dp_ranks, rates) <= budget else "full"
+def _held_hook(rates: OptionRates):
+    return lambda chunks, num_stages: chunk_bytes_fn(chunks, rates.held)
+
+
+def baseline_peak(lengths: Sequence[int], seq_length: int, num_dp_ranks: int, shape: ModelShape,
+                  rates: ActivationRates, recompute: Recompute = Recompute(),
+                  baseline: Baseline = "megatron-packed") -> float:
+    """Modelled peak activation memory of a stock baseline's 1F1B step under `recompute`."""
+    option = rates.of(recompute)
+    rp = plan_baseline(lengths, seq_length, rates.num_stages, num_dp_ranks, shape,
+                       held_bytes_for=_held_hook(option), baseline=baseline)
+    return _plan_peak(rp, option)
 
 
 def state_bound(longest: int, chunk_size: int, k: int, rates: ActivationRates,
@@ -83,43 +124,96 @@ def state_bound(longest: int, chunk_size: int, k: int, rates: ActivationRates,
 
 
 def chunkflow_peak(lengths: Sequence[int], chunk_size: int, k: int, num_dp_ranks: int,
-                   shape: ModelShape, rates: ActivationRates) -> float:
+                   shape: ModelShape, rates: ActivationRates,
+                   recompute: Recompute = Recompute()) -> float:
     """Modelled peak activation memory of ChunkFlow's plan: worst (DP rank, stage)."""
-    p = rates.num_stages
-
-    def held_for(chunks, num_stages):
-        return chunk_bytes_fn(chunks, rates.per_token)
+    option = rates.of(recompute)
 
     def state_for(chunks, num_stages):
         longest = longest_cut_sequence(chunks)
         return [state_bound(longest, chunk_size, k, rates, s) for s in range(num_stages)]
 
-    _, rp = plan_chunkflow(lengths, chunk_size, k, p, num_dp_ranks, shape,
-                           held_bytes_for=held_for, state_bytes_for=state_for)
-    return max(max(rp.peak_memory_bytes(r)) for r in range(num_dp_ranks))
+    _, rp = plan_chunkflow(lengths, chunk_size, k, rates.num_stages, num_dp_ranks, shape,
+                           held_bytes_for=_held_hook(option), state_bytes_for=state_for)
+    return _plan_peak(rp, option)
 
 
 @dataclass(frozen=True)
 class Candidate:
-    chunk_size: int
-    k: int
+    """One configuration considered: its modelled peak and, if it fits, its predicted step."""
+
+    recompute: Recompute
     peak_bytes: float
     predicted_s: float | None  # None when it does not fit (not simulated)
+    chunk_size: int | None = None  # ChunkFlow only
+    k: int | None = None
 
     @property
     def fits(self) -> bool:
         return self.predicted_s is not None
 
+    def to_json(self) -> dict:
+        out = {"recompute": str(self.recompute), "peak_bytes": self.peak_bytes,
+               "predicted_s": self.predicted_s}
+        if self.chunk_size is not None:
+            out.update(chunk_size=self.chunk_size, k=self.k)
+        return out
+
 
 @dataclass(frozen=True)
-class Chunking:
-    """The chosen (chunk size, K) and every candidate considered."""
+class Choice:
+    """The chosen configuration and every candidate considered."""
 
-    chunk_size: int
-    k: int
-    peak_bytes: float
-    predicted_s: float
-    candidates: list[Candidate] = field(default_factory=list)
+    best: Candidate
+    candidates: list[Candidate]
+
+    @property
+    def recompute(self) -> Recompute:
+        return self.best.recompute
+
+    @property
+    def chunk_size(self) -> int | None:
+        return self.best.chunk_size
+
+    @property
+    def k(self) -> int | None:
+        return self.best.k
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.best.peak_bytes
+
+    @property
+    def predicted_s(self) -> float:
+        return self.best.predicted_s
+
+
+def _choose(candidates: list[Candidate], budget: float, what: str, tie: float) -> Choice:
+    fitting = [x for x in candidates if x.fits]
+    if not fitting:
+        best = min(candidates, key=lambda x: x.peak_bytes)
+        raise ValueError(f"--budget-mib {budget / 2**20:.0f}: no {what} fits; the smallest "
+                         f"modelled peak is {best.peak_bytes / 2**20:.0f} MiB ("
+                         + ", ".join(f"{k}={v}" for k, v in best.to_json().items()
+                                     if k not in ("peak_bytes", "predicted_s")) + ")")
+    fastest = min(x.predicted_s for x in fitting)
+    best = min((x for x in fitting if x.predicted_s <= fastest * (1 + tie)),
+               key=lambda x: (x.peak_bytes, x.predicted_s))
+    return Choice(best, candidates)
+
+
+def choose_recompute(lengths: Sequence[int], seq_length: int, num_dp_ranks: int,
+                     shape: ModelShape, rates: ActivationRates, budget: float,
+                     predict_s: Callable[[Recompute], float],
+                     options: Sequence[Recompute], baseline: Baseline = "megatron-packed",
+                     tie: float = TIE) -> Choice:
+    """A stock baseline's recompute: the fastest option by `predict_s(option)` whose modelled
+    peak fits in `budget` bytes (near ties to the smaller peak); ValueError if none fits."""
+    candidates = []
+    for option in options:
+        peak = baseline_peak(lengths, seq_length, num_dp_ranks, shape, rates, option, baseline)
+        candidates.append(Candidate(option, peak, predict_s(option) if peak <= budget else None))
+    return _choose(candidates, budget, f"recompute option for {baseline}", tie)
 
 
 def chunk_size_candidates(seq_length: int) -> list[int]:
@@ -133,30 +227,23 @@ def chunk_size_candidates(seq_length: int) -> list[int]:
 
 def choose_chunking(lengths: Sequence[int], seq_length: int, num_dp_ranks: int,
                     shape: ModelShape, rates: ActivationRates, budget: float,
-                    predict_s: Callable[[int, int], float],
+                    predict_s: Callable[[int, int, Recompute], float],
                     sizes: Sequence[int] | None = None, ks: Sequence[int] = (1, 2, 4),
-                    tie: float = 0.03) -> Chunking:
-    """The fastest (C, K) by `predict_s(C, K)` whose modelled peak fits in `budget` bytes; those
-    within `tie` (relative) of the fastest are equals, and the smallest peak among them wins.
-
-    K values that change nothing (K >= the longest sequence's chunk count, other than K = 1) are
-    skipped. ValueError when nothing fits, naming the smallest peak found."""
+                    options: Sequence[Recompute] = (Recompute(),),
+                    tie: float = TIE) -> Choice:
+    """ChunkFlow's (C, K, recompute): the fastest by `predict_s(C, K, option)` whose modelled
+    peak fits in `budget` bytes (near ties to the smaller peak). Among several K, those that
+    change nothing (K >= the longest sequence's chunk count, other than K = 1) are skipped. ValueError when
+    nothing fits, naming the smallest peak found."""
     longest = max(lengths)
     candidates = []
     for c in sizes or chunk_size_candidates(seq_length):
         n = math.ceil(longest / c)
         for k in ks:
-            if k > 1 and k >= n:
+            if k > 1 and k >= n and len(ks) > 1:
                 continue
-            peak = chunkflow_peak(lengths, c, k, num_dp_ranks, shape, rates)
-            candidates.append(Candidate(c, k, peak, predict_s(c, k) if peak <= budget else None))
-    fitting = [x for x in candidates if x.fits]
-    if not fitting:
-        best = min(candidates, key=lambda x: x.peak_bytes)
-        raise ValueError(f"--budget-mib {budget / 2**20:.0f}: no (chunk size, K) fits; the "
-                         f"smallest modelled peak is {best.peak_bytes / 2**20:.0f} MiB "
-                         f"(C={best.chunk_size}, K={best.k})")
-    fastest = min(x.predicted_s for x in fitting)
-    best = min((x for x in fitting if x.predicted_s <= fastest * (1 + tie)),
-               key=lambda x: (x.peak_bytes, x.predicted_s))
-    return Chunking(best.chunk_size, best.k, best.peak_bytes, best.predicted_s, candidates)
+            for option in options:
+                peak = chunkflow_peak(lengths, c, k, num_dp_ranks, shape, rates, option)
+                candidates.append(Candidate(option, peak, predict_s(c, k, option)
+                                            if peak <= budget else None, c, k))
+    return _choose(candidates, budget, "(chunk size, K, recompute)", tie)

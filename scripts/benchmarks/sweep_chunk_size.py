@@ -4,7 +4,7 @@
     python scripts/benchmarks/sweep_chunk_size.py --long 32768 --out /tmp/sweep
 
 One batch (a long sequence + short profile-B ones), K = 1, C from 512 to the long sequence's
-length, next to stock Megatron without and with full recompute; every number measured with
+length, next to megatron-packed without recompute, with block:1 and with full recompute; every number measured with
 `chunkflow bench`'s meters (bytes saved for backward + K/V state, worst stage). Writes a markdown
 table, a CSV, the JSON rows and a PNG.
 """
@@ -20,7 +20,7 @@ def main(argv=None) -> int:
     args = _sweep.parse(__doc__.split("\n")[0], argv)
     sizes = [c for c in (512, 1024, 2048, 4096, 8192, 16384, 32768) if c <= args.long]
     configs = ([{"system": "chunkflow", "chunk_size": c, "k": 1} for c in sizes]
-               + [{"system": "megatron", "recompute": r} for r in ("none", "full")])
+               + [{"system": "megatron-packed", "recompute": r} for r in ("none", "block:1", "full")])
     rows, out = _sweep.run(args, configs, "sweep_chunk_size",
                            "Activation memory vs chunk size (K = 1)")
     import matplotlib
@@ -33,9 +33,9 @@ def main(argv=None) -> int:
     _sweep.stacked(ax, [str(r["chunk_size"]) for r in cf], cf)
     ax.plot([str(r["chunk_size"]) for r in cf], [r["modelled_peak_bytes"] / _sweep.MIB
                                                  for r in cf], "k.--", label="modelled peak")
-    for r, style in zip([r for r in rows if r["system"] == "megatron"], ("-", ":")):
+    for r, style in zip([r for r in rows if r["system"] != "chunkflow"], ("-", "--", ":")):
         ax.axhline(r["peak_bytes"] / _sweep.MIB, color="gray", linestyle=style,
-                   label=f"stock Megatron, recompute {r['recompute']}")
+                   label=f"{r['system']}, recompute {r['recompute']}")
     ax.set_xlabel("chunk size C (K = 1)")
     ax.set_title(f"one {args.long}-token sequence + {args.num_short} short ones", fontsize=10)
     ax.legend(fontsize=7)

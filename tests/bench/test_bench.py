@@ -7,6 +7,7 @@ import json
 import pytest
 
 from megatron_chunkflow.cli import main
+from megatron_chunkflow.config import Recompute
 from megatron_chunkflow.training.dist import run_processes
 
 pytestmark = pytest.mark.slow
@@ -15,42 +16,81 @@ SMALL = ["--model", "tiny", "--global-batch-size", "24", "--scale", "0.0625", "-
          "--warmup", "0", "--repeats", "1", "--threads", "1"]
 
 
-def test_json_contract_and_budget(capsys, tmp_path):
-    """PP=2 over 2 spawned processes; a budget under the largest micro-batch's activations: stock
-    Megatron runs full recompute (and the meter sees its working set), ChunkFlow's chosen
-    (C, K) fits the budget as modelled and as measured; the plots are written."""
-    rc = main(["bench", *SMALL, "--budget-mib", "6", "--json", "--png", str(tmp_path)])
+def _run(capsys, *argv) -> dict:
+    rc = main(["bench", *SMALL, "--json", *argv])
     out = capsys.readouterr()
     assert rc == 0, out.err
-    r = json.loads(out.out)
-    assert {"baseline", "chunkflow", "speedup", "activation_memory_ratio", "setup"} <= set(r)
-    mg, cf, setup = r["baseline"], r["chunkflow"], r["setup"]
-    for x in (mg, cf):
-        assert {"step_s", "tokens_per_s", "model_tflops", "peak_activation_bytes",
+    return json.loads(out.out)
+
+
+def test_json_contract_and_budget(capsys, tmp_path):
+    """PP=2 over 2 spawned processes, all three baselines, a budget under the largest packed
+    micro-batch's activations without recompute: every system runs the fastest option that fits
+    as modelled (near ties to the smaller peak) and stays within the budget as measured; the
+    speedups and memory ratios are per baseline; the plots are written."""
+    r = _run(capsys, "--budget-mib", "8", "--png", str(tmp_path))
+    assert {"baseline", "baseline_name", "baselines", "chunkflow", "speedup", "speedups",
+            "activation_memory_ratio", "activation_memory_ratios", "not_run", "setup"} <= set(r)
+    names = ["megatron-sft", "megatron-packed", "megatron-unpacked"]
+    assert list(r["baselines"]) == names and r["not_run"] == {}
+    assert r["baseline_name"] == "megatron-packed" and r["baseline"] == r["baselines"][names[1]]
+    cf, setup = r["chunkflow"], r["setup"]
+    budget = setup["budget_bytes"]
+    for name, x in [*r["baselines"].items(), ("chunkflow", cf)]:
+        assert {"step_s", "tokens_per_s", "model_tflops", "peak_activation_bytes", "recompute",
                 "peak_rss_bytes", "bubble", "recompute_fraction", "predicted_step_s",
-                "timeline"} <= set(x)
+                "recompute_candidates", "timeline"} <= set(x)
         assert x["step_s"] > 0 and x["peak_activation_bytes"] > 0 and 0 <= x["bubble"] < 1
         assert len(x["timeline"]) == 2  # one per pipeline stage
         assert x["tokens_per_s"] == pytest.approx(setup["tokens"] / x["step_s"])
-    assert r["speedup"] == pytest.approx(mg["step_s"] / cf["step_s"])
-    assert r["activation_memory_ratio"] == pytest.approx(
-        cf["peak_activation_bytes"] / mg["peak_activation_bytes"])
+        str(Recompute.parse(x["recompute"]))  # a menu option's text form
+        # the rule: fastest that fits, ties (3%) to the smaller peak, measured within budget
+        fitting = [c for c in x["recompute_candidates"] if c["predicted_s"] is not None]
+        assert all(c["peak_bytes"] <= budget for c in fitting)
+        fastest = min(c["predicted_s"] for c in fitting)
+        chosen = [c for c in fitting if c["recompute"] == x["recompute"]
+                  and c.get("chunk_size") == x.get("chunk_size") and c.get("k") == x.get("k")]
+        assert len(chosen) == 1 and chosen[0]["predicted_s"] <= fastest * 1.03
+        assert chosen[0]["peak_bytes"] == min(c["peak_bytes"] for c in fitting
+                                              if c["predicted_s"] <= fastest * 1.03)
+        assert x["modelled_peak_activation_bytes"] == chosen[0]["peak_bytes"] <= budget
+        assert x["peak_activation_bytes"] <= budget
+    for b in names:
+        mg = r["baselines"][b]
+        assert r["speedups"][b] == pytest.approx(mg["step_s"] / cf["step_s"])
+        assert r["activation_memory_ratios"][b] == pytest.approx(
+            cf["peak_activation_bytes"] / mg["peak_activation_bytes"])
+        assert len(mg["recompute_candidates"]) == 10  # Megatron's menu for 2 layers per stage
+    assert r["speedup"] == r["speedups"]["megatron-packed"]
+    # the packed baseline's largest micro-batch does not fit without recompute
+    packed = r["baselines"]["megatron-packed"]
+    assert packed["recompute"] != "none"
+    assert packed["recompute_working_set_bytes"] > 0 and packed["recompute_fraction"] > 0
     assert setup["layout"] == {"tp": 1, "pp": 2, "dp": 1, "world": 2}
-    budget = setup["budget_bytes"]
-    largest = 1024 * max(setup["activation_bytes_per_token"])
-    assert largest > budget and mg["recompute"] == "full"
-    assert mg["recompute_working_set_bytes"] > 0 and mg["recompute_fraction"] > 0
-    # ChunkFlow's backwards go through the same meter; without Megatron's recompute they save only
-    # the loss scaling's scalar (grad_scale_func on the last stage)
-    assert cf["recompute_working_set_bytes"] <= 16
-    assert cf["modelled_peak_activation_bytes"] <= budget
-    assert cf["peak_activation_bytes"] <= budget
-    chosen = [c for c in setup["chunking_candidates"]
-              if (c["chunk_size"], c["k"]) == (cf["chunk_size"], cf["k"])]
-    assert chosen and chosen[0]["predicted_s"] == min(
-        c["predicted_s"] for c in setup["chunking_candidates"] if c["predicted_s"] is not None)
+    assert set(setup["activation_bytes_per_token_by_recompute"]) == {
+        c["recompute"] for c in packed["recompute_candidates"]}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["memory.png", "throughput.png",
                                                           "timelines.png"]
+
+
+def test_fixed_choices_and_a_baseline_that_does_not_fit(capsys):
+    """--baseline, --megatron-recompute, --chunkflow-recompute, --chunk-size and --chunkflow-k
+    fix the choices; without recompute ChunkFlow's backwards save only the loss scaling's scalar
+    (grad_scale_func on the last stage). A budget that the named recompute does not meet for a
+    baseline is an error naming --budget-mib."""
+    r = _run(capsys, "--baseline", "megatron-sft", "--megatron-recompute", "block:1",
+             "--chunkflow-recompute", "none", "--chunk-size", "128", "--chunkflow-k", "2",
+             "--budget-mib", "1000")
+    assert list(r["baselines"]) == ["megatron-sft"] and r["baseline_name"] == "megatron-sft"
+    sft, cf = r["baselines"]["megatron-sft"], r["chunkflow"]
+    assert sft["recompute"] == "block:1" and len(sft["recompute_candidates"]) == 1
+    assert sft["recompute_working_set_bytes"] > 0
+    assert (cf["recompute"], cf["chunk_size"], cf["k"]) == ("none", 128, 2)
+    assert cf["recompute_working_set_bytes"] <= 16
+    assert main(["bench", *SMALL, "--baseline", "megatron-packed", "--megatron-recompute",
+                 "none", "--budget-mib", "4"]) == 2
+    assert "--budget-mib 4: no recompute option for megatron-packed fits" in \
+        capsys.readouterr().err
 
 
 def _peaks(lengths_list):
@@ -71,7 +111,7 @@ def _peaks(lengths_list):
     init_distributed(pp=2)
     s = BenchSettings(shape=get_model_shape("tiny"), model_name="tiny", lengths=[1],
                       seq_length=1024, budget_bytes=0)
-    systems = [build_system("megatron", train_settings(s, "megatron")),
+    systems = [build_system("megatron-packed", train_settings(s, "megatron-packed")),
                build_system("chunkflow", train_settings(s, "chunkflow", chunk_size=64))]
     out = []
     for lengths in lengths_list:

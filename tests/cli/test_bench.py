@@ -22,6 +22,10 @@ from megatron_chunkflow.cli import main
     (["--lengths-file", "/nonexistent/lengths.txt"], "--lengths-file"),
     (["--sharegpt", "--lengths-file", "/nonexistent/lengths.txt"], "--sharegpt"),
     (["--pp", "1", "--global-batch-size", "4", "--scale", "0.01"], "--global-batch-size"),
+    (["--megatron-recompute", "sometimes"], "--megatron-recompute"),
+    (["--megatron-recompute", "block:3"], "--megatron-recompute"),  # 2 layers per stage
+    (["--chunkflow-recompute", "selective:attention"], "--chunkflow-recompute"),
+    (["--chunkflow-recompute", "block:0"], "--chunkflow-recompute"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(capsys, argv, flag):
     assert main(["bench", *argv]) == 2
@@ -29,7 +33,7 @@ def test_bad_flags_exit_2_naming_the_flag(capsys, argv, flag):
     assert err.startswith("chunkflow bench: error:") and flag in err
 
 
-@pytest.mark.parametrize("flag", ["--megatron-recompute", "--attention-backend"])
+@pytest.mark.parametrize("flag", ["--baseline", "--attention-backend"])
 def test_unknown_choice_is_argparse_exit_2(capsys, flag):
     with pytest.raises(SystemExit) as e:
         main(["bench", flag, "sometimes"])
