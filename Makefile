@@ -51,10 +51,15 @@ bench: $(STAMP)
 	$(BIN)/python scripts/benchmarks/soak_train.py
 
 # Stock Megatron against ChunkFlow measured on this CPU (docs/benchmarks.md, "CPU measurements"):
-# the default scenario (2 processes, PP=2; ~3 min on 2 cores) and the two chunking sweeps.
+# the default scenario (2 processes, PP=2, the three baselines; ~10 min on 2 cores), ChunkFlow at
+# half the budget against megatron-packed, global batch sizes x seeds (~30 min), the two chunking
+# sweeps. Every report prints the load average it ran under.
 bench-cpu: $(STAMP)
 	mkdir -p out/bench
 	$(BIN)/chunkflow bench --json --png out/bench > out/bench/bench.json
+	$(BIN)/chunkflow bench --json --baseline megatron-packed --chunkflow-budget-mib 512 \
+		> out/bench/bench_half_budget.json
+	$(BIN)/python scripts/benchmarks/bench_seeds.py --out out/bench -- --warmup 1 --repeats 2
 	$(BIN)/python scripts/benchmarks/sweep_chunk_size.py --out out/bench
 	$(BIN)/python scripts/benchmarks/sweep_chunk_k.py --out out/bench
 

@@ -37,9 +37,6 @@ from megatron_chunkflow.perfmodel.budget import (
 from megatron_chunkflow.perfmodel.layout import Layout
 from megatron_chunkflow.perfmodel.predict import predict_chunkflow, predict_megatron
 
-KS = (1, 2, 4)  # ChunkFlow's K candidates
-
-
 @dataclass(frozen=True)
 class Plan:
     """One system's configuration: its recompute option and, for ChunkFlow, (C, K)."""
@@ -84,8 +81,8 @@ def choose_all(s, dp: int, rates: ActivationRates, hw) -> tuple[dict[str, Plan],
         return predict_chunkflow(s.lengths, s.shape, hw, lay, c, k).step_s
 
     out["chunkflow"] = Plan("chunkflow", choose_chunking(
-        s.lengths, s.seq_length, dp, s.shape, rates, s.budget_bytes, predict_cf,
-        sizes=[s.chunk_size] if s.chunk_size else None, ks=(s.k,) if s.k else KS,
+        s.lengths, s.seq_length, dp, s.shape, rates, s.chunkflow_budget, predict_cf,
+        sizes=[s.chunk_size] if s.chunk_size else None, ks=(s.k,) if s.k else None,
         options=menu(s, s.chunkflow_recompute)))
     return out, unfit
 

@@ -106,7 +106,8 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
                for b in s.baselines] + [chunkflow]
     for name, plan in plans.items():
         what = (f"C={plan.choice.chunk_size} K={plan.choice.k} " if name == "chunkflow" else "")
-        log(f"budget {s.budget_bytes / 2**20:.0f} MiB: {name} {what}recompute {plan.recompute} "
+        budget = s.chunkflow_budget if name == "chunkflow" else s.budget_bytes
+        log(f"budget {budget / 2**20:.0f} MiB: {name} {what}recompute {plan.recompute} "
             f"(modelled peak {plan.choice.peak_bytes / 2**20:.0f} MiB)")
 
     sequences = make_sequences(s.lengths, s.shape.vocab_size, s.seed)
@@ -258,6 +259,7 @@ def _setup(s: BenchSettings, dp: int, act: ActivationRates, rates, hw, caching: 
                                    "cuda" if torch.cuda.is_available() else "cpu"),
         "num_sequences": len(lengths), "tokens": sum(lengths), "longest": max(lengths),
         "seq_length": s.seq_length, "budget_bytes": s.budget_bytes,
+        "chunkflow_budget_bytes": s.chunkflow_budget,
         "warmup": s.warmup, "repeats": s.repeats, "seed": s.seed,
         "activation_bytes_per_token": list(act.per_token),
         "kv_bytes_per_token": list(act.kv_per_token),

@@ -49,6 +49,7 @@ class BenchSettings:
     lengths: list[int]
     seq_length: int
     budget_bytes: float
+    chunkflow_budget_bytes: float | None = None  # ChunkFlow's own budget (None: budget_bytes)
     chunk_size: int | None = None  # None: chosen by the budget
     k: int | None = None  # None: chosen by the budget
     attention_backend: str = "auto"  # every system's kernel
@@ -61,6 +62,12 @@ class BenchSettings:
     seed: int = 0
     threads: int = 1
     caching_malloc: bool = True  # instrument.cache_freed_memory in every rank
+
+
+    @property
+    def chunkflow_budget(self) -> float:
+        return self.budget_bytes if self.chunkflow_budget_bytes is None \
+            else self.chunkflow_budget_bytes
 
 
 @dataclass

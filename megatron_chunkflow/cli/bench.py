@@ -70,6 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--budget-mib", type=float, default=DEFAULTS["budget_mib"], metavar="MIB",
                    help="activation memory per rank (bytes saved for backward + K/V state) "
                         "that decides recompute (default: 1024)")
+    g.add_argument("--chunkflow-budget-mib", type=float, default=None, metavar="MIB",
+                   help="ChunkFlow's own budget, to ask how fast it runs in less memory than the "
+                        "baselines get, e.g. half (default: --budget-mib)")
     g.add_argument("--baseline", choices=[*BASELINES, "all"], default="all",
                    help="the stock system(s) ChunkFlow is compared with (default: all): "
                         "megatron-sft (Megatron-LM's SFT: first-fit lines padded to "
@@ -118,8 +121,10 @@ def settings_from_args(args: argparse.Namespace):
     # --chunk-size and --chunkflow-k may be left to the budget (None); validate the given ones
     config_from_args(ChunkFlowConfig, args, **{name: 1 for name in ("chunk_size", "k")
                                                if getattr(args, name) is None})
-    if not args.budget_mib > 0:
-        raise ValueError(f"--budget-mib must be > 0, got {args.budget_mib}")
+    for flag, value in (("--budget-mib", args.budget_mib),
+                        ("--chunkflow-budget-mib", args.chunkflow_budget_mib)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{flag} must be > 0, got {value}")
     if args.chunk_size is not None and args.chunk_size > args.seq_length:
         raise ValueError(f"--chunk-size {args.chunk_size} is larger than --seq-length "
                          f"{args.seq_length}")
@@ -158,6 +163,8 @@ def settings_from_args(args: argparse.Namespace):
     settings = BenchSettings(
         shape=shape, model_name=args.model_config or args.model, lengths=lengths,
         seq_length=args.seq_length, budget_bytes=args.budget_mib * MIB,
+        chunkflow_budget_bytes=(None if args.chunkflow_budget_mib is None
+                                else args.chunkflow_budget_mib * MIB),
         chunk_size=args.chunk_size, k=args.k, attention_backend=args.attention_backend,
         megatron_recompute=args.megatron_recompute, chunkflow_recompute=args.chunkflow_recompute,
         baselines=tuple(BASELINES) if args.baseline == "all" else (args.baseline,),

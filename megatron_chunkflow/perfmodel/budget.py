@@ -27,7 +27,8 @@ budget, the fastest by the simulator calibrated on this machine (`predict_s`); p
 3% of the fastest count as a tie (the simulator is no better than that) and a tie goes to the
 smaller peak. Stock Megatron's configurations are the options of Megatron's recompute menu
 (config.Recompute.menu) for each baseline; ChunkFlow's are (chunk size C, K, recompute option
-inside its chunks), C a power of two from 1/32 of the context up to it.
+inside its chunks), C a power of two from 1/32 of the context up to it, K a power of two below
+the longest sequence's chunk count n, or n (no re-forward).
 """
 
 from __future__ import annotations
@@ -225,23 +226,30 @@ def chunk_size_candidates(seq_length: int) -> list[int]:
     return out or [seq_length]
 
 
+def k_candidates(num_chunks: int) -> list[int]:
+    """K worth trying for a longest sequence of `num_chunks` chunks: the powers of two below it,
+    and `num_chunks` itself (every chunk keeps its activations: no re-forward)."""
+    out, k = [], 1
+    while k < num_chunks:
+        out.append(k)
+        k *= 2
+    return out + [max(1, num_chunks)]
+
+
 def choose_chunking(lengths: Sequence[int], seq_length: int, num_dp_ranks: int,
                     shape: ModelShape, rates: ActivationRates, budget: float,
                     predict_s: Callable[[int, int, Recompute], float],
-                    sizes: Sequence[int] | None = None, ks: Sequence[int] = (1, 2, 4),
+                    sizes: Sequence[int] | None = None, ks: Sequence[int] | None = None,
                     options: Sequence[Recompute] = (Recompute(),),
                     tie: float = TIE) -> Choice:
     """ChunkFlow's (C, K, recompute): the fastest by `predict_s(C, K, option)` whose modelled
-    peak fits in `budget` bytes (near ties to the smaller peak). Among several K, those that
-    change nothing (K >= the longest sequence's chunk count, other than K = 1) are skipped. ValueError when
-    nothing fits, naming the smallest peak found."""
+    peak fits in `budget` bytes (near ties to the smaller peak). K from `ks`, by default
+    k_candidates of the longest sequence's chunk count at each C. ValueError when nothing fits,
+    naming the smallest peak found."""
     longest = max(lengths)
     candidates = []
     for c in sizes or chunk_size_candidates(seq_length):
-        n = math.ceil(longest / c)
-        for k in ks:
-            if k > 1 and k >= n and len(ks) > 1:
-                continue
+        for k in ks or k_candidates(math.ceil(longest / c)):
             for option in options:
                 peak = chunkflow_peak(lengths, c, k, num_dp_ranks, shape, rates, option)
                 candidates.append(Candidate(option, peak, predict_s(c, k, option)

@@ -12,6 +12,7 @@ from megatron_chunkflow.cli import main
     (["--repeats", "0"], "--repeats"),
     (["--warmup", "-1"], "--warmup"),
     (["--budget-mib", "0"], "--budget-mib"),
+    (["--chunkflow-budget-mib", "-1"], "--chunkflow-budget-mib"),
     (["--chunk-size", "65536"], "--chunk-size"),
     (["--chunkflow-k", "0"], "--chunkflow-k"),
     (["--chunk-size", "0"], "--chunk-size"),

@@ -13,6 +13,7 @@ from megatron_chunkflow.perfmodel.budget import (
     choose_recompute,
     chunk_size_candidates,
     chunkflow_peak,
+    k_candidates,
     state_bound,
 )
 
@@ -153,6 +154,16 @@ def test_choose_chunking_searches_the_recompute_menu_inside_chunks():
     fitting = {(c.chunk_size, str(c.recompute)) for c in chosen.candidates if c.fits}
     assert (2048, "none") not in fitting and (2048, "full") in fitting
     assert (chosen.chunk_size, str(chosen.recompute)) == (2048, "full")
+
+
+def test_k_candidates_end_with_no_reforward():
+    assert k_candidates(1) == [1]
+    assert k_candidates(4) == [1, 2, 4]
+    assert k_candidates(5) == [1, 2, 4, 5]
+    # K = n re-forwards nothing: its peak holds every chunk's activations, no kept stage inputs
+    c = 1024
+    n = -(-max(LENGTHS) // c)
+    assert state_bound(max(LENGTHS), c, n, RATES, 1) == state_bound(max(LENGTHS), c, n, RATES, 0)
 
 
 def test_chunk_size_candidates():
