@@ -102,35 +102,43 @@ def write_plots(r: dict, directory: str) -> list[str]:
     colors = ["#c7c7c7", "#9d9d9d", "#6f6f6f"][:len(names) - 1] + ["#4c78a8"]
     paths = []
 
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = plt.subplots(figsize=(6.5, 4))
     ax.bar(names, [x["tokens_per_s"] for x in systems], color=colors)
     ax.bar(names, [r["setup"]["tokens"] / x["predicted_step_s"] for x in systems], fill=False,
            edgecolor="black", linestyle="--", label="simulator")
     ax.set_ylabel("tokens/s (measured; dashed: predicted)")
-    ax.set_title("ChunkFlow's speedup: " + ", ".join(
+    ax.set_title("ChunkFlow's speedup:\n" + ", ".join(
         f"{v:.2f}x vs {b}" for b, v in r["speedups"].items()), fontsize=8)
     ax.tick_params(axis="x", labelsize=7)
     paths.append(_save(fig, plt, directory, "throughput.png"))
 
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    labels = set()
+
+    def once(label):
+        if label in labels:
+            return None
+        labels.add(label)
+        return label
+
     for i, x in enumerate(systems):  # parts at the worst stage's peak (bounded by their maxima)
         total = x["peak_activation_bytes"] / MIB
         state = min(max(x["kv_state_bytes_per_stage"]) / MIB, total)
         work = min(x["recompute_working_set_bytes"] / MIB, total - state)
         ax.bar(names[i], total - state - work, color=colors[i])
         ax.bar(names[i], work, bottom=total - state - work, color="#b279a2",
-               label="recompute working set" if work else None)
+               label=once("recompute working set") if work else None)
         ax.bar(names[i], state, bottom=total - state, color="#f58518",
-               label="K/V state" if state else None)
+               label=once("K/V state") if state else None)
     ax.axhline(r["setup"]["budget_bytes"] / MIB, color="red", linestyle=":", label="budget")
     if r["setup"]["chunkflow_budget_bytes"] != r["setup"]["budget_bytes"]:
         ax.axhline(r["setup"]["chunkflow_budget_bytes"] / MIB, color="#4c78a8", linestyle=":",
                    label="ChunkFlow's budget")
     ax.set_ylabel("peak activation memory per rank (MiB)")
-    ax.set_title("ChunkFlow's activation memory: " + ", ".join(
+    ax.set_title("ChunkFlow's activation memory:\n" + ", ".join(
         f"{v:.2f}x of {b}" for b, v in r["activation_memory_ratios"].items()), fontsize=8)
     ax.tick_params(axis="x", labelsize=7)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="lower right")
     paths.append(_save(fig, plt, directory, "memory.png"))
 
     kinds = {"F": "#4c78a8", "R": "#f58518", "B": "#54a24b"}

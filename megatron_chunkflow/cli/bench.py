@@ -1,6 +1,6 @@
 """`chunkflow bench`: stock Megatron against ChunkFlow, measured on this machine in one run.
 
-    chunkflow bench                               # the default scenario (below), ~3 min on 2 cores
+    chunkflow bench                               # the default scenario (below), ~10 min on 2 cores
     chunkflow bench --json --png out/bench        # JSON on stdout; throughput, memory, timelines
     chunkflow bench --budget-mib 2048 --chunk-size 4096 --chunkflow-k 2 --repeats 3
     chunkflow bench --baseline megatron-packed --megatron-recompute block:1
