@@ -312,3 +312,23 @@ def _kind(annotation) -> tuple[type, tuple | None]:
     if args:  # X | None
         return _kind(args[0])
     return annotation, None
+
+
+def read_json_file(path, what: str):
+    """The JSON value in file `path`; ValueError starting with `what` (a flag and the path, or
+    the path) when the file is missing, not UTF-8 or not JSON (with its line)."""
+    import json
+    from pathlib import Path
+
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"{what}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"{what}: is a directory, not a JSON file") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what}: not UTF-8 text (byte {e.start})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what}:{e.lineno}: not valid JSON ({e.msg})") from None

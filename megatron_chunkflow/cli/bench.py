@@ -27,7 +27,7 @@ import os
 import sys
 
 from megatron_chunkflow.cli.inputs import add_length_arguments, lengths_from_args
-from megatron_chunkflow.cli.output import Output
+from megatron_chunkflow.cli.output import Output, check_output_dir
 from megatron_chunkflow.config import (
     ChunkFlowConfig,
     ParallelConfig,
@@ -128,6 +128,7 @@ def settings_from_args(args: argparse.Namespace):
     if args.chunk_size is not None and args.chunk_size > args.seq_length:
         raise ValueError(f"--chunk-size {args.chunk_size} is larger than --seq-length "
                          f"{args.seq_length}")
+    check_output_dir("--png", args.png)
     shape = load_shape(args)
     world = int(os.environ.get("WORLD_SIZE", args.nproc))
     try:

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from megatron_chunkflow.config import deprecated_alias
 from megatron_chunkflow.core.profiles import PROFILES, sample_lengths
+
+MAX_LENGTH = 1 << 24  # tokens in one sequence: 16M, 64x a 256K context; planning stays bounded
+
+
+def check_length(n: int, where: str) -> None:
+    """ValueError naming `where` for a sequence longer than any command plans."""
+    if n > MAX_LENGTH:
+        raise ValueError(f"{where}: length {n:,} is more than the {MAX_LENGTH:,} tokens a "
+                         "sequence may have here")
 
 
 def add_length_arguments(parser: argparse.ArgumentParser, default_sequences: int,
@@ -31,8 +41,12 @@ def read_lengths_file(path: str) -> list[int]:
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"--lengths-file {path}: no such file")
+    try:
+        text_all = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--lengths-file {path}: not UTF-8 text (byte {e.start})") from None
     lengths = []
-    for lineno, raw in enumerate(p.read_text().splitlines(), start=1):
+    for lineno, raw in enumerate(text_all.splitlines(), start=1):
         text = raw.split("#", 1)[0].strip()
         if not text:
             continue
@@ -42,6 +56,7 @@ def read_lengths_file(path: str) -> list[int]:
             raise ValueError(f"{path}:{lineno}: {text!r} is not an integer") from None
         if n <= 0:
             raise ValueError(f"{path}:{lineno}: length {n} must be positive")
+        check_length(n, f"{path}:{lineno}")
         lengths.append(n)
     if not lengths:
         raise ValueError(f"{path}: no lengths (empty input)")
@@ -54,9 +69,12 @@ def lengths_from_args(args: argparse.Namespace) -> tuple[list[int], str]:
         return read_lengths_file(args.lengths_file), args.lengths_file
     if args.global_batch_size < 1:
         raise ValueError(f"--global-batch-size must be >= 1, got {args.global_batch_size}")
-    if not args.scale > 0:
-        raise ValueError(f"--scale must be > 0, got {args.scale}")
+    if not (args.scale > 0 and math.isfinite(args.scale)):
+        raise ValueError(f"--scale must be a finite number > 0, got {args.scale}")
+    if args.step < 0:
+        raise ValueError(f"--step must be >= 0, got {args.step}")
     lengths = sample_lengths(args.profile, args.global_batch_size, args.seed, args.step,
                              args.scale)
+    check_length(max(lengths), f"--scale {args.scale:g}")
     return lengths, (f"profile {args.profile}, seed {args.seed}, step {args.step}"
                      + (f", scale {args.scale:g}" if args.scale != 1 else ""))

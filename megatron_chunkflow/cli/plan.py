@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_chunkflow.cli.inputs import add_length_arguments, lengths_from_args
-from megatron_chunkflow.cli.output import Output
+from megatron_chunkflow.cli.output import Output, check_output_file
 from megatron_chunkflow.config import (
     ChunkFlowConfig,
     ParallelConfig,
@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     config_from_args(ParallelConfig, args)  # validates --pp and --dp
     if not 0 <= args.dp_rank < args.dp:
         raise ValueError(f"--dp-rank must be in [0, {args.dp}), got {args.dp_rank}")
+    check_output_file("--png", args.png)
     out = Output(args.json)
     lengths, source = lengths_from_args(args)
     seq_length = args.seq_length or max(lengths)

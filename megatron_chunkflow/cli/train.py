@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_chunkflow.cli.output import Output
+from megatron_chunkflow.cli.output import Output, check_output_dir, check_output_file
 from megatron_chunkflow.config import (
     RECOMPUTE_MODULES,
     ChunkFlowConfig,
@@ -118,6 +118,10 @@ def settings_from_args(args) -> TrainSettings:
     parallel = config_from_args(ParallelConfig, args)
     optimizer = config_from_args(OptimizerConfig, args)
     checkpoint = config_from_args(CheckpointConfig, args)
+    check_output_dir("--save", checkpoint.save)
+    check_output_dir("--save-hf", checkpoint.save_hf)
+    check_output_file("--log-json", args.log_json)
+    check_output_dir("--tensorboard-dir", args.tensorboard_dir)
     lora = LoRAConfig.from_args(args)
     sparse = config_from_args(SparseConfig, args)
     hf_shape = None
@@ -278,8 +282,9 @@ class _StepLogger:
                   f"{m['model_tflops']:.3f} TFLOP/s | peak {m['peak_mem_bytes'] / 2**30:.2f} GiB | "
                   f"{m['num_chunks']} chunks | lr {m['lr']:.2e}{_sparse_note(m)}",
                   file=sys.stderr, flush=True)
-        row = {k: m[k] for k in ("step", "loss", "tokens", "tokens_per_s", "model_tflops",
-                                 "peak_mem_bytes", "num_chunks", "lr", "approximate",
+        row = {k: m[k] for k in ("step", "loss", "loss_tokens", "tokens", "tokens_per_s",
+                                 "model_tflops", "peak_mem_bytes", "num_chunks", "lr",
+                                 "grad_norm", "step_s", "approximate",
                                  "sparse_backward", "backward_chunks", "dependent_chunks")
                if k in m}
         if self.json_file:

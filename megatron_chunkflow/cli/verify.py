@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
@@ -78,13 +77,10 @@ def load_shape(args):
     """The --model preset, or --model-config FILE (our field names or an HF config.json)."""
     if not args.model_config:
         return get_model_shape(args.model)
+    from megatron_chunkflow.config import read_json_file
+
     path = Path(args.model_config)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"--model-config {path}: no such file") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--model-config {path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    data = read_json_file(path, f"--model-config {path}")
     return model_shape_from_dict(data, f"--model-config {path}")
 
 
@@ -254,6 +250,9 @@ def _backend(cfg) -> str:
     return resolve_backend(cfg.attention_backend, "cpu")
 
 
+MEMORY_MAX_LENGTH = 1 << 20
+
+
 def _memory_lengths(text: str) -> list[int]:
     try:
         lengths = [int(x) for x in text.split(",") if x.strip()]
@@ -261,6 +260,9 @@ def _memory_lengths(text: str) -> list[int]:
         raise ValueError(f"--lengths {text!r}: expected comma-separated integers") from None
     if not lengths or min(lengths) < 1:
         raise ValueError(f"--lengths {text!r}: lengths must be positive")
+    if max(lengths) > MEMORY_MAX_LENGTH:  # each runs through the real model on this machine
+        raise ValueError(f"--lengths {text!r}: {max(lengths):,} tokens is more than the "
+                         f"{MEMORY_MAX_LENGTH:,} the memory check runs")
     return lengths
 
 

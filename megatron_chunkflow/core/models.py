@@ -131,12 +131,24 @@ def model_shape_from_dict(d: dict, source: str = "model config") -> ModelShape:
     """Our field names or a Hugging Face Qwen2 config.json; unknown keys are ignored."""
     import dataclasses
 
-    names = {f.name for f in dataclasses.fields(ModelShape)}
-    kw = {HF_KEYS.get(k, k): v for k, v in d.items() if HF_KEYS.get(k, k) in names}
-    missing = [f.name for f in dataclasses.fields(ModelShape)
+    if not isinstance(d, dict):
+        raise ValueError(f"{source}: expected a JSON object with the model's fields, got "
+                         f"{type(d).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(ModelShape)}
+    kw = {HF_KEYS.get(k, k): v for k, v in d.items() if HF_KEYS.get(k, k) in fields}
+    missing = [f.name for f in fields.values()
                if f.default is dataclasses.MISSING and f.name not in kw]
     if missing:
         raise ValueError(f"{source}: missing {', '.join(missing)}")
+    for name, value in kw.items():
+        kind = fields[name].type
+        if kind == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{source}: {name} must be a positive integer, got {value!r}")
+        if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                or not value > 0):
+            raise ValueError(f"{source}: {name} must be a positive number, got {value!r}")
+        if kind == "bool" and not isinstance(value, bool):
+            raise ValueError(f"{source}: {name} must be true or false, got {value!r}")
     shape = ModelShape(**kw)
     if shape.hidden_size % shape.num_attention_heads:
         raise ValueError(f"{source}: hidden_size {shape.hidden_size} is not a multiple of "

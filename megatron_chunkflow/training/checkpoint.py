@@ -5,8 +5,12 @@ Layout (Megatron-LM's): SAVE/iter_0000010/ with the sharded model and optimizer 
 SAVE/latest_checkpointed_iteration.txt naming the newest complete one.
 
 Crash safety: a checkpoint is written to iter_N.tmp, renamed to iter_N once every rank has finished,
-and only then is the tracker file replaced (write + os.replace, atomic on POSIX). A crash during a
-save leaves the previous checkpoint and tracker untouched, so --load resumes from it.
+and only then is the tracker file replaced (write + os.replace, atomic on POSIX). Saving over an
+existing iter_N first renames it to iter_N.old and removes that only after the tracker is written,
+so no complete checkpoint is removed before its replacement is in place. --load resumes from the
+tracker's iteration when it is complete (every rank's extra state and the sharded metadata), else
+from the newest complete iter_N (or iter_N.old), saying so; a checkpoint saved by a different
+number of processes is refused, naming both counts.
 
 The training loop only calls `Checkpointer.load()` once and `Checkpointer.save(step, consumed,
 last_step=...)` after every step; the configuration decides what happens.
@@ -17,6 +21,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import sys
 from pathlib import Path
 
 from dataclasses import dataclass
@@ -26,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 TRACKER = "latest_checkpointed_iteration.txt"
+OLD = ".old"  # a complete checkpoint being replaced by a new save of the same iteration
 
 
 @dataclass(frozen=True)
@@ -64,8 +70,17 @@ class Checkpointer:
         """(steps done, sequences consumed): from --load, or (0, 0)."""
         if not self.config.load:
             return 0, 0
+        iteration, directory, _ = find_checkpoint(self.config.load)
+        saved = torch.load(directory / f"extra_rank{dist.get_rank()}.pt",
+                           weights_only=False)["settings"]
+        for note in compare_settings(saved, self.settings, iteration, self.config.load):
+            if dist.get_rank() == 0:
+                print(f"chunkflow train: {note}", file=sys.stderr, flush=True)
         iteration, consumed, _ = load_checkpoint(self.config.load, self.model, self.optimizer,
                                                  self.scheduler)
+        if dist.get_rank() == 0:
+            print(f"chunkflow train: resumed from iteration {iteration} ({consumed} sequences "
+                  f"consumed) in {self.config.load}", file=sys.stderr, flush=True)
         return iteration, consumed
 
     def save(self, iteration: int, consumed: int, last_step: bool = False) -> None:
@@ -127,32 +142,130 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
                tmp / f"extra_rank{dist.get_rank()}.pt")
     dist.barrier()
     if dist.get_rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
+        # never remove a complete checkpoint before its replacement is in place: a crash between
+        # any two of these renames leaves one complete copy that load_checkpoint finds
+        old = final.with_name(final.name + OLD)
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
         os.replace(tmp, final)
         tracker_tmp = root_path / (TRACKER + ".tmp")
         tracker_tmp.write_text(f"{iteration}\n")
         os.replace(tracker_tmp, root_path / TRACKER)
+        shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+SCHEDULE = {"lr": "--lr", "min_lr": "--min-lr", "lr_warmup_iters": "--lr-warmup-iters"}
+
+
+def compare_settings(saved: dict, given: dict, iteration: int, root: str) -> list[str]:
+    """The checkpoint's settings against this run's, before anything is loaded: ValueError for a
+    contradiction that cannot be honoured (another model shape or TP/PP layout, another --seed,
+    nothing left to train), else notes saying which value wins where they differ."""
+    where = f"--load {root} (iteration {iteration})"
+    if saved.get("shape") != given.get("shape"):
+        diff = {k: (saved["shape"].get(k), v) for k, v in given["shape"].items()
+                if saved["shape"].get(k) != v}
+        raise ValueError(f"{where} holds another model: " + ", ".join(
+            f"{k} {a} there, {b} here" for k, (a, b) in diff.items()))
+    for key, flag in (("tp", "--tensor-model-parallel-size"),
+                      ("pp", "--pipeline-model-parallel-size")):
+        a, b = saved["parallel"][key], given["parallel"][key]
+        if a != b:
+            raise ValueError(f"{where} was saved with {flag} {a}; this run has {b}")
+    if saved.get("seed") != given.get("seed"):
+        raise ValueError(f"{where} was saved with --seed {saved.get('seed')}; --seed "
+                         f"{given.get('seed')} would reshuffle the data in mid-epoch (give "
+                         f"--seed {saved.get('seed')})")
+    if iteration >= given["train_iters"]:
+        raise ValueError(f"--train-iters {given['train_iters']}: {where} has already trained "
+                         "that many steps; nothing to do (raise --train-iters)")
+    notes = []
+    changed = [f"{flag} {given['optimizer'][k]} (saved {saved['optimizer'][k]})"
+               for k, flag in SCHEDULE.items() if saved["optimizer"][k] != given["optimizer"][k]]
+    if saved["train_iters"] != given["train_iters"]:
+        changed.append(f"--train-iters {given['train_iters']} (saved {saved['train_iters']})")
+    if changed:
+        notes.append(f"{where}: " + ", ".join(changed) + ": the checkpoint's learning-rate "
+                     "schedule continues (Megatron-LM's default), the run stops at --train-iters "
+                     f"{given['train_iters']}")
+    if saved["global_batch_size"] != given["global_batch_size"]:
+        notes.append(f"{where}: --global-batch-size {given['global_batch_size']} (saved "
+                     f"{saved['global_batch_size']}): the data continues after the "
+                     "sequences already consumed")
+    return notes
+
+
+def _saved_ranks(directory: Path) -> int:
+    return len(list(directory.glob("extra_rank*.pt")))
+
+
+def _is_complete(directory: Path, world: int) -> bool:
+    """Every rank's extra state and the distributed checkpoint's metadata are there."""
+    return (directory.is_dir() and (directory / ".metadata").is_file()
+            and all((directory / f"extra_rank{r}.pt").is_file() for r in range(world)))
+
+
+def _newest_complete(root: Path, world: int) -> tuple[int, Path] | None:
+    """The highest iteration with a complete directory (iter_N, else iter_N.old)."""
+    found = {}
+    for d in root.glob("iter_*"):
+        name = d.name.removesuffix(OLD)
+        digits = name.removeprefix("iter_")
+        if digits.isdigit() and len(digits) == 7 and _is_complete(d, world):
+            it = int(digits)
+            if it not in found or d.name == name:  # iter_N wins over iter_N.old
+                found[it] = d
+    if not found:
+        return None
+    newest = max(found)
+    return newest, found[newest]
+
+
+def find_checkpoint(root: str) -> tuple[int, Path, str | None]:
+    """(iteration, directory, a note when it is not the one the tracker names) of the checkpoint
+    --load resumes from; ValueError naming --load when there is none to resume from."""
+    root_path = Path(root)
+    world = dist.get_world_size()
+    tracker = root_path / TRACKER
+    if not root_path.is_dir():
+        raise ValueError(f"--load {root}: no such directory")
+    named = None
+    if tracker.is_file():
+        text = tracker.read_text().strip()
+        if not text.isdigit():
+            raise ValueError(f"--load {tracker}: expected an iteration number, found {text!r}")
+        named = int(text)
+        directory = _iter_dir(root_path, named)
+        if _is_complete(directory, world):
+            return named, directory, None
+        for d in (directory, directory.with_name(directory.name + OLD)):
+            saved = _saved_ranks(d) if d.is_dir() else 0
+            if saved and saved != world and (d / ".metadata").is_file():
+                raise ValueError(f"--load {d}: saved by {saved} processes, this run has {world}; "
+                                 f"resume with {saved} processes")
+    newest = _newest_complete(root_path, world)
+    if newest is None:
+        what = (f"{TRACKER} names iteration {named}, which is missing or incomplete"
+                if named is not None else f"no {TRACKER}")
+        raise ValueError(f"--load {root}: {what}, and no other complete checkpoint is there")
+    iteration, directory = newest
+    note = (f"--load {root}: " + (f"iteration {named} (named by {TRACKER}) is missing or "
+                                  "incomplete" if named is not None else f"no {TRACKER}")
+            + f"; resuming from the newest complete checkpoint, {directory.name}")
+    return iteration, directory, note
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler) -> tuple[int, int, dict]:
     """Restore the newest complete checkpoint under `root`: (iteration, consumed, settings)."""
     from megatron.core import dist_checkpointing
 
-    root_path = Path(root)
-    tracker = root_path / TRACKER
-    if not tracker.is_file():
-        raise ValueError(f"--load {root}: no {TRACKER} (no complete checkpoint there)")
-    text = tracker.read_text().strip()
-    if not text.isdigit():
-        raise ValueError(f"--load {tracker}: expected an iteration number, found {text!r}")
-    iteration = int(text)
-    directory = _iter_dir(root_path, iteration)
+    iteration, directory, note = find_checkpoint(root)
+    if note and dist.get_rank() == 0:
+        print(f"chunkflow train: {note}", file=sys.stderr, flush=True)
     extra_file = directory / f"extra_rank{dist.get_rank()}.pt"
-    if not extra_file.is_file():
-        raise ValueError(f"--load {directory}: {extra_file.name} is missing (saved with a "
-                         "different number of processes?)")
     loaded = dist_checkpointing.load(_sharded_state(model, optimizer, loading=True), str(directory))
     model.load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])

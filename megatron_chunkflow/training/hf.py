@@ -46,7 +46,11 @@ def shape_from_hf_dir(path) -> ModelShape:
     file = Path(path) / "config.json"
     if not file.is_file():
         raise ValueError(f"{file}: no such file (expected a Hugging Face checkpoint directory)")
-    d = json.loads(file.read_text(encoding="utf-8"))
+    from megatron_chunkflow.config import read_json_file
+
+    d = read_json_file(file, str(file))
+    if not isinstance(d, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(d).__name__}")
     if d.get("model_type") not in {"qwen2"}:
         raise ValueError(f"{file}: model_type {d.get('model_type')!r} is not supported "
                          "(supported: 'qwen2', which covers Qwen2 and Qwen2.5)")

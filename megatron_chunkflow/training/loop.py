@@ -105,10 +105,9 @@ def run_step(s: TrainSettings, sequences, ddp, config, step_index: int = 0, obse
         return reports, len(step.batch.chunks), num_backward_chunks(step)
     mbs = baseline_microbatches([len(x) for x in sequences], s.seq_length, dp, s.system)
     mine = [c for c in mbs if c.dp_rank == dp_rank]
-    if not mine:
-        raise ValueError(f"--global-batch-size {s.global_batch_size} makes {len(mbs)} "
-                         f"{s.system} micro-batches of --seq-length {s.seq_length}, fewer than "
-                         f"the {dp} data-parallel ranks")
+    if not mine:  # fewer micro-batches than DP ranks: idle, as ChunkFlow's idle ranks are
+        _idle_step(ddp, config)
+        return [], len(mbs), (0, 0)
     pad = s.parallel.pad_multiple
     inputs = [chunk_input(c, sequences, chunk_meta(c, s.seq_length, pad)) for c in mine]
     # Megatron-LM's SFT path sends fixed --seq-length shapes (every line is padded to it); the
@@ -121,6 +120,16 @@ def run_step(s: TrainSettings, sequences, ddp, config, step_index: int = 0, obse
         seq_length=s.seq_length if fixed else max(x.tokens.size(1) for x in inputs),
         micro_batch_size=1)
     return reports, len(mbs), (0, 0)
+
+
+def _idle_step(ddp, config) -> None:
+    """A DP rank without a micro-batch this step: no forward or backward, but the same gradient
+    reduction as the others (Megatron's finalize_model_grads, 0 tokens), so it contributes zero
+    gradients and no token to the per-token mean and every collective still matches."""
+    if config.finalize_model_grads_func is None:
+        return
+    device = next(ddp.parameters()).device
+    config.finalize_model_grads_func([ddp], torch.zeros((), dtype=torch.int, device=device))
 
 
 def peak_memory_bytes() -> int:
@@ -162,6 +171,7 @@ def train_step(s: TrainSettings, tr: Training, sequences, it: int) -> dict:
     tr.ddp.zero_grad_buffer()
     tr.optimizer.zero_grad()
     reports, num_chunks, backward = run_step(s, sequences, tr.ddp, tr.model.config, it)
+    lr = tr.optimizer.param_groups[0]["lr"]  # the rate this step applies (the scheduler's last)
     _, grad_norm, _ = tr.optimizer.step()
     tr.scheduler.step(increment=1)
     loss_sum, count = global_loss(reports)
@@ -172,7 +182,7 @@ def train_step(s: TrainSettings, tr: Training, sequences, it: int) -> dict:
         "loss_tokens": int(count), "tokens_per_s": sum(lengths) / elapsed,
         "model_tflops": sequence_model_flops(lengths, s.shape) / elapsed / 1e12,
         "peak_mem_bytes": peak_memory_bytes(), "num_chunks": num_chunks,
-        "lr": tr.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm, "step_s": elapsed,
+        "lr": lr, "grad_norm": grad_norm, "step_s": elapsed,
     }
     if s.sparse.enabled:  # approximate: say so in every record
         metrics.update(_sparse_metrics(s, backward))

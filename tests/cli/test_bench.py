@@ -27,6 +27,7 @@ from megatron_chunkflow.cli import main
     (["--megatron-recompute", "block:3"], "--megatron-recompute"),  # 2 layers per stage
     (["--chunkflow-recompute", "selective:attention"], "--chunkflow-recompute"),
     (["--chunkflow-recompute", "block:0"], "--chunkflow-recompute"),
+    (["--png", "/proc/version"], "--png"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(capsys, argv, flag):
     assert main(["bench", *argv]) == 2

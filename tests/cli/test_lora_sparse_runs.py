@@ -80,3 +80,23 @@ def test_train_labels_every_sparse_record(tmp_path):
         assert 0 <= record["backward_chunks"] <= record["dependent_chunks"]
     assert "SpaCO sparse backward, APPROXIMATE" in text
     assert text.count("| APPROXIMATE (SpaCO T=2)") == 2 and "(APPROXIMATE gradients" in text
+
+
+def test_log_json_rows_carry_every_metric_and_the_rate_each_step_applied(tmp_path):
+    """--log-json rows hold what the --json summary's steps hold (grad_norm, loss_tokens
+    included), and `lr` is the rate the step applied: Megatron-LM's warm-up, step 1 at 0."""
+    model = tmp_path / "small.json"
+    model.write_text(json.dumps({**SMALL, "vocab_size": 151936}))
+    log = tmp_path / "steps.jsonl"
+    out, _ = run_cli("train", "--model-config", str(model), "--train-iters", "4",
+                     "--lr-warmup-iters", "2", "--lr", "0.003", "--min-lr", "0.0003",
+                     "--global-batch-size", "2", "--max-samples", "8", "--chunk-size", "64",
+                     "--seq-length", "4096", "--json", "--log-json", str(log))
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for row, step in zip(rows, out["steps"]):
+        assert {"loss", "loss_tokens", "grad_norm", "lr", "step_s", "tokens"} <= set(row)
+        assert row["loss"] == step["loss"] and row["grad_norm"] == step["grad_norm"]
+        assert row["loss_tokens"] == step["loss_tokens"] > 0 and row["grad_norm"] > 0
+    assert [r["lr"] for r in rows[:3]] == pytest.approx([0.0, 0.0015, 0.003])
+    assert 0.0003 < rows[3]["lr"] < 0.003  # cosine decay after the warm-up

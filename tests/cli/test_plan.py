@@ -99,12 +99,20 @@ def test_memory_is_the_simulators_model(tmp_path, capsys):
     ("12\n4\n-3\n", ":3: length -3 must be positive"),
     ("12\nabc\n", ":2: 'abc' is not an integer"),
     ("12\n3.5\n", ":2: '3.5' is not an integer"),
+    ("12\n1000000000000\n", ":2: length 1,000,000,000,000 is more than the 16,777,216"),
 ])
 def test_bad_lengths_file(tmp_path, capsys, content, message):
     f = tmp_path / "l.txt"
     f.write_text(content)
     assert main(["plan", "--lengths-file", str(f)]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_lengths_file_not_utf8_names_the_file(tmp_path, capsys):
+    f = tmp_path / "l.txt"
+    f.write_bytes(b"12\n\xff\xfe3\n")
+    assert main(["plan", "--lengths-file", str(f)]) == 2
+    assert f"--lengths-file {f}: not UTF-8 text (byte 3)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -116,6 +124,10 @@ def test_bad_lengths_file(tmp_path, capsys, content, message):
     (["--global-batch-size", "0"], "--global-batch-size must be >= 1"),
     (["--lengths-file", "/nonexistent/x"], "/nonexistent/x: no such file"),
     (["--seq-length", "10"], "more than --seq-length 10"),
+    (["--scale", "inf"], "--scale must be a finite number > 0, got inf"),
+    (["--scale", "1e12"], "--scale 1e+12: length"),
+    (["--step", "-1"], "--step must be >= 0, got -1"),
+    (["--png", "/nonexistent/dir/plan.png"], "--png /nonexistent/dir/plan.png: directory"),
 ])
 def test_bad_input_exits_2(capsys, argv, message):
     assert main(["plan", "--global-batch-size", "50", *argv]) == 2

@@ -43,3 +43,32 @@ def test_empty_dataset(capsys, tmp_path):
 def test_bad_flags(capsys, argv, message):
     rc, err = run_train(capsys, *argv)
     assert rc == 2 and message in err, err[-2000:]
+
+
+@pytest.mark.parametrize("flag,make,message", [
+    ("--save", "file", "is a file, not a directory"),
+    ("--save-hf", "file", "is a file, not a directory"),
+    ("--tensorboard-dir", "file", "is a file, not a directory"),
+    ("--log-json", "missing-dir", "does not exist"),
+    ("--log-json", "dir", "is a directory"),
+])
+def test_output_paths_checked_before_training(capsys, tmp_path, flag, make, message):
+    """An output path that cannot be written is refused at start (exit 2 naming the flag), not
+    when the first save or log line comes, after hours of training."""
+    path = {"file": tmp_path / "a_file", "dir": tmp_path,
+            "missing-dir": tmp_path / "missing" / "metrics.jsonl"}[make]
+    if make == "file":
+        path.write_text("not a directory")
+    rc, err = run_train(capsys, flag, str(path))
+    assert rc == 2 and flag in err and message in err, err[-2000:]
+
+
+@pytest.mark.parametrize("content,message", [
+    (b'{"model_type": "qwen2",\n "hidden_size": }', "config.json:2: not valid JSON"),
+    (b"[]", "config.json: expected a JSON object, got list"),
+    (b"\x80", "config.json: not UTF-8 text (byte 0)"),
+])
+def test_bad_hf_config_names_the_file(capsys, tmp_path, content, message):
+    (tmp_path / "config.json").write_bytes(content)
+    rc, err = run_train(capsys, "--load-hf", str(tmp_path))
+    assert rc == 2 and message in err and str(tmp_path) in err, err[-2000:]

@@ -22,6 +22,7 @@ def run_verify(capsys, *argv):
      "--chunk-size 15 is not a multiple of the tensor-parallel size 2"),
     (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size (--tp) > 1"),
     (["--model-config", "/nonexistent.json"], "no such file"),
+    (["--memory", "--lengths", "100000000"], "more than the 1,048,576 the memory check runs"),
 ])
 def test_verify_bad_input_exits_2(capsys, argv, message):
     rc, err = run_verify(capsys, *argv)
@@ -37,3 +38,21 @@ def test_model_config_file_errors(capsys, tmp_path):
     partial.write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 2}))
     rc, err = run_verify(capsys, "--model-config", str(partial))
     assert rc == 2 and "missing ffn_hidden_size" in err
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"[1, 2]", "expected a JSON object with the model's fields, got list"),
+    (b'{"num_layers": 0, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4, '
+     b'"num_query_groups": 2, "vocab_size": 100}', "num_layers must be a positive integer, got 0"),
+    (b'{"num_layers": "2", "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4, '
+     b'"num_query_groups": 2, "vocab_size": 100}', "num_layers must be a positive integer, got '2'"),
+    (b'{"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4, '
+     b'"num_query_groups": 2, "vocab_size": 100, "tie_embeddings": "yes"}',
+     "tie_embeddings must be true or false"),
+    (b"\xff\xfe{}", "not UTF-8 text (byte 0)"),
+])
+def test_model_config_values_are_checked(capsys, tmp_path, content, message):
+    bad = tmp_path / "model.json"
+    bad.write_bytes(content)
+    rc, err = run_verify(capsys, "--model-config", str(bad))
+    assert rc == 2 and f"--model-config {bad}" in err and message in err, err[-2000:]

@@ -84,3 +84,63 @@ def test_resume_gives_the_same_losses(tmp_path):
     assert len(first) == 10 and len(resumed) == 10
     assert first == pytest.approx(whole[:10], rel=1e-12)
     assert resumed == pytest.approx(whole[10:], rel=1e-10)
+
+
+
+def _resume_after_crashed_resave(ckpt):
+    """Save at 5 and 10; leave what a crash inside a second save of iteration 10 leaves (the
+    complete copy renamed to iter_0000010.old, the tracker naming 10) and resume; then lose that
+    copy too and resume again: from iteration 5."""
+    import shutil
+    from pathlib import Path
+
+    from megatron_chunkflow.training.checkpoint import CheckpointConfig
+
+    _losses([dict(checkpoint=CheckpointConfig(save=ckpt, save_interval=5), exit_interval=10)])
+    root = Path(ckpt)
+    (root / "iter_0000010").rename(root / "iter_0000010.old")
+    from_old = _losses([dict(checkpoint=CheckpointConfig(load=ckpt))])[0]
+    shutil.rmtree(root / "iter_0000010.old")
+    from_5 = _losses([dict(checkpoint=CheckpointConfig(load=ckpt))])[0]
+    return from_old, from_5
+
+
+def test_resume_falls_back_to_the_newest_complete_checkpoint(tmp_path, capfd):
+    ckpt = str(tmp_path / "ckpt")
+    (whole,) = run_processes(_losses, 1, [dict()], timeout=900)[0]
+    from_old, from_5 = run_processes(_resume_after_crashed_resave, 1, ckpt, timeout=900)[0]
+    assert from_old == pytest.approx(whole[10:], rel=1e-10)
+    assert from_5 == pytest.approx(whole[5:], rel=1e-10)
+    err = capfd.readouterr().err
+    assert "resuming from the newest complete checkpoint, iter_0000010.old" in err
+    assert "resuming from the newest complete checkpoint, iter_0000005" in err
+    assert "resumed from iteration 5 (30 sequences consumed)" in err
+
+
+def _load(ckpt):
+    from megatron_chunkflow.training.checkpoint import CheckpointConfig
+
+    return _losses([dict(checkpoint=CheckpointConfig(load=ckpt))])
+
+
+def test_resume_on_more_processes_than_saved_is_refused(tmp_path):
+    from megatron_chunkflow.training.checkpoint import CheckpointConfig
+
+    ckpt = str(tmp_path / "ckpt")
+    run_processes(_losses, 1, [dict(checkpoint=CheckpointConfig(save=ckpt), train_iters=3)],
+                  timeout=600)
+    with pytest.raises(ValueError, match="saved by 1 processes, this run has 2; resume with 1"):
+        run_processes(_load, 2, ckpt, timeout=600)
+
+
+def test_stock_runs_steps_with_fewer_microbatches_than_dp_ranks():
+    """DP=2, global batches of 2 sequences: most pack into one --seq-length micro-batch, so one
+    rank has nothing to run. It idles (zero gradients, no tokens, the same reduction) instead of
+    dying, and the losses equal ChunkFlow's at every step."""
+    runs = run_processes(_losses, 2, [dict(system=s, global_batch_size=2, train_iters=8)
+                                      for s in ("chunkflow", "megatron-packed", "megatron-sft")],
+                         timeout=600)
+    for chunkflow, packed, sft in runs:  # every rank reports the same losses
+        assert len(chunkflow) == 8 and chunkflow == pytest.approx(packed, rel=1e-8)
+        assert sft == pytest.approx(chunkflow, rel=1e-8)
+    assert runs[0] == runs[1]

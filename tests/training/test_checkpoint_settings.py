@@ -1,0 +1,48 @@
+"""Resuming compares the checkpoint's settings with the run's before loading anything
+(training/checkpoint.py compare_settings): contradictions refused naming the flag, changes that
+can be honoured said with which value wins."""
+
+import dataclasses
+
+import pytest
+
+from megatron_chunkflow.config import ParallelConfig
+from megatron_chunkflow.core.models import get_model_shape
+from megatron_chunkflow.training.checkpoint import compare_settings
+from megatron_chunkflow.training.settings import OptimizerConfig, TrainSettings
+
+
+def _settings(**kw) -> dict:
+    base = dict(shape=get_model_shape("tiny"), model_name="tiny", train_iters=20,
+                optimizer=OptimizerConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=2), seed=5)
+    return dataclasses.asdict(TrainSettings(**{**base, **kw}))
+
+
+SAVED = _settings()
+
+
+def test_same_settings_resume_silently():
+    assert compare_settings(SAVED, _settings(), 10, "ckpt") == []
+
+
+@pytest.mark.parametrize("given,message", [
+    (_settings(shape=get_model_shape("tiny-bench")), "holds another model: hidden_size 64 there, "
+                                                     "128 here"),
+    (_settings(parallel=ParallelConfig(pp=2)), "saved with --pipeline-model-parallel-size 1; "
+                                               "this run has 2"),
+    (_settings(seed=6), "saved with --seed 5; --seed 6 would reshuffle the data"),
+    (_settings(train_iters=10), "--train-iters 10: --load ckpt (iteration 10) has already trained"),
+])
+def test_contradictions_are_refused(given, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        compare_settings(SAVED, given, 10, "ckpt")
+
+
+def test_schedule_changes_say_the_checkpoint_wins():
+    notes = compare_settings(
+        SAVED, _settings(optimizer=OptimizerConfig(lr=1e-3, min_lr=3e-4, lr_warmup_iters=2),
+                         train_iters=40, global_batch_size=8), 10, "ckpt")
+    assert len(notes) == 2
+    assert "--lr 0.001 (saved 0.003), --train-iters 40 (saved 20): the checkpoint's " \
+           "learning-rate schedule continues" in notes[0]
+    assert "--global-batch-size 8" in notes[1]
