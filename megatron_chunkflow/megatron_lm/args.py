@@ -73,6 +73,12 @@ def check_chunkflow_args(args, given_dataloader: str | None = None) -> None:
                       "offset per sequence; chunks need per-token positions)")
     if getattr(args, "multi_latent_attention", False):
         refuse.append("--multi-latent-attention")
+    dropout = [f"{flag} {p:g}" for flag, p in (("--hidden-dropout", args.hidden_dropout),
+                                               ("--attention-dropout", args.attention_dropout))
+               if p]
+    if dropout:
+        refuse.append(" ".join(dropout) + ": give 0 (Megatron-LM's default is 0.1; a re-forwarded "
+                      "chunk would draw new dropout masks, so gradients would not be exact)")
     if args.position_embedding_type != "rope":
         refuse.append(f"--position-embedding-type {args.position_embedding_type}: use rope")
     chunk_size = args.chunkflow_chunk_size

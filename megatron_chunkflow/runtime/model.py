@@ -69,6 +69,14 @@ def _check_config(config) -> None:
                          "False): the fused THD kernel restarts positions at 0 in every segment")
     if getattr(config, "multi_latent_attention", False):
         raise ValueError("multi-latent attention is not supported with ChunkFlow")
+    dropout = {"--hidden-dropout": getattr(config, "hidden_dropout", 0.0),
+               "--attention-dropout": getattr(config, "attention_dropout", 0.0)}
+    if any(dropout.values()):
+        raise ValueError(" ".join(f"{flag} {p:g}" for flag, p in dropout.items()) + ": ChunkFlow "
+                         "re-forwards chunks, which would draw new dropout masks while later "
+                         "chunks keep the first forward's keys and values, so gradients would not "
+                         "be exact; give --hidden-dropout 0 --attention-dropout 0 (Qwen2.5's "
+                         "fine-tuning setting; Megatron-LM's defaults are 0.1)")
 
 
 def apply_chunkflow(model, backend: str = "torch",

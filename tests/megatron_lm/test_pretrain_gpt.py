@@ -153,12 +153,12 @@ def test_refused_layouts_name_every_flag(workdir):
         *MODEL, *CPU, *_flags(SCHEDULE), "--chunk-size", "127", "--micro-batch-size", "2",
         "--global-batch-size", "8", "--tensor-model-parallel-size", "2", "--sequence-parallel",
         "--context-parallel-size", "2", "--dataloader-type", "cyclic", "--data-path", "corpus",
-        "--chunkflow"], world_size=4)
+        "--hidden-dropout", "0.1", "--chunkflow"], world_size=4)
     assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
     err = run.stderr
     assert "chunkflow-megatron: error: --chunkflow cannot run with" in err
     for needle in ("--context-parallel-size 2", "--micro-batch-size 2", "--chunk-size 127",
-                   "--sequence-parallel", "--dataloader-type cyclic"):
+                   "--sequence-parallel", "--dataloader-type cyclic", "--hidden-dropout 0.1: give 0"):
         assert needle in err, needle
 
 

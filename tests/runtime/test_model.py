@@ -9,11 +9,15 @@ def test_unsupported_megatron_settings_are_refused():
 
     from megatron_chunkflow.runtime.model import _check_config
 
-    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, apply_rope_fusion=False)
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, apply_rope_fusion=False,
+                hidden_dropout=0.0, attention_dropout=0.0)
     with pytest.raises(ValueError, match="context parallelism .* not supported with ChunkFlow yet"):
         _check_config(TransformerConfig(**{**base, "context_parallel_size": 2}))
     fused = TransformerConfig(**base)
     fused.apply_rope_fusion = True  # as Megatron-LM sets it by default on GPU machines
     with pytest.raises(ValueError, match="--no-rope-fusion"):
         _check_config(fused)
+    with pytest.raises(ValueError, match="--hidden-dropout 0.1 --attention-dropout 0: ChunkFlow "
+                                         "re-forwards chunks"):
+        _check_config(TransformerConfig(**{**base, "hidden_dropout": 0.1}))
     _check_config(TransformerConfig(**base))
