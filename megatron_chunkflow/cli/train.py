@@ -231,6 +231,9 @@ def run(args: argparse.Namespace) -> int:
                 "docs/sparse.md)")
     for line in dataset.report().splitlines():
         out.say(line)
+    if s.global_batch_size > len(dataset):
+        out.say(f"warning: --global-batch-size {s.global_batch_size} is larger than the data set "
+                f"({len(dataset)} samples): samples repeat within every step")
     logger = _StepLogger(out, s.train_iters, args.log_json if rank0 else None,
                          args.tensorboard_dir if rank0 else None)
     try:

@@ -61,7 +61,12 @@ def iter_file(path: Path) -> Iterator[Item]:
         if head.startswith(b"\xef\xbb\xbf"):
             head = head[3:].lstrip()
         if head.startswith(b"["):
-            yield from iter_json_array(str(path), path.read_text(encoding="utf-8-sig"))
+            try:
+                text = path.read_bytes().decode("utf-8-sig")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"--data-path {path}: not UTF-8 text ({e.reason} at byte "
+                                 f"{e.start})") from None
+            yield from iter_json_array(str(path), text)
         else:
             yield from iter_jsonl(path)
     else:

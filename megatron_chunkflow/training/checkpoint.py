@@ -266,7 +266,15 @@ def load_checkpoint(root: str, model, optimizer, scheduler) -> tuple[int, int, d
     if note and dist.get_rank() == 0:
         print(f"chunkflow train: {note}", file=sys.stderr, flush=True)
     extra_file = directory / f"extra_rank{dist.get_rank()}.pt"
-    loaded = dist_checkpointing.load(_sharded_state(model, optimizer, loading=True), str(directory))
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    try:
+        loaded = dist_checkpointing.load(_sharded_state(model, optimizer, loading=True),
+                                         str(directory))
+    except (Exception, CheckpointException) as e:  # a damaged shard is the user's file: name it
+        raise ValueError(f"--load {directory}: the sharded checkpoint cannot be read "
+                         f"({type(e).__name__}: {str(e)[:300]}); remove this directory to "
+                         "resume from an older one") from None
     model.load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
     extra = torch.load(extra_file, weights_only=False)

@@ -84,14 +84,16 @@ def test_train_labels_every_sparse_record(tmp_path):
 
 def test_log_json_rows_carry_every_metric_and_the_rate_each_step_applied(tmp_path):
     """--log-json rows hold what the --json summary's steps hold (grad_norm, loss_tokens
-    included), and `lr` is the rate the step applied: Megatron-LM's warm-up, step 1 at 0."""
+    included), and `lr` is the rate the step applied: Megatron-LM's warm-up, step 1 at 0. A global
+    batch larger than the data set is warned about."""
     model = tmp_path / "small.json"
     model.write_text(json.dumps({**SMALL, "vocab_size": 151936}))
     log = tmp_path / "steps.jsonl"
-    out, _ = run_cli("train", "--model-config", str(model), "--train-iters", "4",
-                     "--lr-warmup-iters", "2", "--lr", "0.003", "--min-lr", "0.0003",
-                     "--global-batch-size", "2", "--max-samples", "8", "--chunk-size", "64",
-                     "--seq-length", "4096", "--json", "--log-json", str(log))
+    out, text = run_cli("train", "--model-config", str(model), "--train-iters", "4",
+                        "--lr-warmup-iters", "2", "--lr", "0.003", "--min-lr", "0.0003",
+                        "--global-batch-size", "4", "--max-samples", "3", "--chunk-size", "64",
+                        "--seq-length", "4096", "--json", "--log-json", str(log))
+    assert "warning: --global-batch-size 4 is larger than the data set (3 samples)" in text
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for row, step in zip(rows, out["steps"]):

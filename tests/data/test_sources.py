@@ -103,6 +103,13 @@ def test_json_array_bad_element_names_index(tmp_path, tok):
         open_sft_dataset(str(path), tok, seq_length=4096)
 
 
+def test_json_array_not_utf8_names_the_file(tmp_path, tok):
+    path = tmp_path / "arr.json"
+    path.write_bytes(b'[{"text": "caf\xe9"}]')  # Latin-1, not UTF-8
+    with pytest.raises(ValueError, match=r"--data-path .*arr\.json: not UTF-8 text .* at byte 14"):
+        open_sft_dataset(str(path), tok, seq_length=4096)
+
+
 def test_indexed_dataset_round_trip(tmp_path, tok):
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder

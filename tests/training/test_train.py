@@ -123,6 +123,21 @@ def _load(ckpt):
     return _losses([dict(checkpoint=CheckpointConfig(load=ckpt))])
 
 
+def test_truncated_shard_is_named(tmp_path):
+    from pathlib import Path
+
+    from megatron_chunkflow.training.checkpoint import CheckpointConfig
+
+    ckpt = str(tmp_path / "ckpt")
+    run_processes(_losses, 1, [dict(checkpoint=CheckpointConfig(save=ckpt), train_iters=3)],
+                  timeout=600)
+    (shard,) = (Path(ckpt) / "iter_0000003").glob("*.distcp")
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"--load .*iter_0000003: the sharded checkpoint cannot "
+                                         r"be read"):
+        run_processes(_load, 1, ckpt, timeout=600)
+
+
 def test_resume_on_more_processes_than_saved_is_refused(tmp_path):
     from megatron_chunkflow.training.checkpoint import CheckpointConfig
 
