@@ -328,44 +328,40 @@ def _megatron_step(ddp, shape, tokens: int, observers, forward_only=False):
     ddp.zero_grad_buffer()
 
 
-def _isolated_layer(gpt, tokens: int, dtype) -> int:
-    """What one transformer layer saves, run alone on a [t, 1, h] input (counted: its first norm
-    saves it), with the model's rotary embedding and one packed sequence."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
+def _saved_bytes(gpt, run) -> int:
+    """Bytes of the distinct non-weight storages that `run()` saves for backward."""
     weights = {p.untyped_storage().data_ptr() for p in gpt.parameters()}
     seen = {}
 
     def pack(t):
         if t.untyped_storage().data_ptr() not in weights:
-            seen[t.untyped_storage().data_ptr()] = (t, nbytes(t))
+            seen[t.untyped_storage().data_ptr()] = nbytes(t)
         return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(seen.values())
+
+
+def _isolated_layer(gpt, tokens: int, dtype) -> int:
+    """What one transformer layer saves, run alone on a [t, 1, h] input (counted: its first norm
+    saves it), with the model's rotary embedding and one packed sequence."""
+    from megatron.core.packed_seq_params import PackedSeqParams
 
     x = torch.randn(tokens, 1, gpt.config.hidden_size, dtype=dtype, requires_grad=True)
     cu = torch.tensor([0, tokens], dtype=torch.int32)
     packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                              max_seqlen_q=tokens, max_seqlen_kv=tokens)
     rope = gpt.rotary_pos_emb(tokens, packed_seq=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        gpt.decoder.layers[0](x, attention_mask=None, rotary_pos_emb=rope,
-                              packed_seq_params=packed)
-    return sum(b for _, b in seen.values()), nbytes(rope)
+    saved = _saved_bytes(gpt, lambda: gpt.decoder.layers[0](
+        x, attention_mask=None, rotary_pos_emb=rope, packed_seq_params=packed))
+    return saved, nbytes(rope)
 
 
 def _isolated_norm(gpt, tokens: int) -> int:
     """What a layer's first norm saves, run alone on a [t, 1, h] input (its input included)."""
-    weights = {p.untyped_storage().data_ptr() for p in gpt.parameters()}
-    seen = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in weights:
-            seen[t.untyped_storage().data_ptr()] = (t, nbytes(t))
-        return t
-
     x = torch.randn(tokens, 1, gpt.config.hidden_size, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        gpt.decoder.layers[0].input_layernorm(x)
-    return sum(b for _, b in seen.values())
+    return _saved_bytes(gpt, lambda: gpt.decoder.layers[0].input_layernorm(x))
 
 
 def _meter_run(ddp, gpt, store, shape, tokens, recompute):
