@@ -75,6 +75,7 @@ class _Hooks:
         self.in_log = False
         self.interval_flops = self.interval_tokens = self.interval_time = 0.0
         self.interval_steps = 0
+        self.loss_vocab = None  # _loss_vocab_size, read once
 
 
 _HOOKS = _Hooks()
@@ -204,6 +205,17 @@ def _true_vocab_size(a) -> int:
         return int(a.padded_vocab_size)
 
 
+def _loss_vocab_size(a) -> int:
+    """The vocabulary ChunkFlow's loss is taken over: --chunkflow-load-hf's config.json vocabulary
+    (the Hugging Face model's softmax), else the tokenizer's; the rows Megatron pads beyond it are
+    masked (stock Megatron-LM keeps them in its softmax)."""
+    if a.chunkflow_load_hf:
+        from megatron_chunkflow.training.hf import shape_from_hf_dir
+
+        return shape_from_hf_dir(a.chunkflow_load_hf).vocab_size
+    return _true_vocab_size(a)
+
+
 def _get_fb_func(original, *args, **kwargs):
     if not _args().chunkflow:
         return original(*args, **kwargs)
@@ -220,7 +232,10 @@ def _chunkflow_forward_backward(*, forward_step_func, **kwargs):
     from megatron_chunkflow.runtime.loss import make_forward_step
     from megatron_chunkflow.runtime.schedules import forward_backward_chunkflow
 
-    reports = forward_backward_chunkflow(forward_step_func=make_forward_step(), **kwargs)
+    if _HOOKS.loss_vocab is None:
+        _HOOKS.loss_vocab = _loss_vocab_size(_args())
+    step_fn = make_forward_step(vocab_size=_HOOKS.loss_vocab)
+    reports = forward_backward_chunkflow(forward_step_func=step_fn, **kwargs)
     if not reports and parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         reports = [{"lm loss": torch.zeros(2)}]  # a DP rank without chunks this step
     return reports

@@ -10,6 +10,12 @@ entropy over TP-sharded logits in the logits' own dtype. megatron-core's
 vocab_parallel_cross_entropy casts logits to fp32 inside its autograd Function, which is right for
 bf16 training and makes float64 exactness checks impossible; this one is used when `exact_loss` is
 set (float64 training, the checks) and matches it in fp32.
+
+Megatron pads the vocabulary (embedding and output rows) to a multiple of 128 x TP; Megatron-LM
+leaves the padded rows inside the softmax, so its loss depends on TP and differs from the Hugging
+Face model's. Given the real `vocab_size`, both cross entropies here set those logits to -inf
+(`mask_padded_vocab_`): the loss is the Hugging Face one at every TP, and the padded rows get no
+gradient.
 """
 
 from __future__ import annotations
@@ -20,22 +26,43 @@ import torch
 import torch.distributed as dist
 
 
+def _tp(tp_group) -> tuple[int, int]:
+    if tp_group is None:
+        return 1, 0
+    return dist.get_world_size(tp_group), dist.get_rank(tp_group)
+
+
+def padded_columns(v_local: int, vocab_size: int | None, tp_rank: int) -> int:
+    """The first local column of this TP rank's logits shard that is a padded vocabulary row
+    (v_local when none is)."""
+    if vocab_size is None:
+        return v_local
+    return min(max(vocab_size - tp_rank * v_local, 0), v_local)
+
+
+def mask_padded_vocab_(logits: torch.Tensor, vocab_size: int | None, tp_group=None):
+    """Set the logits of Megatron's padded vocabulary rows (ids >= vocab_size) to -inf, in place
+    and recorded by autograd (their gradient is zero); no copy of the logits is made."""
+    first = padded_columns(logits.size(-1), vocab_size, _tp(tp_group)[1])
+    if first < logits.size(-1):
+        logits[..., first:] = float("-inf")
+    return logits
+
+
 def vocab_parallel_token_losses(logits: torch.Tensor, labels: torch.Tensor, tp_group=None,
                                 vocab_size: int | None = None):
     """logits [..., V/tp] (this rank's vocab shard), labels [...] -> per-token losses [...].
 
-    `vocab_size`: the tokenizer's vocabulary; logits of Megatron's padding rows beyond it are left
-    out of the softmax (as a Hugging Face model, which has no padding rows, computes it).
+    `vocab_size`: the real vocabulary; logits of Megatron's padding rows beyond it are left out
+    of the softmax (as a Hugging Face model, which has no padding rows, computes it).
     """
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    tp_size, tp_rank = _tp(tp_group)
     v_local = logits.size(-1)
     start = tp_rank * v_local
-    if vocab_size is not None and start + v_local > vocab_size:
-        padding = torch.arange(start, start + v_local, device=logits.device) >= vocab_size
-        logits = logits.masked_fill(padding, float("-inf"))
+    if padded_columns(v_local, vocab_size, tp_rank) < v_local:
+        logits = mask_padded_vocab_(logits.clone(), vocab_size, tp_group)
     with torch.no_grad():
         shift = logits.max(dim=-1).values
         if tp_size > 1:
@@ -44,7 +71,8 @@ def vocab_parallel_token_losses(logits: torch.Tensor, labels: torch.Tensor, tp_g
     sum_exp = z.exp().sum(dim=-1)
     in_range = (labels >= start) & (labels < start + v_local)
     local = (labels - start).clamp(0, v_local - 1)
-    picked = z.gather(-1, local.unsqueeze(-1)).squeeze(-1) * in_range
+    # where, not a product: a label outside this shard may index a padded (-inf) column
+    picked = torch.where(in_range, z.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0)
     if tp_size > 1:
         sum_exp = reduce_from_tensor_model_parallel_region(sum_exp, tp_group)
         picked = reduce_from_tensor_model_parallel_region(picked, tp_group)
@@ -55,11 +83,20 @@ def token_loss_sum(labels: torch.Tensor, loss_mask: torch.Tensor, output: torch.
                    tp_group=None, exact: bool = True, vocab_size: int | None = None):
     """Megatron loss_func contract (3-tuple): (loss sum, token count, {'lm loss': [sum, count]}).
 
-    `output` is the model's output on the last stage: logits [b, s, V/tp] when `exact`, else the
-    per-token losses [b, s] that GPTModel computes itself when given labels.
+    `output` is the model's output on the last stage: logits [b, s, V/tp], or the per-token losses
+    [b, s] that GPTModel computes itself when given labels (`forward_step` does that when it is
+    not `exact` and no padded row needs masking). Logits not `exact`: Megatron's vocab-parallel
+    cross entropy (fp32) after masking the padded rows.
     """
-    losses = (vocab_parallel_token_losses(output, labels, tp_group, vocab_size) if exact
-              else output)
+    if exact:
+        losses = vocab_parallel_token_losses(output, labels, tp_group, vocab_size)
+    elif output.dim() == labels.dim():
+        losses = output
+    else:
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        losses = vocab_parallel_cross_entropy(mask_padded_vocab_(output, vocab_size, tp_group),
+                                              labels)
     mask = loss_mask.to(losses.dtype)
     loss = (losses * mask).sum()
     num_tokens = loss_mask.sum().to(torch.int)
@@ -87,14 +124,23 @@ def forward_step(data_iterator, model, tp_group=None, exact_loss: bool = True,
 
     exact_loss: cross entropy in the logits' dtype (vocab_parallel_token_losses); otherwise
     GPTModel computes the per-token loss itself from labels (Megatron's fp32 vocab-parallel cross
-    entropy). vocab_size: with exact_loss, leave Megatron's padded vocabulary rows out of the
-    softmax."""
+    entropy). vocab_size: the real vocabulary; Megatron's padded rows beyond it are left out of
+    the softmax (the model then returns logits and the loss function masks them)."""
     inp = next(data_iterator)
-    labels = None if exact_loss else inp.labels
+    rows = _model_vocab(model)
+    padded = vocab_size is not None and (rows is None or vocab_size < rows)
+    labels = None if exact_loss or padded else inp.labels
     output = model(inp.tokens, inp.position_ids, None, labels=labels,
                    packed_seq_params=inp.packed_seq_params)
     return output, partial(token_loss_sum, inp.labels, inp.loss_mask, tp_group=tp_group,
                            exact=exact_loss, vocab_size=vocab_size)
+
+
+def _model_vocab(model) -> int | None:
+    """The model's vocabulary rows (padded), None when the wrapped model does not say."""
+    while hasattr(model, "module"):  # DDP, Float16Module
+        model = model.module
+    return getattr(model, "vocab_size", None)
 
 
 def make_forward_step(exact_loss: bool = False, vocab_size: int | None = None, tp_group=None):

@@ -97,7 +97,7 @@ def run_step(s: TrainSettings, sequences, ddp, config, step_index: int = 0, obse
 
     dp, dp_rank = (parallel_state.get_data_parallel_world_size(),
                    parallel_state.get_data_parallel_rank())
-    step_fn = make_forward_step(exact_loss=s.dtype == "float64")
+    step_fn = make_forward_step(exact_loss=s.dtype == "float64", vocab_size=s.real_vocab_size)
     if s.uses_chunkflow:
         step = plan_step(sequences, s.chunkflow, s.parallel, s.shape, dp_size=dp,
                          dp_rank=dp_rank, sparse=s.sparse, seed=s.seed, step_index=step_index)

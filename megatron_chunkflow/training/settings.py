@@ -70,3 +70,9 @@ class TrainSettings:
     @property
     def uses_chunkflow(self) -> bool:
         return self.system == "chunkflow"
+
+    @property
+    def real_vocab_size(self) -> int:
+        """The vocabulary the loss is taken over: the checkpoint's, without the rows Megatron pads
+        (runtime/loss.py masks them; Megatron-LM keeps them in the softmax)."""
+        return (self.hf_shape or self.shape).vocab_size

@@ -242,3 +242,55 @@ def test_train_from_and_to_hf_checkpoint(checkpoints, tmp_path):
     assert before.keys() == after.keys()
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert all(after[k].shape == before[k].shape for k in before)
+
+
+@pytest.mark.slow
+def test_step1_loss_is_hugging_faces_at_tp1_and_tp2(tmp_path):
+    """A vocab-300 checkpoint: Megatron pads the vocabulary to 384 rows at TP 1 and 512 at TP 2;
+    `train` leaves the padded rows out of the softmax, so step 1's loss (before any update) is the
+    Hugging Face model's on the same tokens, on both systems and at both TP sizes."""
+    import subprocess
+    import sys
+
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from megatron_chunkflow.training.dist import free_port
+
+    config = Qwen2Config(hidden_size=64, num_hidden_layers=2, intermediate_size=176,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                         tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6,
+                         attention_dropout=0.0, dtype=torch.float32)
+    torch.manual_seed(5)
+    model = Qwen2ForCausalLM(config).eval()
+    model.save_pretrained(tmp_path / "hf")
+    prefix = str(tmp_path / "corpus")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    g = torch.Generator().manual_seed(1)
+    docs = [torch.randint(0, 300, (n,), generator=g) for n in (40, 150, 13, 90)]
+    for doc in docs:
+        builder.add_item(doc)
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    total = count = 0.0
+    with torch.no_grad():
+        for doc in docs:
+            logits = model(doc.view(1, -1)).logits[0, :-1]
+            total += float(torch.nn.functional.cross_entropy(logits, doc[1:], reduction="sum"))
+            count += doc.numel() - 1
+    hf_loss = total / count
+    losses = {}
+    for tp, system in ((1, []), (2, []), (2, ["--no-chunkflow", "--baseline", "megatron-packed"])):
+        log = tmp_path / f"tp{tp}{len(system)}.jsonl"
+        launch = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                   "--master_port", str(free_port()), "-m"] if tp == 2 else [sys.executable, "-m"])
+        proc = subprocess.run(
+            [*launch, "megatron_chunkflow", "train", "--load-hf", str(tmp_path / "hf"),
+             "--data-path", prefix, "--seq-length", "256", "--chunk-size", "64",
+             "--global-batch-size", "4", "--train-iters", "1", "--lr-warmup-iters", "0",
+             "--tp", str(tp), "--log-json", str(log), *system],
+            capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        losses[tp, bool(system)] = json.loads(log.read_text().splitlines()[0])["loss"]
+    assert losses == {key: pytest.approx(hf_loss, rel=2e-6) for key in losses}
