@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_chunkflow.megatron_lm.plugin import LaunchError, install
 
     _single_process_defaults()
+    from megatron_chunkflow.training.cpu import spawn_children_from
+
+    spawn_children_from(__spec__.name if __spec__ else "megatron_chunkflow.launch")
 
     try:
         install(script.resolve().parent,
@@ -67,3 +70,7 @@ def _single_process_defaults() -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+elif __name__ == "__mp_main__":  # a process multiprocessing spawned from a CPU run
+    from megatron_chunkflow.training.cpu import install_megatron_lm_cpu_shims
+
+    install_megatron_lm_cpu_shims()

@@ -189,7 +189,10 @@ def install_megatron_lm_cpu_shims() -> bool:
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
                  "max_memory_reserved"):
         setattr(cuda, name, lambda *a, **k: 0)
-    cuda.memory_stats = lambda *a, **k: {}
+    # --log-memory-to-tensorboard reads these keys; there is no CUDA memory on CPU
+    cuda.memory_stats = lambda *a, **k: dict.fromkeys(
+        ("reserved_bytes.all.current", "allocated_bytes.all.current", "allocated_bytes.all.peak",
+         "allocation.all.current"), 0)
     cuda.reset_peak_memory_stats = cuda.empty_cache = lambda *a, **k: None
     try:
         import triton  # noqa: F401
@@ -204,6 +207,30 @@ def install_megatron_lm_cpu_shims() -> bool:
     from megatron.core.datasets import utils as dataset_utils
 
     dataset_utils.compile_helpers = lambda: None  # the wheel ships helpers_cpp; no Makefile
+    return True
+
+
+def spawn_children_from(module: str) -> bool:
+    """Processes that multiprocessing spawns (torch_dist checkpointing's writer queue) import this
+    module as their __main__ instead of the script being run: a spawned child re-imports
+    pretrain_gpt.py, and with it megatron/training, before it could install these shims. Returns
+    True if installed, False on a CUDA machine (where the script's own import works)."""
+    import multiprocessing.spawn as spawn
+
+    if _REAL_CUDA:
+        return False
+    if getattr(spawn.get_preparation_data, "_chunkflow_main", None) == module:
+        return True
+    original = spawn.get_preparation_data
+
+    def get_preparation_data(name):
+        data = original(name)
+        data.pop("init_main_from_path", None)
+        data["init_main_from_name"] = module
+        return data
+
+    get_preparation_data._chunkflow_main = module
+    spawn.get_preparation_data = get_preparation_data
     return True
 
 

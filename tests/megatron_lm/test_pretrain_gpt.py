@@ -287,3 +287,45 @@ def test_jsonl_conversations_with_hf_tokenizer(workdir):
     expected = [json.loads(line)["loss"] for line in (workdir / "chat.jsonl.log").open()]
     expected[1] = (expected[0] + expected[1]) / 2
     assert _megatron_losses(mlm.stdout) == pytest.approx(expected, rel=1e-5)
+
+
+@needs_megatron_lm
+@pytest.mark.slow
+@pytest.mark.parametrize("system", ["chunkflow", "stock"])
+def test_torch_dist_checkpoint_save_and_resume(workdir, tmp_path, system):
+    """Megatron-LM's default checkpoint format (torch_dist) through the launcher on CPU: its
+    writer spawns a helper process, which must not re-import pretrain_gpt.py without the CPU
+    shims. Two iterations, a save, a resume: iterations 3-4 train as in an unbroken run."""
+    args = [*MODEL, *CPU, *_flags({**SCHEDULE, "--seq-length": 256, "--chunk-size": 64}),
+            "--micro-batch-size", "1", "--mock-data", "--save-interval", "2",
+            *(["--chunkflow"] if system == "chunkflow" else [])]
+    whole = _launch_one(workdir, [*args, "--save", str(tmp_path / "whole")], timeout=300)
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    ckpt = str(tmp_path / "ckpt")
+    first = _launch_one(workdir, [*args, "--save", ckpt, "--load", ckpt, "--exit-interval", "2"],
+                        timeout=300)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "in torch_dist format" in first.stdout
+    resumed = _launch_one(workdir, [*args, "--save", ckpt, "--load", ckpt], timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "successfully loaded checkpoint" in resumed.stdout
+    expected = _megatron_losses(whole.stdout)
+    got = _megatron_losses(resumed.stdout)
+    assert len(expected) == ITERS and len(got) == 2
+    # the first line after a (re)start keeps Megatron's running sums: iteration 4's line is the
+    # mean of iterations 3 and 4, as iteration 2's is of 1 and 2 in the unbroken run
+    assert got == pytest.approx([expected[2], (expected[2] + expected[3]) / 2], rel=1e-5)
+
+
+@needs_megatron_lm
+def test_cpu_shim_has_the_memory_stats_megatron_logs():
+    """--log-memory-to-tensorboard reads these torch.cuda.memory_stats() keys in training_log."""
+    source = (MEGATRON_LM / "megatron" / "training" / "training.py").read_text()
+    keys = set(re.findall(r'mem_stats\["([^"]+)"\]', source))
+    assert keys
+    code = ("import torch, json; from megatron_chunkflow.training.cpu import "
+            "install_megatron_lm_cpu_shims as i; i(); print(json.dumps(torch.cuda.memory_stats()))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    stats = json.loads(run.stdout.strip().splitlines()[-1])
+    assert keys <= set(stats)
