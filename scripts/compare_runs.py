@@ -18,7 +18,8 @@ warm-up and left out. Each figure is time-weighted over the iterations kept:
 - lm loss: mean over the iterations kept, and the last value.
 
 Exit status 2, with FILE:LINE where one is at fault, when a log cannot be read or has no usable
-iteration line.
+iteration line, and, naming the argument, when STOCK_LOG is a ChunkFlow run or CHUNKFLOW_LOG is
+not one (swapped or wrong logs; --no-system-check compares any two runs).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 ITERATION_RE = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
 MEMORY_RE = re.compile(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\)(.*)$")
 CHUNKFLOW_RE = re.compile(r"\[chunkflow\] iteration (\d+)\s*\|(.*)$")
+CHUNKFLOW_MARK = "[chunkflow] "  # every line the plugin prints with --chunkflow, and only then
 ARG_RE = re.compile(r"(?:^|\s)(\w+) \.{3,} (.*?)\s*$")  # "  seq_length ........ 32768"
 ARGS_WANTED = ("world_size", "seq_length", "global_batch_size", "chunkflow")
 
@@ -50,6 +52,7 @@ class Run:
     chunkflow: dict = field(default_factory=dict)  # iteration -> {field: value} ([chunkflow] line)
     max_allocated_mb: float | None = None
     num_lines: int = 0
+    chunkflow_marks: int = 0  # lines starting "[chunkflow] " (iteration, data, set: ...)
 
 
 def _fields(text: str, sep: str) -> dict[str, str]:
@@ -84,6 +87,8 @@ def parse_log(path: str) -> Run:
     for lineno, line in enumerate(lines, 1):
         where = f"{path}:{lineno}"
         truncated = lineno == len(lines) and line != ""  # a job killed mid-line
+        if CHUNKFLOW_MARK in line:
+            run.chunkflow_marks += 1
         if m := CHUNKFLOW_RE.search(line):
             f = _fields(m.group(2), " ")
             try:
@@ -118,6 +123,32 @@ def parse_log(path: str) -> Run:
         raise LogError(f"{path}: none of its {run.num_lines} lines is a Megatron iteration line "
                        "(' iteration N/ M | ... | elapsed time per iteration (ms): ...')")
     return run
+
+
+def chunkflow_evidence(run: Run) -> str | None:
+    """Why `run` is a --chunkflow run, or None when its log shows no sign of one."""
+    if run.chunkflow_marks:
+        return f"{run.chunkflow_marks} [chunkflow] lines"
+    if run.args.get("chunkflow") == "True":
+        return "'chunkflow ... True' in its arguments"
+    return None
+
+
+def check_systems(stock: Run, chunkflow: Run) -> None:
+    """LogError, naming the argument, unless STOCK_LOG is a stock run and CHUNKFLOW_LOG a
+    ChunkFlow run."""
+    stock_is_cf, cf_is_cf = chunkflow_evidence(stock), chunkflow_evidence(chunkflow)
+    if stock_is_cf and not cf_is_cf:
+        raise LogError(f"the logs look swapped: STOCK_LOG {stock.path} is a ChunkFlow run "
+                       f"({stock_is_cf}) and CHUNKFLOW_LOG {chunkflow.path} is not; give the "
+                       "stock run's log first")
+    if stock_is_cf:
+        raise LogError(f"STOCK_LOG {stock.path} is a ChunkFlow run ({stock_is_cf}); give the "
+                       "stock run's log (or --no-system-check)")
+    if not cf_is_cf:
+        raise LogError(f"CHUNKFLOW_LOG {chunkflow.path} is not a ChunkFlow run (no [chunkflow] "
+                       "lines, no 'chunkflow ... True' in its arguments); give the --chunkflow "
+                       "run's log (or --no-system-check)")
 
 
 def summarize(run: Run, skip: int, tokens_per_iter: int | None = None) -> dict:
@@ -226,8 +257,9 @@ def format_table(labels: list[str], runs: list[dict], ratios: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("stock_log", help="Megatron log of the baseline run")
-    parser.add_argument("chunkflow_log", help="Megatron log of the ChunkFlow run")
+    parser.add_argument("stock_log", metavar="STOCK_LOG", help="Megatron log of the baseline run")
+    parser.add_argument("chunkflow_log", metavar="CHUNKFLOW_LOG",
+                        help="Megatron log of the ChunkFlow run")
     parser.add_argument("--skip", type=int, default=5, metavar="N",
                         help="leave out iterations 1..N as warm-up (default: 5)")
     parser.add_argument("--tokens-per-iter", type=int, metavar="T",
@@ -235,10 +267,16 @@ def main(argv=None) -> int:
                              "x seq length from its arguments dump)")
     parser.add_argument("--labels", nargs=2, default=["stock", "chunkflow"], metavar="NAME")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--no-system-check", action="store_true",
+                        help="compare any two runs: do not require STOCK_LOG to be a stock run "
+                             "and CHUNKFLOW_LOG a ChunkFlow run")
     args = parser.parse_args(argv)
     try:
-        runs = [summarize(parse_log(args.stock_log), args.skip, args.tokens_per_iter),
-                summarize(parse_log(args.chunkflow_log), args.skip)]
+        stock, chunkflow = parse_log(args.stock_log), parse_log(args.chunkflow_log)
+        if not args.no_system_check:
+            check_systems(stock, chunkflow)
+        runs = [summarize(stock, args.skip, args.tokens_per_iter),
+                summarize(chunkflow, args.skip)]
     except LogError as e:
         print(f"compare_runs: {e}", file=sys.stderr)
         return 2

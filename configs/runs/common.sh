@@ -82,6 +82,8 @@ run_config() {
             --chunkflow
             --chunk-size "$CHUNK_SIZE"
             --chunkflow-k "$CHUNKFLOW_K"
+            # auto: the fastest backend that has been tested on this device type
+            # (see docs/megatron-lm.md)
             --chunkflow-attention-backend "${CHUNKFLOW_ATTENTION_BACKEND:-auto}"
             --overlong "${OVERLONG:-error}"
         )

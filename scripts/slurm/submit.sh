@@ -5,13 +5,16 @@
 #   scripts/slurm/submit.sh qwen2.5-7b 32k chunkflow
 #   scripts/slurm/submit.sh qwen2.5-72b 256k both --time 06:00:00   # stock and ChunkFlow
 #   scripts/slurm/submit.sh all all both                             # the 16 runs of the README
-#   DRY_RUN=1 scripts/slurm/submit.sh all all both                   # print the sbatch lines
+#   DRY_RUN=1 scripts/slurm/submit.sh all all both                   # check, print the sbatch lines
 #
 # MODEL: qwen2.5-7b|qwen2.5-14b|qwen2.5-32b|qwen2.5-72b or all; CONTEXT: 32k|256k|all;
 # SYSTEM: chunkflow|stock|both. The environment (MEGATRON_LM_DIR, OUT, DATA, CHECKPOINT,
-# TOKENIZER, ...) is passed to the job; scripts/slurm/README.md lists it.
+# TOKENIZER, ...) is passed to the job; scripts/slurm/README.md lists it. Every input is checked
+# before anything is submitted: a bad one stops with a message naming it and exit status 2.
 
 set -euo pipefail
+
+die() { echo "submit.sh: $*" >&2; exit 2; }
 
 if (( $# < 3 )); then
     sed -n '2,13p' "$0" >&2
@@ -19,34 +22,128 @@ if (( $# < 3 )); then
 fi
 models=$1 contexts=$2 systems=$3
 shift 3
-[[ $models == all ]] && models="qwen2.5-7b qwen2.5-14b qwen2.5-32b qwen2.5-72b"
-[[ $contexts == all ]] && contexts="32k 256k"
-[[ $systems == both ]] && systems="stock chunkflow"
 REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 export REPO_DIR
 HW=${HW:-h100}
 
+# ---- arguments ----------------------------------------------------------------------------------
+[[ -n $models ]] || die "MODEL is empty: give a configs/models name or all"
+[[ -n $contexts ]] || die "CONTEXT is empty: give 32k, 256k or all"
+[[ $models == all ]] && models="qwen2.5-7b qwen2.5-14b qwen2.5-32b qwen2.5-72b"
+[[ $contexts == all ]] && contexts="32k 256k"
+case $systems in
+    both) systems="stock chunkflow" ;;
+    stock|chunkflow) ;;
+    *) die "SYSTEM '$systems': give chunkflow, stock or both" ;;
+esac
+known_models=$(cd "$REPO_DIR/configs/models" && ls -- *.sh | sed 's/\.sh$//' | xargs)
+for model in $models; do
+    [[ -f $REPO_DIR/configs/models/$model.sh ]] ||
+        die "MODEL '$model': no configs/models/$model.sh (known: $known_models, all)"
+done
+for context in $contexts; do
+    for system in $systems; do
+        [[ -f $REPO_DIR/configs/runs/${HW}_${context}_${system}.sh ]] ||
+            die "CONTEXT '$context': no run config configs/runs/${HW}_${context}_${system}.sh" \
+                "(HW=$HW; contexts: 32k, 256k, all)"
+    done
+done
+
+# ---- environment --------------------------------------------------------------------------------
+positive_int() {  # positive_int NAME: $NAME unset, or a whole number >= 1
+    local value=${!1:-}
+    [[ -z $value || ( $value =~ ^[0-9]+$ && $value =~ [1-9] ) ]] ||
+        die "$1=$value: not a whole number >= 1"
+}
+has() { [[ " $systems " == *" $1 "* ]]; }
+
+[[ -n ${MEGATRON_LM_DIR:-} ]] ||
+    die "MEGATRON_LM_DIR is not set: a Megatron-LM checkout at tag core_v0.16.1"
+[[ -f $MEGATRON_LM_DIR/pretrain_gpt.py ]] ||
+    die "MEGATRON_LM_DIR=$MEGATRON_LM_DIR has no pretrain_gpt.py"
+[[ -n ${OUT:-} ]] || die "OUT is not set: a directory for logs, TensorBoard and checkpoints"
+[[ ! -e $OUT || -d $OUT ]] || die "OUT=$OUT exists and is not a directory"
+MOCK=${MOCK:-0}
+[[ $MOCK == 0 || $MOCK == 1 ]] || die "MOCK=$MOCK: give 1 (mock data) or 0"
+if [[ $MOCK == 0 ]]; then
+    [[ -n ${DATA:-} ]] || die "DATA is not set: an indexed-dataset prefix (PREFIX.bin + .idx)," \
+        "a ChunkFlow .jsonl/.json/.parquet file or directory, or MOCK=1"
+    if [[ -f $DATA.bin && -f $DATA.idx ]]; then
+        text_data=0
+    elif [[ ( $DATA == *.bin || $DATA == *.idx ) &&
+            -f ${DATA%.*}.bin && -f ${DATA%.*}.idx ]]; then
+        die "DATA=$DATA: give the indexed-dataset prefix without .bin/.idx (${DATA%.*})"
+    elif [[ -d $DATA || -f $DATA ]]; then
+        text_data=1
+    else
+        die "DATA=$DATA: no such file or directory, and no $DATA.bin + $DATA.idx"
+    fi
+    if (( text_data )) && has stock; then
+        die "DATA=$DATA: stock Megatron-LM reads only an indexed-dataset prefix (PREFIX.bin +" \
+            ".idx); see scripts/slurm/README.md, 'Data'"
+    fi
+    if (( text_data )) && [[ -f $DATA && $DATA != *.jsonl && $DATA != *.json &&
+                             $DATA != *.parquet ]]; then
+        die "DATA=$DATA: ChunkFlow reads .jsonl, .json or .parquet files, a directory of them," \
+            "or an indexed-dataset prefix"
+    fi
+    if (( text_data )) && [[ ! -f ${TOKENIZER:-}/tokenizer.json ]]; then
+        die "TOKENIZER='${TOKENIZER:-}': ChunkFlow on DATA=$DATA needs a local Hugging Face" \
+            "model directory with tokenizer.json"
+    fi
+fi
+if [[ ${TOKENIZER:-} == [/.~]* && ! -d $TOKENIZER ]]; then
+    die "TOKENIZER=$TOKENIZER: no such directory (give a model directory or a hub id)"
+fi
+if [[ -n ${CHECKPOINT:-} && ! -d $CHECKPOINT ]]; then
+    die "CHECKPOINT=$CHECKPOINT: no such directory"
+fi
+if [[ -n ${VENV:-} && ! -f $VENV/bin/activate ]]; then
+    die "VENV=$VENV: no bin/activate there"
+fi
+positive_int TRAIN_ITERS
+positive_int SAVE_INTERVAL
+positive_int MASTER_PORT
+if [[ -n ${MASTER_PORT:-} ]] && (( 10#$MASTER_PORT > 65535 )); then
+    die "MASTER_PORT=$MASTER_PORT: not a port number (1-65535)"
+fi
+case ${OVERLONG:-error} in
+    error|drop|split) ;;
+    *) die "OVERLONG=$OVERLONG: give error, drop or split" ;;
+esac
+if [[ -z ${DRY_RUN:-} ]] && ! command -v sbatch > /dev/null; then
+    die "sbatch not found on PATH (DRY_RUN=1 checks and prints the commands without it)"
+fi
+
+# ---- one sbatch command per run, each checked by the job script's own dry run -------------------
+commands=()
 for model in $models; do
     for context in $contexts; do
         for system in $systems; do
             run_file=$REPO_DIR/configs/runs/${HW}_${context}_${system}.sh
-            if [[ ! -f $run_file ]]; then
-                echo "submit.sh: no run config $run_file" >&2
-                exit 2
-            fi
-            nodes=$(
+            if ! nodes=$(
                 # shellcheck source=/dev/null
-                source "$run_file" && run_config "$model" && echo "$NODES"
-            ) || exit 2
+                source "$run_file" 2>&1 && run_config "$model" 2>&1 && echo "$NODES"
+            ) || [[ ! $nodes =~ ^[0-9]+$ ]]; then
+                die "MODEL '$model': ${nodes##*$'\n'}"
+            fi
+            if ! check=$(MODEL=$model CONTEXT=$context SYSTEM=$system HW=$HW MOCK=$MOCK \
+                         DRY_RUN=1 bash "$REPO_DIR/scripts/slurm/train.sbatch" 2>&1 > /dev/null)
+            then
+                die "${model} ${context} ${system}: ${check##*$'\n'}"
+            fi
             cmd=(sbatch --nodes "$nodes" --job-name "${model}_${context}_${system}"
                  --export "ALL,MODEL=$model,CONTEXT=$context,SYSTEM=$system,HW=$HW"
                  "$@" "$REPO_DIR/scripts/slurm/train.sbatch")
-            if [[ -n ${DRY_RUN:-} ]]; then
-                printf '%q ' "${cmd[@]}"
-                echo
-            else
-                "${cmd[@]}"
-            fi
+            commands+=("$(printf '%q ' "${cmd[@]}")")
         done
     done
+done
+
+for line in "${commands[@]}"; do
+    if [[ -n ${DRY_RUN:-} ]]; then
+        echo "$line"
+    else
+        eval "$line"
+    fi
 done

@@ -182,3 +182,33 @@ def test_compare_runs_ignores_a_truncated_last_line(logs, tmp_path):
 def test_compare_runs_skip_leaving_nothing(logs, capsys):
     result = _cli(capsys, str(logs[0]), str(logs[1]), "--skip", "10")
     assert result.returncode == 2 and "--skip 10 leaves none" in result.stderr
+
+
+def test_compare_runs_refuses_swapped_logs(logs, capsys):
+    stock, cf = logs
+    result = _cli(capsys, str(cf), str(stock))
+    assert result.returncode == 2
+    assert f"the logs look swapped: STOCK_LOG {cf} is a ChunkFlow run" in result.stderr
+    assert f"CHUNKFLOW_LOG {stock} is not" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert _cli(capsys, str(cf), str(stock), "--no-system-check").returncode == 0
+
+
+def test_compare_runs_names_a_mislabelled_log(logs, tmp_path, capsys):
+    stock, cf = logs
+    result = _cli(capsys, str(stock), str(stock))  # no [chunkflow] lines in the second
+    assert result.returncode == 2
+    assert f"CHUNKFLOW_LOG {stock} is not a ChunkFlow run (no [chunkflow] lines" in result.stderr
+    result = _cli(capsys, str(cf), str(cf))
+    assert result.returncode == 2
+    assert f"STOCK_LOG {cf} is a ChunkFlow run (10 [chunkflow] lines)" in result.stderr
+    # the launcher's stock mode dumps chunkflow False: still a stock run
+    launcher_stock = tmp_path / "launcher_stock.log"
+    launcher_stock.write_text(stock.read_text().replace(
+        "  micro_batch_size", "  chunkflow {} False\n  micro_batch_size".format("." * 39)))
+    assert _cli(capsys, str(launcher_stock), str(cf)).returncode == 0
+    # a ChunkFlow log whose [chunkflow] lines were filtered out: its arguments dump suffices
+    bare = tmp_path / "bare_cf.log"
+    bare.write_text("\n".join(line for line in cf.read_text().splitlines()
+                              if "[chunkflow]" not in line) + "\n")
+    assert _cli(capsys, str(stock), str(bare)).returncode == 0
