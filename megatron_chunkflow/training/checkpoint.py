@@ -54,6 +54,11 @@ class CheckpointConfig:
     save_hf: str | None = None
     """Write the trained model as a Hugging Face checkpoint (safetensors) here."""
 
+    override_lr_schedule: bool = False
+    """With --load: this run's --lr, --min-lr, --lr-warmup-iters and --train-iters set the
+    learning-rate schedule, continued from the checkpoint's step (Megatron-LM's
+    --override-opt_param-scheduler); without it the checkpoint's schedule continues."""
+
     def __post_init__(self):
         if self.save_interval is not None and self.save_interval < 1:
             raise ValueError(f"--save-interval must be >= 1, got {self.save_interval}")
@@ -73,11 +78,13 @@ class Checkpointer:
         iteration, directory, _ = find_checkpoint(self.config.load)
         saved = torch.load(directory / f"extra_rank{dist.get_rank()}.pt",
                            weights_only=False)["settings"]
-        for note in compare_settings(saved, self.settings, iteration, self.config.load):
+        for note in compare_settings(saved, self.settings, iteration, self.config.load,
+                                     override_schedule=self.config.override_lr_schedule):
             if dist.get_rank() == 0:
                 print(f"chunkflow train: {note}", file=sys.stderr, flush=True)
-        iteration, consumed, _ = load_checkpoint(self.config.load, self.model, self.optimizer,
-                                                 self.scheduler)
+        iteration, consumed, _ = load_checkpoint(
+            self.config.load, self.model, self.optimizer, self.scheduler,
+            override_schedule=self.config.override_lr_schedule)
         if dist.get_rank() == 0:
             print(f"chunkflow train: resumed from iteration {iteration} ({consumed} sequences "
                   f"consumed) in {self.config.load}", file=sys.stderr, flush=True)
@@ -160,10 +167,12 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
 SCHEDULE = {"lr": "--lr", "min_lr": "--min-lr", "lr_warmup_iters": "--lr-warmup-iters"}
 
 
-def compare_settings(saved: dict, given: dict, iteration: int, root: str) -> list[str]:
+def compare_settings(saved: dict, given: dict, iteration: int, root: str,
+                     override_schedule: bool = False) -> list[str]:
     """The checkpoint's settings against this run's, before anything is loaded: ValueError for a
     contradiction that cannot be honoured (another model shape or TP/PP layout, another --seed,
-    nothing left to train), else notes saying which value wins where they differ."""
+    nothing left to train), else notes saying which value wins where they differ.
+    `override_schedule`: --override-lr-schedule (this run's schedule wins)."""
     where = f"--load {root} (iteration {iteration})"
     if saved.get("shape") != given.get("shape"):
         diff = {k: (saved["shape"].get(k), v) for k, v in given["shape"].items()
@@ -187,10 +196,13 @@ def compare_settings(saved: dict, given: dict, iteration: int, root: str) -> lis
                for k, flag in SCHEDULE.items() if saved["optimizer"][k] != given["optimizer"][k]]
     if saved["train_iters"] != given["train_iters"]:
         changed.append(f"--train-iters {given['train_iters']} (saved {saved['train_iters']})")
-    if changed:
+    if changed and override_schedule:
+        notes.append(f"{where}: " + ", ".join(changed) + ": --override-lr-schedule: this run's "
+                     f"learning-rate schedule, continued from step {iteration}")
+    elif changed:
         notes.append(f"{where}: " + ", ".join(changed) + ": the checkpoint's learning-rate "
-                     "schedule continues (Megatron-LM's default), the run stops at --train-iters "
-                     f"{given['train_iters']}")
+                     "schedule continues (Megatron-LM's default; --override-lr-schedule takes "
+                     f"this run's), the run stops at --train-iters {given['train_iters']}")
     if saved["global_batch_size"] != given["global_batch_size"]:
         notes.append(f"{where}: --global-batch-size {given['global_batch_size']} (saved "
                      f"{saved['global_batch_size']}): the data continues after the "
@@ -258,8 +270,11 @@ def find_checkpoint(root: str) -> tuple[int, Path, str | None]:
     return iteration, directory, note
 
 
-def load_checkpoint(root: str, model, optimizer, scheduler) -> tuple[int, int, dict]:
-    """Restore the newest complete checkpoint under `root`: (iteration, consumed, settings)."""
+def load_checkpoint(root: str, model, optimizer, scheduler,
+                    override_schedule: bool = False) -> tuple[int, int, dict]:
+    """Restore the newest complete checkpoint under `root`: (iteration, consumed, settings).
+    `override_schedule`: keep this run's peak and minimum rates, which Megatron's optimizer keeps
+    per parameter group (and its state dict would restore) beside the scheduler's own."""
     from megatron.core import dist_checkpointing
 
     iteration, directory, note = find_checkpoint(root)
@@ -276,7 +291,11 @@ def load_checkpoint(root: str, model, optimizer, scheduler) -> tuple[int, int, d
                          f"({type(e).__name__}: {str(e)[:300]}); remove this directory to "
                          "resume from an older one") from None
     model.load_state_dict(loaded["model"])
+    rates = [{k: g[k] for k in ("max_lr", "min_lr") if k in g} for g in optimizer.param_groups]
     optimizer.load_state_dict(loaded["optimizer"])
+    if override_schedule:
+        for group, kept in zip(optimizer.param_groups, rates):
+            group.update(kept)
     extra = torch.load(extra_file, weights_only=False)
     scheduler.load_state_dict(extra["scheduler"])
     _set_rng_state(extra["rng"])

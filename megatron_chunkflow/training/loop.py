@@ -83,7 +83,9 @@ def build_training(s: TrainSettings) -> Training:
         optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr,
         lr_warmup_steps=o.lr_warmup_iters, lr_decay_steps=s.train_iters,
         lr_decay_style="cosine", start_wd=o.weight_decay, end_wd=o.weight_decay,
-        wd_incr_steps=s.train_iters, wd_incr_style="constant")
+        wd_incr_steps=s.train_iters, wd_incr_style="constant",
+        override_opt_param_scheduler=s.checkpoint.override_lr_schedule,
+        use_checkpoint_opt_param_scheduler=not s.checkpoint.override_lr_schedule)
     return Training(model, store, ddp, optimizer, scheduler)
 
 

@@ -46,3 +46,11 @@ def test_schedule_changes_say_the_checkpoint_wins():
     assert "--lr 0.001 (saved 0.003), --train-iters 40 (saved 20): the checkpoint's " \
            "learning-rate schedule continues" in notes[0]
     assert "--global-batch-size 8" in notes[1]
+
+
+def test_override_says_this_runs_schedule_wins():
+    notes = compare_settings(SAVED, _settings(train_iters=40), 10, "ckpt",
+                             override_schedule=True)
+    assert notes == ["--load ckpt (iteration 10): --train-iters 40 (saved 20): "
+                     "--override-lr-schedule: this run's learning-rate schedule, continued from "
+                     "step 10"]

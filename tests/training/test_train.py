@@ -159,3 +159,39 @@ def test_stock_runs_steps_with_fewer_microbatches_than_dp_ranks():
         assert len(chunkflow) == 8 and chunkflow == pytest.approx(packed, rel=1e-8)
         assert sft == pytest.approx(chunkflow, rel=1e-8)
     assert runs[0] == runs[1]
+
+
+def _lrs(ckpt):
+    """Learning rates applied: an unbroken run of the new schedule, and runs saved at step 10 of
+    the old one and resumed with the new one, without and with --override-lr-schedule."""
+    from megatron_chunkflow.training.checkpoint import CheckpointConfig
+    from megatron_chunkflow.training.dist import init_distributed, shutdown
+    from megatron_chunkflow.training.loop import train
+    from megatron_chunkflow.training.settings import OptimizerConfig
+
+    new = dict(optimizer=OptimizerConfig(lr=1e-3, min_lr=1e-5, lr_warmup_iters=2), train_iters=14)
+
+    def run(**kw):
+        s = _settings(**kw)
+        init_distributed(tp=1, pp=1, seed=s.seed)
+        return [m["lr"] for m in train(s, _dataset())]
+
+    old = run(train_iters=14)
+    run(train_iters=14, checkpoint=CheckpointConfig(save=ckpt), exit_interval=10)
+    kept = run(**new, checkpoint=CheckpointConfig(load=ckpt))
+    overridden = run(**new, checkpoint=CheckpointConfig(load=ckpt, override_lr_schedule=True))
+    whole = run(**new)
+    shutdown()
+    return old, kept, overridden, whole
+
+
+def test_override_lr_schedule_takes_this_runs_schedule(tmp_path, capfd):
+    old, kept, overridden, whole = run_processes(_lrs, 1, str(tmp_path / "ckpt"),
+                                                 timeout=900)[0]
+    assert kept == pytest.approx(old[10:], rel=1e-12)  # the checkpoint's schedule continues
+    assert overridden == pytest.approx(whole[10:], rel=1e-12)
+    assert overridden != pytest.approx(kept, rel=1e-3)
+    err = capfd.readouterr().err
+    assert "--override-lr-schedule takes this run's" in err
+    assert "--override-lr-schedule: this run's learning-rate schedule, continued from step 10" \
+        in err
