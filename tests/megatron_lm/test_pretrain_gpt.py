@@ -329,3 +329,24 @@ def test_cpu_shim_has_the_memory_stats_megatron_logs():
     assert run.returncode == 0, run.stderr[-2000:]
     stats = json.loads(run.stdout.strip().splitlines()[-1])
     assert keys <= set(stats)
+
+
+@needs_megatron_lm
+@pytest.mark.slow
+@pytest.mark.parametrize("extra, needle", [
+    (["--context-parallel-size", "2"], "--context-parallel-size 2: ChunkFlow keeps"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+     "virtual pipeline stages (--num-layers-per-virtual-pipeline-stage"),
+])
+def test_single_process_refusal_comes_before_megatrons_assertion(workdir, extra, needle):
+    """One process with CP 2 or virtual stages: Megatron's own world-size assertion would fire
+    first; the plugin's refusal is what the user sees, with the defaulted chunk size named as
+    the default."""
+    args = {k: v for k, v in SCHEDULE.items() if k != "--chunk-size"}
+    run = _launch_one(workdir, [*MODEL, *CPU, *_flags(args), "--micro-batch-size", "1",
+                                "--mock-data", "--chunkflow", *extra])
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "Traceback" not in run.stderr and "AssertionError" not in run.stderr
+    assert needle in run.stderr
+    assert "--chunk-size 8192 (the default) above --seq-length 512: give --chunk-size 512 or " \
+           "less" in run.stderr
