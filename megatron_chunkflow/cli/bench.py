@@ -185,7 +185,7 @@ def sharegpt_lengths(num_sequences: int, scale: float) -> tuple[list[int], str]:
         raise ValueError(f"--scale must be > 0, got {scale}")
     data = open_sft_dataset(None, load_tokenizer(None), seq_length=1 << 30,
                             max_samples=num_sequences)
-    lengths = [max(2, round(len(x) * scale)) for x in data.samples]
+    lengths = [max(2, round(n * scale)) for n in data.lengths]
     return lengths, f"ShareGPT, first {len(lengths)} conversations, scale {scale:g}"
 
 

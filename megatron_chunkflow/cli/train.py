@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     dataset = open_sft_dataset(args.data_path, tokenizer, seq_length=s.seq_length,
                                overlong=args.overlong, skip_bad_records=args.skip_bad_records,
                                max_samples=max_samples)
-    top = max(int(x.tokens.max()) for x in dataset.samples)
+    top = dataset.max_token_id
     if top >= s.shape.vocab_size:
         raise ValueError(f"token id {top} does not fit the model's vocabulary of "
                          f"{s.shape.vocab_size} (--model {s.model_name})")

@@ -9,11 +9,19 @@ from __future__ import annotations
 
 from importlib import metadata
 
+import numpy as np
 import torch
 
 from megatron_chunkflow.data.chat import BadRecord, encode_conversation, encode_text, encode_tokens
 from megatron_chunkflow.data.sequence import TokenSequence
-from megatron_chunkflow.data.sources import SHAREGPT_NAME, iter_records
+from megatron_chunkflow.data.sources import SHAREGPT_NAME, is_indexed_prefix, iter_records
+from megatron_chunkflow.data.store import (
+    IndexedSamples,
+    LazyBatch,
+    PackedSamples,
+    document_id_ranges,
+    map_indexed,
+)
 from megatron_chunkflow.data.tokenizer import Tokenizer
 
 OVERLONG_POLICIES = ("error", "drop", "split")
@@ -29,21 +37,29 @@ class SFTDataset(torch.utils.data.Dataset):
     counted target, skipped), too_short (sequences of fewer than 2 tokens, skipped).
     """
 
-    def __init__(self, samples: list[TokenSequence], stats: dict, description: str):
-        self.samples = samples
+    def __init__(self, store, stats: dict, description: str):
+        self.store = store  # data/store.py: PackedSamples or IndexedSamples (memory-mapped)
         self.stats = stats
         self.description = description
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return len(self.store)
 
     def __getitem__(self, index: int) -> TokenSequence:
-        return self.samples[index]
+        return self.store[index]
 
     @property
     def lengths(self) -> list[int]:
         """Token count of every sample, in dataset order."""
-        return [len(s) for s in self.samples]
+        return self.store.lengths.tolist()
+
+    @property
+    def max_token_id(self) -> int:
+        return self.store.max_token_id
+
+    def batch(self, indices) -> LazyBatch:
+        """The samples `indices` as a global batch whose ids are read when first used."""
+        return LazyBatch(self.store, indices)
 
     def report(self) -> str:
         """A few lines for the run log: source, counts, and every skipped or cut kind of record."""
@@ -82,7 +98,11 @@ def open_sft_dataset(path: str | None, tokenizer: Tokenizer, *, seq_length: int,
     stats = dict(records=0, samples=0, tokens=0, assistant_tokens=0, bad_records=0,
                  bad_examples=[], dropped_overlong=0, split_overlong=0, split_no_target=0,
                  too_short=0)
-    samples: list[TokenSequence] = []
+    if path is not None and is_indexed_prefix(path):
+        store = _open_indexed(path, tokenizer, seq_length, overlong, skip_bad_records,
+                              max_samples, stats)
+        return _dataset(path, store, stats, tokenizer)
+    samples = PackedSamples()
     for _, location, record in iter_records(path):
         stats["records"] += 1
         try:
@@ -109,12 +129,65 @@ def open_sft_dataset(path: str | None, tokenizer: Tokenizer, *, seq_length: int,
                     stats["assistant_tokens"] += int(piece.loss_mask.sum())
         if max_samples is not None and len(samples) >= max_samples:
             break
-    stats["samples"] = len(samples)
+    return _dataset(path, samples.finish(), stats, tokenizer)
+
+
+def _dataset(path: str | None, store, stats: dict, tokenizer: Tokenizer) -> SFTDataset:
+    stats["samples"] = len(store)
     where = "the embedded ShareGPT" if path is None else f"--data-path {path}"
-    if not samples:
+    if not len(store):
         raise ValueError(f"{where}: no usable samples ({_dropped_summary(stats)})")
     description = default_data_description() if path is None else path
-    return SFTDataset(samples, stats, f"{description}; tokenizer {tokenizer.name}")
+    return SFTDataset(store, stats, f"{description}; tokenizer {tokenizer.name}")
+
+
+def _open_indexed(prefix: str, tokenizer: Tokenizer, seq_length: int, overlong: str,
+                  skip_bad_records: bool, max_samples: int | None, stats: dict) -> IndexedSamples:
+    """open_sft_dataset for a Megatron indexed dataset, from its index alone: the same policies,
+    counts and messages as for records read one by one, but the ids stay memory-mapped (each
+    document is one record, every target counts)."""
+    ids, starts, lengths = map_indexed(prefix)
+    low, top = document_id_ranges(ids, starts, lengths)
+    is_bad = (top >= tokenizer.vocab_size) | (low < 0)
+    pieces = []  # (first token, length)
+    highest = -1  # of the ids kept
+    for doc in range(len(lengths)):
+        if max_samples is not None and len(pieces) >= max_samples:
+            break
+        stats["records"] += 1
+        where, n = f"{prefix}:doc {doc}", int(lengths[doc])
+        if is_bad[doc]:
+            reason = (f"token ids span [{low[doc]}, {top[doc]}], outside the vocabulary of "
+                      f"{tokenizer.name} (size {tokenizer.vocab_size})")
+            if not skip_bad_records:
+                raise ValueError(f"{where}: {reason} (use --skip-bad-records to skip such "
+                                 "records)")
+            stats["bad_records"] += 1
+            if len(stats["bad_examples"]) < NUM_BAD_EXAMPLES:
+                stats["bad_examples"].append(f"{where}: {reason}")
+            continue
+        for start, size in _indexed_pieces(n, where, seq_length, overlong, stats):
+            if size < 2:
+                stats["too_short"] += 1
+            elif max_samples is None or len(pieces) < max_samples:
+                first = int(starts[doc]) + start
+                pieces.append((first, size))
+                highest = max(highest, int(top[doc]) if size == n else
+                              int(ids[first:first + size].max()))
+                stats["tokens"] += size
+                stats["assistant_tokens"] += size - 1
+    kept = np.asarray(pieces, dtype=np.int64).reshape(-1, 2)
+    return IndexedSamples(ids, kept[:, 0], kept[:, 1], highest)
+
+
+def _indexed_pieces(n: int, where: str, seq_length: int, overlong: str, stats: dict):
+    """`--overlong` on a document of n tokens, as (first token, length) pieces."""
+    if n <= seq_length:
+        return [(0, n)]
+    _length_policy_overlong(n, where, seq_length, overlong, stats)
+    if overlong == "drop":
+        return []
+    return [(a, min(seq_length, n - a)) for a in range(0, n, seq_length)]
 
 
 def _length_policy(seq: TokenSequence, location: str, seq_length: int, overlong: str,
@@ -123,16 +196,19 @@ def _length_policy(seq: TokenSequence, location: str, seq_length: int, overlong:
     counted) or its pieces ("split", counted)."""
     if len(seq) <= seq_length:
         return [seq]
+    _length_policy_overlong(len(seq), location, seq_length, overlong, stats)
+    return [] if overlong == "drop" else split_sequence(seq, seq_length)
+
+
+def _length_policy_overlong(n: int, location: str, seq_length: int, overlong: str,
+                            stats: dict) -> None:
+    """An overlong sequence of n tokens: raise ("error") or count it ("drop", "split")."""
     if overlong == "error":
         raise ValueError(
-            f"{location}: {len(seq)} tokens, more than --seq-length {seq_length}; use "
+            f"{location}: {n} tokens, more than --seq-length {seq_length}; use "
             f"--overlong drop to skip such records or --overlong split to cut them into "
             f"pieces of at most {seq_length} tokens")
-    if overlong == "drop":
-        stats["dropped_overlong"] += 1
-        return []
-    stats["split_overlong"] += 1
-    return split_sequence(seq, seq_length)
+    stats["dropped_overlong" if overlong == "drop" else "split_overlong"] += 1
 
 
 def encode_record_sequences(record, tokenizer: Tokenizer) -> list[TokenSequence]:

@@ -33,7 +33,7 @@ def iter_records(path: str | None) -> Iterator[Item]:
         yield from iter_sharegpt()
         return
     p = Path(path)
-    if Path(f"{path}.bin").is_file() and Path(f"{path}.idx").is_file():
+    if is_indexed_prefix(path):
         yield from iter_indexed(path)
     elif p.is_dir():
         files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in DATA_SUFFIXES)
@@ -170,6 +170,11 @@ def iter_parquet(path: Path) -> Iterator[Item]:
             else:
                 yield str(path), loc, check_record({column: value})
             row += 1
+
+
+def is_indexed_prefix(path: str) -> bool:
+    """Whether PATH.bin and PATH.idx exist (a Megatron indexed dataset)."""
+    return Path(f"{path}.bin").is_file() and Path(f"{path}.idx").is_file()
 
 
 def iter_indexed(prefix: str) -> Iterator[Item]:

@@ -21,6 +21,7 @@ from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
 from megatron_chunkflow.core.costs import sequence_model_flops
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.data.sampler import BatchSampler
+from megatron_chunkflow.data.store import batch_lengths, global_batch
 from megatron_chunkflow.runtime.execute import plan_step
 
 
@@ -55,11 +56,11 @@ class ChunkFlowStepIterator:
         return self
 
     def __next__(self):
-        sequences = [self.dataset[i] for i in self._sampler.batch_at(self.consumed)]
+        sequences = global_batch(self.dataset, self._sampler.batch_at(self.consumed))
         self.consumed += self.global_batch_size
         step = plan_step(sequences, self.chunkflow, self.parallel, self.shape,
                          dp_size=self.parallel.dp, dp_rank=self.dp_rank)
-        lengths = [len(s) for s in sequences]
+        lengths = batch_lengths(sequences)
         self.last = StepStats(
             tokens=sum(lengths), flops=sequence_model_flops(lengths, self.shape),
             chunks=len(step.batch.chunks),

@@ -29,6 +29,7 @@ from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.packer import build_chunks
 from megatron_chunkflow.core.schedule import state_aware_plan
 from megatron_chunkflow.data.sequence import TokenSequence
+from megatron_chunkflow.data.store import batch_lengths
 from megatron_chunkflow.runtime.inputs import ChunkedStep, build_step
 from megatron_chunkflow.runtime.model import get_state_store
 from megatron_chunkflow.runtime.observe import StepObserver
@@ -41,7 +42,7 @@ def plan_step(sequences: Sequence[TokenSequence], chunkflow: ChunkFlowConfig,
               sparse: SparseConfig | None = None, seed: int = 0, step_index: int = 0,
               device=None) -> ChunkedStep:
     """This DP rank's step of the global batch `sequences` (the same on every rank)."""
-    batch = build_chunks([len(s) for s in sequences], chunkflow.chunk_size, dp_size,
+    batch = build_chunks(batch_lengths(sequences), chunkflow.chunk_size, dp_size,
                          chunkflow.k, shape)
     chunks = batch.chunks_for_rank(dp_rank)
     costs = OpCosts.from_model(chunks, shape, parallel.pp)

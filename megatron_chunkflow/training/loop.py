@@ -27,6 +27,7 @@ import torch
 from megatron_chunkflow.core.costs import sequence_model_flops
 from megatron_chunkflow.core.step import baseline_microbatches
 from megatron_chunkflow.data.sampler import BatchSampler
+from megatron_chunkflow.data.store import batch_lengths, global_batch
 from megatron_chunkflow.runtime.execute import execute_step, plan_step
 from megatron_chunkflow.runtime.inputs import chunk_input, chunk_meta
 from megatron_chunkflow.runtime.loss import global_loss, make_forward_step
@@ -105,7 +106,7 @@ def run_step(s: TrainSettings, sequences, ddp, config, step_index: int = 0, obse
                          dp_rank=dp_rank, sparse=s.sparse, seed=s.seed, step_index=step_index)
         reports = execute_step(step, ddp, step_fn, observers=observers)
         return reports, len(step.batch.chunks), num_backward_chunks(step)
-    mbs = baseline_microbatches([len(x) for x in sequences], s.seq_length, dp, s.system)
+    mbs = baseline_microbatches(batch_lengths(sequences), s.seq_length, dp, s.system)
     mine = [c for c in mbs if c.dp_rank == dp_rank]
     if not mine:  # fewer micro-batches than DP ranks: idle, as ChunkFlow's idle ranks are
         _idle_step(ddp, config)
@@ -155,7 +156,7 @@ def train(s: TrainSettings, dataset, on_step=None) -> list[dict]:
     history = []
     stop = s.train_iters if not s.exit_interval else min(s.train_iters, start + s.exit_interval)
     for it in range(start, stop):
-        sequences = [dataset[i] for i in sampler.batch_at(consumed)]
+        sequences = global_batch(dataset, sampler.batch_at(consumed))
         metrics = train_step(s, tr, sequences, it)
         consumed += s.global_batch_size
         history.append(metrics)
@@ -178,7 +179,7 @@ def train_step(s: TrainSettings, tr: Training, sequences, it: int) -> dict:
     tr.scheduler.step(increment=1)
     loss_sum, count = global_loss(reports)
     elapsed = time.perf_counter() - t0
-    lengths = [len(x) for x in sequences]
+    lengths = batch_lengths(sequences)
     metrics = {
         "step": it + 1, "loss": loss_sum / max(count, 1), "tokens": sum(lengths),
         "loss_tokens": int(count), "tokens_per_s": sum(lengths) / elapsed,

@@ -160,3 +160,74 @@ def test_parquet(tmp_path, tok):
     pq.write_table(pa.table({"prompt": ["x"]}), tmp_path / "p.parquet")
     with pytest.raises(ValueError, match=r"p\.parquet: Parquet file has none of the columns"):
         open_sft_dataset(str(tmp_path / "p.parquet"), tok, seq_length=4096)
+
+
+def _indexed(prefix, docs):
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    for doc in docs:
+        for part in doc:  # several sequences in one document: read as one sequence
+            builder.add_item(torch.tensor(part, dtype=torch.int32))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+
+
+@pytest.mark.parametrize("kwargs", [dict(seq_length=4096), dict(seq_length=7, overlong="split"),
+                                    dict(seq_length=7, overlong="drop"),
+                                    dict(seq_length=4096, max_samples=3),
+                                    dict(seq_length=5, overlong="split", max_samples=4)])
+def test_indexed_dataset_is_memory_mapped_and_reads_as_records_do(tmp_path, tok, kwargs,
+                                                                  monkeypatch):
+    """An indexed dataset is planned from its index and read on use (memory-mapped); its samples,
+    masks and counts equal those of reading its documents as records, tokens in memory (the
+    path every other source takes), under every --overlong policy and --max-samples."""
+    import megatron_chunkflow.data.dataset as dataset_module
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from megatron_chunkflow.data.store import IndexedSamples
+
+    g = np.random.default_rng(0)
+    docs = [[g.integers(0, 1000, n).tolist() for n in parts] for parts in
+            ([12], [3, 4], [1], [], [20], [2], [6, 0, 9], [5])]
+    docs.append([[5, 200_000, 6]])  # outside the vocabulary: a bad record, skipped and counted
+    prefix = str(tmp_path / "corpus")
+    _indexed(prefix, docs)
+    mapped = open_sft_dataset(prefix, tok, skip_bad_records=True, **kwargs)
+    with monkeypatch.context() as m:
+        m.setattr(dataset_module, "is_indexed_prefix", lambda path: False)
+        kept = open_sft_dataset(prefix, tok, skip_bad_records=True, **kwargs)
+    assert isinstance(mapped.store, IndexedSamples)
+    assert mapped.lengths == kept.lengths
+    assert [(mapped[i].tokens.tolist(), mapped[i].loss_mask.tolist()) for i in range(len(kept))] \
+        == [(kept[i].tokens.tolist(), kept[i].loss_mask.tolist()) for i in range(len(kept))]
+    assert mapped[0].tokens.dtype == kept[0].tokens.dtype == torch.int64
+    assert mapped.stats == kept.stats
+    if "max_samples" not in kwargs:
+        assert mapped.stats["bad_records"] == 1
+        assert mapped.stats["bad_examples"] == [
+            f"{prefix}:doc 8: token ids span [5, 200000], outside the vocabulary of "
+            f"{tok.name} (size {tok.vocab_size})"]
+        assert mapped.max_token_id == kept.max_token_id < tok.vocab_size
+
+
+def test_a_rank_reads_only_the_sequences_of_its_chunks(tmp_path, tok):
+    """Every rank plans the whole global batch from its lengths; a DP rank reads the ids of the
+    sequences in its own chunks, never the whole batch."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+    from megatron_chunkflow.core.models import get_model_shape
+    from megatron_chunkflow.runtime.execute import plan_step
+
+    g = np.random.default_rng(1)
+    prefix = str(tmp_path / "corpus")
+    _indexed(prefix, [[g.integers(0, 1000, n).tolist()] for n in (30, 7, 90, 12, 64, 5, 40, 21)])
+    ds = open_sft_dataset(prefix, tok, seq_length=128)
+    read = []
+    for rank in range(2):
+        batch = ds.batch(range(len(ds)))
+        step = plan_step(batch, ChunkFlowConfig(32, 1), ParallelConfig(dp=2),
+                         get_model_shape("tiny"), dp_size=2, dp_rank=rank)
+        mine = {seg.seq_id for c in step.batch.chunks if c.dp_rank == rank for seg in c.segments}
+        assert batch.num_read == len(mine) < len(ds)
+        read.append(mine)
+    assert read[0] | read[1] == set(range(len(ds))) and not read[0] & read[1]

@@ -212,7 +212,7 @@ args = types.SimpleNamespace(tokenizer_type="SFTTokenizer", tokenizer_model=tok_
                              data_path=[data])
 ours = open_sft_dataset(data, data_tokenizer(args, tok.vocab_size, SFTTokenizer(tok_dir, fmt)),
                         seq_length=4096)
-out["ours"] = [[s.tokens.tolist(), s.loss_mask.tolist()] for s in ours.samples]
+out["ours"] = [[ours[i].tokens.tolist(), ours[i].loss_mask.tolist()] for i in range(len(ours))]
 if hf_dir:
     from transformers import Qwen2ForCausalLM
     model = Qwen2ForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
