@@ -38,8 +38,9 @@ class ChunkFlowConfig:
 
     attention_backend: AttentionBackend = field(default="auto",
                                                 metadata={"deprecated": ("--backend",)})
-    """Chunk attention kernel: auto = flash (flash-attn), then te (Transformer Engine) on a GPU,
-    whichever is installed, and cpu_flash (ATen's fused CPU kernel) on CPU; torch is exact
+    """Chunk attention kernel: auto = the fastest installed kernel verified on this device type
+    (cpu_flash, ATen's fused CPU kernel, on CPU; on a GPU, torch until a GPU check verifies
+    flash-attn, Transformer Engine or flex: attention/backends.py VERIFIED); torch is exact
     attention in plain torch (any device, saves only q, k, v, out and the log-sum-exp); sdpa the
     reference (a loop of F.scaled_dot_product_attention); flex torch's flex_attention."""
 

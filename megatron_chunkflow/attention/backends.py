@@ -230,18 +230,27 @@ def available_backends() -> list[str]:
     return [name for name, module in _REQUIRES.items() if _installed(module)]
 
 
+# Backends whose exactness a test has checked on each device type, fastest first: `auto` picks
+# only from these. CUDA's list holds the kernels a GPU run has verified (none yet: flash, te and
+# compiled flex have never run on a GPU); `torch` is plain tensor operations, the same code the
+# CPU tests check, so it is the CUDA fallback (exact, memory-efficient, not fast).
+VERIFIED: dict[str, tuple[str, ...]] = {
+    "cpu": ("cpu_flash", "torch", "sdpa"),
+    "cuda": (),
+}
+FALLBACK = {"cpu": "cpu_flash", "cuda": "torch"}
+
+
 def resolve_backend(name: str, device_type: str) -> str:
     """The backend `name` stands for on a device of `device_type` ("cuda" or "cpu"): "auto" is
-    flash (flash-attn), then te (Transformer Engine) on CUDA, whichever is installed, else torch;
-    cpu_flash on CPU. Any other name is itself."""
+    the first installed backend of VERIFIED[device_type], else FALLBACK's; never a kernel that
+    has not been verified on that device type. Any other name is itself."""
     if name != "auto":
         return name
-    if device_type == "cuda":
-        for backend in ("flash", "te"):
-            if _installed(_REQUIRES[backend]):
-                return backend
-        return "torch"
-    return "cpu_flash"
+    for backend in VERIFIED.get(device_type, ()):
+        if _installed(_REQUIRES[backend]):
+            return backend
+    return FALLBACK.get(device_type, "torch")
 
 
 def get_backend(name: str) -> Callable[..., torch.Tensor]:

@@ -308,3 +308,21 @@ def test_import_pulls_in_no_gpu_or_megatron_library():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_auto_never_picks_an_unverified_backend(monkeypatch):
+    """`auto` resolves to a backend verified on the device type: with flash-attn and Transformer
+    Engine installed but never run on a GPU, a GPU gets plain-torch attention; once a backend is
+    listed as verified there, auto picks it."""
+    from megatron_chunkflow.attention import backends
+
+    monkeypatch.setattr(backends, "_installed", lambda module: True)
+    assert backends.resolve_backend("auto", "cpu") == "cpu_flash"
+    assert backends.resolve_backend("auto", "cuda") == "torch"
+    for device, names in backends.VERIFIED.items():
+        assert backends.resolve_backend("auto", device) in (*names, backends.FALLBACK[device])
+    monkeypatch.setitem(backends.VERIFIED, "cuda", ("flash", "flex"))
+    assert backends.resolve_backend("auto", "cuda") == "flash"
+    monkeypatch.setattr(backends, "_installed", lambda module: module != "flash_attn")
+    assert backends.resolve_backend("auto", "cuda") == "flex"
+    assert backends.resolve_backend("te", "cuda") == "te"  # named: the user's choice
