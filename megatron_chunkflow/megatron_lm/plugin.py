@@ -115,6 +115,7 @@ def install(megatron_lm_dir: str | Path, allow_untested: bool | None = None) -> 
                 raise LaunchError("--chunkflow cannot run with " + "; ".join(refuse)) from None
             raise
         check_chunkflow_args(args, given_dataloader)
+        check_load_hf(args)
         return out
 
     initialize.validate_args = validate_args
@@ -127,6 +128,32 @@ def install(megatron_lm_dir: str | Path, allow_untested: bool | None = None) -> 
     training.train_step = partial(_train_step, training.train_step)
     training.training_log = partial(_training_log, training.training_log)
     training._chunkflow_installed = True
+
+
+def check_load_hf(args) -> None:
+    """--chunkflow-load-hf (with or without --chunkflow) names a readable Qwen2 config.json,
+    checked before any model is built."""
+    if not args.chunkflow_load_hf:
+        return
+    from megatron_chunkflow.training.hf import shape_from_hf_dir
+
+    try:
+        hf = shape_from_hf_dir(args.chunkflow_load_hf)
+    except ValueError as e:
+        raise LaunchError(f"--chunkflow-load-hf {args.chunkflow_load_hf}: {e}") from None
+    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    given = {"--num-layers": (args.num_layers, hf.num_layers),
+             "--hidden-size": (args.hidden_size, hf.hidden_size),
+             "--ffn-hidden-size": (args.ffn_hidden_size, hf.ffn_hidden_size),
+             "--num-attention-heads": (args.num_attention_heads, hf.num_attention_heads),
+             "--num-query-groups (with --group-query-attention)": (groups, hf.num_query_groups),
+             "--untie-embeddings-and-output-weights": (args.untie_embeddings_and_output_weights,
+                                                       not hf.tie_embeddings)}
+    wrong = [f"{flag} {mine} (config.json: {theirs})" for flag, (mine, theirs) in given.items()
+             if mine != theirs]
+    if wrong:
+        raise LaunchError(f"--chunkflow-load-hf {args.chunkflow_load_hf}: the model flags do not "
+                          "build this checkpoint's model: " + "; ".join(wrong))
 
 
 def _args():
@@ -144,8 +171,11 @@ def _get_model(original, *args, **kwargs):
         from megatron_chunkflow.training.hf import import_hf_weights, shape_from_hf_dir
 
         hf_shape = shape_from_hf_dir(a.chunkflow_load_hf)
-        for chunk in model:
-            import_hf_weights(chunk, a.chunkflow_load_hf, get_model_config(chunk), hf_shape)
+        try:
+            for chunk in model:
+                import_hf_weights(chunk, a.chunkflow_load_hf, get_model_config(chunk), hf_shape)
+        except ValueError as e:  # a tensor missing or of another shape than the flags build
+            raise LaunchError(f"--chunkflow-load-hf {a.chunkflow_load_hf}: {e}") from None
     if a.chunkflow:
         from megatron_chunkflow.runtime.model import apply_chunkflow
 

@@ -350,3 +350,28 @@ def test_single_process_refusal_comes_before_megatrons_assertion(workdir, extra,
     assert needle in run.stderr
     assert "--chunk-size 8192 (the default) above --seq-length 512: give --chunk-size 512 or " \
            "less" in run.stderr
+
+
+@needs_megatron_lm
+@pytest.mark.slow
+@pytest.mark.parametrize("extra, needle", [
+    (["--chunkflow", "--chunkflow-load-hf", "nowhere"],
+     "--chunkflow-load-hf nowhere: nowhere/config.json: no such file"),
+    (["--chunkflow-load-hf", "not_json"],  # also without --chunkflow
+     "--chunkflow-load-hf not_json: not_json/config.json:1: not valid JSON"),
+    (["--chunkflow", "--chunkflow-load-hf", "hf", "--num-layers", "2"],
+     "--chunkflow-load-hf hf: the model flags do not build this checkpoint's model: "
+     "--num-layers 2 (config.json: 4)"),
+    (["--chunkflow", "--data-path", "missing.jsonl"],
+     "--data-path missing.jsonl: no such file or directory"),
+    (["--chunkflow", "--data-path", "corpus.idx"], "--data-path corpus.idx: unknown file type"),
+])
+def test_launcher_bad_input_exits_2_without_a_traceback(workdir, extra, needle):
+    (workdir / "not_json").mkdir(exist_ok=True)
+    (workdir / "not_json" / "config.json").write_text("{not json")
+    args = {**SCHEDULE, "--train-iters": 2}
+    run = _launch_one(workdir, [*MODEL, *CPU, *_flags(args), "--micro-batch-size", "1",
+                                *([] if "--data-path" in extra else ["--mock-data"]), *extra])
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "Traceback" not in run.stderr + run.stdout
+    assert "chunkflow-megatron: error: " + needle in run.stderr
