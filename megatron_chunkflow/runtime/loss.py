@@ -111,7 +111,9 @@ def global_loss(reports) -> tuple[float, float]:
     """
     from megatron.core import parallel_state
 
-    total = sum((r["lm loss"].double() for r in reports), torch.zeros(2, dtype=torch.float64))
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # where the backend reduces
+    total = sum((r["lm loss"].double().to(device) for r in reports),
+                torch.zeros(2, dtype=torch.float64, device=device))
     dist.all_reduce(total)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     return float(total[0]) / tp, float(total[1]) / tp  # every TP rank reports the same
@@ -127,6 +129,9 @@ def forward_step(data_iterator, model, tp_group=None, exact_loss: bool = True,
     entropy). vocab_size: the real vocabulary; Megatron's padded rows beyond it are left out of
     the softmax (the model then returns logits and the loss function masks them)."""
     inp = next(data_iterator)
+    device = next(model.parameters()).device
+    if inp.tokens.device != device:  # plans are built on the host; the model may be on a GPU
+        inp = inp.to(device)
     rows = _model_vocab(model)
     padded = vocab_size is not None and (rows is None or vocab_size < rows)
     labels = None if exact_loss or padded else inp.labels

@@ -55,3 +55,22 @@ def test_padded_rows_are_out_of_the_softmax(tp, dtype):
     assert loss == pytest.approx(float(expected), rel=tol)
     assert torch.equal(grad[..., VOCAB:], torch.zeros_like(grad[..., VOCAB:]))
     assert torch.allclose(grad[..., :VOCAB], real.grad, rtol=0, atol=tol)
+
+
+def test_chunk_inputs_follow_the_model_to_its_device():
+    """Plans are built on the host; forward_step moves a chunk's inputs, packed-sequence offsets
+    included, to the model's device (meta here: no GPU needed to see every tensor move)."""
+    from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+    from megatron_chunkflow.core.models import get_model_shape
+    from megatron_chunkflow.data.synthetic import make_sequences
+    from megatron_chunkflow.runtime.execute import plan_step
+
+    step = plan_step(make_sequences([40, 100, 7], 1000, seed=0), ChunkFlowConfig(32, 1),
+                     ParallelConfig(), get_model_shape("tiny"), dp_size=1, dp_rank=0)
+    for inp in step.inputs.values():
+        moved = inp.to("meta")
+        params = moved.packed_seq_params
+        tensors = [moved.tokens, moved.labels, moved.loss_mask, moved.position_ids,
+                   params.cu_seqlens_q, params.cu_seqlens_kv]
+        assert all(t.device.type == "meta" for t in tensors)
+        assert moved.tokens.shape == inp.tokens.shape and inp.tokens.device.type == "cpu"

@@ -1,0 +1,275 @@
+"""One prepared run on a GPU machine: the GPU tests, a calibration, exactness per attention
+backend, and ChunkFlow against the stock baselines; everything as JSON and PNG under --out.
+
+    bash scripts/gpu/device_check.sh --out DIR            # on a bare GPU machine (wheels first)
+    python scripts/gpu/device_check.py --out DIR --dry-run   # the same plumbing on CPU, tiny
+
+Each step runs in its own process with its own time limit (what one step breaks, the others
+still report), and writes DIR/<step>.json and DIR/<step>.log:
+
+1. tests: `pytest tests/gpu -m gpu` (kernel error budgets of every installed backend).
+2. calibrate: scripts/benchmarks/gpu_calibrate.py -> DIR/calibration.json.
+3. exactness: chunked vs unchunked megatron-core gradients for each attention backend installed:
+   float32 (max relative gradient error <= 1e-5 on a GPU) and bfloat16 (<= BF16_BUDGET: bf16 keeps
+   8 mantissa bits, eps 7.8e-3, and chunking reorders its sums).
+4. bench: qwen2.5-1.5b (0.5b when the GPU has under 60 GiB), --seq-length 32768, profile B
+   lengths clipped to it with at least one sequence near it, bfloat16: ChunkFlow and each stock
+   baseline with the (chunk size, K, recompute) / recompute the simulator picks for this GPU,
+   on the fastest backend step 3 found exact; tokens/s, MFU, max_memory_allocated.
+5. report: DIR/device_check.json (every step's result) and DIR/device_check.png.
+
+The dry run (CPU, gloo): the same steps with a tiny model, float64 instead of float32 (CPU
+exactness bound 1e-10), a short bench; it is what the test suite runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+STEPS = ("tests", "calibrate", "exactness", "bench")
+TIMEOUT_S = {"tests": 120, "calibrate": 90, "exactness": 120, "bench": 150}
+FP32_BOUND, FP64_BOUND, BF16_BUDGET = 1e-5, 1e-10, 5e-2
+BACKENDS = ("flash", "te", "flex", "cpu_flash", "sdpa", "torch")  # fastest first
+SEQ_LENGTH, GLOBAL_BATCH, PEAK_BF16_TFLOPS = 32768, 128, 989.4  # H100/H200 dense bf16
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="directory for the JSON, PNG and logs")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny model (the test suite's)")
+    ap.add_argument("--steps", default=",".join(STEPS),
+                    help=f"comma-separated subset of {','.join(STEPS)} (default: all)")
+    ap.add_argument("--step", choices=STEPS, help=argparse.SUPPRESS)  # a child process
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    if args.step:
+        result = globals()[f"step_{args.step}"](out, args.dry_run)
+        (out / f"{args.step}.json").write_text(json.dumps(result, indent=2))
+        return 0
+    wanted = [s.strip() for s in args.steps.split(",") if s.strip()]
+    unknown = sorted(set(wanted) - set(STEPS))
+    if unknown:
+        ap.error(f"--steps: unknown step(s) {', '.join(unknown)}; choose from {', '.join(STEPS)}")
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"dry_run": args.dry_run, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "load_avg_1m": os.getloadavg()[0], "steps": {}}
+    for step in wanted:
+        report["steps"][step] = _run_child(step, out, args.dry_run)
+        print(f"[device_check] {step}: {report['steps'][step]['status']} "
+              f"({report['steps'][step]['wall_s']:.0f} s)", flush=True)
+    (out / "device_check.json").write_text(json.dumps(report, indent=2))
+    _plot(report, out / "device_check.png")
+    failed = [s for s, r in report["steps"].items() if r["status"] != "ok"]
+    print(f"[device_check] wrote {out / 'device_check.json'}; "
+          + (f"not ok: {', '.join(failed)}" if failed else "all steps ok"), flush=True)
+    return 1 if failed else 0
+
+
+def _run_child(step: str, out: Path, dry_run: bool) -> dict:
+    """`step` in a fresh process under its time limit: its JSON, or why there is none."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--out", str(out), "--step", step]
+    cmd += ["--dry-run"] if dry_run else []
+    t0 = time.perf_counter()
+    log = out / f"{step}.log"
+    try:
+        with log.open("w") as f:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                                timeout=TIMEOUT_S[step] * (3 if dry_run else 1)).returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    wall = time.perf_counter() - t0
+    result_file = out / f"{step}.json"
+    if rc == 0 and result_file.is_file():
+        result = json.loads(result_file.read_text())
+        return {"status": "ok" if result.get("passed", True) else "failed", "wall_s": wall,
+                **result}
+    tail = log.read_text(errors="replace")[-3000:] if log.is_file() else ""
+    return {"status": "error", "returncode": rc, "wall_s": wall, "log_tail": tail}
+
+
+def step_tests(out: Path, dry_run: bool) -> dict:
+    """pytest tests/gpu (on CPU every test skips: the plumbing alone)."""
+    run = subprocess.run([sys.executable, "-m", "pytest", "tests/gpu", "-q", "-rs",
+                          "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True)
+    (out / "tests_pytest.txt").write_text(run.stdout[-20000:] + run.stderr[-5000:])
+    last = (run.stdout.strip().splitlines() or [""])[-1]
+    return {"passed": run.returncode in (0, 5), "returncode": run.returncode, "summary": last}
+
+
+def step_calibrate(out: Path, dry_run: bool) -> dict:
+    cmd = [sys.executable, "scripts/benchmarks/gpu_calibrate.py", "--gpu", "h200",
+           "--out", str(out / "calibration.json")]
+    cmd += ["--device", "cpu", "--quick"] if dry_run else []
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    ok = run.returncode == 0 and (out / "calibration.json").is_file()
+    result = {"passed": ok, "returncode": run.returncode, "log_tail": run.stdout[-2000:]
+              + run.stderr[-2000:]}
+    if ok:
+        result["hardware"] = json.loads((out / "calibration.json").read_text()).get("hardware")
+    return result
+
+
+def step_exactness(out: Path, dry_run: bool) -> dict:
+    """run_verify (chunked vs unchunked megatron-core, every gradient) per backend and dtype."""
+    import torch
+
+    from megatron_chunkflow.attention.backends import available_backends
+    from megatron_chunkflow.checks.verify import run_verify
+    from megatron_chunkflow.config import ChunkFlowConfig
+    from megatron_chunkflow.core.models import get_model_shape
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32
+    torch.backends.cudnn.allow_tf32 = False
+    shape = get_model_shape("tiny" if dry_run else "qwen2.5-tiny")
+    lengths = [[300, 37, 129, 64, 5], [260, 90]] if dry_run else [[3000, 700, 1200, 64, 9]]
+    chunk = 64 if dry_run else 512
+    exact = torch.float64 if dry_run else torch.float32
+    bounds = {"float64": FP64_BOUND, "float32": FP32_BOUND, "bfloat16": BF16_BUDGET}
+    device = "cpu" if dry_run else "cuda"
+    rows = []
+    for backend in [b for b in BACKENDS if b in available_backends()]:
+        for dtype in (exact, torch.bfloat16):
+            name = str(dtype).removeprefix("torch.")
+            row = {"backend": backend, "dtype": name, "bound": bounds[name]}
+            try:
+                results = run_verify(shape, lengths, ChunkFlowConfig(chunk, 1, backend),
+                                     dtype=dtype)
+                row["max_rel_grad_err"] = max(r.max_rel_grad_err for r in results)
+                row["worst_param"] = max(results, key=lambda r: r.max_rel_grad_err).worst_param
+                row["loss_rel_err"] = max(abs(r.loss_chunked - r.loss_ref) / abs(r.loss_ref)
+                                          for r in results)
+                row["passed"] = row["max_rel_grad_err"] <= row["bound"]
+            except Exception as e:  # noqa: BLE001  a backend that cannot run here: say why
+                row.update(passed=None, error=f"{type(e).__name__}: {str(e)[:400]}")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    exact_backends = [b for b in BACKENDS if any(
+        r["backend"] == b and r["passed"] for r in rows if r["dtype"] != "bfloat16")]
+    ran = [r for r in rows if r["passed"] is not None]
+    return {"passed": bool(ran) and all(r["passed"] for r in ran), "device": device,
+            "model": shape.__dict__ if hasattr(shape, "__dict__") else str(shape),
+            "lengths": lengths, "chunk_size": chunk, "rows": rows,
+            "fastest_exact_backend": exact_backends[0] if exact_backends else None}
+
+
+def step_bench(out: Path, dry_run: bool) -> dict:
+    """ChunkFlow and the stock baselines, each as the simulator configures it for this GPU."""
+    import torch
+
+    from megatron_chunkflow.config import ChunkFlowConfig, Recompute
+    from megatron_chunkflow.core.models import get_model_shape
+    from megatron_chunkflow.core.profiles import ensure_long, sample_lengths
+    from megatron_chunkflow.core.step import BASELINES
+    from megatron_chunkflow.data.synthetic import make_sequences
+    from megatron_chunkflow.perfmodel.hardware import get_gpu
+    from megatron_chunkflow.perfmodel.search import best_chunkflow, best_megatron
+    from megatron_chunkflow.training.dist import init_distributed
+    from megatron_chunkflow.training.loop import build_training, train_step
+    from megatron_chunkflow.training.settings import OptimizerConfig, TrainSettings
+
+    exactness = out / "exactness.json"
+    backend = (json.loads(exactness.read_text()).get("fastest_exact_backend")
+               if exactness.is_file() else None) or ("cpu_flash" if dry_run else "torch")
+    if dry_run:
+        model, seq_length, gbs, dtype, steps = "tiny", 512, 16, "float32", 2
+    else:
+        big = torch.cuda.get_device_properties(0).total_memory >= 60 * 2**30
+        model, seq_length, gbs, dtype, steps = (
+            "qwen2.5-1.5b" if big else "qwen2.5-0.5b", SEQ_LENGTH, GLOBAL_BATCH, "bfloat16", 3)
+    shape = get_model_shape(model)
+    lengths = [min(n, seq_length) for n in sample_lengths("B", gbs, seed=0)]
+    lengths = ensure_long(lengths, "B", seq_length // 2, 1, 0)
+    lengths = [max(2, min(n, seq_length)) for n in lengths]
+    hw = get_gpu("h200")
+    plans = {"chunkflow": best_chunkflow(lengths, shape, hw, 1, seq_length, auto_chunking=True)}
+    plans.update({b: best_megatron(lengths, shape, hw, 1, seq_length, baseline=b)
+                  for b in BASELINES})
+    sequences = make_sequences(lengths, shape.vocab_size, seed=0)
+    systems = {}
+    for name, plan in plans.items():
+        row = {"recompute": str(plan.layout.recompute), "predicted_step_s": plan.step_s,
+               "predicted_fits": plan.fits}
+        if name == "chunkflow":
+            row.update(chunk_size=plan.chunk_size, k=plan.k)
+        try:
+            chunkflow = ChunkFlowConfig(plan.chunk_size or 8192, plan.k or 1, backend)
+            s = TrainSettings(shape=shape, model_name=model, system=name, dtype=dtype,
+                              seq_length=seq_length, global_batch_size=gbs, train_iters=steps,
+                              chunkflow=chunkflow, optimizer=OptimizerConfig(lr_warmup_iters=0), recompute=Recompute.parse(row["recompute"]))
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            init_distributed(seed=0)  # every system starts from the same weights
+            tr = build_training(s)
+            metrics = [train_step(s, tr, sequences, i) for i in range(steps)]
+            timed = metrics[1:] or metrics
+            step_s = sum(m["step_s"] for m in timed) / len(timed)
+            row.update(step_s=step_s, tokens_per_s=sum(lengths) / step_s,
+                       model_tflops=timed[-1]["model_tflops"],
+                       mfu=timed[-1]["model_tflops"] / PEAK_BF16_TFLOPS,
+                       # CUDA: torch.cuda.max_memory_allocated since this system's build; CPU
+                       # (dry run): the process's peak RSS, which only grows
+                       max_memory_allocated=metrics[-1]["peak_mem_bytes"],
+                       loss=[m["loss"] for m in metrics])
+            del tr
+        except Exception as e:  # noqa: BLE001  one system failing must not hide the others
+            import traceback
+
+            traceback.print_exc()
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        systems[name] = row
+        print(json.dumps({name: row}), flush=True)
+    cf = systems["chunkflow"]
+    for b in BASELINES:
+        if "step_s" in cf and "step_s" in systems[b]:
+            systems[b]["chunkflow_speedup"] = systems[b]["step_s"] / cf["step_s"]
+            systems[b]["chunkflow_memory_ratio"] = (cf["max_memory_allocated"]
+                                                    / systems[b]["max_memory_allocated"])
+    first = [r["loss"][0] for r in systems.values() if "loss" in r]
+    spread = (max(first) - min(first)) / abs(min(first)) if first else None
+    return {"passed": all("error" not in r for r in systems.values()), "model": model,
+            "step1_loss_rel_spread": spread,  # same weights and data: the systems must agree
+            "seq_length": seq_length, "global_batch_size": gbs, "tokens": sum(lengths),
+            "longest": max(lengths), "dtype": dtype, "attention_backend": backend,
+            "systems": systems}
+
+
+def _plot(report: dict, path: Path) -> None:
+    """Tokens/s and memory per system (bench), and exactness per backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    bench = report["steps"].get("bench", {}).get("systems", {})
+    names = [n for n, r in bench.items() if "step_s" in r]
+    axes[0].bar(names, [bench[n]["tokens_per_s"] for n in names])
+    axes[0].set_title("tokens/s")
+    axes[1].bar(names, [bench[n]["max_memory_allocated"] / 2**30 for n in names])
+    axes[1].set_title("peak memory (GiB)")
+    rows = [r for r in report["steps"].get("exactness", {}).get("rows", [])
+            if "max_rel_grad_err" in r]
+    axes[2].bar([f"{r['backend']}\n{r['dtype']}" for r in rows],
+                [max(r["max_rel_grad_err"], 1e-18) for r in rows])
+    axes[2].set_yscale("log")
+    axes[2].set_title("max relative gradient error")
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=7)
+    fig.suptitle("device check" + (" (dry run, CPU)" if report["dry_run"] else ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

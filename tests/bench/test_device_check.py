@@ -1,0 +1,44 @@
+"""scripts/gpu/device_check.sh --dry-run: the GPU machine's one prepared run, on CPU with a tiny
+model (every step's plumbing, JSON and PNG); the real run needs a GPU (docs/benchmarks.md)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_dry_run_reports_every_step(tmp_path):
+    out = tmp_path / "out"
+    run = subprocess.run(["bash", str(ROOT / "scripts/gpu/device_check.sh"), "--out", str(out),
+                          "--dry-run"], capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "PYTHON": sys.executable})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads((out / "device_check.json").read_text())
+    assert report["dry_run"] and set(report["steps"]) == {"tests", "calibrate", "exactness",
+                                                          "bench"}
+    assert all(step["status"] == "ok" for step in report["steps"].values())
+    rows = {(r["backend"], r["dtype"]): r for r in report["steps"]["exactness"]["rows"]}
+    assert rows["cpu_flash", "float64"]["max_rel_grad_err"] <= 1e-10
+    assert rows["cpu_flash", "bfloat16"]["max_rel_grad_err"] <= 5e-2
+    assert rows["flex", "float64"]["passed"] is None  # forward-only on CPU: said, not hidden
+    bench = report["steps"]["bench"]
+    assert bench["attention_backend"] == "cpu_flash"  # the fastest backend found exact
+    assert set(bench["systems"]) == {"chunkflow", "megatron-sft", "megatron-packed",
+                                     "megatron-unpacked"}
+    assert all(r["tokens_per_s"] > 0 for r in bench["systems"].values())
+    assert bench["systems"]["chunkflow"]["chunk_size"] and bench["systems"]["chunkflow"]["k"]
+    assert bench["step1_loss_rel_spread"] < 1e-6  # the same weights and data everywhere
+    assert (out / "device_check.png").stat().st_size > 0
+    assert (out / "calibration.json").is_file()
+
+
+def test_unknown_step_is_refused(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "scripts/gpu/device_check.py"), "--out",
+                          str(tmp_path), "--steps", "tests,warp"], capture_output=True, text=True)
+    assert run.returncode == 2 and "--steps: unknown step(s) warp" in run.stderr
