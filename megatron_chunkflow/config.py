@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Literal
 
-AttentionBackend = Literal["auto", "torch", "cpu_flash", "sdpa", "flex", "flash", "te"]
+AttentionBackend = Literal["auto", "torch", "cpu_flash", "sdpa", "flex", "varlen", "flash", "te"]
 RecomputeModule = Literal["core_attn", "mlp", "layernorm"]
 RECOMPUTE_MODULES: tuple[str, ...] = typing.get_args(RecomputeModule)
 
@@ -42,7 +42,8 @@ class ChunkFlowConfig:
     (cpu_flash, ATen's fused CPU kernel, on CPU; on a GPU, torch until a GPU check verifies
     flash-attn, Transformer Engine or flex: attention/backends.py VERIFIED); torch is exact
     attention in plain torch (any device, saves only q, k, v, out and the log-sum-exp); sdpa the
-    reference (a loop of F.scaled_dot_product_attention); flex torch's flex_attention."""
+    reference (a loop of F.scaled_dot_product_attention); flex torch's flex_attention; varlen
+    torch's own varlen flash kernel (CUDA)."""
 
     def __post_init__(self):
         if self.chunk_size < 1:

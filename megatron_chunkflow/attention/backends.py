@@ -16,6 +16,9 @@ the library (torch autograd for sdpa and flex, flash-attn's and TE's own autogra
   runs in float32 and float64 (unfused, materializing the scores) and compiled runs float32 only,
   but there is no CPU backward in either mode. This backend therefore runs eager on CPU and raises
   a ValueError when a gradient would be needed there; on CUDA it refuses float64.
+- varlen: torch.nn.attention.varlen.varlen_attn, PyTorch's own flash kernel (no extra package;
+  torch >= 2.10), causal (bottom-right aligned, as flash-attn's); CUDA, fp16/bf16. UNTESTED
+  until a GPU run (tests/gpu/test_attention_backends.py).
 - flash: flash_attn.flash_attn_varlen_func(causal=True); CUDA, fp16/bf16, flash-attn >= 2.1
   (older versions align the causal mask to the top-left corner).
 - te: transformer_engine.pytorch.DotProductAttention with qkv_format="thd" and
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import warnings
 from collections.abc import Callable
 
@@ -156,6 +160,29 @@ def flash_attention_backend(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, softmax_scale):
     )
 
 
+def varlen_attention_backend(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, softmax_scale):
+    """torch.nn.attention.varlen.varlen_attn, causal; its keyword for the causal mask and for
+    grouped K/V heads differs across torch versions, so both are read off its signature."""
+    varlen = _import_or_explain("torch.nn.attention.varlen", "varlen",
+                                "upgrade PyTorch to 2.10 or newer")
+    _require_cuda_half("varlen", q_TNH)
+    params = inspect.signature(varlen.varlen_attn).parameters
+    kwargs = {"scale": softmax_scale}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)  # causal, no sliding window
+    else:
+        kwargs["is_causal"] = True
+    nh, ng = q_TNH.shape[1], k_TGH.shape[1]
+    if nh != ng:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k_TGH = k_TGH.repeat_interleave(nh // ng, dim=1)
+            v_TGH = v_TGH.repeat_interleave(nh // ng, dim=1)
+    cu_q_t, cu_kv_t, max_q, max_kv = _cu_on_device(cu_q, cu_kv, q_TNH.device)
+    return varlen.varlen_attn(q_TNH, k_TGH, v_TGH, cu_q_t, cu_kv_t, max_q, max_kv, **kwargs)
+
+
 _TE_MODULES: dict[tuple[int, int, int, float], torch.nn.Module] = {}
 
 
@@ -210,6 +237,7 @@ BACKENDS: dict[str, Callable[..., torch.Tensor]] = {
     "cpu_flash": cpu_flash_backend,
     "sdpa": sdpa_attention,
     "flex": flex_attention_backend,
+    "varlen": varlen_attention_backend,
     "flash": flash_attention_backend,
     "te": te_attention_backend,
 }
@@ -220,6 +248,7 @@ _REQUIRES = {
     "cpu_flash": "torch",
     "sdpa": "torch",
     "flex": "torch.nn.attention.flex_attention",
+    "varlen": "torch.nn.attention.varlen",
     "flash": "flash_attn",
     "te": "transformer_engine",
 }

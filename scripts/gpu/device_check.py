@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 STEPS = ("tests", "calibrate", "exactness", "bench")
 TIMEOUT_S = {"tests": 120, "calibrate": 90, "exactness": 120, "bench": 150}
 FP32_BOUND, FP64_BOUND, BF16_BUDGET = 1e-5, 1e-10, 5e-2
-BACKENDS = ("flash", "te", "flex", "cpu_flash", "sdpa", "torch")  # fastest first
+BACKENDS = ("flash", "te", "varlen", "flex", "cpu_flash", "sdpa", "torch")  # fastest first
 SEQ_LENGTH, GLOBAL_BATCH, PEAK_BF16_TFLOPS = 32768, 128, 989.4  # H100/H200 dense bf16
 
 

@@ -265,9 +265,9 @@ def test_validation_errors_name_the_argument(label):
 
 
 def test_registry_and_availability():
-    """Six registered backends; torch, cpu_flash, sdpa and flex (pure torch) are always available
-    here."""
-    assert set(BACKENDS) == {"torch", "cpu_flash", "sdpa", "flex", "flash", "te"}
+    """Seven registered backends; torch, cpu_flash, sdpa and flex (pure torch) are always available
+    here, varlen with torch >= 2.10 (CUDA-only kernels)."""
+    assert set(BACKENDS) == {"torch", "cpu_flash", "sdpa", "flex", "varlen", "flash", "te"}
     available = available_backends()
     assert {"torch", "cpu_flash", "sdpa", "flex"} <= set(available) <= set(BACKENDS)
 
@@ -308,6 +308,18 @@ def test_import_pulls_in_no_gpu_or_megatron_library():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_varlen_refuses_cpu_tensors_naming_what_it_needs():
+    """PyTorch's varlen flash kernel runs on CUDA in fp16/bf16 only: elsewhere a clear ValueError
+    (not a kernel error), naming the backend to use instead."""
+    from megatron_chunkflow.attention.backends import _installed
+
+    if not _installed("torch.nn.attention.varlen"):
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    q, k, v, _ = make_inputs([5], [9], 4, 2, 8, torch.bfloat16)
+    with pytest.raises(ValueError, match="backend 'varlen' needs CUDA fp16/bf16 tensors"):
+        chunk_attention(q, k, v, [0, 5], [0, 9], backend="varlen")
 
 
 def test_auto_never_picks_an_unverified_backend(monkeypatch):

@@ -28,6 +28,7 @@ pytestmark = [
 DTYPES = {
     "sdpa": [torch.bfloat16, torch.float32],
     "flex": [torch.bfloat16, torch.float32],
+    "varlen": [torch.bfloat16, torch.float16],
     "flash": [torch.bfloat16, torch.float16],
     "te": [torch.bfloat16, torch.float16],
 }
@@ -61,7 +62,7 @@ def test_backend_error_budget(backend, dtype, case):
         assert e_got <= 2 * e_naive + floor, (name, e_got, e_naive)
 
 
-@pytest.mark.parametrize("backend", ["flex", "flash", "te"])
+@pytest.mark.parametrize("backend", ["flex", "varlen", "flash", "te"])
 def test_chunked_equals_whole_sequence_on_gpu(backend):
     """Chunk by chunk over a growing K/V prefix == the whole sequence at once (bf16 budget)."""
     skip_if_missing(backend)

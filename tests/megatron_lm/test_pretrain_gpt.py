@@ -170,7 +170,7 @@ def test_unknown_backend_lists_the_choices(workdir):
                                 "--chunkflow-attention-backend", "cudnn"])
     assert run.returncode == 2
     assert "--chunkflow-attention-backend: invalid choice: 'cudnn'" in run.stderr
-    assert "'auto', 'torch', 'cpu_flash', 'sdpa', 'flex', 'flash', 'te'" in run.stderr
+    assert "'auto', 'torch', 'cpu_flash', 'sdpa', 'flex', 'varlen', 'flash', 'te'" in run.stderr
 
 
 @needs_megatron_lm
