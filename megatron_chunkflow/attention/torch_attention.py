@@ -1,6 +1,7 @@
 """The `torch` backend: exact, memory-efficient chunk attention in plain torch (any device, any dtype).
 
-Like flash-attention it saves only q, k, v, the output and the log-sum-exp for backward, and
+Like flash-attention it saves only q, k, v, the output and the log-sum-exp (float32 for half
+precision inputs, which compute in float32) for backward, and
 recomputes the probabilities there; the [lq, lk] scores and the mask exist only while one segment is
 being computed. F.scaled_dot_product_attention on CPU saves an [lq, lk] mask for backward whenever
 lk != lq, which grows with a dependent chunk's prefix (its memory would not follow the chunk size),
@@ -18,6 +19,12 @@ from __future__ import annotations
 import torch
 
 
+def _compute(t: torch.Tensor) -> torch.Tensor:
+    """Half precision computes in float32 (scores, log-sum-exp, probabilities), as Megatron's own
+    softmax does (attention_softmax_in_fp32); results are cast back where they are stored."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
 def _scores(q_QNH, k_KGH, scale):
     lq, nh, hd = q_QNH.shape
     lk, ng, _ = k_KGH.shape
@@ -31,6 +38,7 @@ def _scores(q_QNH, k_KGH, scale):
 
 def _fwd(q_QNH, k_KGH, v_KGH, scale):
     """One segment: (out_QNH, lse_GRQ)."""
+    q_QNH, k_KGH, v_KGH = _compute(q_QNH), _compute(k_KGH), _compute(v_KGH)
     lq, nh, hd = q_QNH.shape
     s_GRQK = _scores(q_QNH, k_KGH, scale)
     lse_GRQ = torch.logsumexp(s_GRQK, dim=-1)
@@ -41,6 +49,8 @@ def _fwd(q_QNH, k_KGH, v_KGH, scale):
 
 def _bwd(dout_QNH, q_QNH, k_KGH, v_KGH, out_QNH, lse_GRQ, scale):
     """One segment: (dq_QNH, dk_KGH, dv_KGH)."""
+    dout_QNH, q_QNH, k_KGH, v_KGH, out_QNH = (_compute(t) for t in
+                                              (dout_QNH, q_QNH, k_KGH, v_KGH, out_QNH))
     lq, nh, hd = q_QNH.shape
     ng = k_KGH.shape[1]
     to_GRQH = lambda t: t.view(lq, ng, nh // ng, hd).permute(1, 2, 0, 3)  # noqa: E731

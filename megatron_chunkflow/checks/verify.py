@@ -27,6 +27,7 @@ from megatron_chunkflow.runtime.execute import execute_step, plan_step
 from megatron_chunkflow.runtime.inputs import whole_sequence_input
 from megatron_chunkflow.runtime.loss import global_loss, make_forward_step
 from megatron_chunkflow.runtime.observe import StageTimeline
+from megatron_chunkflow.training.dist import comm_device
 
 BOUNDS = {torch.float64: 1e-10, torch.float32: 1e-4}
 
@@ -102,7 +103,8 @@ def _run_reference(shape, batches, dtype, lora=None, seed: int = 0):
                 micro_batch_size=1)
         else:  # more reference ranks than sequences: this one only joins the gradient reduction
             reports = []
-            config.finalize_model_grads_func([ddp], torch.zeros([], dtype=torch.int))
+            config.finalize_model_grads_func([ddp], torch.zeros([], dtype=torch.int,
+                                                                device=comm_device()))
         grads = {name: p.main_grad.detach().clone() for name, p in model.named_parameters()
                  if p.requires_grad}
         out.append((*global_loss(reports), grads))
@@ -176,7 +178,7 @@ def _grad_errors(model, names, ref_grads) -> list[tuple[str, float]]:
     mine = {names[n]: p.main_grad.double() for n, p in model.named_parameters()
             if p.requires_grad}
     full = sorted(ref_grads)
-    stats = torch.zeros(len(full), 2, dtype=torch.float64)
+    stats = torch.zeros(len(full), 2, dtype=torch.float64, device=comm_device())
     for i, name in enumerate(full):
         if name in mine:
             g_ref = ref_grads[name].double()
@@ -194,7 +196,8 @@ def _pipeline_stats(result: VerifyResult, timeline, meter) -> None:
     p = dist.get_world_size(group)
     peaks = ((meter.peak_total, meter.peak_state, meter.peak_activation,
               meter.max_chunk_activation) if meter else (0, 0, 0, 0))
-    mine = torch.tensor([timeline.busy, timeline.step_time, *peaks], dtype=torch.float64)
+    mine = torch.tensor([timeline.busy, timeline.step_time, *peaks], dtype=torch.float64,
+                        device=comm_device())
     rows = [torch.zeros_like(mine) for _ in range(p)]
     dist.all_gather(rows, mine, group=group)
     busy = sum(float(r[0]) for r in rows)

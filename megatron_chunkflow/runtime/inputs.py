@@ -11,7 +11,6 @@ own segment boundaries (the core attention adds the K/V prefix itself).
 
 from __future__ import annotations
 
-import dataclasses
 
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,14 +34,11 @@ class ChunkInput:
     packed_seq_params: object  # megatron.core.packed_seq_params.PackedSeqParams
 
     def to(self, device) -> "ChunkInput":
-        """These inputs on `device` (the model's), the packed-sequence offsets included."""
-        params = self.packed_seq_params
-        if params is not None:
-            params = dataclasses.replace(params, **{
-                f.name: getattr(params, f.name).to(device) for f in dataclasses.fields(params)
-                if isinstance(getattr(params, f.name), torch.Tensor)})
+        """These inputs on `device` (the model's). The packed-sequence offsets stay on the host:
+        chunk attention reads them as lists (a device copy would cost a sync per layer)."""
         return ChunkInput(self.tokens.to(device), self.labels.to(device),
-                          self.loss_mask.to(device), self.position_ids.to(device), params)
+                          self.loss_mask.to(device), self.position_ids.to(device),
+                          self.packed_seq_params)
 
 
 @dataclass

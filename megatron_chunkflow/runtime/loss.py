@@ -97,10 +97,11 @@ def token_loss_sum(labels: torch.Tensor, loss_mask: torch.Tensor, output: torch.
 
         losses = vocab_parallel_cross_entropy(mask_padded_vocab_(output, vocab_size, tp_group),
                                               labels)
-    mask = loss_mask.to(losses.dtype)
-    loss = (losses * mask).sum()
+    # half precision sums in float32; the report is float64, so token counts stay exact
+    acc = torch.float32 if losses.dtype in (torch.float16, torch.bfloat16) else losses.dtype
+    loss = (losses.to(acc) * loss_mask.to(acc)).sum()
     num_tokens = loss_mask.sum().to(torch.int)
-    report = torch.cat([loss.detach().view(1), num_tokens.to(loss.dtype).view(1)])
+    report = torch.stack([loss.detach().double(), num_tokens.double()])
     return loss, num_tokens, {"lm loss": report}
 
 
@@ -111,7 +112,9 @@ def global_loss(reports) -> tuple[float, float]:
     """
     from megatron.core import parallel_state
 
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # where the backend reduces
+    from megatron_chunkflow.training.dist import comm_device
+
+    device = comm_device()
     total = sum((r["lm loss"].double().to(device) for r in reports),
                 torch.zeros(2, dtype=torch.float64, device=device))
     dist.all_reduce(total)

@@ -54,7 +54,8 @@ class ChunkCoreAttention(torch.nn.Module):
                                  dtype=torch.int32)
         else:
             cu_q = cu_kv = torch.tensor(meta.cu_seqlens, dtype=torch.int32)
-        out = chunk_attention(query, key, value, cu_q.to(query.device), cu_kv.to(query.device),
+        # offsets stay on the host: the kernels read them as lists and copy what they need
+        out = chunk_attention(query, key, value, cu_q, cu_kv,
                               softmax_scale=self.softmax_scale, backend=self.backend)
         return out.reshape(t, -1)  # [t, np * hn]
 

@@ -66,7 +66,7 @@ class StageTimeline(StepObserver):
         return sum(end - start for _, _, start, end in self.ops)
 
     def step_began(self) -> None:
-        self._t0 = time.perf_counter()
+        self._t0 = _now()
 
     @contextlib.contextmanager
     def forward(self, op: Op, keeps_graph: bool):
@@ -79,13 +79,20 @@ class StageTimeline(StepObserver):
             yield
 
     def step_ended(self) -> None:
-        self.step_time = time.perf_counter() - self._t0
+        self.step_time = _now() - self._t0
 
     @contextlib.contextmanager
     def _interval(self, op: Op):
-        start = time.perf_counter()
+        start = _now()
         yield
-        self.ops.append((op.kind, op.chunk, start - self._t0, time.perf_counter() - self._t0))
+        self.ops.append((op.kind, op.chunk, start - self._t0, _now() - self._t0))
+
+
+def _now() -> float:
+    """Wall time after the GPU's queued work (kernels run asynchronously to the host)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def observing(observers, hook: str, *args) -> contextlib.ExitStack:

@@ -43,7 +43,9 @@ class StageRun:
         self.recomputed = step.plan.recomputed
         self.last_backward = max((i for i, op in enumerate(ops) if op.kind == "B"), default=-1)
         self.forward_data_store: list = []
-        self.total_num_tokens = torch.zeros([], dtype=torch.int)
+        # on the model's device: finalize_model_grads reduces it (NCCL needs a GPU tensor)
+        self.total_num_tokens = torch.zeros([], dtype=torch.int,
+                                            device=next(model.parameters()).device)
         self.held: dict[int, tuple] = {}  # chunk -> (input tensor, output tensor) awaiting B
         self.saved_inputs: dict[int, torch.Tensor] = {}  # inputs of forwards without graph
 

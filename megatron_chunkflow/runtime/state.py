@@ -131,7 +131,9 @@ class _ChunkKV(torch.autograd.Function):
         key = (layer, seq, index)
         last = index + 1 == meta.num_siblings
         if not last and not store.reforward:
-            store._kv[key] = (k.detach(), v.detach())
+            # contiguous: V is a view of Megatron's fused QKV output, whose whole buffer (query
+            # heads included) a stored view would keep alive
+            store._kv[key] = (k.detach().contiguous(), v.detach().contiguous())
         ks, vs = store._prefix(layer, seq, index)
         if last and index in dropped and not store.reforward:
             # SpaCO: chunks from the last back-propagated one on are read only by forwards (done)

@@ -40,7 +40,7 @@ def transformer_config(shape: ModelShape, dtype: torch.dtype = torch.float32, **
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         use_cpu_initialization=not on_gpu,
         apply_rope_fusion=False,
-        bias_dropout_fusion=on_gpu,
+        bias_dropout_fusion=False,  # dropout is 0; the fused kernel is torch.compile'd
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
@@ -102,7 +102,10 @@ def build_gpt_model(shape: ModelShape, config, max_seq_length: int = 1 << 20):
         position_embedding_type="rope",
         rotary_base=int(shape.rotary_base),
     )
-    return model.to(dtype=config.params_dtype)
+    # megatron-core builds linears and embeddings on the GPU but the local spec's norms on the
+    # CPU; Megatron-LM's get_model moves the whole model, as this does
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    return model.to(device=device, dtype=config.params_dtype)
 
 
 def wrap_ddp(model, config):
@@ -111,7 +114,9 @@ def wrap_ddp(model, config):
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
     ddp = DistributedDataParallel(
-        config, DistributedDataParallelConfig(grad_reduce_in_fp32=False), model)
+        # bf16 gradients accumulate in fp32 across micro-batches and chunks (Megatron-LM forces
+        # the same for bf16)
+        config, DistributedDataParallelConfig(grad_reduce_in_fp32=config.bf16), model)
     config.no_sync_func = ddp.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     return ddp

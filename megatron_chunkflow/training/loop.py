@@ -213,7 +213,9 @@ def _sparse_metrics(s: TrainSettings, backward: tuple[int, int]) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    counts = torch.tensor(backward, dtype=torch.int64)
+    from megatron_chunkflow.training.dist import comm_device
+
+    counts = torch.tensor(backward, dtype=torch.int64, device=comm_device())
     dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
     return {"approximate": True, "sparse_backward": s.sparse.sparse_backward,
             "backward_chunks": int(counts[0]), "dependent_chunks": int(counts[1])}
