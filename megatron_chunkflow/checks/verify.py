@@ -27,7 +27,7 @@ from megatron_chunkflow.runtime.execute import execute_step, plan_step
 from megatron_chunkflow.runtime.inputs import whole_sequence_input
 from megatron_chunkflow.runtime.loss import global_loss, make_forward_step
 from megatron_chunkflow.runtime.observe import StageTimeline
-from megatron_chunkflow.training.dist import comm_device
+from megatron_chunkflow.runtime.p2p import comm_device
 
 BOUNDS = {torch.float64: 1e-10, torch.float32: 1e-4}
 

@@ -118,7 +118,7 @@ def check_same_plan(step: ChunkedStep, group) -> None:
     text = repr([[(op.kind, op.chunk) for op in ops] for ops in step.plan.stages]) + repr(
         sorted((c, m.cu_seqlens, m.seq_id, m.index, m.grad_weight) for c, m in step.metas.items()))
     digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
-    from megatron_chunkflow.training.dist import comm_device
+    from megatron_chunkflow.runtime.p2p import comm_device
 
     mine = torch.tensor([digest], dtype=torch.int64, device=comm_device())
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]

@@ -112,7 +112,7 @@ def global_loss(reports) -> tuple[float, float]:
     """
     from megatron.core import parallel_state
 
-    from megatron_chunkflow.training.dist import comm_device
+    from megatron_chunkflow.runtime.p2p import comm_device
 
     device = comm_device()
     total = sum((r["lm loss"].double().to(device) for r in reports),

@@ -60,3 +60,12 @@ class StageLink:
             for req in (reqs.values() if isinstance(reqs, dict) else reqs or []):
                 req.wait()
         self._pending.clear()
+
+
+def comm_device() -> torch.device:
+    """Where this job's collectives take tensors: the current GPU under NCCL, else the CPU."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

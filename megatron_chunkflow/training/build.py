@@ -104,8 +104,11 @@ def build_gpt_model(shape: ModelShape, config, max_seq_length: int = 1 << 20):
     )
     # megatron-core builds linears and embeddings on the GPU but the local spec's norms on the
     # CPU; Megatron-LM's get_model moves the whole model, as this does
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    return model.to(device=device, dtype=config.params_dtype)
+    from megatron_chunkflow.training.cpu import has_real_cuda
+
+    if has_real_cuda():
+        model = model.cuda(torch.cuda.current_device())
+    return model.to(dtype=config.params_dtype)
 
 
 def wrap_ddp(model, config):

@@ -50,13 +50,6 @@ def init_distributed(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
-def comm_device() -> torch.device:
-    """Where this job's collectives take tensors: the current GPU under NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def shutdown() -> None:
     from megatron.core import parallel_state
 

@@ -213,7 +213,7 @@ def _sparse_metrics(s: TrainSettings, backward: tuple[int, int]) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_chunkflow.training.dist import comm_device
+    from megatron_chunkflow.runtime.p2p import comm_device
 
     counts = torch.tensor(backward, dtype=torch.int64, device=comm_device())
     dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
