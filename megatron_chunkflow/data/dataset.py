@@ -108,12 +108,7 @@ def open_sft_dataset(path: str | None, tokenizer: Tokenizer, *, seq_length: int,
         try:
             sequences = encode_record_sequences(record, tokenizer)
         except BadRecord as e:
-            if not skip_bad_records:
-                raise ValueError(f"{location}: {e} (use --skip-bad-records to skip such records)"
-                                 ) from None
-            stats["bad_records"] += 1
-            if len(stats["bad_examples"]) < NUM_BAD_EXAMPLES:
-                stats["bad_examples"].append(f"{location}: {e}")
+            _bad_record(f"{location}: {e}", skip_bad_records, stats)
             continue
         for i, seq in enumerate(sequences):
             where = location if len(sequences) == 1 else f"{location} (conversation {i + 1})"
@@ -159,12 +154,7 @@ def _open_indexed(prefix: str, tokenizer: Tokenizer, seq_length: int, overlong: 
         if is_bad[doc]:
             reason = (f"token ids span [{low[doc]}, {top[doc]}], outside the vocabulary of "
                       f"{tokenizer.name} (size {tokenizer.vocab_size})")
-            if not skip_bad_records:
-                raise ValueError(f"{where}: {reason} (use --skip-bad-records to skip such "
-                                 "records)")
-            stats["bad_records"] += 1
-            if len(stats["bad_examples"]) < NUM_BAD_EXAMPLES:
-                stats["bad_examples"].append(f"{where}: {reason}")
+            _bad_record(f"{where}: {reason}", skip_bad_records, stats)
             continue
         for start, size in _indexed_pieces(n, where, seq_length, overlong, stats):
             if size < 2:
@@ -178,6 +168,16 @@ def _open_indexed(prefix: str, tokenizer: Tokenizer, seq_length: int, overlong: 
                 stats["assistant_tokens"] += size - 1
     kept = np.asarray(pieces, dtype=np.int64).reshape(-1, 2)
     return IndexedSamples(ids, kept[:, 0], kept[:, 1], highest)
+
+
+def _bad_record(message: str, skip: bool, stats: dict) -> None:
+    """A record that cannot be used ("LOCATION: reason"): stop, or count it and keep the first
+    few examples (--skip-bad-records)."""
+    if not skip:
+        raise ValueError(f"{message} (use --skip-bad-records to skip such records)")
+    stats["bad_records"] += 1
+    if len(stats["bad_examples"]) < NUM_BAD_EXAMPLES:
+        stats["bad_examples"].append(message)
 
 
 def _indexed_pieces(n: int, where: str, seq_length: int, overlong: str, stats: dict):

@@ -25,6 +25,7 @@ exactness bound 1e-10), a short bench; it is what the test suite runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -161,7 +162,7 @@ def step_exactness(out: Path, dry_run: bool) -> dict:
                               if r["backend"] == b and r["passed"] is not None)]
     ran = [r for r in rows if r["passed"] is not None]
     return {"passed": bool(ran) and all(r["passed"] for r in ran), "device": device,
-            "model": shape.__dict__ if hasattr(shape, "__dict__") else str(shape),
+            "model": dataclasses.asdict(shape),
             "lengths": lengths, "chunk_size": chunk, "rows": rows,
             "fastest_exact_backend": exact_backends[0] if exact_backends else None}
 
