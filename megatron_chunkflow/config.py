@@ -57,7 +57,16 @@ class ChunkFlowConfig:
 
     def check_parallel(self, parallel: ParallelConfig) -> None:
         """Sequence parallelism splits each chunk's tokens over the TP ranks, so every chunk is
-        padded to a multiple of TP; full dependent chunks cannot be padded (their K/V is state)."""
+        padded to a multiple of TP; context parallelism cuts every segment into 2 x CP pieces (x TP
+        under sequence parallelism). Full dependent chunks cannot be padded (their K/V is state),
+        so the chunk size must be a multiple of what the split needs."""
+        m = parallel.segment_multiple
+        if parallel.cp > 1 and self.chunk_size % m:
+            sp = f" x {_named('tp')} {parallel.tp}" if parallel.sequence_parallel else ""
+            raise ValueError(
+                f"--chunk-size {self.chunk_size} is not a multiple of 2 x {_named('cp')} "
+                f"{parallel.cp}{sp} = {m}: context parallelism cuts every chunk into 2 x CP equal "
+                f"pieces; give --chunk-size {max(m, self.chunk_size // m * m)}")
         if self.chunk_size % parallel.pad_multiple:
             raise ValueError(
                 f"--chunk-size {self.chunk_size} is not a multiple of the tensor-parallel size "
@@ -76,16 +85,20 @@ class ParallelConfig:
                                          "aliases": ("--pp",)})
     """Pipeline-parallel size (PP): the layers split into PP stages."""
 
+    cp: int = field(default=1, metadata={"flag": "--context-parallel-size", "aliases": ("--cp",)})
+    """Context-parallel size (CP): every chunk's tokens split over CP ranks (2 x CP zigzag pieces
+    per segment), a long sequence's K/V state sharded with them; attention all-gathers K/V."""
+
     dp: int | None = field(default=None, metadata={"flag": "--data-parallel-size",
                                                    "aliases": ("--dp",)})
-    """Data-parallel size (DP); in a job it is world size / (TP x PP)."""
+    """Data-parallel size (DP); in a job it is world size / (TP x CP x PP)."""
 
     sequence_parallel: bool = False
     """Sequence parallelism: activations between TP regions split over the TP ranks (needs TP > 1;
     every chunk is padded to a multiple of TP)."""
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "cp", "dp"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{_named(name)} must be >= 1, got {value}")
@@ -94,8 +107,14 @@ class ParallelConfig:
 
     @property
     def model_parallel_size(self) -> int:
-        """Ranks holding one copy of the model: TP x PP."""
-        return self.tp * self.pp
+        """Ranks of one model replica (one DP rank's share of the batch): TP x CP x PP."""
+        return self.tp * self.cp * self.pp
+
+    @property
+    def segment_multiple(self) -> int:
+        """Under context parallelism every segment of a chunk is padded to a multiple of this
+        (2 x CP pieces, each a multiple of TP under sequence parallelism); 1 without CP."""
+        return 2 * self.cp * self.pad_multiple if self.cp > 1 else 1
 
     @property
     def pad_multiple(self) -> int:
@@ -106,13 +125,14 @@ class ParallelConfig:
     def with_world(self, world_size: int) -> ParallelConfig:
         """This layout in a job of `world_size` ranks, DP filled in; ValueError if TP x PP does not
         divide it (or a given DP does not match)."""
+        cp = f" x {_named('cp')} {self.cp}" if self.cp > 1 else ""
         if world_size % self.model_parallel_size:
             raise ValueError(f"world size {world_size} is not a multiple of {_named('tp')} "
-                             f"{self.tp} x {_named('pp')} {self.pp}")
+                             f"{self.tp}{cp} x {_named('pp')} {self.pp}")
         dp = world_size // self.model_parallel_size
         if self.dp is not None and self.dp != dp:
             raise ValueError(f"{_named('dp')} {self.dp} does not match world size {world_size} "
-                             f"/ (TP {self.tp} x PP {self.pp}) = {dp}")
+                             f"/ (TP {self.tp} x CP {self.cp} x PP {self.pp}) = {dp}")
         return dataclasses.replace(self, dp=dp)
 
     def check_model(self, shape) -> None:

@@ -282,6 +282,22 @@ def resolve_backend(name: str, device_type: str) -> str:
     return FALLBACK.get(device_type, "torch")
 
 
+# Context parallelism (runtime/cp.py) runs a backend on gathered K/V with lk >= lq segments, and
+# recomputes it under autograd in the backward: every backend with a backward on that device can.
+NO_BACKWARD = {"cpu": ("flex",)}  # torch's FlexAttention has no CPU backward
+
+
+def check_context_parallel(name: str, device_type: str, flag: str = "--attention-backend") -> None:
+    """ValueError naming `flag` if backend `name` cannot train under context parallelism on a
+    device of `device_type`."""
+    backend = resolve_backend(name, device_type)
+    if backend in NO_BACKWARD.get(device_type, ()):
+        raise ValueError(f"{flag} {name}: context parallelism recomputes attention in the "
+                         f"backward, and {backend} has no backward on {device_type} (torch "
+                         f"{torch.__version__}); choose one of "
+                         f"{', '.join(VERIFIED.get(device_type, ()))} or auto")
+
+
 def get_backend(name: str) -> Callable[..., torch.Tensor]:
     """The backend function called `name`; ValueError naming the known ones if there is none."""
     if name not in BACKENDS:

@@ -339,13 +339,15 @@ def kv_state_formula(length: int, chunk_size: int, kv_bytes_per_token: float,
 class MemoryRow:
     activation: int  # peak bytes saved for backward, K/V-sized prefix copies excluded
     state: int  # peak K/V state: stored K/V, gradient accumulators, prefix copies
-    state_formula: float | None  # K = 1 only
+    state_formula: float | None  # K = 1, CP = 1 only
+    total: int = 0  # peak of activation + state together
 
 
 def measure_one_sequence(shape, length: int, chunkflow: ChunkFlowConfig, dtype, seed: int = 0,
-                         lora=None) -> MemoryRow:
-    """One training step of one sequence through ChunkFlow's schedule, metered (PP=1); with
-    `lora` (training.lora.LoRAConfig) the base is frozen and only adapters train."""
+                         lora=None, cp: int = 1) -> MemoryRow:
+    """One training step of one sequence through ChunkFlow's schedule, metered (PP=1), on this
+    rank; with `lora` (training.lora.LoRAConfig) the base is frozen and only adapters train. With
+    `cp` > 1 the process groups must have that CP size: this CP rank's share is measured."""
     from megatron.core import parallel_state
 
     from megatron_chunkflow.data.synthetic import make_sequences
@@ -363,7 +365,8 @@ def measure_one_sequence(shape, length: int, chunkflow: ChunkFlowConfig, dtype, 
     store = apply_chunkflow(model, backend=chunkflow.attention_backend)
     model = wrap_ddp(model, config)
     sequences = make_sequences([length], shape.vocab_size, seed)
-    step = plan_step(sequences, chunkflow, ParallelConfig(), shape, dp_size=1, dp_rank=0)
+    step = plan_step(sequences, chunkflow, ParallelConfig(cp=cp), shape, dp_size=1, dp_rank=0,
+                     cp_rank=parallel_state.get_context_parallel_rank())
     meter = ActivationMeter(model, store)
     execute_step(step, model, make_forward_step(exact_loss=True), observers=[meter])
     from megatron_chunkflow.perfmodel.footprint import kv_state_bytes_per_token
@@ -372,5 +375,5 @@ def measure_one_sequence(shape, length: int, chunkflow: ChunkFlowConfig, dtype, 
     kv, acc = (kv_state_bytes_per_token(shape, shape.num_layers, nbytes, tp, with_grad=False)
                for nbytes in (torch.finfo(dtype).bits // 8, 8 if dtype == torch.float64 else 4))
     formula = (kv_state_formula(length, chunkflow.chunk_size, kv, acc)
-               if chunkflow.k == 1 else None)
-    return MemoryRow(meter.peak_activation, meter.peak_state, formula)
+               if chunkflow.k == 1 and cp == 1 else None)
+    return MemoryRow(meter.peak_activation, meter.peak_state, formula, meter.peak_total)

@@ -3,7 +3,7 @@
 The reference is stock Megatron at PP = 1: each sequence whole as one micro-batch, the model's own
 local DotProductAttention (causal), Megatron's forward_backward_no_pipelining, DDP and
 finalize_model_grads, with DP = world / TP. Then the process groups are rebuilt for the layout under
-test (TP x PP x DP), each pipeline stage's GPTModel takes its slice of the reference weights, is
+test (TP x CP x PP x DP), each pipeline stage's GPTModel takes its slice of the reference weights, is
 patched by apply_chunkflow and runs the step through runtime/execute.py (plan_step, execute_step).
 Both use per-token loss, so both gradients are (sum of masked token-loss gradients) / (global token
 count). Several steps (batches of different sizes, so different chunk counts) run in one go.
@@ -54,8 +54,8 @@ def run_verify(shape: ModelShape, steps: Sequence[Sequence[int]], chunkflow: Chu
                recompute: Recompute = Recompute(), lora=None) -> list[VerifyResult]:
     """One training step per entry of `steps` (sequence lengths), both ways; one result each.
 
-    `parallel`: the chunked model's TP, PP and sequence parallelism (the reference runs at the same
-    TP, PP = 1; DP is what the world leaves). `lora` (training.lora.LoRAConfig): both models get
+    `parallel`: the chunked model's TP, CP, PP and sequence parallelism (the reference runs at the
+    same TP, CP = PP = 1; DP is what the world leaves). `lora` (training.lora.LoRAConfig): both models get
     the same adapters, B initialised at random (LORA_B_STD) so that A's gradient is not zero, and
     only the adapters are compared."""
     from megatron_chunkflow.training.dist import init_distributed
@@ -66,7 +66,7 @@ def run_verify(shape: ModelShape, steps: Sequence[Sequence[int]], chunkflow: Chu
 
     init_distributed(tp=parallel.tp, pp=1, seed=seed)
     reference = _run_reference(shape, batches, dtype, lora, seed)
-    init_distributed(tp=parallel.tp, pp=parallel.pp, seed=seed)
+    init_distributed(tp=parallel.tp, pp=parallel.pp, seed=seed, cp=parallel.cp)
     return _run_chunked(shape, batches, reference, chunkflow, parallel, dtype, meter_cls,
                         recompute, lora)
 
@@ -150,7 +150,8 @@ def _run_chunked(shape, batches, reference, chunkflow: ChunkFlowConfig, parallel
     step_fn = make_forward_step(exact_loss=True)
     results = []
     for sequences, (ref_loss, ref_count, ref_grads) in zip(batches, ref_steps):
-        step = plan_step(sequences, chunkflow, parallel, shape, dp_size=dp, dp_rank=dp_rank)
+        step = plan_step(sequences, chunkflow, parallel, shape, dp_size=dp, dp_rank=dp_rank,
+                         cp_rank=parallel_state.get_context_parallel_rank())
         meter = meter_cls(model, store) if meter_cls is not None else None
         timeline = StageTimeline()
         ddp.zero_grad_buffer()

@@ -68,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--skip-bad-records", action="store_true",
                    help="count, skip and report malformed records instead of stopping")
     g = p.add_argument_group("training (Megatron-LM flags)")
-    add_config_arguments(g, ParallelConfig, fields=("tp", "pp", "sequence_parallel"))
+    add_config_arguments(g, ParallelConfig, fields=("tp", "pp", "cp", "sequence_parallel"))
     for flag, kind, default, text in [
         ("--global-batch-size", int, DEFAULTS["global_batch_size"], "sequences per step"),
         ("--seq-length", int, DEFAULTS["seq_length"], "the longest context trained"),
@@ -146,6 +146,16 @@ def settings_from_args(args) -> TrainSettings:
         raise ValueError(f"--chunk-size {cfg.chunk_size} is larger than --seq-length "
                          f"{args.seq_length}")
     cfg.check_parallel(parallel)
+    if parallel.cp > 1:
+        if not args.chunkflow:
+            raise ValueError(f"--context-parallel-size {parallel.cp} with --no-chunkflow: the stock "
+                             "path here runs megatron-core's local attention, which has no "
+                             "context parallelism (Transformer Engine's has: run stock CP "
+                             "through Megatron-LM's pretrain_gpt.py)")
+        from megatron_chunkflow.attention.backends import check_context_parallel
+
+        check_context_parallel(cfg.attention_backend, "cuda" if torch.cuda.is_available()
+                               else "cpu")
     max_chunks = -(-args.seq_length // cfg.chunk_size)
     sparse.check(max_chunks, args.chunkflow,
                  f" (--seq-length {args.seq_length} / --chunk-size {cfg.chunk_size})")
@@ -207,8 +217,8 @@ def run(args: argparse.Namespace) -> int:
     if top >= s.shape.vocab_size:
         raise ValueError(f"token id {top} does not fit the model's vocabulary of "
                          f"{s.shape.vocab_size} (--model {s.model_name})")
-    tp, pp = s.parallel.tp, s.parallel.pp
-    init_distributed(tp=tp, pp=pp, seed=s.seed)
+    tp, pp, cp = s.parallel.tp, s.parallel.pp, s.parallel.cp
+    init_distributed(tp=tp, pp=pp, seed=s.seed, cp=cp)
     rank0 = torch.distributed.get_rank() == 0
     out = Output(args.json, quiet=not rank0)
     c = s.chunkflow
@@ -218,8 +228,9 @@ def run(args: argparse.Namespace) -> int:
             f"{'1F1B' if pp > 1 else 'forward_backward_no_pipelining'}, recompute "
             f"{s.recompute})")
     world = torch.distributed.get_world_size()
-    out.say(f"chunkflow train: {path}; model {s.model_name} ({s.dtype}), TP={tp} PP={pp} "
-            f"DP={world // (tp * pp)}, global batch {s.global_batch_size} sequences, "
+    out.say(f"chunkflow train: {path}; model {s.model_name} ({s.dtype}), TP={tp} "
+            + (f"CP={cp} " if cp > 1 else "") + f"PP={pp} "
+            f"DP={world // (tp * cp * pp)}, global batch {s.global_batch_size} sequences, "
             f"{s.train_iters} steps")
     if s.lora is not None:
         out.say(f"LoRA: rank {s.lora.rank}, alpha {s.lora.alpha:g}, on {s.lora.targets}; every "

@@ -4,13 +4,16 @@
     chunkflow verify --chunk-size 128 --chunkflow-k 2 --dtype float32 --json
     torchrun --nproc_per_node 4 -m megatron_chunkflow verify --tp 2     # TP=2 x DP=2 (gloo on CPU)
     torchrun --nproc_per_node 2 -m megatron_chunkflow verify --pp 2 --steps 3
+    torchrun --nproc_per_node 2 -m megatron_chunkflow verify --cp 2   # context parallelism
     chunkflow verify --memory --lengths 4096,16384 --chunk-size 1024 --chunkflow-k 1
+    torchrun --nproc_per_node 2 -m megatron_chunkflow verify --memory --cp 2  # per rank vs CP=1
     chunkflow verify --hf-reference /models/Qwen2.5-0.5B    # against transformers, float64
     chunkflow verify --lora-rank 8                     # LoRA adapters: chunked == unchunked
     chunkflow verify --chunkflow-sparse-backward 2 --draws 64   # SpaCO (approximate)
 
 Exit 1 when the largest relative gradient error exceeds the dtype's bound (float64 1e-10,
-float32 1e-4). With --memory: activation bytes for one sequence per length, chunked and unchunked.
+float32 1e-4). With --memory: activation bytes for one sequence per length, chunked and unchunked; with --cp N
+(world N): per rank at CP=N against CP=1, same chunk size.
 With --chunkflow-sparse-backward T: exit 1 when the mean of --draws SpaCO gradients is further from the exact
 gradient than 4 x its expected error (estimated from the draws' variance), or the loss differs.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from pathlib import Path
 
 import torch
@@ -54,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hf-reference", metavar="DIR",
                    help="compare with transformers' Qwen2ForCausalLM loaded from this Hugging Face "
                         "checkpoint (float64; needs transformers) instead of megatron-core")
-    add_config_arguments(g, ParallelConfig, fields=("tp", "pp", "sequence_parallel"))
+    add_config_arguments(g, ParallelConfig, fields=("tp", "pp", "cp", "sequence_parallel"))
     g.add_argument("--steps", type=int, default=1,
                    help="training steps to check, each a new batch (default: 1)")
     g = parser.add_argument_group("LoRA (adapters on a frozen model)")
@@ -95,6 +99,18 @@ def run(args: argparse.Namespace) -> int:
     parallel.check_model(shape)
     if args.memory:
         _memory_lengths(args.lengths)  # bad input stops before any process group starts
+        if parallel.tp > 1 or parallel.pp > 1:
+            raise ValueError("--memory measures at TP = PP = 1 (with --cp N: under torchrun "
+                             "with N processes)")
+    if parallel.cp > 1:
+        from megatron_chunkflow.attention.backends import check_context_parallel
+
+        check_context_parallel(cfg.attention_backend, "cpu")  # verify runs on the CPU
+        for dest, flag in (("hf_reference", "--hf-reference"), ("lora_rank", "--lora-rank"),
+                           ("sparse_backward", "--chunkflow-sparse-backward")):
+            if getattr(args, dest, None):
+                raise ValueError(f"{flag} is not checked with --context-parallel-size "
+                                 f"{parallel.cp} yet; give --context-parallel-size 1")
     lora = LoRAConfig.from_args(args)
     sparse = config_from_args(SparseConfig, args)
     if sparse.enabled:
@@ -106,11 +122,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--lora-rank cannot be combined with --hf-reference")
     from megatron_chunkflow.training.dist import init_distributed, shutdown
 
-    init_distributed(tp=parallel.tp, pp=parallel.pp, seed=args.seed)
+    init_distributed(tp=parallel.tp, pp=parallel.pp, seed=args.seed, cp=parallel.cp)
     try:
         if args.hf_reference:
             return _run_hf(args, cfg, parallel)
         if args.memory:
+            if parallel.cp > 1:
+                return _run_memory_cp(args, cfg, shape, dtype, parallel.cp)
             return _run_memory(args, cfg, shape, dtype, lora)
         if sparse.enabled:
             from megatron_chunkflow.cli.verify_sparse import run_sparse_check
@@ -169,7 +187,8 @@ def _run_check(args, cfg, parallel, shape, dtype, lora=None) -> int:
     common = dict(dtype=dtype, seed=args.seed, meter_cls=ActivationMeter, lora=lora)
     results = run_verify(shape, steps, cfg, parallel, **common)
     longest = max(max(s) for s in steps)
-    whole = dataclasses.replace(cfg, chunk_size=longest + (-longest % parallel.tp), k=1)
+    multiple = math.lcm(parallel.tp, parallel.segment_multiple)
+    whole = dataclasses.replace(cfg, chunk_size=longest + (-longest % multiple), k=1)
     unchunked = run_verify(shape, steps, whole, parallel, **common)
     bound = BOUNDS[dtype]
     ok = all(r.max_rel_grad_err <= bound
@@ -181,8 +200,8 @@ def _run_check(args, cfg, parallel, shape, dtype, lora=None) -> int:
     n_dep = sum(1 for n in steps[0] if n > cfg.chunk_size)
     out.say(f"{len(steps[0])} sequences ({source}), {sum(steps[0]):,} tokens, {n_dep} longer than "
             f"C={cfg.chunk_size}; K={cfg.k}, {args.dtype}, TP={parallel.tp}"
-            f"{' (sequence parallel)' if parallel.sequence_parallel else ''} PP={parallel.pp} "
-            f"DP={dp}, attention {_backend(cfg)}; reference: stock Megatron at PP=1"
+            f"{' (sequence parallel)' if parallel.sequence_parallel else ''} CP={parallel.cp} "
+            f"PP={parallel.pp} DP={dp}, attention {_backend(cfg)}; reference: stock Megatron at PP=1"
             + (f"; LoRA rank {lora.rank} on {lora.targets} (adapter gradients compared, base "
                "frozen)" if lora else ""))
     out.say(f"{'parameter':<58} rel. grad error (worst step)")
@@ -200,7 +219,7 @@ def _run_check(args, cfg, parallel, shape, dtype, lora=None) -> int:
             f"{max(last.activation_bytes_per_stage):,} vs unchunked "
             f"{max(last_unchunked.activation_bytes_per_stage):,}")
     out.result({
-        "dtype": args.dtype, "tp": parallel.tp, "pp": parallel.pp, "dp": dp,
+        "dtype": args.dtype, "tp": parallel.tp, "cp": parallel.cp, "pp": parallel.pp, "dp": dp,
         "sequence_parallel": parallel.sequence_parallel,
         "chunk_size": cfg.chunk_size, "k": cfg.k, "lora": _lora_json(lora),
         "loss_ref": worst.loss_ref, "loss_chunked": worst.loss_chunked,
@@ -296,4 +315,43 @@ def _run_memory(args, cfg, shape, dtype, lora=None) -> int:
                 f"{row['state_bytes']:>14,} {formula:>14}")
     out.result({"chunk_size": cfg.chunk_size, "k": cfg.k, "dtype": args.dtype,
                 "lora": _lora_json(lora), "rows": rows})
+    return 0
+
+
+def _run_memory_cp(args, cfg, shape, dtype, cp: int) -> int:
+    """Per rank, peak activation + K/V state bytes of one sequence at CP = `cp` against CP = 1
+    (each rank of the world runs it alone), same chunk size: the largest over the ranks."""
+    from megatron_chunkflow.checks.memory import measure_one_sequence
+    from megatron_chunkflow.runtime.p2p import comm_device
+    from megatron_chunkflow.training.dist import init_distributed
+
+    lengths = _memory_lengths(args.lengths)
+    world = torch.distributed.get_world_size()
+    if world != cp:
+        raise ValueError(f"--memory --cp {cp} runs in {cp} processes (torchrun --nproc_per_node "
+                         f"{cp}), got {world}")
+    out = Output(args.json, quiet=not _is_main())
+    out.say(f"one sequence per length; C={cfg.chunk_size}, K={cfg.k}, {args.dtype}, attention "
+            f"{_backend(cfg)}; peak bytes saved for backward (no weights) plus K/V state, the "
+            f"largest rank's")
+    out.say(f"{'length':>8} {'CP=1':>14} {f'CP={cp}':>14} {'ratio':>7} {'state CP=1':>14} "
+            f"{f'state CP={cp}':>14}")
+    rows = []
+    for n in lengths:
+        measured = []
+        for size in (1, cp):
+            init_distributed(seed=args.seed, cp=size)
+            row = measure_one_sequence(shape, n, cfg, dtype, seed=args.seed, cp=size)
+            peaks = torch.tensor([row.total, row.state], dtype=torch.float64,
+                                 device=comm_device())
+            torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)
+            measured.append([int(x) for x in peaks.tolist()])
+        (one, one_state), (many, many_state) = measured
+        rows.append({"length": n, "cp1_bytes": one, f"cp{cp}_bytes": many,
+                     "ratio": many / one, "cp1_state_bytes": one_state,
+                     f"cp{cp}_state_bytes": many_state})
+        out.say(f"{n:>8} {one:>14,} {many:>14,} {many / one:>7.3f} {one_state:>14,} "
+                f"{many_state:>14,}")
+    out.result({"chunk_size": cfg.chunk_size, "k": cfg.k, "dtype": args.dtype, "cp": cp,
+                "rows": rows})
     return 0

@@ -79,13 +79,16 @@ def first_fit(sizes: Sequence[int], ids: Sequence[int], capacity: int) -> list[l
     return bins
 
 
-def split_long(seq_id: int, length: int, chunk_size: int, first_id: int) -> list[DataChunk]:
+def split_long(seq_id: int, length: int, chunk_size: int, first_id: int,
+               segment_multiple: int = 1) -> list[DataChunk]:
     n = math.ceil(length / chunk_size)
+    last = length - (n - 1) * chunk_size  # the last chunk's tokens; the others have chunk_size
     return [
         DataChunk(
             id=first_id + j,
             kind="dependent",
-            segments=(Segment(seq_id, j * chunk_size, min(length, (j + 1) * chunk_size)),),
+            segments=(Segment(seq_id, j * chunk_size, min(length, (j + 1) * chunk_size),
+                              -last % segment_multiple if j == n - 1 else 0),),
             parent=seq_id,
             index=j,
             num_siblings=n,
@@ -119,11 +122,18 @@ def build_chunks(
     num_dp_ranks: int,
     k: int,
     shape: ModelShape,
+    segment_multiple: int = 1,
 ) -> ChunkBatch:
     """Cut, pack and distribute one global batch over `num_dp_ranks`, balancing the ranks by the
     training FLOPs of `shape` with K chunks of a long sequence holding activations (unit_cost).
     Chunk ids: dependent chunks first (by sequence id, then index), then standalone chunks in
-    packing order."""
+    packing order.
+
+    `segment_multiple` (context parallelism: 2 x CP, x TP under sequence parallelism): every
+    segment is padded at its end to a multiple of it (a sequence's last chunk; each short
+    sequence, packed by its padded length), so that it cuts into 2 x CP equal pieces; the chunk
+    size must be a multiple of it. The padding comes after the segment's tokens, so no real token
+    attends to it."""
     validate_lengths(seq_lengths)
     if chunk_size < 1:
         raise ValueError(f"chunk size must be >= 1, got {chunk_size}")
@@ -131,19 +141,24 @@ def build_chunks(
         raise ValueError(f"data-parallel size must be >= 1, got {num_dp_ranks}")
     if k < 1:
         raise ValueError(f"K must be >= 1, got {k}")
+    if segment_multiple < 1 or chunk_size % segment_multiple:
+        raise ValueError(f"chunk size {chunk_size} is not a multiple of the segment multiple "
+                         f"{segment_multiple} (2 x the context-parallel size)")
 
     units: list[list[DataChunk]] = []
     next_id = 0
     short_ids = []
     for seq_id, n in enumerate(seq_lengths):
         if n > chunk_size:
-            units.append(split_long(seq_id, n, chunk_size, next_id))
+            units.append(split_long(seq_id, n, chunk_size, next_id, segment_multiple))
             next_id += len(units[-1])
         else:
             short_ids.append(seq_id)
     short_sizes = [seq_lengths[i] for i in short_ids]
-    for members in best_fit_decreasing(short_sizes, short_ids, chunk_size):
-        segments = tuple(Segment(i, 0, seq_lengths[i]) for i in members)
+    padded = [n + -n % segment_multiple for n in short_sizes]
+    for members in best_fit_decreasing(padded, short_ids, chunk_size):
+        segments = tuple(Segment(i, 0, seq_lengths[i], -seq_lengths[i] % segment_multiple)
+                         for i in members)
         units.append([DataChunk(id=next_id, kind="standalone", segments=segments)])
         next_id += 1
 

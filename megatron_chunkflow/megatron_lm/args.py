@@ -86,10 +86,6 @@ def chunkflow_refusals(args, given_dataloader: str | None = None) -> list[str]:
     has not validated yet (its own layout assertion fired first), so raw flags are read where
     validation would derive a value."""
     refuse = []
-    if args.context_parallel_size > 1:
-        refuse.append(f"--context-parallel-size {args.context_parallel_size}: ChunkFlow keeps a "
-                      "long sequence's K/V prefix on each rank; use --context-parallel-size 1 "
-                      "(chunking already bounds activation memory by --chunk-size)")
     if _virtual_stages(args):
         refuse.append("virtual pipeline stages (--num-layers-per-virtual-pipeline-stage / "
                       "--num-virtual-stages-per-pipeline-rank): the state-aware schedule is 1F1B")
@@ -114,10 +110,29 @@ def chunkflow_refusals(args, given_dataloader: str | None = None) -> list[str]:
         default = "" if _given("--chunk-size") else " (the default)"
         refuse.append(f"--chunk-size {chunk_size}{default} above --seq-length {args.seq_length}: "
                       f"give --chunk-size {args.seq_length} or less")
+    cp = args.context_parallel_size
     if args.sequence_parallel and chunk_size % args.tensor_model_parallel_size:
         refuse.append(f"--chunk-size {chunk_size}, not a multiple of --tensor-model-parallel-size "
                       f"{args.tensor_model_parallel_size} (--sequence-parallel splits every chunk "
                       "over the TP ranks)")
+    elif cp > 1:
+        multiple = 2 * cp * (args.tensor_model_parallel_size if args.sequence_parallel else 1)
+        if chunk_size % multiple:
+            sp = (f" x --tensor-model-parallel-size {args.tensor_model_parallel_size}"
+                  if args.sequence_parallel else "")
+            refuse.append(f"--chunk-size {chunk_size}, not a multiple of 2 x "
+                          f"--context-parallel-size {cp}{sp} = {multiple} (context parallelism "
+                          f"cuts every chunk into 2 x CP equal pieces)")
+    if cp > 1:
+        from megatron_chunkflow.attention.backends import check_context_parallel
+        from megatron_chunkflow.training.cpu import has_real_cuda
+
+        try:
+            check_context_parallel(args.chunkflow_attention_backend,
+                                   "cuda" if has_real_cuda() else "cpu",
+                                   "--chunkflow-attention-backend")
+        except ValueError as e:
+            refuse.append(str(e))
     if given_dataloader not in (None, "external"):
         refuse.append(f"--dataloader-type {given_dataloader}: ChunkFlow feeds its chunks "
                       "through --dataloader-type external")

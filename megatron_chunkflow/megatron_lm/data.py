@@ -37,7 +37,7 @@ class StepStats:
 
 @dataclass
 class ChunkFlowStepIterator:
-    """Yields one ChunkedStep per training iteration for this rank's (DP rank, pipeline)."""
+    """Yields one ChunkedStep per training iteration for this rank's (DP rank, CP rank, pipeline)."""
 
     dataset: object
     global_batch_size: int
@@ -47,6 +47,7 @@ class ChunkFlowStepIterator:
     dp_rank: int
     shape: ModelShape
     consumed: int = 0  # sequences consumed so far (Megatron-LM's consumed_train_samples)
+    cp_rank: int = 0  # context parallelism: this rank's share of every chunk
     last: StepStats = field(default_factory=StepStats)
 
     def __post_init__(self):
@@ -59,7 +60,7 @@ class ChunkFlowStepIterator:
         sequences = global_batch(self.dataset, self._sampler.batch_at(self.consumed))
         self.consumed += self.global_batch_size
         step = plan_step(sequences, self.chunkflow, self.parallel, self.shape,
-                         dp_size=self.parallel.dp, dp_rank=self.dp_rank)
+                         dp_size=self.parallel.dp, dp_rank=self.dp_rank, cp_rank=self.cp_rank)
         lengths = batch_lengths(sequences)
         self.last = StepStats(
             tokens=sum(lengths), flops=sequence_model_flops(lengths, self.shape),

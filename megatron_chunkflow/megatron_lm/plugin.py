@@ -163,8 +163,11 @@ def _args():
 
 
 def _get_model(original, *args, **kwargs):
-    model = original(*args, **kwargs)
+    from megatron_chunkflow.runtime.model import building_core_attention_without_cp
+
     a = _args()
+    with building_core_attention_without_cp(a.context_parallel_size if a.chunkflow else 1):
+        model = original(*args, **kwargs)
     if a.chunkflow_load_hf:
         from megatron.core.utils import get_model_config
 
@@ -200,12 +203,14 @@ def _build_iterators(original, provider):
     parallel = ParallelConfig(
         tp=parallel_state.get_tensor_model_parallel_world_size(),
         pp=parallel_state.get_pipeline_model_parallel_world_size(),
+        cp=parallel_state.get_context_parallel_world_size(),
         dp=parallel_state.get_data_parallel_world_size(),
         sequence_parallel=a.sequence_parallel)
     _HOOKS.iterator = ChunkFlowStepIterator(
         dataset=dataset, global_batch_size=a.global_batch_size, seed=a.seed,
         chunkflow=chunkflow, parallel=parallel, dp_rank=parallel_state.get_data_parallel_rank(),
-        shape=shape_from_args(a), consumed=a.consumed_train_samples)
+        shape=shape_from_args(a), consumed=a.consumed_train_samples,
+        cp_rank=parallel_state.get_context_parallel_rank())
     a.do_train, a.do_valid, a.do_test = a.train_iters > 0, False, False
     _print_last(f"[chunkflow] data: {getattr(dataset, 'description', '')}; {len(dataset)} "
                 f"sequences; global batch {a.global_batch_size} sequences, chunk size "

@@ -9,7 +9,7 @@ the same chunks from the same lengths), plans this DP rank's chunks for the pipe
 1F1B), builds their THD inputs (padded to a multiple of TP under sequence parallelism) and, with
 SpaCO, draws which dependent chunks run backward.
 
-execute_step: checks that every rank of the model replica (TP x PP) holds the same plan, runs this
+execute_step: checks that every rank of the model replica (TP x CP x PP) holds the same plan, runs this
 pipeline stage's ops (runtime/pipeline.py) and then Megatron's finalize_model_grads, which divides
 the gradients once by the step's token count over all DP ranks (config.calculate_per_token_loss):
 chunked training then has the gradients of ordinary training. Returns the last stage's loss
@@ -40,15 +40,17 @@ from megatron_chunkflow.runtime.sparse import SparseConfig, sparsify
 def plan_step(sequences: Sequence[TokenSequence], chunkflow: ChunkFlowConfig,
               parallel: ParallelConfig, shape: ModelShape, *, dp_size: int, dp_rank: int,
               sparse: SparseConfig | None = None, seed: int = 0, step_index: int = 0,
-              device=None) -> ChunkedStep:
-    """This DP rank's step of the global batch `sequences` (the same on every rank)."""
+              device=None, cp_rank: int = 0) -> ChunkedStep:
+    """This DP rank's step of the global batch `sequences` (the same on every rank); under context
+    parallelism (parallel.cp > 1) this CP rank's share of it."""
     batch = build_chunks(batch_lengths(sequences), chunkflow.chunk_size, dp_size,
-                         chunkflow.k, shape)
+                         chunkflow.k, shape, segment_multiple=parallel.segment_multiple)
     chunks = batch.chunks_for_rank(dp_rank)
     costs = OpCosts.from_model(chunks, shape, parallel.pp)
     plan = state_aware_plan(chunks, parallel.pp, chunkflow.k, costs)
     step = build_step(plan, sequences, chunkflow.chunk_size, device=device,
-                      pad_multiple=parallel.pad_multiple, batch=batch, costs=costs)
+                      pad_multiple=parallel.pad_multiple, batch=batch, costs=costs,
+                      cp_size=parallel.cp, cp_rank=cp_rank)
     if sparse is not None and sparse.enabled:
         step = sparsify(step, sparse.sparse_backward, seed, step_index)
     return step
@@ -74,6 +76,7 @@ def execute_step(step: ChunkedStep, model, forward_step_func, *,
         raise ValueError(f"the step was planned for {step.plan.num_stages} pipeline stages, but "
                          f"the pipeline has {num_stages}")
     check_same_plan(step, _group(pg_collection, "mp"))
+    check_same_plan(step, _group(pg_collection, "cp"))
     link = None
     if num_stages > 1:
         from megatron_chunkflow.runtime.p2p import StageLink
@@ -110,7 +113,8 @@ def execute_step(step: ChunkedStep, model, forward_step_func, *,
 
 
 def check_same_plan(step: ChunkedStep, group) -> None:
-    """Every rank of a model replica (TP x PP) must run the same plan: compare a digest."""
+    """Every rank of a model replica (TP x CP x PP) must run the same plan: compare a digest (CP
+    ranks compare their shared chunks, not their shards)."""
     import torch.distributed as dist
 
     if group is None or dist.get_world_size(group) == 1:
@@ -130,12 +134,14 @@ def check_same_plan(step: ChunkedStep, group) -> None:
 
 
 def _group(pg_collection, name: str):
-    """The pipeline ("pp") or model-parallel ("mp") group: from `pg_collection` when it has one,
-    else megatron's parallel_state."""
+    """The pipeline ("pp"), context-parallel ("cp") or model-parallel ("mp") group: from
+    `pg_collection` when it has one, else megatron's parallel_state."""
     if pg_collection is not None and getattr(pg_collection, name, None) is not None:
         return getattr(pg_collection, name)
     from megatron.core import parallel_state
 
     if name == "pp":
         return parallel_state.get_pipeline_model_parallel_group()
+    if name == "cp":
+        return parallel_state.get_context_parallel_group(check_initialized=False)
     return parallel_state.get_model_parallel_group()

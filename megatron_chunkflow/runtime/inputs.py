@@ -6,7 +6,9 @@ labels tokens[s+1 : e+1]; for a dependent chunk the label of its last token is t
 next chunk, so no target is lost at chunk boundaries.
 
 Megatron shapes: tokens/labels/loss_mask/position_ids [b=1, t]; THD PackedSeqParams with the chunk's
-own segment boundaries (the core attention adds the K/V prefix itself).
+own segment boundaries (the core attention adds the K/V prefix itself). Under context parallelism a
+rank's inputs are its zigzag shard of the chunk (runtime/cp.py: t = chunk tokens / CP), while the
+PackedSeqParams keep the whole chunk's boundaries, as Megatron's THD RoPE expects.
 """
 
 from __future__ import annotations
@@ -57,9 +59,12 @@ class ChunkedStep:
         return sum(m.num_tokens for m in self.metas.values())
 
 
-def chunk_meta(chunk: DataChunk, chunk_size: int, pad_multiple: int = 1) -> ChunkMeta:
+def chunk_meta(chunk: DataChunk, chunk_size: int, pad_multiple: int = 1, cp_size: int = 1,
+               cp_rank: int = 0) -> ChunkMeta:
     """`pad_multiple`: pad the chunk to a multiple of this many tokens (the TP size under sequence
-    parallelism) with a padding segment that attends only to itself and has no loss."""
+    parallelism) with a padding segment that attends only to itself and has no loss. `cp_size`,
+    `cp_rank`: this rank's share under context parallelism (the chunk's segments are already
+    padded to 2 x CP pieces by core/packer)."""
     computed = chunk.computed_tokens
     num_padding = -computed % pad_multiple
     assert not (num_padding and chunk.is_dependent and chunk.index + 1 < chunk.num_siblings), \
@@ -75,6 +80,8 @@ def chunk_meta(chunk: DataChunk, chunk_size: int, pad_multiple: int = 1) -> Chun
         num_siblings=chunk.num_siblings if chunk.is_dependent else 1,
         chunk_size=chunk_size,
         num_padding=num_padding,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
     )
 
 
@@ -97,13 +104,15 @@ def chunk_input(chunk: DataChunk, sequences: Sequence[TokenSequence], meta: Chun
     max_len = int((cu[1:] - cu[:-1]).max())
     packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                              max_seqlen_q=max_len, max_seqlen_kv=max_len)
-    return ChunkInput(
-        tokens=torch.cat(tokens).view(1, -1).to(device),
-        labels=torch.cat(labels).view(1, -1).to(device),
-        loss_mask=torch.cat(mask).view(1, -1).to(device),
-        position_ids=meta.position_ids.view(1, -1).to(device),
-        packed_seq_params=packed,
-    )
+    columns = [torch.cat(tokens), torch.cat(labels), torch.cat(mask), meta.position_ids]
+    if meta.cp_size > 1:
+        from megatron_chunkflow.runtime.cp import local_index
+
+        mine = local_index(meta.cu_seqlens, meta.cp_size, meta.cp_rank)
+        columns = [c[mine] for c in columns]
+    tokens, labels, mask, positions = (c.view(1, -1).to(device) for c in columns)
+    return ChunkInput(tokens=tokens, labels=labels, loss_mask=mask, position_ids=positions,
+                      packed_seq_params=packed)
 
 
 def _pad(tokens: list, labels: list, mask: list, n: int) -> None:
@@ -117,9 +126,10 @@ def _pad(tokens: list, labels: list, mask: list, n: int) -> None:
 
 def build_step(plan: StagePlan, sequences: Sequence[TokenSequence], chunk_size: int,
                device=None, pad_multiple: int = 1, batch: ChunkBatch | None = None,
-               costs: OpCosts | None = None) -> ChunkedStep:
-    """The ChunkedStep of `plan` (one DP rank's chunks) over `sequences` (the global batch)."""
-    metas = {c.id: chunk_meta(c, chunk_size, pad_multiple) for c in plan.chunks}
+               costs: OpCosts | None = None, cp_size: int = 1, cp_rank: int = 0) -> ChunkedStep:
+    """The ChunkedStep of `plan` (one DP rank's chunks) over `sequences` (the global batch), this
+    CP rank's share of it."""
+    metas = {c.id: chunk_meta(c, chunk_size, pad_multiple, cp_size, cp_rank) for c in plan.chunks}
     inputs = {c.id: chunk_input(c, sequences, metas[c.id], device) for c in plan.chunks}
     return ChunkedStep(plan, metas, inputs, batch=batch, costs=costs)
 

@@ -12,6 +12,9 @@ Works on the local and the Transformer Engine layer specs alike (it walks the bu
   across a sequence's chunks, restarting at 0 per packed segment). Megatron's THD RoPE uses them one row
   per token (rope_utils._apply_rotary_pos_emb_thd, "CASE 1").
 The chunk context comes from the schedule (`store.begin(meta)` around each forward), never from a global.
+Under context parallelism each rank runs its zigzag shard of every chunk and attention all-gathers
+K/V over the CP group (runtime/cp.py); RoPE is handed the whole chunk's positions, from which
+megatron-core's THD RoPE picks this rank's rows.
 
 Shapes: Megatron letters; THD core-attention inputs q [t, np, hn], k/v [t, ng, hn].
 """
@@ -22,19 +25,24 @@ import math
 
 import torch
 
+from contextlib import contextmanager
+
 from megatron_chunkflow.attention import chunk_attention
-from megatron_chunkflow.runtime.state import KVStateStore
+from megatron_chunkflow.runtime.cp import attention_layout, cp_attention
+from megatron_chunkflow.runtime.state import ChunkMeta, KVStateStore
 
 
 class ChunkCoreAttention(torch.nn.Module):
     """Core attention over [stored prefix K/V ++ own K/V] for the data chunk being run."""
 
-    def __init__(self, layer_number: int, softmax_scale: float, store: KVStateStore, backend: str):
+    def __init__(self, layer_number: int, softmax_scale: float, store: KVStateStore, backend: str,
+                 cp_group=None):
         super().__init__()
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale
         self.backend = backend
         self.__dict__["store"] = store  # not a submodule: no state_dict entries
+        self.__dict__["cp_group"] = cp_group
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
@@ -44,7 +52,12 @@ class ChunkCoreAttention(torch.nn.Module):
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported with ChunkFlow")
         t = query.size(0)
+        if meta is not None and meta.cp_size > 1:
+            return self._forward_cp(query, key, value, meta)
         if meta is None:  # a stock schedule (the baseline): causal within each packed sequence
+            if _cp_size(self.cp_group) > 1:
+                raise RuntimeError("a stock schedule with context parallelism needs Transformer "
+                                   "Engine's attention; ChunkFlow's runs only ChunkFlow's chunks")
             cu_q = cu_kv = packed_seq_params.cu_seqlens_q.cpu()
         elif meta.dependent:
             key, value = self.store.kv_with_state(self.layer_number, key, value)
@@ -59,12 +72,54 @@ class ChunkCoreAttention(torch.nn.Module):
                               softmax_scale=self.softmax_scale, backend=self.backend)
         return out.reshape(t, -1)  # [t, np * hn]
 
+    def _forward_cp(self, query, key, value, meta: ChunkMeta):
+        """This CP rank's shard of the chunk (runtime/cp.py)."""
+        if meta.cp_size != _cp_size(self.cp_group):
+            raise RuntimeError(f"the chunk was planned for CP {meta.cp_size}, but the model's "
+                               f"context-parallel group has {_cp_size(self.cp_group)} ranks")
+        t = query.size(0)
+        if meta.dependent:
+            key, value = self.store.kv_with_state(self.layer_number, key, value)
+        layout = attention_layout(meta.cu_seqlens, meta.index if meta.dependent else 0,
+                                  meta.chunk_size, meta.cp_size, meta.cp_rank, query.device)
+        out = cp_attention(query, key, value, layout, self.cp_group, self.softmax_scale,
+                           self.backend)
+        return out.reshape(t, -1)
+
+
+def _cp_size(group) -> int:
+    import torch.distributed as dist
+
+    return 1 if group is None else dist.get_world_size(group)
+
+
+@contextmanager
+def building_core_attention_without_cp(context_parallel_size: int):
+    """Build a model that apply_chunkflow will patch, with context parallelism: megatron-core's
+    local DotProductAttention refuses CP > 1 when it is built (only Transformer Engine's runs
+    CP), and ChunkFlow replaces it before it ever runs, so it is built as if CP were 1."""
+    if context_parallel_size == 1:
+        yield
+        return
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    original = DotProductAttention.__init__
+
+    def init(self, config, *args, **kwargs):
+        cp, config.context_parallel_size = config.context_parallel_size, 1
+        try:
+            original(self, config, *args, **kwargs)
+        finally:
+            config.context_parallel_size = cp
+
+    DotProductAttention.__init__ = init
+    try:
+        yield
+    finally:
+        DotProductAttention.__init__ = original
+
 
 def _check_config(config) -> None:
-    if getattr(config, "context_parallel_size", 1) > 1:
-        raise ValueError("context parallelism (--context-parallel-size > 1) is not supported with "
-                         "ChunkFlow yet: a long sequence's K/V prefix would be split across CP "
-                         "ranks")
     if getattr(config, "apply_rope_fusion", False):
         raise ValueError("ChunkFlow needs RoPE fusion off (--no-rope-fusion / apply_rope_fusion="
                          "False): the fused THD kernel restarts positions at 0 in every segment")
@@ -96,13 +151,24 @@ def apply_chunkflow(model, backend: str = "torch",
     num_swapped = 0
     for module in gpt.modules():
         if isinstance(module, SelfAttention):
-            module.core_attention = ChunkCoreAttention(module.layer_number, scale, store, backend)
+            module.core_attention = ChunkCoreAttention(module.layer_number, scale, store, backend,
+                                                       _context_parallel_group(module))
             num_swapped += 1
     if num_swapped == 0:
         raise ValueError("no SelfAttention modules found: is this a megatron-core GPTModel?")
     _patch_rope(gpt.rotary_pos_emb, store)
     gpt.chunkflow_state = store
     return store
+
+
+def _context_parallel_group(attention):
+    """The CP group the attention module's RoPE uses (its pg_collection), else parallel_state's."""
+    group = getattr(getattr(attention, "pg_collection", None), "cp", None)
+    if group is None:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_context_parallel_group(check_initialized=False)
+    return group
 
 
 def _patch_rope(rope, store: KVStateStore) -> None:
@@ -112,7 +178,7 @@ def _patch_rope(rope, store: KVStateStore) -> None:
         meta = store.current
         if meta is None:
             return original(max_seq_len, offset, packed_seq, cp_group)
-        pos = meta.position_ids
+        pos = meta.position_ids  # the whole chunk's (every CP rank's): RoPE picks this rank's
         emb = original(int(pos.max()) + 1, 0, True, cp_group)  # [max_pos + 1, 1, 1, d]
         return emb[pos.to(emb.device)]  # [t, 1, 1, d]: one row per token
 

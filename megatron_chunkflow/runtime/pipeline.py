@@ -38,7 +38,7 @@ class StageRun:
         self.is_first, self.is_last = is_first, is_last
         self.model_type = get_model_type(model)
         sp = config.tensor_model_parallel_size if config.sequence_parallel else 1
-        self.shapes = {c: (m.num_tokens // sp, 1, config.hidden_size)
+        self.shapes = {c: (m.local_tokens // sp, 1, config.hidden_size)
                        for c, m in step.metas.items()}
         self.recomputed = step.plan.recomputed
         self.last_backward = max((i for i, op in enumerate(ops) if op.kind == "B"), default=-1)

@@ -17,6 +17,10 @@ Freeing: chunk j's stored K/V are last read by the final forward of chunk j+1, s
 frees them; each backward frees its own accumulator. After chunk 0's backward nothing of the
 sequence remains.
 
+Under context parallelism (runtime/cp.py) k, v and everything stored or accumulated here are this
+CP rank's shard of each chunk; cat(K_0, ..., K_j) is then this rank's shards, which the attention
+all-gathers, and the gradient it returns is this rank's shard of dK/dV (reduce-scattered).
+
 SpaCO (runtime/sparse.py, docs/sparse.md): a chunk in `meta.dropped` runs forward only.
 Nothing accumulates for it (the gradient that would reach its K/V is cut); the backward of chunk j
 frees the stored K/V of j-1 and of every chunk below it down to the next back-propagated one; the
@@ -46,6 +50,8 @@ class ChunkMeta:
     num_padding: int = 0  # trailing padding tokens (a segment of their own; sequence parallelism)
     grad_weight: float = 1.0  # SpaCO: this chunk's backward is scaled by this (1 / inclusion prob.)
     dropped: frozenset[int] = frozenset()  # SpaCO: indices of this sequence's forward-only chunks
+    cp_size: int = 1  # context parallelism: this rank holds 1/cp_size of the chunk (runtime/cp.py)
+    cp_rank: int = 0
 
     @property
     def dependent(self) -> bool:
@@ -53,7 +59,13 @@ class ChunkMeta:
 
     @property
     def num_tokens(self) -> int:
+        """The chunk's tokens (padding included), over all its CP ranks."""
         return self.cu_seqlens[-1]
+
+    @property
+    def local_tokens(self) -> int:
+        """The chunk's tokens on this CP rank."""
+        return self.cu_seqlens[-1] // self.cp_size
 
     @property
     def prefix_len(self) -> int:

@@ -38,6 +38,7 @@ def transformer_config(shape: ModelShape, dtype: torch.dtype = torch.float32, **
         bf16=dtype == torch.bfloat16,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
         use_cpu_initialization=not on_gpu,
         apply_rope_fusion=False,
         bias_dropout_fusion=False,  # dropout is 0; the fused kernel is torch.compile'd
@@ -87,25 +88,24 @@ def build_gpt_model(shape: ModelShape, config, max_seq_length: int = 1 << 20):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_chunkflow.training.cpu import fix_checkpoint_without_output
+    from megatron_chunkflow.runtime.model import building_core_attention_without_cp
+    from megatron_chunkflow.training.cpu import fix_checkpoint_without_output, has_real_cuda
 
     fix_checkpoint_without_output()  # selective layernorm recompute without Transformer Engine
-    spec = local_layer_spec(config)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=shape.vocab_size,
-        max_sequence_length=max_seq_length,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=shape.tie_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(shape.rotary_base),
-    )
+    with building_core_attention_without_cp(config.context_parallel_size):  # under CP, ChunkFlow's replaces it
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=local_layer_spec(config),
+            vocab_size=shape.vocab_size,
+            max_sequence_length=max_seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=shape.tie_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(shape.rotary_base),
+        )
     # megatron-core builds linears and embeddings on the GPU but the local spec's norms on the
     # CPU; Megatron-LM's get_model moves the whole model, as this does
-    from megatron_chunkflow.training.cpu import has_real_cuda
-
     if has_real_cuda():
         model = model.cuda(torch.cuda.current_device())
     return model.to(dtype=config.params_dtype)

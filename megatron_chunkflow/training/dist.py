@@ -1,6 +1,7 @@
 """Process groups for one process or a torchrun job: torch.distributed + megatron parallel_state.
 
     init_distributed(tp=2, pp=1)          # under torchrun: env:// ; alone: a world of one
+    init_distributed(tp=1, pp=1, cp=2)    # context parallelism (Megatron's rank order tp-cp-ep-dp-pp)
     results = run_processes(fn, 4, arg)   # fn(arg) in 4 spawned processes forming one job
 
 On CPU the backend is gloo and training/cpu.py's shims are installed first. run_processes is the
@@ -23,7 +24,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
+def init_distributed(tp: int = 1, pp: int = 1, seed: int = 1234, cp: int = 1) -> None:
     """Initialise torch.distributed (if needed), megatron's model-parallel groups and RNG."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -41,12 +42,14 @@ def init_distributed(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}",
                                     rank=0, world_size=1)
     world = dist.get_world_size()
-    if world % (tp * pp):
-        raise ValueError(f"world size {world} is not divisible by --tp {tp} x --pp {pp}")
+    if world % (tp * cp * pp):
+        with_cp = f" x --cp {cp}" if cp > 1 else ""
+        raise ValueError(f"world size {world} is not divisible by --tp {tp}{with_cp} x --pp {pp}")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                             pipeline_model_parallel_size=pp)
+                                             pipeline_model_parallel_size=pp,
+                                             context_parallel_size=cp)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 

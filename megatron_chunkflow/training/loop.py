@@ -103,7 +103,8 @@ def run_step(s: TrainSettings, sequences, ddp, config, step_index: int = 0, obse
     step_fn = make_forward_step(exact_loss=s.dtype == "float64", vocab_size=s.real_vocab_size)
     if s.uses_chunkflow:
         step = plan_step(sequences, s.chunkflow, s.parallel, s.shape, dp_size=dp,
-                         dp_rank=dp_rank, sparse=s.sparse, seed=s.seed, step_index=step_index)
+                         dp_rank=dp_rank, sparse=s.sparse, seed=s.seed, step_index=step_index,
+                         cp_rank=parallel_state.get_context_parallel_rank())
         reports = execute_step(step, ddp, step_fn, observers=observers)
         return reports, len(step.batch.chunks), num_backward_chunks(step)
     mbs = baseline_microbatches(batch_lengths(sequences), s.seq_length, dp, s.system)

@@ -37,7 +37,8 @@ SINGLE = {
     "auto_backend": ("tiny", [MIXED, DEPENDENT], 2, torch.float64, "auto", ()),  # cpu_flash
     "float32": ("tiny", [MIXED], 1, torch.float32, "torch", ()),
 }
-# several processes: name -> (world, TP, PP, sequence parallel, K values, steps)
+# several processes: name -> (world, TP, PP, sequence parallel, K values, steps[, CP, recompute,
+# backend])
 LAYOUTS = {
     "tp2": (2, 2, 1, False, (2,), [MIXED]),
     "tp2_sequence_parallel": (2, 2, 1, True, (1,), [MIXED]),
@@ -46,6 +47,12 @@ LAYOUTS = {
     "pp4": (4, 1, 4, False, (1, 2), [MIXED, SINGLE_CHUNK, DEPENDENT]),
     "tp2_pp2": (4, 2, 2, True, (2,), [MIXED, STANDALONE]),
     "dp2_pp2": (4, 1, 2, False, (1,), [MIXED, DEPENDENT]),
+    # context parallelism: zigzag shards, sharded K/V state, all-gather attention (runtime/cp.py)
+    "cp2": (2, 1, 1, False, (1, 2), STEPS, 2),
+    "cp2_cpu_flash_recompute": (2, 1, 1, False, (2,), [MIXED], 2, "selective", "auto"),
+    "cp2_pp2": (4, 1, 2, False, (1, 2), [MIXED, DEPENDENT], 2),
+    "tp2_cp2_sequence_parallel": (4, 2, 1, True, (1, 2), [MIXED, DEPENDENT], 2),
+    "cp2_dp2": (4, 1, 1, False, (1,), [MIXED, DEPENDENT], 2),
 }
 BOUND = {torch.float64: 1e-10, torch.float32: 1e-4}
 
@@ -74,14 +81,16 @@ def _run_single():
 
 def _run_layout(name):
     from megatron_chunkflow.checks.verify import run_verify
-    from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+    from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig, Recompute
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.training.dist import shutdown
 
-    _, tp, pp, sp, ks, steps = LAYOUTS[name]
-    parallel = ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp)
-    out = {k: _summary(run_verify(get_model_shape("tiny"), steps, ChunkFlowConfig(C, k, "torch"),
-                                  parallel, seed=2)) for k in ks}
+    _, tp, pp, sp, ks, steps, *extra = LAYOUTS[name]
+    cp, recompute, backend = (*extra, *(1, "none", "torch")[len(extra):])
+    parallel = ParallelConfig(tp=tp, pp=pp, cp=cp, sequence_parallel=sp)
+    out = {k: _summary(run_verify(get_model_shape("tiny"), steps, ChunkFlowConfig(C, k, backend),
+                                  parallel, seed=2, recompute=Recompute.parse(recompute)))
+           for k in ks}
     shutdown()
     return out
 

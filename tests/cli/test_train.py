@@ -39,6 +39,15 @@ def test_empty_dataset(capsys, tmp_path):
     (["--tokenizer", "/nonexistent/tokenizer-dir"], "--tokenizer"),
     (["--lr-warmup-iters", "50", "--train-iters", "10"], "--lr-warmup-iters 50"),
     (["--chunkflow-k", "0"], "--chunkflow-k must be >= 1"),
+    (["--cp", "2", "--chunk-size", "126"], "--chunk-size 126 is not a multiple of 2 x "
+                                           "--context-parallel-size (--cp) 2 = 4"),
+    (["--cp", "2", "--tp", "2", "--sequence-parallel", "--chunk-size", "132"],
+     "--chunk-size 132 is not a multiple of 2 x --context-parallel-size (--cp) 2 x "
+     "--tensor-model-parallel-size (--tp) 2 = 8"),
+    (["--cp", "2", "--attention-backend", "flex"], "--attention-backend flex: context "
+                                                   "parallelism recomputes attention"),
+    (["--cp", "2", "--no-chunkflow"], "--context-parallel-size 2 with --no-chunkflow"),
+    (["--cp", "0"], "--context-parallel-size (--cp) must be >= 1"),
 ])
 def test_bad_flags(capsys, argv, message):
     rc, err = run_train(capsys, *argv)

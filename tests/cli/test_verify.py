@@ -23,6 +23,12 @@ def run_verify(capsys, *argv):
     (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size (--tp) > 1"),
     (["--model-config", "/nonexistent.json"], "no such file"),
     (["--memory", "--lengths", "100000000"], "more than the 1,048,576 the memory check runs"),
+    (["--cp", "2", "--chunk-size", "130"], "--chunk-size 130 is not a multiple of 2 x "
+                                           "--context-parallel-size (--cp) 2 = 4"),
+    (["--cp", "2", "--attention-backend", "flex"], "--attention-backend flex: context "
+                                                   "parallelism recomputes attention"),
+    (["--cp", "2", "--lora-rank", "4"], "--lora-rank is not checked with --context-parallel-size"),
+    (["--memory", "--tp", "2"], "--memory measures at TP = PP = 1"),
 ])
 def test_verify_bad_input_exits_2(capsys, argv, message):
     rc, err = run_verify(capsys, *argv)

@@ -89,7 +89,7 @@ def _megatron_losses(log: str) -> list[float]:
     return [float(x) for x in re.findall(r"\| lm loss: ([0-9.E+-]+) \|", log)]
 
 
-LAYOUTS = {"pp1": (1, 1), "pp2": (1, 2), "tp2": (2, 1)}
+LAYOUTS = {"pp1": (1, 1, 1), "pp2": (1, 2, 1), "tp2": (2, 1, 1), "cp2": (1, 1, 2)}  # TP, PP, CP
 
 
 @needs_megatron_lm
@@ -97,9 +97,10 @@ LAYOUTS = {"pp1": (1, 1), "pp2": (1, 2), "tp2": (2, 1)}
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_pretrain_gpt_chunkflow_matches_chunkflow_train(workdir, layout):
     """The same weights, data, sampler and schedule: the losses agree at float32 precision."""
-    tp, pp = LAYOUTS[layout]
-    nproc = tp * pp
-    par = {"--tensor-model-parallel-size": tp, "--pipeline-model-parallel-size": pp}
+    tp, pp, cp = LAYOUTS[layout]
+    nproc = tp * pp * cp
+    par = {"--tensor-model-parallel-size": tp, "--pipeline-model-parallel-size": pp,
+           "--context-parallel-size": cp}
     mlm = _torchrun(nproc, [
         "megatron_chunkflow.launch", str(MEGATRON_LM / "pretrain_gpt.py"), *MODEL, *CPU,
         *_flags(SCHEDULE), *_flags(par), "--micro-batch-size", "1", "--lr-decay-style", "cosine",
@@ -157,7 +158,7 @@ def test_refused_layouts_name_every_flag(workdir):
     assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
     err = run.stderr
     assert "chunkflow-megatron: error: --chunkflow cannot run with" in err
-    for needle in ("--context-parallel-size 2", "--micro-batch-size 2", "--chunk-size 127",
+    for needle in ("--micro-batch-size 2", "--chunk-size 127",
                    "--sequence-parallel", "--dataloader-type cyclic", "--hidden-dropout 0.1: give 0"):
         assert needle in err, needle
 
@@ -334,14 +335,15 @@ def test_cpu_shim_has_the_memory_stats_megatron_logs():
 @needs_megatron_lm
 @pytest.mark.slow
 @pytest.mark.parametrize("extra, needle", [
-    (["--context-parallel-size", "2"], "--context-parallel-size 2: ChunkFlow keeps"),
+    (["--context-parallel-size", "2", "--chunkflow-attention-backend", "flex"],
+     "--chunkflow-attention-backend flex: context parallelism recomputes attention"),
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
      "virtual pipeline stages (--num-layers-per-virtual-pipeline-stage"),
 ])
 def test_single_process_refusal_comes_before_megatrons_assertion(workdir, extra, needle):
-    """One process with CP 2 or virtual stages: Megatron's own world-size assertion would fire
-    first; the plugin's refusal is what the user sees, with the defaulted chunk size named as
-    the default."""
+    """One process with CP 2 (and a backend that cannot run it) or virtual stages: Megatron's own
+    world-size assertion would fire first; the plugin's refusal is what the user sees, with the
+    defaulted chunk size named as the default."""
     args = {k: v for k, v in SCHEDULE.items() if k != "--chunk-size"}
     run = _launch_one(workdir, [*MODEL, *CPU, *_flags(args), "--micro-batch-size", "1",
                                 "--mock-data", "--chunkflow", *extra])
@@ -365,6 +367,9 @@ def test_single_process_refusal_comes_before_megatrons_assertion(workdir, extra,
     (["--chunkflow", "--data-path", "missing.jsonl"],
      "--data-path missing.jsonl: no such file or directory"),
     (["--chunkflow", "--data-path", "corpus.idx"], "--data-path corpus.idx: unknown file type"),
+    (["--chunkflow", "--context-parallel-size", "2", "--chunk-size", "126"],
+     "--chunkflow cannot run with --chunk-size 126, not a multiple of 2 x "
+     "--context-parallel-size 2 = 4"),
 ])
 def test_launcher_bad_input_exits_2_without_a_traceback(workdir, extra, needle):
     (workdir / "not_json").mkdir(exist_ok=True)

@@ -1,0 +1,163 @@
+"""Context parallelism (CP) for ChunkFlow: zigzag shards of every chunk, all-gather attention.
+
+Layout. core/packer pads every segment of a chunk to a multiple of 2 x CP tokens (2 x CP x TP
+under sequence parallelism). A segment is cut into 2 x CP equal pieces and CP rank r holds pieces
+r and 2 x CP - 1 - r, segment after segment (`shard_ranges`). This is Megatron's THD layout:
+megatron-core's RoPE picks the same rows from the chunk's positions (rope_utils, its per-token
+CASE 1), and every rank's share of a causal segment's attention is equal. A long sequence's
+earlier chunks were held the same way, so its K/V state and gradient accumulators
+(runtime/state.py) are, per rank, 1/CP of the sequence's.
+
+Attention (`cp_attention`), in every layer: the rank's shards of [earlier chunks' K/V ++ the
+chunk's own] are all-gathered over the CP group (one collective for K and V); one index puts the
+keys each local query piece reads in sequence order, and one varlen kernel call runs the pieces as
+segments, each attending bottom-right causally to its segment's keys up to its own last token (in
+a dependent chunk: the whole prefix too). Every query sees exactly the keys it sees without CP, for
+any packing and prefix. The backward reduce-scatters dK/dV (summed in fp32 under half precision)
+back to the ranks holding those K/V; the relay takes it from there.
+
+Memory and traffic. The gather, the index and the kernel are recomputed in the backward: only the
+local q and [prefix ++ own] K/V shards are saved, and the backward gathers again and recomputes
+the local attention forward before its backward. Per rank, layer and chunk it receives
+(CP - 1)/CP x (prefix + chunk) tokens of K and V forward and twice that backward (the gather again,
+the reduce-scatter), and holds transiently the gathered K/V and the selection (about
+2 x prefix + 1.25 x chunk tokens of K and V at CP = 2). Activations and state per rank are ~1/CP of
+CP = 1's; the price is the second gather and one more attention forward per layer.
+
+Shapes: THD per TP rank, q [t, np, hn], k/v [t, ng, hn], t = this CP rank's tokens.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_chunkflow.attention import chunk_attention
+
+
+def shard_ranges(cu_seqlens, cp: int, rank: int) -> list[tuple[int, int]]:
+    """The [lo, hi) token ranges of a chunk with segment boundaries `cu_seqlens` that CP rank
+    `rank` holds, in its local order: pieces rank and 2 cp - 1 - rank of each segment."""
+    out = []
+    for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        if (b - a) % (2 * cp):
+            raise ValueError(f"segment [{a}, {b}) has {b - a} tokens, which do not cut into "
+                             f"2 x CP = {2 * cp} equal pieces (core/packer pads segments)")
+        piece = (b - a) // (2 * cp)
+        out += [(a + i * piece, a + (i + 1) * piece) for i in (rank, 2 * cp - 1 - rank)]
+    return out
+
+
+def local_index(cu_seqlens, cp: int, rank: int) -> torch.Tensor:
+    """Indices (into the whole chunk) of the tokens CP rank `rank` holds, in its local order."""
+    ranges = shard_ranges(cu_seqlens, cp, rank)
+    return torch.cat([torch.arange(lo, hi) for lo, hi in ranges] or [torch.zeros(0, dtype=torch.long)])
+
+
+class AttentionLayout(NamedTuple):
+    """How one CP rank's query pieces read the gathered K/V of a chunk (and its prefix)."""
+
+    index: torch.Tensor  # rows of the gathered K/V the pieces read, piece after piece
+    cu_q: tuple[int, ...]  # the local queries cut into pieces (the kernel's segments)
+    cu_kv: tuple[int, ...]  # each piece's keys within `index`
+
+
+@lru_cache(maxsize=256)
+def attention_layout(cu_seqlens: tuple[int, ...], prefix_chunks: int, chunk_size: int, cp: int,
+                     rank: int, device: torch.device | None = None) -> AttentionLayout:
+    """The layout for a chunk with segment boundaries `cu_seqlens` after `prefix_chunks` earlier
+    chunks of `chunk_size` tokens (a dependent chunk: one segment), on CP rank `rank`.
+
+    Gathered rows: rank after rank, each rank's shards of the prefix chunks and then of this chunk
+    (what runtime/state.py's relay concatenates)."""
+    prefix = prefix_chunks * chunk_size
+    if prefix and len(cu_seqlens) != 2:
+        raise ValueError("a dependent chunk has one segment")
+    blocks = [((0, chunk_size), i * chunk_size) for i in range(prefix_chunks)]
+    blocks.append((cu_seqlens, prefix))
+    natural = torch.cat([torch.arange(offset + lo, offset + hi)  # each gathered row's position
+                         for r in range(cp) for cu, offset in blocks
+                         for lo, hi in shard_ranges(cu, cp, r)])
+    row = torch.empty_like(natural)
+    row[natural] = torch.arange(natural.numel())
+    rows, cu_q, cu_kv = [], [0], [0]
+    for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        first = 0 if prefix else a  # the segment's first key
+        for lo, hi in shard_ranges((a, b), cp, rank):
+            rows.append(row[first:prefix + hi])  # a piece sees its segment's keys up to its end
+            cu_q.append(cu_q[-1] + hi - lo)
+            cu_kv.append(cu_kv[-1] + prefix + hi - first)
+    index = torch.cat(rows).to(device) if device is not None else torch.cat(rows)
+    return AttentionLayout(index, tuple(cu_q), tuple(cu_kv))
+
+
+def cp_attention(q, k, v, layout: AttentionLayout, group, softmax_scale: float,
+                 backend: str) -> torch.Tensor:
+    """This rank's attention output [t, np, hn] for its queries q [t, np, hn], given its shards k,
+    v [s, ng, hn] of [prefix ++ chunk] K/V (module docstring)."""
+    return _RecomputedAttention.apply(q, k, v, layout, group, softmax_scale, backend)
+
+
+class _RecomputedAttention(torch.autograd.Function):
+    """Saves only the local q, k, v; the backward gathers and recomputes, then back-propagates.
+
+    A Function rather than torch.utils.checkpoint: its saves and its backward's recompute go
+    through the saved-tensor hooks of whoever meters memory (checks/memory.py), as Megatron's own
+    recompute does."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout, group, softmax_scale, backend):
+        ctx.save_for_backward(q, k, v)
+        ctx.args = (layout, group, softmax_scale, backend)
+        return _attend(q, k, v, *ctx.args)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v = (x.detach().requires_grad_() for x in ctx.saved_tensors)
+        with torch.enable_grad():
+            out = _attend(q, k, v, *ctx.args)
+        torch.autograd.backward(out, grad_out)
+        return q.grad, k.grad, v.grad, None, None, None, None
+
+
+def _attend(q, k, v, layout, group, softmax_scale, backend):
+    kv = _GatherKV.apply(torch.stack([k, v], dim=1), group)  # [cp * s, 2, ng, hn]
+    k, v = (kv[:, i].index_select(0, layout.index) for i in (0, 1))  # contiguous, as kernels like
+    return chunk_attention(q, k, v, layout.cu_q, layout.cu_kv, softmax_scale=softmax_scale,
+                           backend=backend)
+
+
+# torch >= 2.12 names them *_single (the *_tensor names are deprecated)
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _GatherKV(torch.autograd.Function):
+    """All-gather along dim 0 over `group`; backward: reduce-scatter (summed in fp32 under half
+    precision; all-reduce and slice on gloo, which has no reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.dtype = group, x.dtype
+        size = dist.get_world_size(group)
+        out = x.new_empty((size * x.size(0), *x.shape[1:]))
+        _ALL_GATHER(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        group = ctx.group
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        wide = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
+        if dist.get_backend(group) == "gloo":
+            summed = grad.to(wide, memory_format=torch.contiguous_format, copy=True)
+            dist.all_reduce(summed, group=group)
+            out = summed.chunk(size)[rank]
+        else:
+            grad = grad.to(wide).contiguous()
+            out = grad.new_empty((grad.size(0) // size, *grad.shape[1:]))
+            _REDUCE_SCATTER(out, grad, group=group)
+        return out.to(ctx.dtype), None

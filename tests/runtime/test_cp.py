@@ -1,0 +1,84 @@
+"""Context parallelism's layout (runtime/cp.py), in one process: the zigzag shards, and that the
+gathered-K/V index gives every local query exactly the keys it has without CP.
+
+The collectives and the recompute run in tests/checks/test_exact.py (CP layouts, gloo) and
+tests/megatron_lm/test_pretrain_gpt.py (the launcher at CP 2).
+"""
+
+import pytest
+import torch
+
+from megatron_chunkflow.attention import chunk_attention
+from megatron_chunkflow.core.models import get_model_shape
+from megatron_chunkflow.core.packer import build_chunks
+from megatron_chunkflow.runtime.cp import attention_layout, local_index, shard_ranges
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_shards_cover_each_token_once_and_balance_causal_work(cp):
+    cu = (0, 2 * cp, 6 * cp, 16 * cp)
+    shards = [local_index(cu, cp, r) for r in range(cp)]
+    assert sorted(torch.cat(shards).tolist()) == list(range(cu[-1]))
+    starts = torch.tensor(cu[:-1])
+
+    def causal_pairs(idx):  # keys a query sees: its position within its segment + 1
+        seg = torch.searchsorted(starts, idx, right=True) - 1
+        return int((idx - starts[seg] + 1).sum())
+
+    assert len({causal_pairs(s) for s in shards}) == 1
+    assert all(s.numel() == cu[-1] // cp for s in shards)
+
+
+def test_a_segment_the_split_cannot_cut_is_refused():
+    with pytest.raises(ValueError, match="6 tokens, which do not cut into 2 x CP = 4"):
+        shard_ranges((0, 6), 2, 0)
+
+
+def _attention_by_rank(q, k, v, cu, prefix_chunks, chunk_size, cp):
+    """Each rank's output through the layout, the gathered K/V built by hand as all_gather
+    would (rank after rank: its shards of the prefix chunks, then of the chunk)."""
+    blocks = [((0, chunk_size), i * chunk_size) for i in range(prefix_chunks)]
+    blocks.append((cu, prefix_chunks * chunk_size))
+    mine = [torch.cat([local_index(c, cp, r) + off for c, off in blocks]) for r in range(cp)]
+    k_gathered, v_gathered = k[torch.cat(mine)], v[torch.cat(mine)]
+    prefix = prefix_chunks * chunk_size
+    outs = []
+    for r in range(cp):
+        layout = attention_layout(cu, prefix_chunks, chunk_size, cp, r)
+        q_local = q[prefix + local_index(cu, cp, r)]
+        outs.append(chunk_attention(q_local, k_gathered[layout.index], v_gathered[layout.index],
+                                    layout.cu_q, layout.cu_kv, backend="sdpa"))
+    return outs
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("case", ["standalone", "dependent"])
+def test_every_query_sees_its_unsplit_keys(cp, case):
+    torch.manual_seed(0)
+    c = 8 * cp
+    if case == "standalone":  # three packed sequences, no prefix
+        cu, prefix_chunks = (0, 2 * cp, 4 * cp, c), 0
+    else:  # the third chunk of a sequence: 2 C of prefix, then a shorter last chunk
+        cu, prefix_chunks = (0, 4 * cp), 2
+    prefix = prefix_chunks * c
+    n = prefix + cu[-1]
+    q, k, v = (torch.randn(n, h, 4, dtype=torch.float64) for h in (4, 2, 2))
+    if prefix:  # the whole sequence unsplit: the chunk's queries after the prefix
+        whole = chunk_attention(q[prefix:], k, v, [0, cu[-1]], [0, n], backend="sdpa")
+    else:
+        whole = chunk_attention(q, k, v, list(cu), list(cu), backend="sdpa")
+    for r, out in enumerate(_attention_by_rank(q, k, v, cu, prefix_chunks, c, cp)):
+        torch.testing.assert_close(out, whole[local_index(cu, cp, r)], rtol=1e-12, atol=1e-12)
+
+
+def test_packer_pads_every_segment_for_the_split():
+    shape = get_model_shape("tiny")
+    batch = build_chunks([70, 5, 33, 1, 16], 16, 1, 1, shape, segment_multiple=4)
+    for chunk in batch.chunks:
+        assert all(s.computed_tokens % 4 == 0 for s in chunk.segments)
+        assert chunk.computed_tokens <= 16
+        if chunk.is_dependent and chunk.index + 1 < chunk.num_siblings:
+            assert chunk.segments[0].padding == 0  # full chunks hold state: never padded
+    assert sum(c.num_tokens for c in batch.chunks) == 70 + 5 + 33 + 1 + 16  # nothing lost
+    with pytest.raises(ValueError, match="chunk size 18 is not a multiple"):
+        build_chunks([70], 18, 1, 1, shape, segment_multiple=4)
