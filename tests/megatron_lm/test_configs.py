@@ -289,9 +289,10 @@ def test_run_config_layout_is_consistent(run_file, model):
     assert ("--sequence-parallel" in f) == (tp > 1)
     if rc["system"] == "chunkflow":
         c = flags(rc["chunkflow_args"])
-        assert cp == 1, "ChunkFlow runs must use --context-parallel-size 1"
         assert int(c["--chunk-size"]) == rc["chunk"] and int(c["--chunkflow-k"]) == rc["k"]
         assert rc["chunk"] % tp == 0, "sequence parallelism splits every chunk over TP"
+        if cp > 1:
+            assert rc["chunk"] % (2 * cp * tp) == 0, "CP cuts every chunk into 2 x CP pieces"
         assert c["--chunkflow"] is True and "--no-rope-fusion" in f
         assert c["--chunkflow-attention-backend"] in BACKENDS
     else:
