@@ -15,9 +15,12 @@ under CP every sequence is padded to a multiple of 2 x CP. `--baseline all` (the
 each on its own fastest layout and recompute. A layout is TP,CP,PP,RECOMPUTE with RECOMPUTE one of
 Megatron's menu (none, selective, selective:mlp+layernorm, full, block:N); DP is what --gpus
 leaves; "auto" (the default) searches every layout and recompute option for the fastest that fits.
-Every stock prediction is repeated with CP overlap 0 and 1 (Hardware.cp_overlap's range, searched
-again when the layout was). Sequences longer than --seq-length are truncated to it for every
-system (the context limit of the run).
+ChunkFlow's CP (runtime/cp.py) pads every segment of a chunk to 2 x CP (x TP under sequence
+parallelism), all-gathers K/V in every layer and recomputes its attention in the backward
+(perfmodel/layer.py); its --chunk-size must be a multiple of that. Every stock prediction is
+repeated with CP overlap 0 and 1 (Hardware.cp_overlap's range, searched again when the layout
+was); ChunkFlow's CP gathers are not overlapped, so it does not change ChunkFlow's. Sequences
+longer than --seq-length are truncated to it for every system (the context limit of the run).
 """
 
 from __future__ import annotations
@@ -27,12 +30,7 @@ import dataclasses
 
 from megatron_chunkflow.cli.inputs import read_lengths_file
 from megatron_chunkflow.cli.output import Output
-from megatron_chunkflow.config import (
-    ChunkFlowConfig,
-    ParallelConfig,
-    add_config_arguments,
-    config_from_args,
-)
+from megatron_chunkflow.config import ChunkFlowConfig, add_config_arguments, config_from_args
 from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape
 from megatron_chunkflow.core.profiles import PROFILES, sample_lengths
 from megatron_chunkflow.core.step import BASELINES
@@ -43,7 +41,7 @@ from megatron_chunkflow.perfmodel.hardware import (
     with_overrides,
 )
 from megatron_chunkflow.perfmodel.layout import parse_layout
-from megatron_chunkflow.perfmodel.predict import GIB, Prediction
+from megatron_chunkflow.perfmodel.predict import GIB, Prediction, check_chunk_size
 from megatron_chunkflow.perfmodel.search import best_chunkflow, best_megatron
 
 DEFAULT_BATCH = 2048
@@ -82,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--megatron-parallel", default="auto", metavar="TP,CP,PP,RECOMPUTE",
                    help="stock Megatron's layout (every baseline's), or auto (default: auto)")
     g.add_argument("--chunkflow-parallel", default="auto", metavar="TP,CP,PP,RECOMPUTE",
-                   help="ChunkFlow's layout (CP must be 1), or auto (default: auto)")
+                   help="ChunkFlow's layout (under CP, --chunk-size a multiple of 2 x CP, x TP "
+                        "when TP > 1), or auto (default: auto)")
     g = parser.add_argument_group("chunkflow")
     add_config_arguments(g, ChunkFlowConfig, fields=("chunk_size", "k"))
     g.add_argument("--auto", action="store_true",
@@ -139,12 +138,8 @@ def run(args: argparse.Namespace) -> int:
     if args.chunkflow_parallel != "auto":
         cf_layout = parse_layout(args.chunkflow_parallel, args.gpus, shape,
                                  "--chunkflow-parallel")
-        if cf_layout.cp > 1:
-            raise ValueError(f"--chunkflow-parallel {args.chunkflow_parallel}: CP must be 1 "
-                             "(ChunkFlow refuses context parallelism)")
         if not args.auto:
-            cfg.check_parallel(ParallelConfig(tp=cf_layout.tp,
-                                              sequence_parallel=cf_layout.sequence_parallel))
+            check_chunk_size(cfg.chunk_size, cf_layout)
     raw, source = _lengths(args)
     lengths = [min(n, args.seq_length) for n in raw]
     truncated = sum(n > args.seq_length for n in raw)
@@ -162,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
                         cfg.chunk_size, cfg.k, auto_chunking=args.auto)
     speedups = {name: speedup_of(p, cf) for name, p in preds.items()}
     ratios = {name: p.step_s / cf.step_s for name, p in preds.items()}
-    ends = {}  # CP overlap 0 and 1: the stock systems again (ChunkFlow runs without CP)
+    ends = {}  # CP overlap 0 and 1: the stock systems again (ChunkFlow's CP does not overlap)
     for end in CP_OVERLAP_ENDS:
         device = dataclasses.replace(hw, cp_overlap=end)
         again = {n: preds[n] if end == hw.cp_overlap else stock(n, device) for n in names}

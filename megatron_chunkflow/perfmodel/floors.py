@@ -4,6 +4,11 @@ Time floor (time_floor): stage s of a DP rank runs all its ops (F and B of every
 re-forwarded one), cannot start before some chunk has gone forward through stages 0..s-1 and,
 after its last B, that chunk still runs backward through stages s-1..0 before stage 0's optimizer
 step (or stage s's own, if longer). Sends, bubbles and the DP tail only add to it.
+ChunkFlow's long sequences add a second bound, their chain (core/schedule.py): chunk j's F on a
+stage follows chunk j - 1's there, its B follows chunk j + 1's there (and its R, if
+re-forwarded); so some path runs chunk 0 forward down to a stage t, every chunk's F on t, the last
+chunk down to the last stage, its B back up to a stage u, every chunk's B and R on u, then chunk
+0's B up to stage 0 and its optimizer step; the floor takes the longest such path over t and u.
 
 The floor is computed from per-rank sums (FloorSums), one pass over the chunks per parallel
 layout, then per recompute option in O(stages): the forward sums are exact; a backward's launch
@@ -16,7 +21,8 @@ flight (inflight_tokens): under Megatron's 1F1B, stage s of p holds min(p - s, m
 micro-batches of its rank at once (core/schedule.py megatron_1f1b_plan), so the held peak is the
 largest window of that many; the peak adds the static bytes and the transient of the rank's
 largest micro-batch, exactly as perfmodel/predict.py counts it. ChunkFlow's
-(chunkflow_memory_floor) is a bound: the last K chunks of the longest sequence are held at once.
+(chunkflow_memory_floor) is a bound: the last K chunks of the longest sequence are held at once
+(1/CP of them per GPU), and under CP its last chunk's attention gathers the whole sequence's K/V.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from megatron_chunkflow.core.costs import layers_per_stage
 from megatron_chunkflow.core.models import ModelShape
@@ -31,6 +38,7 @@ from megatron_chunkflow.core.schedule import is_reforwarded
 from megatron_chunkflow.core.types import DataChunk
 from megatron_chunkflow.perfmodel.footprint import (
     chunk_tokens,
+    kv_state_bytes_per_token,
     per_token_bytes,
     sequence_state_bytes,
     stage_params,
@@ -44,11 +52,35 @@ from megatron_chunkflow.perfmodel.roofline import Roofline
 MODULES = ("core_attn", "mlp", "layernorm")
 
 
-def chunk_work_items(chunks: Sequence[DataChunk], block: int, cp: int = 1,
-                     k: int = 1) -> list[tuple[int, bool, Work]]:
-    """(DP rank, re-forwarded, Work) per chunk: what time_floor needs, independent of TP, PP and
-    recompute, so a search computes it once per chunking."""
-    return [(c.dp_rank, is_reforwarded(c, k), chunk_work(c, block, cp)) for c in chunks]
+def chunk_work_items(chunks: Sequence[DataChunk], block: int, cp: int = 1, k: int = 1,
+                     gather: bool = False) -> list[tuple[int, bool, Work, int | None]]:
+    """(DP rank, re-forwarded, Work, long sequence or None) per chunk: what time_floor needs,
+    independent of TP, PP and recompute, so a search computes it once per chunking (and CP);
+    `gather`: ChunkFlow's CP."""
+    return [(c.dp_rank, is_reforwarded(c, k), chunk_work(c, block, cp, gather), c.parent)
+            for c in chunks]
+
+
+@dataclass
+class ChainSums:
+    """One long sequence's chunks summed, for its chain bound (module docstring): per layer
+    roofline seconds and kernels as in RankSums, its first and last chunk's own."""
+
+    n: int = 0
+    fwd: float = 0.0  # layer forwards (launch floor applied), F once per chunk
+    refwd: float = 0.0  # the same over its re-forwarded chunks (their R)
+    num_refwd: int = 0
+    bwd: float = 0.0
+    bwd_kernels: int = 0
+    fwd_roof: float = 0.0
+    fwd_kernels: int = 0
+    module: dict = field(default_factory=lambda: {m: 0.0 for m in MODULES})
+    module_kernels: dict = field(default_factory=lambda: {m: 0 for m in MODULES})
+    ends_f: tuple = (0.0, 0.0)  # embedding and head forwards, F of every chunk
+    ends_r: tuple = (0.0, 0.0)  # the same for the R of the re-forwarded ones
+    ends_b: tuple = (0.0, 0.0)
+    first: tuple = ()  # chunk 0: (layer forward, layer backward, embedding f, b, head f, b)
+    last: tuple = ()  # the last chunk: the same
 
 
 @dataclass
@@ -74,15 +106,17 @@ class RankSums:
     max_fwd: float = 0.0  # a layer's forward
     max_bwd: float = 0.0  # a layer's backward under any recompute option
     max_ends: tuple = (0.0, 0.0, 0.0, 0.0)  # embedding and head, forward and backward
+    chains: dict = field(default_factory=dict)  # long sequence -> ChainSums (the heaviest kept)
 
 
-def floor_sums(items: Sequence[tuple[int, bool, Work]], model: Roofline) -> dict[int, RankSums]:
+def floor_sums(items: Sequence[tuple[int, bool, Work, int | None]],
+               model: Roofline) -> dict[int, RankSums]:
     """Per DP rank, the sums time_floor combines; they depend on the parallel layout, not on
     recompute, so a search shares them between every recompute option of a layout."""
     pp, launch = model.layout.pp, model.launch_s
     host = model.hw.op_overhead_us * 1e-6
     rows: dict[int, RankSums] = {}
-    for rank, reforward, work in items:
+    for rank, reforward, work, parent in items:
         parts = model.layer.parts(work)
         (emb_f, emb_b), (head_f, head_b), layers = model.ends(work.tokens, pp)
         f_layer = max(parts.fwd, parts.fwd_kernels * launch)
@@ -109,6 +143,28 @@ def floor_sums(items: Sequence[tuple[int, bool, Work]], model: Roofline) -> dict
                         (parts.bwd_kernels + parts.fwd_kernels) * launch,
                         (parts.bwd_kernels + sum(e[1] for e in every)) * launch)
         r.max_ends = tuple(map(max, r.max_ends, (emb_f, emb_b, head_f, head_b)))
+        if parent is not None:
+            ch = r.chains.setdefault(parent, ChainSums())
+            ch.n += 1
+            ch.fwd += f_layer
+            ch.bwd += parts.bwd
+            ch.bwd_kernels += parts.bwd_kernels
+            ch.fwd_roof += parts.fwd
+            ch.fwd_kernels += parts.fwd_kernels
+            for m, (sec, kernels) in parts.modules.items():
+                ch.module[m] += sec
+                ch.module_kernels[m] += kernels
+            ch.ends_f = (ch.ends_f[0] + emb_f, ch.ends_f[1] + head_f)
+            ch.ends_b = (ch.ends_b[0] + emb_b, ch.ends_b[1] + head_b)
+            if reforward:
+                ch.refwd += f_layer
+                ch.num_refwd += 1
+                ch.ends_r = (ch.ends_r[0] + emb_f, ch.ends_r[1] + head_f)
+            own = (f_layer, b_layer, emb_f, emb_b, head_f, head_b)
+            if work.prior == 0:
+                ch.first = own
+            if not work.relayed:  # the sequence's last chunk
+                ch.last = own
         f_acc = b_acc = 0.0
         for s, n in enumerate(layers):
             r.f_pre[s], r.b_pre[s] = min(r.f_pre[s], f_acc), min(r.b_pre[s], b_acc)
@@ -116,10 +172,14 @@ def floor_sums(items: Sequence[tuple[int, bool, Work]], model: Roofline) -> dict
                 (head_f if s == pp - 1 else 0.0)
             b_acc += n * b_layer + host + (emb_b if s == 0 else 0.0) + \
                 (head_b if s == pp - 1 else 0.0)
+    for r in rows.values():  # any chain bounds the step: keep the heaviest, for speed
+        if len(r.chains) > 1:
+            key = max(r.chains, key=lambda q: r.chains[q].fwd + r.chains[q].bwd)
+            r.chains = {key: r.chains[key]}
     return rows
 
 
-def time_floor(items: Sequence[tuple[int, bool, Work]], model: Roofline,
+def time_floor(items: Sequence[tuple[int, bool, Work, int | None]], model: Roofline,
                sums: dict[int, RankSums] | None = None) -> float:
     """A lower bound of the step time without planning (module docstring); `sums` are
     floor_sums(items, model) when the caller has them already. The DP tail counts too: the
@@ -152,7 +212,38 @@ def time_floor(items: Sequence[tuple[int, bool, Work]], model: Roofline,
             rs, ag = dp[s]
             tail = max(0.0, rs - last_b) + opt[s] + max(0.0, ag - first_f)
             best = max(best, busy + r.f_pre[s] + max(tail, r.b_pre[s] + opt[0]))
+        for ch in r.chains.values():
+            best = max(best, _chain_floor(ch, layers, rc, launch, host) + opt[0])
     return best
+
+
+def _chain_floor(ch: ChainSums, layers: Sequence[int], rc, launch: float, host: float) -> float:
+    """The longest path through one long sequence's chunks (module docstring), without sends."""
+    p = len(layers)
+
+    def ops(own, b: int) -> list[float]:  # chunk 0's or the last's F (b = 0) or B (1) per stage
+        out = [n * own[b] + host for n in layers]
+        out[0] += own[2 + b]
+        out[-1] += own[4 + b]
+        return out
+
+    x_s = sum(ch.module[m] for m in rc.modules)
+    x_k = sum(ch.module_kernels[m] for m in rc.modules)
+    keep = max(ch.bwd + x_s, (ch.bwd_kernels + x_k) * launch)
+    full = max(ch.bwd + ch.fwd_roof, (ch.bwd_kernels + ch.fwd_kernels) * launch)
+    first_f, last_f, first_b, last_b = (ops(ch.first, 0), ops(ch.last, 0), ops(ch.first, 1),
+                                        ops(ch.last, 1))
+    down = up = 0.0
+    for s, n in enumerate(layers):
+        emb, head = s == 0, s == p - 1
+        fwd = n * ch.fwd + host * ch.n + emb * ch.ends_f[0] + head * ch.ends_f[1]
+        k = recomputed_layers(rc, n)
+        bwd = (k * full + (n - k) * keep + host * ch.n * (1 + k / max(n, 1))
+               + emb * ch.ends_b[0] + head * ch.ends_b[1]
+               + n * ch.refwd + host * ch.num_refwd + emb * ch.ends_r[0] + head * ch.ends_r[1])
+        down = max(down, sum(first_f[:s]) + fwd + sum(last_f[s + 1:]))
+        up = max(up, sum(last_b[s + 1:]) + bwd + sum(first_b[:s]))
+    return down + up
 
 
 def relaxed_1f1b_floor(per_rank: Sequence[Sequence[DataChunk]], model: Roofline,
@@ -241,18 +332,36 @@ def chunkflow_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: La
     """A lower bound of ChunkFlow's peak memory per GPU, without planning (to skip hopeless
     (chunk size, K) candidates): on every stage the last K chunks of the longest sequence hold
     activations at once (all are forwarded before the first of them runs backward), beside its
-    state, the static memory and the transient of one chunk."""
-    longest = max(lengths)
+    state, the static memory and the transient of one chunk; under CP (segments padded, so at
+    least these tokens) 1/CP of the tokens per GPU, and the transient of the CP attention of the
+    chunk that ends the sequence, which gathers all of its K/V (footprint.gather_transient_bytes
+    is at least G x (dtype + 4 under half precision) per K/V element)."""
+    longest, cp = max(lengths), layout.cp
     if longest > chunk_size:
         n = math.ceil(longest / chunk_size)
         held = longest - (n - min(k, n)) * chunk_size
     else:
         held = longest
-    per_token = per_token_bytes(shape, layout, dtype_bytes, layout.pp)
+    static, per_token, transient = _stage_bytes(shape, layout, dtype_bytes)
+    state = sequence_state_bytes(longest, chunk_size, k, shape, layout, dtype_bytes, layout.pp)
+    gathered = 0.0
+    if cp > 1:
+        wide = 4 if dtype_bytes < 4 else 0
+        gathered = longest * (dtype_bytes + wide) / dtype_bytes * kv_state_bytes_per_token(
+            shape, 1, dtype_bytes, layout.tp, with_grad=False)
+    tokens = math.ceil(min(chunk_size, longest) / cp)
+    return max(static[s] + held / cp * per_token[s] + state[s] + tokens * transient[s] + gathered
+               for s in range(layout.pp))
+
+
+@lru_cache(maxsize=4096)
+def _stage_bytes(shape: ModelShape, layout: Layout, dtype_bytes: int) -> tuple[list, list, list]:
+    """Per stage: static bytes, activation bytes per token, transient bytes per token of the
+    largest chunk (transient_bytes is linear in its tokens); a search asks once per layout."""
     params = stage_params(shape, layout.pp)
     layers = layers_per_stage(shape.num_layers, layout.pp)
-    state = sequence_state_bytes(longest, chunk_size, k, shape, layout, dtype_bytes, layout.pp)
-    return max(static_bytes(params[s], layout, dtype_bytes) + held * per_token[s] + state[s]
-               + transient_bytes(min(chunk_size, longest), shape, layout, dtype_bytes,
-                                 s == layout.pp - 1, layers[s])
-               for s in range(layout.pp))
+    last = layout.pp - 1
+    return ([static_bytes(p, layout, dtype_bytes) for p in params],
+            per_token_bytes(shape, layout, dtype_bytes, layout.pp),
+            [transient_bytes(1, shape, layout, dtype_bytes, s == last, layers[s])
+             for s in range(layout.pp)])

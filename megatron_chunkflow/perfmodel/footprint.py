@@ -53,6 +53,18 @@ for its re-forwards. The cat(prefix, own) K/V copy that each held chunk's attent
 only by layers whose core attention is not recomputed (core_attn, full or block recompute re-create
 it in the backward, one layer at a time: one layer's copy of the sequence is added for that).
 
+ChunkFlow under CP (runtime/cp.py) keeps all of that as 1/CP shards on each rank: activations of
+T/CP tokens (the chunks come padded, predict.cp_padded_lengths), the stored K/V, fp32
+accumulators, the cat(prefix, own) copies (its attention checkpoint saves the local shards) and
+the re-forward inputs, so the per-token bytes of the state are divided by CP. What is whole on
+every rank is its attention's transient, one layer at a time (gather_transient_bytes): the
+gathered K/V of [prefix ++ chunk] (G tokens) and the selection its pieces read (S >= G tokens)
+in the forward; in the backward the recomputed selection and its gradient (2 S), then the
+gradient scattered back into the gathered shape with its fp32 copy for the reduce-scatter (G x
+(1 + 4 / dtype_bytes) under half precision); the larger counts. The kernel's log-sum-exp, which
+the checkpoint does not keep, is still counted in the activations (an upper bound by 4 bytes per
+head and token).
+
 Every function takes the bytes per element of weights and activations (`dtype_bytes`: 2 for
 bf16, 4 for fp32; a device's Hardware.dtype_bytes); nothing else about the device matters here.
 Token counts are computed tokens (a baseline's padding included, core/types.py). The planner
@@ -68,6 +80,7 @@ from megatron_chunkflow.config import Recompute
 from megatron_chunkflow.core.costs import layers_per_stage, linear_weights_per_layer
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.types import DataChunk
+from megatron_chunkflow.perfmodel.layer import gather_extent
 from megatron_chunkflow.perfmodel.layout import NO_RECOMPUTE, Layout, recomputed_layers
 
 
@@ -263,21 +276,34 @@ def long_sequence_state_bytes(longest: int, chunk_size: int, k: int, kv: float, 
 def sequence_state_bytes(longest: int, chunk_size: int, k: int, shape: ModelShape,
                          layout: Layout, dtype_bytes: int, num_stages: int) -> list[float]:
     """long_sequence_state_bytes per stage, on per-token bytes modelled from the shape: K/V in
-    `dtype_bytes`, fp32 accumulators, stage inputs of hidden_size / TP elements. Layers whose
-    core attention is recomputed hold no prefix copy; the one they re-create in the backward (at
-    most the whole sequence's, one layer at a time) is added."""
+    `dtype_bytes`, fp32 accumulators, stage inputs of hidden_size / TP elements, each 1/CP on a
+    rank under CP. Layers whose core attention is recomputed hold no prefix copy; the one they
+    re-create in the backward (at most the whole sequence's, one layer at a time) is added."""
     out = []
-    rc = layout.recompute
+    rc, tp, cp = layout.recompute, layout.tp, layout.cp
     for s, layers in enumerate(layers_per_stage(shape.num_layers, num_stages)):
-        u = kv_state_bytes_per_token(shape, layers, dtype_bytes, layout.tp, with_grad=False)
-        a = kv_state_bytes_per_token(shape, layers, dtype_bytes, layout.tp) - u
-        h = dtype_bytes * shape.hidden_size / layout.tp if s > 0 else 0.0
+        u = kv_state_bytes_per_token(shape, layers, dtype_bytes, tp, with_grad=False) / cp
+        a = kv_state_bytes_per_token(shape, layers, dtype_bytes, tp) / cp - u
+        h = dtype_bytes * shape.hidden_size / tp / cp if s > 0 else 0.0
         saving = 0 if "core_attn" in rc.modules else layers - recomputed_layers(rc, layers)
         state = long_sequence_state_bytes(longest, chunk_size, k, u, a, h, u * saving / layers)
         if saving < layers and longest > chunk_size:
             state += longest * u / layers
         out.append(state)
     return out
+
+
+def gather_transient_bytes(chunks: Sequence[DataChunk], shape: ModelShape, layout: Layout,
+                           dtype_bytes: int) -> float:
+    """ChunkFlow under CP: the largest transient of one layer's attention among `chunks` on one
+    GPU (module docstring): max(2 S x dtype, G x (dtype + 4 under half precision)) bytes per
+    K/V element; 0 without CP."""
+    if layout.cp == 1 or not chunks:
+        return 0.0
+    kv = kv_state_bytes_per_token(shape, 1, dtype_bytes, layout.tp, with_grad=False)
+    wide = 4 if dtype_bytes < 4 else 0  # the reduce-scatter's fp32 copy
+    return max(max(2 * selected, gathered * (dtype_bytes + wide) / dtype_bytes) * kv
+               for gathered, selected in (gather_extent(c, layout.cp) for c in chunks))
 
 
 def longest_cut_sequence(chunks: Sequence[DataChunk]) -> int:

@@ -20,16 +20,32 @@ composes into per-op costs (recompute, launch floor), for a micro-batch of T tok
   column-parallel input overlaps its data-gradient GEMM and the reduce-scatter of its input
   gradient overlaps its weight-gradient GEMM. Ring time = (n-1) * (latency + bytes/n/bw), NVLink
   inside a node, network across.
-- CP (stock Megatron only): ring attention passes K/V of T/CP tokens CP-1 times forward (K/V and
+- CP, stock Megatron: ring attention passes K/V of T/CP tokens CP-1 times forward (K/V and
   their gradients backward) beside the attention compute; Hardware.cp_overlap is the hidden
   fraction: time = compute + transfer - cp_overlap * min(compute, transfer). Every sequence is
   split into 2*CP pieces (load-balanced causal), so tiles are charged on pieces of L / (2 CP).
+- CP, ChunkFlow (runtime/cp.py): every segment of a chunk is padded to a multiple of 2*CP (x TP
+  under SP) and cut into 2*CP pieces, rank r holding pieces r and 2*CP-1-r (zigzag), so each
+  rank computes T/CP tokens. Per layer and chunk each rank all-gathers the K/V shards of
+  [its sequence's earlier chunks ++ the chunk] (G = prefix + T tokens, whole), selects the keys
+  each local piece reads (index_select: S = per piece the prefix and its segment up to the
+  piece's end) and runs one varlen kernel, each piece bottom-right causal: its pairs are
+  charged per piece, the slowest rank's (the gather synchronizes them). The gather is not
+  overlapped: time = gather + kernel. Only the local Q, K, V are saved, so the backward gathers
+  again, recomputes the kernel forward, runs the kernel backward and reduce-scatters dK/dV in
+  fp32 (under bf16: twice the gather's bytes): gather + fwd + bwd + reduce-scatter.
+  Collectives are rings on hw.link(layout.span("cp")), as the TP ones; cp_overlap does not apply.
 - ChunkFlow's own traffic (runtime/state.py, every layer): a dependent chunk's forward and
   re-forward concatenate its sequence's stored prefix K/V with its own (torch.cat reads both and
   writes the copy, K and V); its backward adds the prefix part of the K/V gradient into each
   earlier chunk's fp32 accumulator (read the gradient, read-modify-write fp32: the first touch is
   a cheaper cast-copy, charged as a read-modify-write too) and, for every chunk but its
-  sequence's last, adds its own accumulator to its own gradient (read fp32, cast, add).
+  sequence's last, adds its own accumulator to its own gradient (read fp32, cast, add). Under CP
+  all of it is on the rank's 1/CP shards, plus the CP path's copies: forward the stack of the
+  local K and V (read and write the local shards) and the K and V selections (read and write S
+  rows); backward those again (recompute), the selections' gradients index-added into zeros of
+  the gathered K and V shape and copied into the gathered K/V's (write, read and write G twice,
+  read S, read-modify-write S), the cast of that to fp32 and of the rank's reduced shard back.
 
 Recomputed pieces (what a recompute option re-runs inside the backward, megatron-core 0.16.1):
 core_attn the attention core forward (its CP ring and ChunkFlow's cat included: the cat is inside
@@ -53,8 +69,12 @@ attention.py, mlp.py; TE's LayerNormLinear fuses the norm with the linear):
   per ring step, with a send/receive and an output correction per extra step: 3 more kernels per
   step, forward and backward. ChunkFlow adds 2 forward (the K and V cat) and, backward, 2 per
   earlier chunk (accumulators) and 4 (own accumulator, cast and add, K and V).
-  Recompute re-launches what it re-runs: core_attn 1 (+3 per CP step), mlp 3 (+2 collectives),
-  layernorm 4 (two norms, two copies), full the forward's.
+  ChunkFlow under CP has no ring steps: forward +4 (stack, all-gather, the K and V selections),
+  backward +14 (those 4 and the attention forward again; for K and for V the selection's
+  gradient zero-filled, index-added and copied into the gathered shape; cast to fp32,
+  reduce-scatter, cast back).
+  Recompute re-launches what it re-runs: core_attn 1 (+3 per CP step; +4 for ChunkFlow's CP),
+  mlp 3 (+2 collectives), layernorm 4 (two norms, two copies), full the forward's.
   A cross-check: the unfused local spec on CPU dispatches 55 ATen ops forward and 72 backward
   for one layer (counted with a TorchDispatchMode on the `tiny` shape), so 12 / 22 is the fused
   floor; eager PyTorch launches at least this many.
@@ -84,6 +104,7 @@ ATTN_BWD_FLOPS = 2.5  # flash backward: 5 matmuls (QK^T again, dP, dV, dQ, dK) v
 KERNELS_FWD, KERNELS_BWD = 12, 22  # one layer, TE spec, fused (module docstring)
 TP_KERNELS_FWD, TP_KERNELS_BWD = 4, 6  # its collectives under TP > 1
 CP_KERNELS_PER_STEP = 3  # attention, send/receive, correction per extra ring step
+GATHER_KERNELS_FWD, GATHER_KERNELS_BWD = 4, 14  # ChunkFlow's CP attention (module docstring)
 RECOMPUTE_KERNELS = {"core_attn": 1, "mlp": 3, "layernorm": 4}
 PARTS_CACHE = 50_000  # Parts kept per LayerModel
 
@@ -130,15 +151,32 @@ def attention_tiles(prefix: int, num_q: int, block: int) -> int:
             + math.ceil((prefix + num_q) / block))
 
 
+def piece_pairs(prefix: int, num_q: int, block: int) -> float:
+    """(query, key) pairs a causal, bottom-right-aligned kernel computes for `num_q` queries
+    after `prefix` keys, whole block x block tiles (exact pairs when block is 0)."""
+    if block == 0:
+        return float(attention_pairs(prefix, num_q))
+    return float(attention_tiles(prefix, num_q, block) * block * block)
+
+
+@lru_cache(maxsize=65536)
+def zigzag_pairs(prefix: int, num_q: int, block: int, cp: int) -> tuple[float, ...]:
+    """Per CP rank, the pairs ChunkFlow's CP attention computes for one segment of `num_q`
+    tokens (a multiple of 2*CP) after `prefix` keys of its sequence: rank r's pieces r and
+    2*CP-1-r, each attending to the prefix and its segment up to the piece's end."""
+    piece = num_q // (2 * cp)
+    return tuple(piece_pairs(prefix + r * piece, piece, block)
+                 + piece_pairs(prefix + (2 * cp - 1 - r) * piece, piece, block)
+                 for r in range(cp))
+
+
 def computed_pairs(prefix: int, num_q: int, block: int, cp: int = 1) -> float:
     """(query, key) pairs the kernel computes for one segment, tiles included, summed over the CP
     ranks: with CP the segment is cut into 2*CP pieces and every (piece, earlier piece) pair
     is a full block, every piece with itself a causal one."""
-    if block == 0:
-        return float(attention_pairs(prefix, num_q))
-    if cp == 1:
-        return float(attention_tiles(prefix, num_q, block) * block * block)
-    assert prefix == 0, "CP splits whole sequences only"
+    if block == 0 or cp == 1:
+        return piece_pairs(prefix, num_q, block)
+    assert prefix == 0, "Megatron's CP splits whole sequences only"
     pieces = 2 * cp
     piece = math.ceil(num_q / pieces)
     full = pieces * (pieces - 1) // 2 * math.ceil(piece / block) ** 2
@@ -153,19 +191,37 @@ class Work(NamedTuple):
     prefix: int = 0  # ChunkFlow: K/V tokens of the earlier chunks it concatenates
     prior: int = 0  # ChunkFlow: earlier chunks whose fp32 accumulators its backward updates
     relayed: bool = False  # ChunkFlow: its own accumulator is added to its gradient
+    gathered: int = 0  # ChunkFlow under CP: K/V tokens all-gathered per layer (prefix + chunk)
+    selected: int = 0  # ChunkFlow under CP: K/V rows this rank's pieces read (the selection)
 
 
-def chunk_work(chunk: DataChunk, block: int, cp: int = 1) -> Work:
+def gather_extent(chunk: DataChunk, cp: int) -> tuple[int, int]:
+    """(gathered, selected) K/V tokens of ChunkFlow's CP attention for `chunk` (runtime/cp.py):
+    the whole [prefix ++ chunk], and the rows a rank's two pieces of each segment read, the
+    prefix and the segment up to the piece's end: 2 prefix + (2 CP + 1) / (2 CP) x segment (the
+    same on every rank)."""
+    prefix = chunk.prefix_len
+    selected = sum(2 * prefix + s.computed_tokens + s.computed_tokens // (2 * cp)
+                   for s in chunk.segments)
+    return prefix + chunk.computed_tokens, selected
+
+
+def chunk_work(chunk: DataChunk, block: int, cp: int = 1, gather: bool = False) -> Work:
     """Work of a chunk on one of its CP ranks: computed tokens and pairs (a segment's padding is
-    attended as part of it), and a dependent chunk's K/V state."""
-    dep = chunk.is_dependent
-    pairs = sum(computed_pairs(s.start if dep else 0, s.computed_tokens, block, cp)
-                for s in chunk.segments)
-    tokens = math.ceil(chunk.computed_tokens / cp)
-    if not dep:
-        return Work(tokens, pairs / cp)
-    return Work(tokens, pairs / cp, chunk.segments[0].start, chunk.index,
-                chunk.index < chunk.num_siblings - 1)
+    attended as part of it), and a dependent chunk's K/V state. `gather`: ChunkFlow's CP
+    (all-gathered K/V, zigzag pieces, segments padded to 2 x CP: predict.cp_padded_lengths);
+    else Megatron's ring."""
+    dep, prefix = chunk.is_dependent, chunk.prefix_len
+    state = (prefix, chunk.index, chunk.index < chunk.num_siblings - 1) if dep else (0, 0, False)
+    if gather and cp > 1:
+        per_rank = [0.0] * cp
+        for s in chunk.segments:
+            assert s.computed_tokens % (2 * cp) == 0, "segments are padded to 2 x CP"
+            for r, pairs in enumerate(zigzag_pairs(prefix, s.computed_tokens, block, cp)):
+                per_rank[r] += pairs
+        return Work(chunk.computed_tokens // cp, max(per_rank), *state, *gather_extent(chunk, cp))
+    pairs = sum(computed_pairs(prefix, s.computed_tokens, block, cp) for s in chunk.segments)
+    return Work(math.ceil(chunk.computed_tokens / cp), pairs / cp, *state)
 
 
 def ring_time(nbytes: float, n: int, link: tuple[float, float]) -> float:
@@ -211,14 +267,17 @@ class LayerModel:
         self.mem_bw = hw.hbm_gb_s * 1e9 * hw.mem_eff
         self.tp_link = hw.link(layout.span("tp"))
         self.cp_link = hw.link(layout.span("cp"))
+        # fp32 reduce-scatter of dK/dV under half precision (runtime/cp.py _GatherKV)
+        self.grad_bytes = 4 if hw.dtype_bytes < 4 else hw.dtype_bytes
         # the dense part depends on neither CP overlap nor launch cost: shared across both
         self._dense = _dense_cache(shape, t, dataclasses.replace(hw, cp_overlap=0.0,
                                                                  kernel_launch_us=0.0))
         self._parts: dict[Work, Parts] = {}
         self.ends_cache: dict = {}  # perfmodel/roofline.py's embedding and head, by tokens
         tp, cp = (t > 1), layout.cp - 1
-        self.kernels_fwd = KERNELS_FWD + TP_KERNELS_FWD * tp + CP_KERNELS_PER_STEP * cp
-        self.kernels_bwd = KERNELS_BWD + TP_KERNELS_BWD * tp + CP_KERNELS_PER_STEP * cp
+        self.base_kernels = (KERNELS_FWD + TP_KERNELS_FWD * tp, KERNELS_BWD + TP_KERNELS_BWD * tp)
+        self.kernels_fwd = self.base_kernels[0] + CP_KERNELS_PER_STEP * cp
+        self.kernels_bwd = self.base_kernels[1] + CP_KERNELS_PER_STEP * cp
         self.module_kernels = {"core_attn": RECOMPUTE_KERNELS["core_attn"]
                                + CP_KERNELS_PER_STEP * cp,
                                "mlp": RECOMPUTE_KERNELS["mlp"] + 2 * tp,
@@ -249,13 +308,17 @@ class LayerModel:
         self._dense[tokens] = out
         return out
 
-    def attention(self, tokens: int, pairs: float) -> tuple[float, float]:
+    def attention(self, tokens: int, pairs: float, gathered: int = 0) -> tuple[float, float]:
         """(forward, backward) seconds of one layer's attention core on one GPU for `tokens`
-        tokens and `pairs` computed (query, key) pairs on it (chunk_work), CP ring included."""
+        tokens and `pairs` computed (query, key) pairs on it (chunk_work), CP included: Megatron's
+        ring, or with `gathered` K/V tokens ChunkFlow's all-gather (module docstring)."""
         hw, cp = self.hw, self.layout.cp
         flops = pairs * attention_flops_per_pair_per_layer(self.shape, self.layout.tp)
         fwd = flops / (hw.peak_flops * hw.attn_fwd_eff)
         bwd = ATTN_BWD_FLOPS * flops / (hw.peak_flops * hw.attn_bwd_eff)
+        if cp > 1 and gathered:
+            gather, scatter = self.gather_times(gathered)
+            return gather + fwd, gather + fwd + bwd + scatter
         if cp > 1:
             bw, latency = self.cp_link
             kv_bytes = tokens * 2 * self.kv * hw.dtype_bytes
@@ -263,10 +326,28 @@ class LayerModel:
             bwd = overlapped(bwd, (cp - 1) * 2 * kv_bytes / bw, hw.cp_overlap) + latency
         return fwd, bwd
 
+    def gather_times(self, gathered: int) -> tuple[float, float]:
+        """(all-gather, reduce-scatter) seconds of ChunkFlow's CP attention in one layer: the K/V
+        of `gathered` tokens (whole) over the CP ring, the gradient in fp32 under half
+        precision."""
+        elems = gathered * 2 * self.kv
+        return (ring_time(elems * self.hw.dtype_bytes, self.layout.cp, self.cp_link),
+                ring_time(elems * self.grad_bytes, self.layout.cp, self.cp_link))
+
     def state_traffic(self, work: Work) -> tuple[float, float]:
         """(forward, backward) seconds of ChunkFlow's K/V concatenation and fp32 accumulators for
-        one layer of a dependent chunk (module docstring); 0 for other chunks."""
+        one layer of a dependent chunk, and under CP of its gather path's copies (module
+        docstring); 0 for other chunks without CP."""
         d, elems = self.hw.dtype_bytes, 2 * self.kv  # K and V per token on this TP rank
+        if work.gathered:
+            cp, g, s = self.layout.cp, work.gathered, work.selected
+            local = g / cp  # this rank's shards of [prefix ++ chunk]
+            cast = (d + self.grad_bytes) * (g + local) if self.grad_bytes != d else 0.0
+            path = 2 * local * d + 2 * s * d  # stack, selection
+            fwd = (2 * local * d if work.prefix else 0.0) + path
+            bwd = (path + (3 * g + 3 * s) * d + cast + work.prefix / cp * (d + 8)
+                   + (work.tokens * (4 + 4 * d) if work.relayed else 0.0))
+            return fwd * elems / self.mem_bw, bwd * elems / self.mem_bw
         fwd = 2 * (work.prefix + work.tokens) * elems * d if work.prefix else 0.0
         bwd = work.prefix * elems * (d + 8) + (work.tokens * elems * (4 + 4 * d)
                                                  if work.relayed else 0.0)
@@ -285,15 +366,20 @@ class LayerModel:
 
     def _compute_parts(self, work: Work) -> Parts:
         d = self.dense(work.tokens)
-        a_fwd, a_bwd = self.attention(work.tokens, work.pairs)
+        a_fwd, a_bwd = self.attention(work.tokens, work.pairs, work.gathered)
         s_fwd, s_bwd = self.state_traffic(work)
         cat_kernels = 2 if work.prefix else 0
         acc_kernels = 2 * work.prior + (4 if work.relayed else 0)
         mk = self.module_kernels
-        modules = {"core_attn": (a_fwd + s_fwd, mk["core_attn"] + cat_kernels),
+        fwd_k, bwd_k, attn_k = self.kernels_fwd, self.kernels_bwd, mk["core_attn"]
+        if work.gathered:
+            fwd_k = self.base_kernels[0] + GATHER_KERNELS_FWD
+            bwd_k = self.base_kernels[1] + GATHER_KERNELS_BWD
+            attn_k = RECOMPUTE_KERNELS["core_attn"] + GATHER_KERNELS_FWD
+        modules = {"core_attn": (a_fwd + s_fwd, attn_k + cat_kernels),
                    "mlp": (d.mlp_fwd, mk["mlp"]), "layernorm": (d.norms_fwd, mk["layernorm"])}
         return Parts(d.fwd + a_fwd + s_fwd, d.bwd + a_bwd + s_bwd,
-                     self.kernels_fwd + cat_kernels, self.kernels_bwd + acc_kernels, modules)
+                     fwd_k + cat_kernels, bwd_k + acc_kernels, modules)
 
 
 @lru_cache(maxsize=256)

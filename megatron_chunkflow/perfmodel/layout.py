@@ -56,6 +56,24 @@ class Layout:
         return self.tp > 1
 
     @property
+    def segment_multiple(self) -> int:
+        """ChunkFlow under CP pads every segment of a chunk at its end to a multiple of this, so
+        that it cuts into 2 x CP equal pieces (each a multiple of TP under sequence parallelism):
+        2 x CP (x TP); 1 without CP. Megatron's CP needs the same of each sequence."""
+        if self.cp == 1:
+            return 1
+        return 2 * self.cp * (self.tp if self.sequence_parallel else 1)
+
+    @property
+    def chunk_multiple(self) -> int:
+        """ChunkFlow's chunk size must be a multiple of this: a full dependent chunk cannot be
+        padded (its K/V is state), so it must split as segments do (segment_multiple) under CP,
+        and over TP under sequence parallelism."""
+        if self.cp > 1:
+            return self.segment_multiple
+        return self.tp if self.sequence_parallel else 1
+
+    @property
     def parallel(self) -> Layout:
         """The same degrees without recompute (what the recompute-independent costs depend on)."""
         return Layout(self.tp, self.cp, self.pp, self.dp)

@@ -4,7 +4,9 @@ roofline cost model.
 
 Both systems go through core/step.py (plan_baseline: megatron-sft, -packed or -unpacked
 micro-batches, every sequence padded to a multiple of 2 x CP under CP, run with Megatron's 1F1B;
-plan_chunkflow: chunks with state-aware 1F1B) and core/simulate.py, with per-op seconds from
+plan_chunkflow: chunks with state-aware 1F1B; under CP every segment padded to a multiple of
+2 x CP, x TP under sequence parallelism, as core/packer pads it, and ChunkFlow's all-gather CP
+attention, perfmodel/layer.py) and core/simulate.py, with per-op seconds from
 perfmodel/roofline.py (recompute, launch floor, each system's pipeline sends) and bytes (activations
 held and the long sequence's state, as core/step.py's memory hooks) from perfmodel/footprint.py.
 Padding is computed like the sequence's own tokens (core/types.py Segment.padding), so it costs
@@ -21,6 +23,7 @@ speedup = ratio of step times = ratio of MFUs.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -33,8 +36,10 @@ from megatron_chunkflow.core.step import (
     plan_baseline,
     plan_chunkflow,
 )
+from megatron_chunkflow.core.types import DataChunk, Segment
 from megatron_chunkflow.perfmodel.footprint import (
     chunk_tokens,
+    gather_transient_bytes,
     memory_hooks,
     stage_params,
     static_bytes,
@@ -103,15 +108,21 @@ class Prediction:
 
 
 def _finish(system: str, rp: RankPlans, model: Roofline, shape: ModelShape, hw: Hardware,
-            lengths: Sequence[int], **extra) -> Prediction:
+            lengths: Sequence[int], rank_chunks=None, **extra) -> Prediction:
+    """`rank_chunks`: each DP rank's chunks as computed, when they differ from rp.chunks
+    (ChunkFlow's CP padding, with_padding)."""
     layout = model.layout
     params = stage_params(shape, layout.pp)
     layers = layers_per_stage(shape.num_layers, layout.pp)
     dp = [model.dp_times(p) for p in params]
     opt = [model.optimizer_time(p) for p in params]
+    rank_chunks = rp.chunks if rank_chunks is None else rank_chunks
+    gather = system == "chunkflow" and layout.cp > 1
     step, worst_mem, memory = 0.0, -1.0, {}
     for r, sim in enumerate(rp.sims):
-        max_tokens = max((chunk_tokens(c, layout.cp) for c in rp.chunks[r]), default=0)
+        max_tokens = max((chunk_tokens(c, layout.cp) for c in rank_chunks[r]), default=0)
+        gathered = (gather_transient_bytes(rank_chunks[r], shape, layout, hw.dtype_bytes)
+                    if gather else 0.0)
         for s in range(layout.pp):
             rs, ag = dp[s]
             ops = sim.timeline[s]
@@ -121,11 +132,11 @@ def _finish(system: str, rp: RankPlans, model: Roofline, shape: ModelShape, hw: 
             mem = {"static": static_bytes(params[s], layout, hw.dtype_bytes),
                    "activations": sim.peak_bytes[s], "kv_state": rp.state_bytes[r][s],
                    "transient": transient_bytes(max_tokens, shape, layout, hw.dtype_bytes,
-                                                s == layout.pp - 1, layers[s])}
+                                                s == layout.pp - 1, layers[s]) + gathered}
             if sum(mem.values()) > worst_mem:
                 worst_mem, memory = sum(mem.values()), mem
     slowest = max(range(len(rp.sims)), key=lambda r: rp.sims[r].step_time)
-    chunks = [c for rank in rp.chunks for c in rank]
+    chunks = [c for rank in rank_chunks for c in rank]
     computed = sum(c.computed_tokens for c in chunks)
     return Prediction(
         system=system, layout=layout, step_s=step, pipeline_s=rp.step_time,
@@ -157,18 +168,59 @@ def predict_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware, la
     return _finish("megatron", rp, model, shape, hw, lengths, baseline=baseline)
 
 
+def cp_padded_lengths(lengths: Sequence[int], multiple: int) -> list[int]:
+    """Each length rounded up to `multiple` (Layout.segment_multiple). Cut and packed at these
+    lengths, ChunkFlow's chunks are core/packer's under CP: a short sequence packed by its padded
+    length, a long one's last chunk padded (the chunk size being a multiple, its other cuts stay
+    where they were); with_padding turns the rounding back into Segment.padding."""
+    return [n + -n % multiple for n in lengths]
+
+
+def with_padding(chunks: Sequence[DataChunk], lengths: Sequence[int]) -> list[DataChunk]:
+    """`chunks` built from cp_padded_lengths(lengths, m), each segment's tokens beyond its
+    sequence's real length made padding (computed tokens unchanged)."""
+    out = []
+    for c in chunks:
+        segs = tuple(Segment(s.seq_id, s.start, min(s.end, lengths[s.seq_id]),
+                             s.padding + s.end - min(s.end, lengths[s.seq_id]))
+                     for s in c.segments)
+        out.append(c if segs == c.segments else dataclasses.replace(c, segments=segs))
+    return out
+
+
+def check_chunk_size(chunk_size: int, layout: Layout) -> None:
+    """ValueError naming --chunk-size unless it splits as `layout` needs (Layout.chunk_multiple):
+    a full dependent chunk cannot be padded, its K/V being state."""
+    m = layout.chunk_multiple
+    if chunk_size % m == 0:
+        return
+    if layout.cp > 1:
+        sp = f" x TP {layout.tp}" if layout.sequence_parallel else ""
+        raise ValueError(f"--chunk-size {chunk_size} is not a multiple of 2 x CP {layout.cp}{sp} "
+                         f"= {m}: context parallelism cuts every chunk into 2 x CP equal pieces "
+                         f"(each a multiple of TP under sequence parallelism)")
+    raise ValueError(f"--chunk-size {chunk_size} is not a multiple of the tensor-parallel size "
+                     f"{layout.tp}, which sequence parallelism requires")
+
+
 def predict_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware, layout: Layout,
                       chunk_size: int, k: int) -> Prediction:
-    """ChunkFlow: chunks of `chunk_size`, K chunks of a long sequence holding activations."""
-    if layout.cp > 1:
-        raise ValueError(f"ChunkFlow runs with CP 1 (the plugin refuses context parallelism), "
-                         f"got CP {layout.cp}")
-    if layout.sequence_parallel and chunk_size % layout.tp:
-        raise ValueError(f"--chunk-size {chunk_size} is not a multiple of the tensor-parallel "
-                         f"size {layout.tp}, which sequence parallelism requires")
+    """ChunkFlow: chunks of `chunk_size`, K chunks of a long sequence holding activations; under
+    CP every segment padded to Layout.segment_multiple and ChunkFlow's CP attention (all-gathered
+    K/V, recomputed in the backward; perfmodel/layer.py)."""
+    check_chunk_size(chunk_size, layout)
     model = roofline(shape, layout, hw)
     held_for, state_for = memory_hooks(shape, layout, hw.dtype_bytes, chunk_size, k)
-    _, rp = plan_chunkflow(lengths, chunk_size, k, layout.pp, layout.dp, shape,
-                           lambda chunks, p: model.stage_costs(chunks, p, chunk_size, "async"),
-                           held_for, state_for)
-    return _finish("chunkflow", rp, model, shape, hw, lengths, chunk_size=chunk_size, k=k)
+    m, gather = layout.segment_multiple, layout.cp > 1
+    if m == 1:
+        padded, real = lengths, (lambda chunks: chunks)
+    else:
+        padded, real = cp_padded_lengths(lengths, m), (lambda chunks: with_padding(chunks, lengths))
+    _, rp = plan_chunkflow(
+        padded, chunk_size, k, layout.pp, layout.dp, shape,
+        lambda chunks, p: model.stage_costs(real(chunks), p, chunk_size, "async", gather),
+        lambda chunks, p: held_for(real(chunks), p),
+        lambda chunks, p: state_for(real(chunks), p))
+    return _finish("chunkflow", rp, model, shape, hw, lengths,
+                   [real(c) for c in rp.chunks] if m > 1 else None,
+                   chunk_size=chunk_size, k=k)

@@ -4,7 +4,8 @@ One layer's pieces (GEMMs, attention, elementwise, TP and CP traffic, ChunkFlow'
 and its kernel counts come from perfmodel/layer.py; here they become op times:
 
 - Recompute (the layout's config.Recompute, megatron-core 0.16.1): the backward of a layer adds
-  the forward of what it re-runs: selective core_attn the attention core (CP ring included);
+  the forward of what it re-runs: selective core_attn the attention core (CP ring or ChunkFlow's
+  CP gather included; ChunkFlow's CP attention recomputes its own forward in the backward anyway);
   mlp the MLP's GEMMs, SwiGLU and its two TP collectives; layernorm the two norms; full the
   whole layer forward with its TP collectives, about 4/3 of forward + backward; block:N full
   for the first N layers of each stage and nothing for the others. ChunkFlow's layout applies
@@ -117,9 +118,9 @@ class Roofline:
         d = self.layer.dense(tokens)
         return d.fwd, d.bwd
 
-    def attention(self, tokens: int, pairs: float) -> tuple[float, float]:
+    def attention(self, tokens: int, pairs: float, gathered: int = 0) -> tuple[float, float]:
         """(forward, backward) seconds of one layer's attention core (perfmodel/layer.py)."""
-        return self.layer.attention(tokens, pairs)
+        return self.layer.attention(tokens, pairs, gathered)
 
     # ---- embedding and output layer ----------------------------------------------------------
     def embedding(self, tokens: int) -> tuple[float, float]:
@@ -147,9 +148,11 @@ class Roofline:
         return self._ends[key]
 
     # ---- per chunk, per stage ----------------------------------------------------------------
-    def chunk_costs(self, chunk: DataChunk, num_stages: int) -> tuple[list[float], list[float]]:
-        """Forward (F and R) and backward (B, recompute included) seconds per stage."""
-        return self.work_costs(chunk_work(chunk, self.hw.attn_block, self.layout.cp),
+    def chunk_costs(self, chunk: DataChunk, num_stages: int,
+                    gather: bool = False) -> tuple[list[float], list[float]]:
+        """Forward (F and R) and backward (B, recompute included) seconds per stage; `gather`:
+        ChunkFlow's CP attention instead of Megatron's ring (perfmodel/layer.py)."""
+        return self.work_costs(chunk_work(chunk, self.hw.attn_block, self.layout.cp, gather),
                                num_stages)
 
     def work_costs(self, work: Work, num_stages: int) -> tuple[list[float], list[float]]:
@@ -180,15 +183,16 @@ class Roofline:
         return self.pp_link[1] + self.p2p_bytes_time(tokens)
 
     def stage_costs(self, chunks, num_stages: int, p2p_tokens: int,
-                    sends: str = "async") -> StageCosts:
+                    sends: str = "async", gather: bool = False) -> StageCosts:
         """StageCosts of `chunks`; `sends` (SENDS, module docstring): "async" messages of
         `p2p_tokens` tokens a receiver waits for, or Megatron's blocking sends of the fixed
-        `p2p_tokens` shape or of each chunk's own computed shape after a handshake."""
+        `p2p_tokens` shape or of each chunk's own computed shape after a handshake; `gather`:
+        ChunkFlow's CP attention (chunk_costs)."""
         if sends not in SENDS:
             raise ValueError(f"sends must be one of {', '.join(SENDS)}, got {sends!r}")
         fwd, bwd = {}, {}
         for c in chunks:
-            fwd[c.id], bwd[c.id] = self.chunk_costs(c, num_stages)
+            fwd[c.id], bwd[c.id] = self.chunk_costs(c, num_stages, gather)
         if sends == "async" or self.layout.pp == 1:
             return StageCosts(fwd, bwd, comm=self.p2p_time(p2p_tokens))
         latency = self.pp_link[1]

@@ -2,11 +2,12 @@
 recompute menu, per stock baseline, and for ChunkFlow over the same and (chunk size, K).
 
 Candidates: every (TP, CP, PP) Megatron accepts (TP inside a node, dividing the attention heads
-and K/V groups; PP dividing the layers; CP 1 for ChunkFlow), each with every option of
+and K/V groups; PP dividing the layers; CP up to 32), each with every option of
 config.Recompute.menu for its layers per stage (none, the 7 selective module sets, block 1 ..
 layers - 1, full); ChunkFlow's option applies inside every chunk. For --auto, every chunk size
-2K..seq_length (powers of two) with K = 1, 2, 4, 8 while K is below the longest sequence's number
-of chunks.
+2K..seq_length (powers of two) that splits as the layout needs (Layout.chunk_multiple: 2 x CP,
+x TP under sequence parallelism) with K = 1, 2, 4, 8 while K is below the longest sequence's
+number of chunks.
 
 The search is exhaustive but prunes exactly, with two lower bounds computed without planning
 (perfmodel/floors.py): a memory floor drops candidates that cannot fit (for stock Megatron it is
@@ -69,13 +70,15 @@ def candidate_layouts(shape: ModelShape, hw: Hardware, num_gpus: int, allow_cp: 
     return out
 
 
-def chunking_candidates(lengths: Sequence[int], seq_length: int, tp: int) -> list[tuple[int, int]]:
-    """(chunk size, K) pairs worth simulating: C up to seq_length and a multiple of TP (sequence
-    parallelism), K only while it changes something."""
+def chunking_candidates(lengths: Sequence[int], seq_length: int,
+                        multiple: int) -> list[tuple[int, int]]:
+    """(chunk size, K) pairs worth simulating: C up to seq_length and a multiple of `multiple`
+    (Layout.chunk_multiple: TP under sequence parallelism, 2 x CP (x TP) under CP), K only while
+    it changes something."""
     longest = max(lengths)
     out = []
     for c in CHUNK_SIZES:
-        if c > max(seq_length, CHUNK_SIZES[0]) or c % tp:
+        if c > max(seq_length, CHUNK_SIZES[0]) or c % multiple:
             continue
         n = math.ceil(longest / c)
         out.extend((c, k) for k in KS if k == 1 or k < n)
@@ -206,18 +209,24 @@ def best_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_
     (chunk_size, k), or with the fastest fitting (chunk size, K) when `auto_chunking`."""
     if layout is not None and not auto_chunking:
         return predict_chunkflow(lengths, shape, hw, layout, chunk_size, k)
-    layouts = [layout] if layout else candidate_layouts(shape, hw, num_gpus, allow_cp=False)
+    layouts = [layout] if layout else candidate_layouts(shape, hw, num_gpus, allow_cp=True)
     candidates = [(lay, c, kk) for lay in layouts
-                  for c, kk in (chunking_candidates(lengths, seq_length, lay.tp) if auto_chunking
-                                else [(chunk_size, k)] if chunk_size % lay.tp == 0 else [])]
-    work, floors = {}, _Floors(shape, hw)  # (chunk size, DP, K) -> chunk_work_items
+                  for c, kk in (chunking_candidates(lengths, seq_length, lay.chunk_multiple)
+                                if auto_chunking else [(chunk_size, k)]
+                                if chunk_size % lay.chunk_multiple == 0 else [])]
+    chunkings, work = {}, {}  # (chunk size, DP, K, padding) -> chunks; (.., CP) -> work items
+    floors = _Floors(shape, hw)
 
     def time_of(cand) -> float:
         lay, c, kk = cand
-        key = (c, lay.dp, kk)
+        m = lay.segment_multiple
+        key = (c, lay.dp, kk, m, lay.cp)
         if key not in work:
-            chunks = build_chunks(lengths, c, lay.dp, kk, shape).chunks
-            work[key] = chunk_work_items(chunks, hw.attn_block, 1, kk)
+            if key[:4] not in chunkings:
+                chunkings[key[:4]] = build_chunks(lengths, c, lay.dp, kk, shape,
+                                                  segment_multiple=m).chunks
+            work[key] = chunk_work_items(chunkings[key[:4]], hw.attn_block, lay.cp, kk,
+                                         gather=True)
         return floors.time(key, work[key], lay)
 
     return search(candidates, lambda cand: predict_chunkflow(lengths, shape, hw, *cand), time_of,

@@ -83,6 +83,25 @@ def test_cp_overlap_range(capsys):
         assert flat["cp_overlap"]["range"]["0"][name]["step_s"] == p["step_s"]
 
 
+def test_chunkflow_with_cp(capsys):
+    """ChunkFlow's layout may use CP: shown like the stock ones, its per-GPU state halved
+    against the same layout with DP instead, its step the same at every CP overlap (its
+    gathers are not overlapped)."""
+    argv = [*SMALL, "--baseline", "megatron-packed", "--megatron-parallel", "2,2,1,none",
+            "--chunk-size", "8192"]
+    rc, obj, err = run_json(capsys, *argv, "--chunkflow-parallel", "2,2,1,none")
+    cf = obj["chunkflow"]
+    assert rc == 0 and cf["layout"] == {"tp": 2, "cp": 2, "pp": 1, "dp": 2, "recompute": "none"}
+    assert "ChunkFlow         2 2 1 2 none  C=8192 K=1" in err
+    _, dp, _ = run_json(capsys, *argv, "--chunkflow-parallel", "2,1,1,none")
+    assert cf["memory_gib"]["kv_state"] == pytest.approx(
+        dp["chunkflow"]["memory_gib"]["kv_state"] / 2, rel=0.01)
+    _, one, _ = run_json(capsys, *argv, "--chunkflow-parallel", "2,2,1,none",
+                         "--gpu-set", "cp_overlap=1")
+    assert one["chunkflow"]["step_s"] == cf["step_s"]
+    assert one["megatron"]["step_s"] < obj["megatron"]["step_s"]
+
+
 def test_does_not_fit_is_reported(tmp_path, capsys):
     f = tmp_path / "lengths.txt"
     f.write_text("\n".join(["250000"] + ["800"] * 100) + "\n")
@@ -119,8 +138,10 @@ def test_auto_layouts_and_lengths_file(tmp_path, capsys):
     rc, obj, err = run_json(capsys, "--model", "qwen2.5-0.5b", "--gpus", "4", "--lengths-file",
                             str(f), "--seq-length", "16384", "--chunk-size", "4096")
     assert rc == 0 and obj["setup"]["truncated"] == 1 and obj["setup"]["tokens"] == 73384
-    assert obj["chunkflow"]["layout"]["cp"] == 1 and obj["megatron"]["fits"]
+    cf = obj["chunkflow"]["layout"]
+    assert 4096 % (2 * cf["cp"] * cf["tp"]) == 0 and obj["megatron"]["fits"]
     assert "chosen by search" in err and "--megatron-parallel" in err
+    assert f"--chunkflow-parallel {cf['tp']},{cf['cp']},{cf['pp']},{cf['recompute']}" in err
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -133,7 +154,8 @@ def test_auto_layouts_and_lengths_file(tmp_path, capsys):
     (["--megatron-parallel", "2,1,1,selective:attn"], "modules must be a non-empty subset"),
     (["--megatron-parallel", "1,1,8,none"], "PP 8 must divide the model's 28 layers"),
     (["--megatron-parallel", "2,1"], "--megatron-parallel '2,1': expected TP,CP,PP,RECOMPUTE"),
-    (["--chunkflow-parallel", "2,2,1,none"], "--chunkflow-parallel 2,2,1,none: CP must be 1"),
+    (["--chunkflow-parallel", "2,2,1,none", "--chunk-size", "4100"],
+     "--chunk-size 4100 is not a multiple of 2 x CP 2 x TP 2 = 8: context parallelism cuts"),
     (["--chunkflow-parallel", "4,1,1,none", "--chunk-size", "4098"],
      "--chunk-size 4098 is not a multiple of the tensor-parallel size 4"),
     (["--gpus", "0"], "--gpus must be >= 1"),

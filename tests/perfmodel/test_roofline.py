@@ -178,11 +178,6 @@ def test_modelled_and_measured_rates_share_the_state_formula():
             [state_bound(L, C, k, rates, s) for s in range(2)]
 
 
-def test_chunkflow_refuses_cp():
-    with pytest.raises(ValueError, match="CP 1"):
-        predict_chunkflow(LENGTHS, Q7B, H100, Layout(1, 2, 1, 1), 4096, 1)
-
-
 def test_measured_device_scales_with_its_rates():
     """A CPU-like device built from measured rates: doubling every rate halves the step."""
     tiny = get_model_shape("tiny")

@@ -1,0 +1,252 @@
+"""ChunkFlow with context parallelism in the cost and memory model (perfmodel/layer.py,
+footprint.py, predict.py, floors.py, search.py), as runtime/cp.py runs it: segments padded to
+2 x CP (x TP) and zigzag-sharded, K/V all-gathered per layer and chunk (not overlapped), the
+attention recomputed in the backward with an fp32 reduce-scatter of dK/dV, state 1/CP per rank."""
+
+import dataclasses
+
+import pytest
+
+from megatron_chunkflow.core.costs import attention_pairs
+from megatron_chunkflow.core.models import ModelShape, get_model_shape
+from megatron_chunkflow.core.packer import build_chunks
+from megatron_chunkflow.core.profiles import sample_lengths
+from megatron_chunkflow.perfmodel.floors import (
+    chunk_work_items,
+    chunkflow_memory_floor,
+    time_floor,
+)
+from megatron_chunkflow.perfmodel.footprint import (
+    chunk_tokens,
+    gather_transient_bytes,
+    kv_state_bytes_per_token,
+    sequence_state_bytes,
+)
+from megatron_chunkflow.perfmodel.hardware import get_gpu, with_overrides
+from megatron_chunkflow.perfmodel.layer import (
+    GATHER_KERNELS_BWD,
+    GATHER_KERNELS_FWD,
+    chunk_work,
+    gather_extent,
+    layer_model,
+    zigzag_pairs,
+)
+from megatron_chunkflow.perfmodel.layout import Layout
+from megatron_chunkflow.perfmodel.predict import (
+    cp_padded_lengths,
+    predict_chunkflow,
+    roofline,
+    with_padding,
+)
+from megatron_chunkflow.perfmodel.search import (
+    best_chunkflow,
+    candidate_layouts,
+    chunking_candidates,
+)
+
+H100 = get_gpu("h100")
+Q7B = get_model_shape("qwen2.5-7b")
+LONG = 50001  # odd: its last chunk needs padding under CP
+LENGTHS = [min(n, 8000) for n in sample_lengths("B", 120, seed=2)] + [LONG]
+
+
+def chunks_for(layout: Layout, chunk_size: int, k: int = 1, lengths=LENGTHS):
+    return build_chunks(lengths, chunk_size, layout.dp, k, Q7B,
+                        segment_multiple=layout.segment_multiple).chunks
+
+
+def test_padding_matches_the_runtime_packer():
+    """predict_chunkflow cuts and packs padded lengths (core/step.plan_chunkflow takes no
+    multiple) and turns the rounding back into padding: the same chunks as core/packer's."""
+    for layout in (Layout(2, 2, 1, 1), Layout(1, 4, 1, 2), Layout(4, 2, 1, 1)):
+        m = layout.segment_multiple
+        assert m == 2 * layout.cp * (layout.tp if layout.tp > 1 else 1)
+        ours = with_padding(build_chunks(cp_padded_lengths(LENGTHS, m), 4096, layout.dp, 2,
+                                         Q7B).chunks, LENGTHS)
+        assert ours == list(chunks_for(layout, 4096, 2))
+        for c in ours:
+            for s in c.segments:
+                assert s.computed_tokens % m == 0 and s.padding < m
+        assert sum(c.num_tokens for c in ours) == sum(LENGTHS)
+
+
+def test_cp2_halves_dense_tokens_and_activations_per_rank():
+    """Each CP rank computes 1/CP of every chunk's tokens: per-rank GEMM work and the
+    activations a chunk holds halve at CP 2 on the same padded chunks."""
+    cp1, cp2 = Layout(2, 1, 1, 1), Layout(2, 2, 1, 1)
+    for c in chunks_for(cp2, 8192):
+        w = chunk_work(c, 128, 2, gather=True)
+        assert 2 * w.tokens == c.computed_tokens == chunk_work(c, 128).tokens
+        assert chunk_tokens(c, 2) == w.tokens
+    dense1 = layer_model(Q7B, cp1, H100).dense(8192)
+    dense2 = layer_model(Q7B, cp2, H100).dense(4096)
+    assert dense2.fwd < 0.6 * dense1.fwd
+    p1 = predict_chunkflow(LENGTHS, Q7B, H100, Layout(2, 1, 1, 2), 8192, 1)
+    p2 = predict_chunkflow(LENGTHS, Q7B, H100, cp2, 8192, 1)
+    assert p2.memory["kv_state"] == pytest.approx(p1.memory["kv_state"] / 2, rel=0.01)
+
+
+def test_zigzag_pairs_are_balanced_and_add_up():
+    """Pieces r and 2 CP - 1 - r give every rank the same exact pairs; over the ranks they are
+    the unsplit segment's (prefix included); with 128-tiles each rank pays its pieces' tiles."""
+    for prefix, n, cp in ((0, 4096, 2), (8192, 4096, 4), (30000, 1000, 2), (0, 96, 8)):
+        exact = zigzag_pairs(prefix, n, 0, cp)
+        assert len(set(exact)) == 1
+        assert sum(exact) == attention_pairs(prefix, n)
+        tiled = zigzag_pairs(prefix, n, 128, cp)
+        assert all(t >= e for t, e in zip(tiled, exact))
+    # a dependent chunk: the slowest rank's pairs, about 1/CP of the chunk's
+    c = [c for c in chunks_for(Layout(1, 2, 1, 1), 8192) if c.is_dependent][-1]
+    w = chunk_work(c, 0, 2, gather=True)
+    assert w.pairs == pytest.approx(attention_pairs(c.prefix_len, c.computed_tokens) / 2)
+
+
+def test_gather_bytes_and_recompute_in_backward():
+    """Forward: an exposed ring all-gather of (prefix + chunk) tokens of K and V, (CP - 1)/CP of
+    them received, then the kernel; backward: the gather again, the kernel forward again, its
+    backward and a reduce-scatter of dK/dV in fp32 (twice the gather's bytes under bf16). CP
+    overlap does not hide any of it."""
+    tp, cp, gathered = 2, 4, 40960
+    layout = Layout(tp, cp, 1, 1)
+    lm = layer_model(Q7B, layout, H100)
+    bw, latency = H100.link(layout.span("cp"))
+    kv_width = Q7B.kv_dim // tp  # K (or V) channels on this TP rank
+    gather_bytes = gathered * 2 * kv_width * H100.dtype_bytes
+    gather, scatter = lm.gather_times(gathered)
+    assert gather == pytest.approx((cp - 1) / cp * gather_bytes / bw + (cp - 1) * latency)
+    assert scatter == pytest.approx((cp - 1) / cp * 2 * gather_bytes / bw + (cp - 1) * latency)
+    tokens, pairs = 2048, 8.0e7
+    compute_f, compute_b = layer_model(Q7B, Layout(tp, 1, 1, 1), H100).attention(tokens, pairs)
+    fwd, bwd = lm.attention(tokens, pairs, gathered)
+    assert fwd == pytest.approx(gather + compute_f)
+    assert bwd == pytest.approx(gather + compute_f + compute_b + scatter)
+    for overlap in (0.0, 1.0):
+        other = layer_model(Q7B, layout, with_overrides(H100, [f"cp_overlap={overlap}"]))
+        assert other.attention(tokens, pairs, gathered) == pytest.approx((fwd, bwd))
+    # Megatron's ring on the same layout is a different (overlapped) model
+    assert lm.attention(tokens, pairs) != pytest.approx((fwd, bwd))
+
+
+def test_chunk_work_gathers_the_prefix():
+    """A dependent chunk gathers its sequence's prefix and itself; its pieces read the prefix
+    twice (one per piece) and their own segment up to their end; its kernels are the gather
+    path's, not the ring's."""
+    layout = Layout(1, 2, 1, 1)
+    deps = [c for c in chunks_for(layout, 8192) if c.is_dependent]
+    last = deps[-1]
+    w = chunk_work(last, 128, 2, gather=True)
+    assert w.gathered == last.prefix_len + last.computed_tokens == LONG + last.segments[0].padding
+    assert w.selected == 2 * last.prefix_len + last.computed_tokens * 5 // 4
+    assert (w.gathered, w.selected) == gather_extent(last, 2)
+    assert w.prior == last.index and not w.relayed and deps[0].prefix_len == 0
+    parts = layer_model(Q7B, layout, H100).parts(w)
+    base = layer_model(Q7B, Layout(), H100)
+    assert parts.fwd_kernels == base.kernels_fwd + GATHER_KERNELS_FWD + 2  # + the relay's cat
+    assert parts.bwd_kernels == base.kernels_bwd + GATHER_KERNELS_BWD + 2 * w.prior
+    # the step: every layer's backward re-runs the attention forward, so B > 2 F per chunk
+    model = roofline(Q7B, layout, H100)
+    f, b = model.chunk_costs(last, 1, gather=True)
+    f1, b1 = roofline(Q7B, Layout(), H100).chunk_costs(last, 1)
+    assert b[0] / f[0] > b1[0] / f1[0]
+
+
+def test_state_per_rank_halves_at_cp2():
+    """A long sequence's stored K/V, fp32 accumulators, prefix copies and re-forward inputs are
+    1/CP per rank; the transient of its attention (the gathered K/V and the selection) is whole."""
+    L, C = 120000, 8192
+    for pp in (1, 2):
+        for k in (1, 4):
+            one = sequence_state_bytes(L, C, k, Q7B, Layout(2, 1, pp, 1), 2, pp)
+            two = sequence_state_bytes(L, C, k, Q7B, Layout(2, 2, pp, 1), 2, pp)
+            assert two == pytest.approx([x / 2 for x in one])
+    layout = Layout(2, 2, 1, 1)
+    chunks = chunks_for(layout, C, lengths=[L])
+    last = chunks[-1]
+    kv = kv_state_bytes_per_token(Q7B, 1, 2, 2, with_grad=False)
+    g, s = gather_extent(last, 2)
+    assert gather_transient_bytes(chunks, Q7B, layout, 2) == pytest.approx(max(2 * s, 3 * g) * kv)
+    assert gather_transient_bytes(chunks, Q7B, Layout(2, 1, 1, 1), 2) == 0.0
+    p1 = predict_chunkflow([L], Q7B, H100, Layout(2, 1, 1, 1), C, 1)
+    p2 = predict_chunkflow([L], Q7B, H100, Layout(2, 2, 1, 1), C, 1)
+    assert p2.memory["kv_state"] == pytest.approx(p1.memory["kv_state"] / 2)
+    assert p2.memory["activations"] == pytest.approx(p1.memory["activations"] / 2, rel=0.01)
+    assert p2.memory["transient"] > p1.memory["transient"] / 2  # the whole gathered K/V
+
+
+def test_bad_chunk_size_names_the_flag():
+    with pytest.raises(ValueError, match=r"--chunk-size 4100 is not a multiple of 2 x CP 2 x "
+                                         r"TP 2 = 8"):
+        predict_chunkflow(LENGTHS, Q7B, H100, Layout(2, 2, 1, 1), 4100, 1)
+    with pytest.raises(ValueError, match=r"--chunk-size 4098 is not a multiple of 2 x CP 2 = 4"):
+        predict_chunkflow(LENGTHS, Q7B, H100, Layout(1, 2, 1, 1), 4098, 1)
+    assert predict_chunkflow(LENGTHS, Q7B, H100, Layout(1, 2, 1, 1), 4100, 1).step_s > 0
+    assert [c for c, _ in chunking_candidates(LENGTHS, 32768, 24)] == []  # no power of 2 fits
+    assert chunking_candidates(LENGTHS, 32768, 8) == chunking_candidates(LENGTHS, 32768, 1)
+
+
+SHAPE = ModelShape(4, 2048, 5632, 16, 4, 32000)
+SEQ = 65536
+CP_LENGTHS = [min(n, 4000) for n in sample_lengths("B", 40, seed=5)] + [60000]
+
+
+def fastest_fitting(predictions):
+    return min((p for p in predictions if p.fits), key=lambda p: p.step_s)
+
+
+def test_search_picks_cp_and_is_exact():
+    """3 layers and 2 K/V groups on 4 GPUs: no PP 2 or 4 and TP <= 2, so the long sequence is
+    fastest split over CP (DP 2 would leave it on one replica); the pruned search finds what
+    brute force over every layout, CP included, finds."""
+    shape = ModelShape(3, 2048, 5632, 16, 2, 32000)
+    layouts = candidate_layouts(shape, H100, 4, allow_cp=True)
+    brute = fastest_fitting(predict_chunkflow(CP_LENGTHS, shape, H100, lay, 8192, 1)
+                            for lay in layouts if 8192 % lay.chunk_multiple == 0)
+    found = best_chunkflow(CP_LENGTHS, shape, H100, 4, SEQ, chunk_size=8192, k=1)
+    assert found.fits and (found.layout.tp, found.layout.cp) == (2, 2)
+    assert found.step_s == pytest.approx(brute.step_s, rel=1e-12)
+    no_cp = fastest_fitting(predict_chunkflow(CP_LENGTHS, shape, H100, lay, 8192, 1)
+                            for lay in layouts if lay.cp == 1)
+    assert found.step_s < no_cp.step_s
+
+
+def test_floors_bound_cp_candidates():
+    """The time floor (with the long sequence's chain) and the memory floor stay below the
+    prediction for ChunkFlow's CP layouts too."""
+    hw = get_gpu("h100")
+    for lay in candidate_layouts(SHAPE, hw, 4, allow_cp=True)[::5]:
+        for c, k in chunking_candidates(CP_LENGTHS, SEQ, lay.chunk_multiple)[::3]:
+            p = predict_chunkflow(CP_LENGTHS, SHAPE, hw, lay, c, k)
+            chunks = build_chunks(CP_LENGTHS, c, lay.dp, k, SHAPE,
+                                  segment_multiple=lay.segment_multiple).chunks
+            items = chunk_work_items(chunks, hw.attn_block, lay.cp, k, gather=True)
+            assert time_floor(items, roofline(SHAPE, lay, hw)) <= p.step_s * (1 + 1e-9)
+            floor = chunkflow_memory_floor(CP_LENGTHS, SHAPE, lay, hw.dtype_bytes, c, k)
+            assert floor <= p.peak_mem_bytes * (1 + 1e-9)
+
+
+def test_chain_floor_binds_on_deep_pipelines():
+    """With few chunks on many stages the long sequence's chain (every chunk forward on one
+    stage, the last through all of them, and back) is above the busiest stage's work."""
+    hw = get_gpu("h100")
+    lengths = [60000, 3000, 2000]
+    lay = Layout(1, 1, 4, 1)
+    chunks = build_chunks(lengths, 16384, 1, 1, SHAPE).chunks
+    items = chunk_work_items(chunks, hw.attn_block, 1, 1)
+    model = roofline(SHAPE, lay, hw)
+    chained = time_floor(items, model)
+    unchained = time_floor([(r, f, w, None) for r, f, w, _ in items], model)
+    p = predict_chunkflow(lengths, SHAPE, hw, lay, 16384, 1)
+    assert unchained < chained <= p.step_s * (1 + 1e-9)
+    assert chained > 0.6 * p.step_s
+
+
+def test_cp_prediction_is_consistent():
+    """A CP layout's prediction: padding counted, model FLOPs those of the real tokens, the same
+    speed on any CP overlap."""
+    lay = Layout(2, 2, 1, 2)
+    p = predict_chunkflow(LENGTHS, Q7B, H100, lay, 8192, 2)
+    q = predict_chunkflow(LENGTHS, Q7B, dataclasses.replace(H100, cp_overlap=0.0), lay, 8192, 2)
+    assert p.step_s == q.step_s and p.layout.cp == 2 and p.num_tokens == sum(LENGTHS)
+    assert 0 < p.padding_fraction < 0.01
+    base = predict_chunkflow(LENGTHS, Q7B, H100, Layout(2, 1, 1, 4), 8192, 2)
+    assert p.model_flops == base.model_flops and p.num_gpus == base.num_gpus
