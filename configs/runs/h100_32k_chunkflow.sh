@@ -1,5 +1,5 @@
 # ChunkFlow, SFT at 32K context, on nodes of 8x H100 80GB (fits H200 141GB unchanged).
-# CP = 1 always; sequences longer than the chunk size are cut into dependent chunks, the rest are
+# CP = 1 (configs/README.md says why); sequences longer than the chunk size are cut into dependent chunks, the rest are
 # packed into standalone chunks of CHUNK_SIZE tokens; K chunks of a long sequence keep activations
 # (configs/README.md, "ChunkFlow at 32K").
 #

@@ -4,6 +4,7 @@
         --pp 4 --dp 2
     chunkflow plan --lengths-file lengths.txt --chunk-size 4096 --json
     chunkflow plan --png plan.png
+    chunkflow plan --cp 2 --chunk-size 8192     # every chunk split over 2 CP ranks
 
 Times are FLOPs on the critical path of one GPU under the named model's cost model (attention
 counted per segment, a baseline's padding included); the ratio of the two systems is what to
@@ -11,7 +12,10 @@ read. Memory is perfmodel/footprint.py's model (the simulator's) in bf16 without
 activations the plan holds at once and, for ChunkFlow, the long sequence's K/V state. Stock
 Megatron is planned as each of core/step.py's BASELINES (megatron-sft: first-fit lines padded to
 --seq-length; megatron-packed: best fit, no padding, the strongest and the JSON's "baseline";
-megatron-unpacked: one sequence per micro-batch).
+megatron-unpacked: one sequence per micro-batch). With --cp N both systems split every micro-batch
+over N context-parallel ranks (ChunkFlow: segments padded to 2N pieces, runtime/cp.py; stock: each
+sequence padded to 2N): times and memory are per GPU, FLOPs / N and the footprint model's
+per-rank bytes.
 """
 
 from __future__ import annotations
@@ -36,6 +40,21 @@ BF16_BYTES = 2  # the printed memory model's element size
 STRONGEST = "megatron-packed"  # the JSON's "baseline" (kept for compatibility)
 
 
+def _per_gpu_flops(shape, cp: int):
+    """core/step.py's FLOP costs per GPU: a micro-batch's FLOPs split evenly over its CP ranks
+    (the zigzag pieces balance causal attention)."""
+    from megatron_chunkflow.core.costs import OpCosts
+
+    def costs(chunks, num_stages):
+        flops = OpCosts.from_model(chunks, shape, num_stages)
+        if cp > 1:
+            flops.forward = {c: [f / cp for f in per_stage]
+                             for c, per_stage in flops.forward.items()}
+        return flops
+
+    return costs
+
+
 def _gib(values) -> str:
     return "[" + ", ".join(f"{v / GIB:.1f}" for v in values) + "]"
 
@@ -55,11 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("chunkflow")
     add_config_arguments(g, ChunkFlowConfig, fields=("chunk_size", "k"))
     g = parser.add_argument_group("layout and cost model")
-    add_config_arguments(g, ParallelConfig, fields=("pp", "dp"), defaults={"dp": 1})
+    add_config_arguments(g, ParallelConfig, fields=("pp", "cp", "dp"), defaults={"dp": 1})
     g.add_argument("--dp-rank", type=int, default=0,
                    help="the DP rank whose per-stage ops are printed (default: 0)")
     g.add_argument("--seq-length", type=int, default=None,
-                   help="the baseline's micro-batch length (default: the longest sequence)")
+                   help="the baseline's micro-batch length (default: the longest sequence, "
+                        "padded to a multiple of 2 x CP)")
     g.add_argument("--model", default="qwen2.5-7b", choices=sorted(MODEL_SHAPES),
                    help="shape used by the cost model (default: qwen2.5-7b)")
     g = parser.add_argument_group("output")
@@ -69,21 +89,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(ChunkFlowConfig, args)
-    config_from_args(ParallelConfig, args)  # validates --pp and --dp
+    parallel = config_from_args(ParallelConfig, args)  # validates --pp, --cp and --dp
+    cfg.check_parallel(parallel)  # under CP: a chunk size the 2 x CP split divides
     if not 0 <= args.dp_rank < args.dp:
         raise ValueError(f"--dp-rank must be in [0, {args.dp}), got {args.dp_rank}")
     check_output_file("--png", args.png)
     out = Output(args.json)
     lengths, source = lengths_from_args(args)
-    seq_length = args.seq_length or max(lengths)
+    longest = max(lengths)  # by default the baseline's micro-batch holds it, padded to 2 x CP
+    seq_length = args.seq_length or longest + (-longest % (2 * parallel.cp) if parallel.cp > 1
+                                               else 0)
     shape = get_model_shape(args.model)
 
-    held_for, state_for = memory_hooks(shape, Layout(pp=args.pp, dp=args.dp), BF16_BYTES,
-                                       cfg.chunk_size, cfg.k)
+    cp = parallel.cp
+    held_for, state_for = memory_hooks(shape, Layout(pp=args.pp, dp=args.dp, cp=cp),
+                                       BF16_BYTES, cfg.chunk_size, cfg.k)
+    costs = _per_gpu_flops(shape, cp)
     batch, cf = plan_chunkflow(lengths, cfg.chunk_size, cfg.k, args.pp, args.dp, shape,
-                               held_bytes_for=held_for, state_bytes_for=state_for)
-    bases = {b: plan_baseline(lengths, seq_length, args.pp, args.dp, shape,
-                              held_bytes_for=held_for, baseline=b) for b in BASELINES}
+                               costs_for=costs, held_bytes_for=held_for,
+                               state_bytes_for=state_for,
+                               segment_multiple=parallel.segment_multiple)
+    bases = {b: plan_baseline(lengths, seq_length, args.pp, args.dp, shape, costs_for=costs,
+                              held_bytes_for=held_for, baseline=b, cp=cp) for b in BASELINES}
     base = bases[STRONGEST]
     r = args.dp_rank
     plan, sim = cf.plans[r], cf.sims[r]
@@ -93,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
     num_dep = len(batch.chunks) - batch.num_standalone
     out.say(f"{len(lengths)} sequences ({source}): {batch.num_tokens:,} tokens, "
             f"longest {max(lengths):,}")
-    out.say(f"ChunkFlow  C={cfg.chunk_size} K={cfg.k} PP={args.pp} DP={args.dp}: "
+    out.say(f"ChunkFlow  C={cfg.chunk_size} K={cfg.k} PP={args.pp} "
+            + (f"CP={cp} " if cp > 1 else "") + f"DP={args.dp}: "
             f"{len(batch.chunks)} chunks = {num_dep} dependent (from {num_long} long sequences) "
             f"+ {batch.num_standalone} standalone (lower bound {batch.bins_lower_bound}); "
             f"padding {batch.padding_fraction:.1%}")
@@ -151,7 +179,8 @@ def run(args: argparse.Namespace) -> int:
         "baselines": summaries,
         "speedup": speedup,
         "speedups": {b: x["step_time"] / cf.step_time for b, x in summaries.items()},
-        "setup": {"chunk_size": cfg.chunk_size, "k": cfg.k, "pp": args.pp, "dp": args.dp,
+        "setup": {"chunk_size": cfg.chunk_size, "k": cfg.k, "pp": args.pp, "cp": cp,
+                  "dp": args.dp,
                   "dp_rank": r, "model": args.model, "source": source},
     })
     return 0

@@ -88,10 +88,12 @@ def _replay(chunks: Sequence[DataChunk], plan: StagePlan, costs, held_bytes_for:
 def plan_chunkflow(seq_lengths: Sequence[int], chunk_size: int, k: int, num_stages: int,
                    num_dp_ranks: int, shape: ModelShape, costs_for: CostHook | None = None,
                    held_bytes_for: CostHook | None = None,
-                   state_bytes_for: StateHook | None = None) -> tuple[ChunkBatch, RankPlans]:
+                   state_bytes_for: StateHook | None = None,
+                   segment_multiple: int = 1) -> tuple[ChunkBatch, RankPlans]:
     """ChunkFlow's step: chunks built, distributed and planned with state-aware 1F1B per DP rank,
-    each plan replayed; bytes only from the hooks (see CostHook)."""
-    batch = build_chunks(seq_lengths, chunk_size, num_dp_ranks, k, shape)
+    each plan replayed; bytes only from the hooks (see CostHook). `segment_multiple`: context
+    parallelism's padding of every segment (core/packer.build_chunks)."""
+    batch = build_chunks(seq_lengths, chunk_size, num_dp_ranks, k, shape, segment_multiple)
     per_rank = tuple(tuple(batch.chunks_for_rank(r)) for r in range(num_dp_ranks))
     plans, sims, state = [], [], []
     for chunks in per_rank:

@@ -43,6 +43,25 @@ def test_json_contract(capsys):
     assert obj["speedup"] > 0
 
 
+def test_context_parallel_plan_is_per_gpu(capsys):
+    """--cp 2: ChunkFlow's segments are padded to 2 x CP pieces (nothing lost), and per GPU the
+    step's FLOPs and the long sequence's state halve (the footprint model's per-rank bytes)."""
+    argv = ("--global-batch-size", "300", "--chunk-size", "8192", "--pp", "2")
+    _, one, _ = run_json(capsys, *argv)
+    rc, two, err = run_json(capsys, *argv, "--cp", "2")
+    assert rc == 0 and "CP=2" in err and two["setup"]["cp"] == 2
+    assert two["stats"]["tokens"] == one["stats"]["tokens"]
+    for chunk in two["chunks"]:
+        padding = chunk.get("padding", [0] * len(chunk["segments"]))
+        assert all((end - start + pad) % 4 == 0
+                   for (_, start, end), pad in zip(chunk["segments"], padding))
+    assert two["stats"]["step_time"] == pytest.approx(one["stats"]["step_time"] / 2, rel=0.02)
+    for a, b in zip(two["stats"]["peak_memory_gib"], one["stats"]["peak_memory_gib"]):
+        assert a < 0.6 * b
+    assert two["baseline"]["step_time"] == pytest.approx(one["baseline"]["step_time"] / 2,
+                                                         rel=0.02)
+
+
 def test_three_baselines(capsys):
     """"baselines" has each stock baseline's plan in numbers; "baseline" stays megatron-packed's.
     megatron-sft pads its lines to --seq-length, megatron-unpacked runs a sequence per
@@ -128,6 +147,8 @@ def test_lengths_file_not_utf8_names_the_file(tmp_path, capsys):
     (["--scale", "1e12"], "--scale 1e+12: length"),
     (["--step", "-1"], "--step must be >= 0, got -1"),
     (["--png", "/nonexistent/dir/plan.png"], "--png /nonexistent/dir/plan.png: directory"),
+    (["--cp", "2", "--chunk-size", "4098"], "--chunk-size 4098 is not a multiple of 2 x "
+                                            "--context-parallel-size (--cp) 2 = 4"),
 ])
 def test_bad_input_exits_2(capsys, argv, message):
     assert main(["plan", "--global-batch-size", "50", *argv]) == 2
