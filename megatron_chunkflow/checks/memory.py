@@ -341,6 +341,8 @@ class MemoryRow:
     state: int  # peak K/V state: stored K/V, gradient accumulators, prefix copies
     state_formula: float | None  # K = 1, CP = 1 only
     total: int = 0  # peak of activation + state together
+    cp_gathered: int = 0  # context parallelism: bytes this rank received in K/V all-gathers
+    cp_reduce_scattered: int = 0  # and in dK/dV reduce-scatters
 
 
 def measure_one_sequence(shape, length: int, chunkflow: ChunkFlowConfig, dtype, seed: int = 0,
@@ -376,4 +378,5 @@ def measure_one_sequence(shape, length: int, chunkflow: ChunkFlowConfig, dtype, 
                for nbytes in (torch.finfo(dtype).bits // 8, 8 if dtype == torch.float64 else 4))
     formula = (kv_state_formula(length, chunkflow.chunk_size, kv, acc)
                if chunkflow.k == 1 and cp == 1 else None)
-    return MemoryRow(meter.peak_activation, meter.peak_state, formula, meter.peak_total)
+    return MemoryRow(meter.peak_activation, meter.peak_state, formula, meter.peak_total,
+                     store.cp_traffic.gathered, store.cp_traffic.reduce_scattered)

@@ -15,7 +15,8 @@ Megatron is planned as each of core/step.py's BASELINES (megatron-sft: first-fit
 megatron-unpacked: one sequence per micro-batch). With --cp N both systems split every micro-batch
 over N context-parallel ranks (ChunkFlow: segments padded to 2N pieces, runtime/cp.py; stock: each
 sequence padded to 2N): times and memory are per GPU, FLOPs / N and the footprint model's
-per-rank bytes.
+per-rank bytes. The FLOPs leave out CP's communication and ChunkFlow's CP attention forward run
+again in the backward; `chunkflow simulate` times both.
 """
 
 from __future__ import annotations

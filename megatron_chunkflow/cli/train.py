@@ -156,6 +156,12 @@ def settings_from_args(args) -> TrainSettings:
 
         check_context_parallel(cfg.attention_backend, "cuda" if torch.cuda.is_available()
                                else "cpu")
+        for flag, given in (("--lora-rank", lora is not None),
+                            ("--chunkflow-sparse-backward", sparse.enabled)):
+            if given:
+                raise ValueError(f"{flag} is not checked with --context-parallel-size "
+                                 f"{parallel.cp} yet (chunkflow verify refuses the pair too); "
+                                 "give --context-parallel-size 1")
     max_chunks = -(-args.seq_length // cfg.chunk_size)
     sparse.check(max_chunks, args.chunkflow,
                  f" (--seq-length {args.seq_length} / --chunk-size {cfg.chunk_size})")

@@ -335,23 +335,27 @@ def _run_memory_cp(args, cfg, shape, dtype, cp: int) -> int:
             f"{_backend(cfg)}; peak bytes saved for backward (no weights) plus K/V state, the "
             f"largest rank's")
     out.say(f"{'length':>8} {'CP=1':>14} {f'CP={cp}':>14} {'ratio':>7} {'state CP=1':>14} "
-            f"{f'state CP={cp}':>14}")
+            f"{f'state CP={cp}':>14} {'gathered':>14} {'reduce-scat.':>14}")
     rows = []
     for n in lengths:
         measured = []
         for size in (1, cp):
             init_distributed(seed=args.seed, cp=size)
             row = measure_one_sequence(shape, n, cfg, dtype, seed=args.seed, cp=size)
-            peaks = torch.tensor([row.total, row.state], dtype=torch.float64,
+            peaks = torch.tensor([row.total, row.state, row.cp_gathered,
+                                  row.cp_reduce_scattered], dtype=torch.float64,
                                  device=comm_device())
             torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)
             measured.append([int(x) for x in peaks.tolist()])
-        (one, one_state), (many, many_state) = measured
+        (one, one_state, _, _), (many, many_state, gathered, scattered) = measured
         rows.append({"length": n, "cp1_bytes": one, f"cp{cp}_bytes": many,
                      "ratio": many / one, "cp1_state_bytes": one_state,
-                     f"cp{cp}_state_bytes": many_state})
+                     f"cp{cp}_state_bytes": many_state, "cp_gathered_bytes": gathered,
+                     "cp_reduce_scattered_bytes": scattered})
         out.say(f"{n:>8} {one:>14,} {many:>14,} {many / one:>7.3f} {one_state:>14,} "
-                f"{many_state:>14,}")
+                f"{many_state:>14,} {gathered:>14,} {scattered:>14,}")
+    out.say(f"gathered / reduce-scat.: bytes one CP={cp} rank received in the step's K/V "
+            "all-gathers and dK/dV reduce-scatters (every layer, forwards and backwards)")
     out.result({"chunk_size": cfg.chunk_size, "k": cfg.k, "dtype": args.dtype, "cp": cp,
                 "rows": rows})
     return 0

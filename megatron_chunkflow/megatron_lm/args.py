@@ -123,6 +123,18 @@ def chunkflow_refusals(args, given_dataloader: str | None = None) -> list[str]:
             refuse.append(f"--chunk-size {chunk_size}, not a multiple of 2 x "
                           f"--context-parallel-size {cp}{sp} = {multiple} (context parallelism "
                           f"cuts every chunk into 2 x CP equal pieces)")
+    if cp > 1 and args.seq_length is not None and args.seq_length % (2 * cp):
+        refuse.append(f"--seq-length {args.seq_length}, not a multiple of 2 x "
+                      f"--context-parallel-size {cp} (Megatron-LM asserts it; ChunkFlow pads "
+                      f"every sequence itself, so any multiple above your longest will do)")
+    for flag, dest in (("--hybrid-context-parallel", "hybrid_context_parallel"),
+                       ("--hierarchical-context-parallel-sizes",
+                        "hierarchical_context_parallel_sizes")):
+        if getattr(args, dest, None):
+            refuse.append(f"{flag}: ChunkFlow's context parallelism is one flat CP group")
+    if cp > 1 and _given("--cp-comm-type"):
+        refuse.append("--cp-comm-type: ChunkFlow's context parallelism all-gathers K/V itself "
+                      "(Transformer Engine's CP communication is not used)")
     if cp > 1:
         from megatron_chunkflow.attention.backends import check_context_parallel
         from megatron_chunkflow.training.cpu import has_real_cuda

@@ -290,7 +290,11 @@ def _chunkflow_forward_backward(*, forward_step_func, **kwargs):
     step_fn = make_forward_step(vocab_size=_HOOKS.loss_vocab)
     reports = forward_backward_chunkflow(forward_step_func=step_fn, **kwargs)
     if not reports and parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        reports = [{"lm loss": torch.zeros(2)}]  # a DP rank without chunks this step
+        from megatron_chunkflow.runtime.p2p import comm_device
+
+        # a DP rank without chunks this step: the same dtype and device as the others' reports,
+        # which Megatron-LM's train_step all-reduces over DP x CP
+        reports = [{"lm loss": torch.zeros(2, dtype=torch.float64, device=comm_device())}]
     return reports
 
 

@@ -13,8 +13,9 @@ chunk's own] are all-gathered over the CP group (one collective for K and V); on
 keys each local query piece reads in sequence order, and one varlen kernel call runs the pieces as
 segments, each attending bottom-right causally to its segment's keys up to its own last token (in
 a dependent chunk: the whole prefix too). Every query sees exactly the keys it sees without CP, for
-any packing and prefix. The backward reduce-scatters dK/dV (summed in fp32 under half precision)
-back to the ranks holding those K/V; the relay takes it from there.
+any packing and prefix. The backward reduce-scatters dK/dV back to the ranks holding those K/V,
+the sum over ranks taken in fp32 under half precision (a key two local pieces both read gets their
+two gradients added in the K/V dtype first); the relay takes it from there.
 
 Memory and traffic. The gather, the index and the kernel are recomputed in the backward: only the
 local q and [prefix ++ own] K/V shards are saved, and the backward gathers again and recomputes
@@ -65,11 +66,12 @@ class AttentionLayout(NamedTuple):
     cu_kv: tuple[int, ...]  # each piece's keys within `index`
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=8)  # host memory: a late chunk's index lists its whole prefix twice
 def attention_layout(cu_seqlens: tuple[int, ...], prefix_chunks: int, chunk_size: int, cp: int,
-                     rank: int, device: torch.device | None = None) -> AttentionLayout:
+                     rank: int) -> AttentionLayout:
     """The layout for a chunk with segment boundaries `cu_seqlens` after `prefix_chunks` earlier
-    chunks of `chunk_size` tokens (a dependent chunk: one segment), on CP rank `rank`.
+    chunks of `chunk_size` tokens (a dependent chunk: one segment), on CP rank `rank`, on the
+    host (runtime/model.py keeps the device copy for one forward).
 
     Gathered rows: rank after rank, each rank's shards of the prefix chunks and then of this chunk
     (what runtime/state.py's relay concatenates)."""
@@ -90,15 +92,27 @@ def attention_layout(cu_seqlens: tuple[int, ...], prefix_chunks: int, chunk_size
             rows.append(row[first:prefix + hi])  # a piece sees its segment's keys up to its end
             cu_q.append(cu_q[-1] + hi - lo)
             cu_kv.append(cu_kv[-1] + prefix + hi - first)
-    index = torch.cat(rows).to(device) if device is not None else torch.cat(rows)
-    return AttentionLayout(index, tuple(cu_q), tuple(cu_kv))
+    return AttentionLayout(torch.cat(rows), tuple(cu_q), tuple(cu_kv))
 
 
-def cp_attention(q, k, v, layout: AttentionLayout, group, softmax_scale: float,
-                 backend: str) -> torch.Tensor:
+class Traffic:
+    """Bytes one rank receives in ChunkFlow's CP collectives, as NCCL's ring runs them:
+    (CP - 1)/CP of an all-gather's output, and of a reduce-scatter's input."""
+
+    def __init__(self):
+        self.gathered = 0  # all-gathers of K/V (forwards, and again in backwards)
+        self.reduce_scattered = 0  # dK/dV
+
+    @staticmethod
+    def received(t: torch.Tensor, size: int) -> int:
+        return t.numel() * t.element_size() * (size - 1) // size
+
+
+def cp_attention(q, k, v, layout: AttentionLayout, group, softmax_scale: float, backend: str,
+                 traffic: Traffic | None = None) -> torch.Tensor:
     """This rank's attention output [t, np, hn] for its queries q [t, np, hn], given its shards k,
-    v [s, ng, hn] of [prefix ++ chunk] K/V (module docstring)."""
-    return _RecomputedAttention.apply(q, k, v, layout, group, softmax_scale, backend)
+    v [s, ng, hn] of [prefix ++ chunk] K/V (module docstring); `traffic` counts the bytes."""
+    return _RecomputedAttention.apply(q, k, v, layout, group, softmax_scale, backend, traffic)
 
 
 class _RecomputedAttention(torch.autograd.Function):
@@ -109,9 +123,9 @@ class _RecomputedAttention(torch.autograd.Function):
     recompute does."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout, group, softmax_scale, backend):
+    def forward(ctx, q, k, v, layout, group, softmax_scale, backend, traffic):
         ctx.save_for_backward(q, k, v)
-        ctx.args = (layout, group, softmax_scale, backend)
+        ctx.args = (layout, group, softmax_scale, backend, traffic)
         return _attend(q, k, v, *ctx.args)
 
     @staticmethod
@@ -120,11 +134,11 @@ class _RecomputedAttention(torch.autograd.Function):
         with torch.enable_grad():
             out = _attend(q, k, v, *ctx.args)
         torch.autograd.backward(out, grad_out)
-        return q.grad, k.grad, v.grad, None, None, None, None
+        return q.grad, k.grad, v.grad, None, None, None, None, None
 
 
-def _attend(q, k, v, layout, group, softmax_scale, backend):
-    kv = _GatherKV.apply(torch.stack([k, v], dim=1), group)  # [cp * s, 2, ng, hn]
+def _attend(q, k, v, layout, group, softmax_scale, backend, traffic=None):
+    kv = _GatherKV.apply(torch.stack([k, v], dim=1), group, traffic)  # [cp * s, 2, ng, hn]
     k, v = (kv[:, i].index_select(0, layout.index) for i in (0, 1))  # contiguous, as kernels like
     return chunk_attention(q, k, v, layout.cu_q, layout.cu_kv, softmax_scale=softmax_scale,
                            backend=backend)
@@ -137,14 +151,16 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 class _GatherKV(torch.autograd.Function):
     """All-gather along dim 0 over `group`; backward: reduce-scatter (summed in fp32 under half
-    precision; all-reduce and slice on gloo, which has no reduce-scatter)."""
+    precision; all-reduce and slice for CPU tensors: gloo has no reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group, ctx.dtype = group, x.dtype
+    def forward(ctx, x, group, traffic):
+        ctx.group, ctx.dtype, ctx.traffic = group, x.dtype, traffic
         size = dist.get_world_size(group)
         out = x.new_empty((size * x.size(0), *x.shape[1:]))
         _ALL_GATHER(out, x.contiguous(), group=group)
+        if traffic is not None:
+            traffic.gathered += Traffic.received(out, size)
         return out
 
     @staticmethod
@@ -152,7 +168,7 @@ class _GatherKV(torch.autograd.Function):
         group = ctx.group
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         wide = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
-        if dist.get_backend(group) == "gloo":
+        if grad.device.type == "cpu":  # gloo, which has no reduce-scatter
             summed = grad.to(wide, memory_format=torch.contiguous_format, copy=True)
             dist.all_reduce(summed, group=group)
             out = summed.chunk(size)[rank]
@@ -160,4 +176,6 @@ class _GatherKV(torch.autograd.Function):
             grad = grad.to(wide).contiguous()
             out = grad.new_empty((grad.size(0) // size, *grad.shape[1:]))
             _REDUCE_SCATTER(out, grad, group=group)
-        return out.to(ctx.dtype), None
+        if ctx.traffic is not None:
+            ctx.traffic.reduce_scattered += out.numel() * out.element_size() * (size - 1)
+        return out.to(ctx.dtype), None, None

@@ -74,16 +74,24 @@ class ChunkCoreAttention(torch.nn.Module):
 
     def _forward_cp(self, query, key, value, meta: ChunkMeta):
         """This CP rank's shard of the chunk (runtime/cp.py)."""
-        if meta.cp_size != _cp_size(self.cp_group):
-            raise RuntimeError(f"the chunk was planned for CP {meta.cp_size}, but the model's "
-                               f"context-parallel group has {_cp_size(self.cp_group)} ranks")
         t = query.size(0)
         if meta.dependent:
             key, value = self.store.kv_with_state(self.layer_number, key, value)
-        layout = attention_layout(meta.cu_seqlens, meta.index if meta.dependent else 0,
-                                  meta.chunk_size, meta.cp_size, meta.cp_rank, query.device)
+        layout = self.store.cp_layout
+        if layout is None:  # the chunk's first layer on this stage: check, then build once
+            import torch.distributed as dist
+
+            size, rank = _cp_size(self.cp_group), dist.get_rank(self.cp_group)
+            if (meta.cp_size, meta.cp_rank) != (size, rank):
+                raise RuntimeError(f"the chunk was planned for CP rank {meta.cp_rank} of "
+                                   f"{meta.cp_size}, but this is rank {rank} of the model's "
+                                   f"{size}-rank context-parallel group (plan_step's cp_rank)")
+            layout = attention_layout(meta.cu_seqlens, meta.index if meta.dependent else 0,
+                                      meta.chunk_size, meta.cp_size, meta.cp_rank)
+            layout = layout._replace(index=layout.index.to(query.device))
+            self.store.cp_layout = layout
         out = cp_attention(query, key, value, layout, self.cp_group, self.softmax_scale,
-                           self.backend)
+                           self.backend, self.store.cp_traffic)
         return out.reshape(t, -1)
 
 
@@ -153,6 +161,10 @@ def apply_chunkflow(model, backend: str = "torch",
         if isinstance(module, SelfAttention):
             module.core_attention = ChunkCoreAttention(module.layer_number, scale, store, backend,
                                                        _context_parallel_group(module))
+            if _cp_size(module.core_attention.cp_group) > 1:
+                # under CP the core attention saves only q, k, v and recomputes itself
+                # (runtime/cp.py): Megatron's selective core_attn checkpoint would run it twice
+                module.checkpoint_core_attention = False
             num_swapped += 1
     if num_swapped == 0:
         raise ValueError("no SelfAttention modules found: is this a megatron-core GPTModel?")

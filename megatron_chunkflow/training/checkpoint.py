@@ -170,7 +170,7 @@ SCHEDULE = {"lr": "--lr", "min_lr": "--min-lr", "lr_warmup_iters": "--lr-warmup-
 def compare_settings(saved: dict, given: dict, iteration: int, root: str,
                      override_schedule: bool = False) -> list[str]:
     """The checkpoint's settings against this run's, before anything is loaded: ValueError for a
-    contradiction that cannot be honoured (another model shape or TP/PP layout, another --seed,
+    contradiction that cannot be honoured (another model shape or TP/CP/PP layout, another --seed,
     nothing left to train), else notes saying which value wins where they differ.
     `override_schedule`: --override-lr-schedule (this run's schedule wins)."""
     where = f"--load {root} (iteration {iteration})"
@@ -180,8 +180,9 @@ def compare_settings(saved: dict, given: dict, iteration: int, root: str,
         raise ValueError(f"{where} holds another model: " + ", ".join(
             f"{k} {a} there, {b} here" for k, (a, b) in diff.items()))
     for key, flag in (("tp", "--tensor-model-parallel-size"),
-                      ("pp", "--pipeline-model-parallel-size")):
-        a, b = saved["parallel"][key], given["parallel"][key]
+                      ("pp", "--pipeline-model-parallel-size"),
+                      ("cp", "--context-parallel-size")):
+        a, b = saved["parallel"].get(key, 1), given["parallel"].get(key, 1)
         if a != b:
             raise ValueError(f"{where} was saved with {flag} {a}; this run has {b}")
     if saved.get("seed") != given.get("seed"):

@@ -50,6 +50,7 @@ LAYOUTS = {
     # context parallelism: zigzag shards, sharded K/V state, all-gather attention (runtime/cp.py)
     "cp2": (2, 1, 1, False, (1, 2), STEPS, 2),
     "cp2_cpu_flash_recompute": (2, 1, 1, False, (2,), [MIXED], 2, "selective", "auto"),
+    "cp2_full_recompute": (2, 1, 1, False, (1,), [MIXED], 2, "full"),
     "cp2_pp2": (4, 1, 2, False, (1, 2), [MIXED, DEPENDENT], 2),
     "tp2_cp2_sequence_parallel": (4, 2, 1, True, (1, 2), [MIXED, DEPENDENT], 2),
     "cp2_dp2": (4, 1, 1, False, (1,), [MIXED, DEPENDENT], 2),

@@ -48,6 +48,7 @@ def test_empty_dataset(capsys, tmp_path):
                                                    "parallelism recomputes attention"),
     (["--cp", "2", "--no-chunkflow"], "--context-parallel-size 2 with --no-chunkflow"),
     (["--cp", "0"], "--context-parallel-size (--cp) must be >= 1"),
+    (["--cp", "2", "--lora-rank", "4"], "--lora-rank is not checked with --context-parallel-size 2"),
 ])
 def test_bad_flags(capsys, argv, message):
     rc, err = run_train(capsys, *argv)

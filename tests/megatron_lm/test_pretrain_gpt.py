@@ -370,6 +370,9 @@ def test_single_process_refusal_comes_before_megatrons_assertion(workdir, extra,
     (["--chunkflow", "--context-parallel-size", "2", "--chunk-size", "126"],
      "--chunkflow cannot run with --chunk-size 126, not a multiple of 2 x "
      "--context-parallel-size 2 = 4"),
+    (["--chunkflow", "--context-parallel-size", "2", "--seq-length", "510"],
+     "--chunkflow cannot run with --seq-length 510, not a multiple of 2 x "
+     "--context-parallel-size 2"),
 ])
 def test_launcher_bad_input_exits_2_without_a_traceback(workdir, extra, needle):
     (workdir / "not_json").mkdir(exist_ok=True)
