@@ -83,6 +83,18 @@ class ChainSums:
     last: tuple = ()  # the last chunk: the same
 
 
+def _add_roofline(sums, parts) -> None:
+    """Add one chunk's roofline layer pieces (backward, forward, per-module) to RankSums or
+    ChainSums, which hold the same fields for them."""
+    sums.bwd += parts.bwd
+    sums.bwd_kernels += parts.bwd_kernels
+    sums.fwd_roof += parts.fwd
+    sums.fwd_kernels += parts.fwd_kernels
+    for m, (sec, kernels) in parts.modules.items():
+        sums.module[m] += sec
+        sums.module_kernels[m] += kernels
+
+
 @dataclass
 class RankSums:
     """One DP rank's chunks summed (FloorSums)."""
@@ -130,13 +142,7 @@ def floor_sums(items: Sequence[tuple[int, bool, Work, int | None]],
         r.head_fwd += times * head_f
         r.emb_bwd += emb_b
         r.head_bwd += head_b
-        r.bwd += parts.bwd
-        r.bwd_kernels += parts.bwd_kernels
-        r.fwd_roof += parts.fwd
-        r.fwd_kernels += parts.fwd_kernels
-        for m, (sec, kernels) in parts.modules.items():
-            r.module[m] += sec
-            r.module_kernels[m] += kernels
+        _add_roofline(r, parts)
         every = [parts.modules[m] for m in MODULES]  # the costliest selective option
         r.max_fwd = max(r.max_fwd, f_layer)
         r.max_bwd = max(r.max_bwd, parts.bwd + parts.fwd, parts.bwd + sum(e[0] for e in every),
@@ -147,13 +153,7 @@ def floor_sums(items: Sequence[tuple[int, bool, Work, int | None]],
             ch = r.chains.setdefault(parent, ChainSums())
             ch.n += 1
             ch.fwd += f_layer
-            ch.bwd += parts.bwd
-            ch.bwd_kernels += parts.bwd_kernels
-            ch.fwd_roof += parts.fwd
-            ch.fwd_kernels += parts.fwd_kernels
-            for m, (sec, kernels) in parts.modules.items():
-                ch.module[m] += sec
-                ch.module_kernels[m] += kernels
+            _add_roofline(ch, parts)
             ch.ends_f = (ch.ends_f[0] + emb_f, ch.ends_f[1] + head_f)
             ch.ends_b = (ch.ends_b[0] + emb_b, ch.ends_b[1] + head_b)
             if reforward:
