@@ -38,7 +38,7 @@ plan: $(STAMP)
 		--pp 4 --dp 2 --png out/plan.png
 
 # The whole suite (what CI and the README run). test-fast leaves out the tests marked slow: process
-# groups spawned through training/dist.run_processes, Megatron-LM or training subprocesses, and any
+# groups spawned through mcore/dist.run_processes, Megatron-LM or training subprocesses, and any
 # test over ~5 s (tests/conftest.py registers the marker).
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest tests -m "not gpu" -q

@@ -27,7 +27,7 @@ setup(
         "test": ["pytest>=8", "hypothesis>=6", "transformers", "safetensors",
                  "six"],  # six: Megatron-LM's megatron/training imports it
         "gpu": ["flash-attn", "transformer-engine[pytorch]"],
-        "hf": ["tokenizers", "safetensors"],  # --tokenizer DIR; training/hf.py checkpoints
+        "hf": ["tokenizers", "safetensors"],  # --tokenizer DIR; mcore/hf.py checkpoints
         "parquet": ["pyarrow"],  # --data-path *.parquet
     },
     entry_points={"console_scripts": [

@@ -7,7 +7,7 @@ Run in every process of a job (cli/bench.py spawns them, or torchrun). Per run:
    efficiency and host time per op fitted) make a `cpu` device for the simulator, re-measured
    before every measured round (medians). Probe micro-batches measure the activation bytes per
    token of each stage under every option of Megatron's recompute menu (bench/systems.py,
-   checks/memory.py's exact meter).
+   runtime/meter.py's exact meter).
 2. Budget (bench/choose.py, perfmodel/budget.py): each stock baseline gets the fastest recompute
    option whose modelled peak fits; ChunkFlow the fastest (chunk size, K, recompute) that fits.
    A baseline that no option fits is not run (the JSON's "not_run" says why).

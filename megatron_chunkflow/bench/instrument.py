@@ -1,8 +1,7 @@
-"""Instruments for comparing training steps: activation bytes, per-op timestamps, peak RSS.
+"""Instruments for comparing training steps on Megatron's own schedule as on ChunkFlow's: the same
+observers (runtime/observe.py: the exact activation meter of runtime/meter.py, the stage timeline),
+peak RSS, and a malloc that keeps freed memory.
 
-- BenchMeter: checks/memory.py's ActivationMeter, the one exact meter (bytes saved for backward
-  from save to free, in forwards and in the backward's recomputes, weights excluded, plus the K/V
-  state); the name stays for bench's callers.
 - instrument_megatron: calls the same observers (runtime/observe.py) from Megatron's own schedule,
   by wrapping its module-level forward_step and backward_step, as ChunkFlow's execute_step does.
 - reset_peak_rss / peak_rss: the process's resident-set high-water mark (VmHWM), reset per step.
@@ -14,11 +13,8 @@ from __future__ import annotations
 import contextlib
 import re
 
-from megatron_chunkflow.checks.memory import ActivationMeter
 from megatron_chunkflow.core.types import Op
 from megatron_chunkflow.runtime.observe import observing
-
-BenchMeter = ActivationMeter  # peak_total, peak_activation, peak_state, peak_recompute, ...
 
 
 @contextlib.contextmanager

@@ -3,7 +3,7 @@
     rows = sweep(settings, [{"system": "chunkflow", "chunk_size": 1024, "k": 1},
                             {"system": "megatron-packed", "recompute": "block:1"}])
 
-Run in every process of a job (training/dist.py: run_processes). Each configuration is a
+Run in every process of a job (mcore/dist.py: run_processes). Each configuration is a
 system of bench/systems.py (ChunkFlow with its (C, K), or a stock baseline of core/step.py
 with a recompute option of Megatron's menu), stepped `warmup + repeats` times on the same batch
 with the same meters as `chunkflow bench`; a row holds the median step time, the measured peaks

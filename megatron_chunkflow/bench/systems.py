@@ -23,12 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_chunkflow.bench.instrument import (
-    BenchMeter,
-    instrument_megatron,
-    peak_rss,
-    reset_peak_rss,
-)
+from megatron_chunkflow.bench.instrument import instrument_megatron, peak_rss, reset_peak_rss
 from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig, Recompute
 from megatron_chunkflow.core.costs import layers_per_stage
 from megatron_chunkflow.core.models import ModelShape
@@ -36,6 +31,7 @@ from megatron_chunkflow.core.step import BASELINES
 from megatron_chunkflow.data.synthetic import make_sequences
 from megatron_chunkflow.perfmodel.budget import ActivationRates, OptionRates
 from megatron_chunkflow.perfmodel.footprint import kv_state_bytes_per_token
+from megatron_chunkflow.runtime.meter import ActivationMeter
 from megatron_chunkflow.runtime.observe import StageTimeline
 from megatron_chunkflow.training.settings import OptimizerConfig, TrainSettings
 
@@ -138,7 +134,7 @@ def timed_step(system: System, sequences, trim: bool = True) -> list[dict]:
     heap to the OS first, so the step's peak RSS is its own (and its pages fault in again)."""
     from megatron.core import parallel_state
 
-    meter, timeline = BenchMeter(system.model, system.store), StageTimeline()
+    meter, timeline = ActivationMeter(system.model, system.store), StageTimeline()
     gc.collect()
     reset_peak_rss(trim)
     dist.barrier()
@@ -176,7 +172,7 @@ def probe_rates(system: System, s: BenchSettings,
                                  seq_length=PROBE_TOKENS, recompute=option)
         torch.manual_seed(s.seed)
         tr = system.training if option.kind == "none" else build_training(ts)
-        meter = BenchMeter(tr.model, tr.store)
+        meter = ActivationMeter(tr.model, tr.store)
         with instrument_megatron([meter]):
             run_step(ts, probe, tr.ddp, tr.model.config)
         tr.ddp.zero_grad_buffer()
@@ -224,7 +220,7 @@ def probe_step_times(system: System, s: BenchSettings, repeats: int = 3) -> dict
         times = []
         for _ in range(repeats + 1):
             timeline = StageTimeline()
-            with instrument_megatron([BenchMeter(system.model, system.store), timeline]):
+            with instrument_megatron([ActivationMeter(system.model, system.store), timeline]):
                 run_step(ts, batch, system.ddp, system.model.config)
             times.append(sum(end - start for _, _, start, end in timeline.ops))
         mine = torch.tensor([statistics.median(times[1:])], dtype=torch.float64)

@@ -78,9 +78,9 @@ def run_hf_verify(hf_dir: str, lengths: Sequence[int], chunkflow: ChunkFlowConfi
     from megatron_chunkflow.runtime.execute import execute_step, plan_step
     from megatron_chunkflow.runtime.loss import global_loss, make_forward_step
     from megatron_chunkflow.runtime.model import apply_chunkflow
-    from megatron_chunkflow.training.build import build_gpt_model, transformer_config, wrap_ddp
-    from megatron_chunkflow.training.dist import init_distributed
-    from megatron_chunkflow.training.hf import (
+    from megatron_chunkflow.mcore.build import build_gpt_model, transformer_config, wrap_ddp
+    from megatron_chunkflow.mcore.dist import init_distributed
+    from megatron_chunkflow.mcore.hf import (
         export_hf_weights,
         import_hf_weights,
         padded_vocab_size,

@@ -57,7 +57,7 @@ def run_sparse_verify(shape, lengths: Sequence[int], chunkflow: ChunkFlowConfig,
     """One batch: the exact gradient, then `draws` SpaCO gradients (or all selections)."""
     from megatron.core import parallel_state
 
-    from megatron_chunkflow.training.dist import init_distributed
+    from megatron_chunkflow.mcore.dist import init_distributed
 
     sequences = make_sequences(lengths, shape.vocab_size, seed)
     init_distributed(tp=parallel.tp, pp=1, seed=seed)

@@ -58,7 +58,7 @@ def run_verify(shape: ModelShape, steps: Sequence[Sequence[int]], chunkflow: Chu
     same TP, CP = PP = 1; DP is what the world leaves). `lora` (training.lora.LoRAConfig): both models get
     the same adapters, B initialised at random (LORA_B_STD) so that A's gradient is not zero, and
     only the adapters are compared."""
-    from megatron_chunkflow.training.dist import init_distributed
+    from megatron_chunkflow.mcore.dist import init_distributed
 
     chunkflow.check_parallel(parallel)
     batches = [make_sequences(lengths, shape.vocab_size, seed + i, fully_masked=fully_masked)
@@ -79,7 +79,7 @@ def _run_reference(shape, batches, dtype, lora=None, seed: int = 0):
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
-    from megatron_chunkflow.training.build import build_gpt_model, transformer_config, wrap_ddp
+    from megatron_chunkflow.mcore.build import build_gpt_model, transformer_config, wrap_ddp
 
     dp, dp_rank = (parallel_state.get_data_parallel_world_size(),
                    parallel_state.get_data_parallel_rank())
@@ -87,7 +87,7 @@ def _run_reference(shape, batches, dtype, lora=None, seed: int = 0):
     config = transformer_config(shape, dtype)
     model = build_gpt_model(shape, config)
     if lora is not None:
-        from megatron_chunkflow.training.lora import apply_lora
+        from megatron_chunkflow.mcore.lora import apply_lora
 
         apply_lora(model, lora, seed, b_init_std=LORA_B_STD)
     state = {k: (v.clone() if v is not None else None) for k, v in model.state_dict().items()}
@@ -117,7 +117,7 @@ def build_chunked_model(shape, ref_state, dtype, chunkflow: ChunkFlowConfig,
     """This stage's GPTModel with the reference weights (and adapters), patched for ChunkFlow and
     wrapped in DDP: (model, ddp, {stage name: PP = 1 name}, K/V store)."""
     from megatron_chunkflow.runtime.model import apply_chunkflow
-    from megatron_chunkflow.training.build import (
+    from megatron_chunkflow.mcore.build import (
         build_gpt_model,
         full_model_name,
         transformer_config,
@@ -128,7 +128,7 @@ def build_chunked_model(shape, ref_state, dtype, chunkflow: ChunkFlowConfig,
                                 **recompute.megatron_kwargs())
     model = build_gpt_model(shape, config)
     if lora is not None:
-        from megatron_chunkflow.training.lora import apply_lora
+        from megatron_chunkflow.mcore.lora import apply_lora
 
         apply_lora(model, lora)
     names = {n: full_model_name(n, config, shape.tie_embeddings) for n in model.state_dict()}

@@ -197,7 +197,7 @@ def _job(settings) -> dict:
     import torch.distributed as dist
 
     from megatron_chunkflow.bench.compare import run_bench
-    from megatron_chunkflow.training.dist import init_distributed, shutdown
+    from megatron_chunkflow.mcore.dist import init_distributed, shutdown
 
     init_distributed(tp=settings.parallel.tp, pp=settings.parallel.pp, seed=settings.seed)
     rank0 = dist.get_rank() == 0
@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         if int(os.environ.get("RANK", 0)) != 0:
             return 0
     else:
-        from megatron_chunkflow.training.dist import run_processes
+        from megatron_chunkflow.mcore.dist import run_processes
 
         try:
             result = run_processes(_job, args.nproc, settings)[0]

@@ -35,7 +35,7 @@ from megatron_chunkflow.core.models import MODEL_SHAPES
 from megatron_chunkflow.core.step import BASELINES
 from megatron_chunkflow.runtime.sparse import SparseConfig
 from megatron_chunkflow.training.checkpoint import CheckpointConfig
-from megatron_chunkflow.training.lora import LoRAConfig
+from megatron_chunkflow.mcore.lora import LoRAConfig
 from megatron_chunkflow.training.settings import OptimizerConfig, TrainSettings
 
 # The embedded default: a few minutes on 2 CPU cores, the loss falls from ~11.9 (uniform over the
@@ -128,7 +128,7 @@ def settings_from_args(args) -> TrainSettings:
     if checkpoint.load_hf:
         import dataclasses
 
-        from megatron_chunkflow.training.hf import padded_vocab_size, shape_from_hf_dir
+        from megatron_chunkflow.mcore.hf import padded_vocab_size, shape_from_hf_dir
 
         hf_shape = shape_from_hf_dir(checkpoint.load_hf)
         shape = dataclasses.replace(hf_shape, vocab_size=padded_vocab_size(hf_shape.vocab_size,
@@ -209,7 +209,7 @@ def recompute_from_flags(args) -> Recompute:
 def run(args: argparse.Namespace) -> int:
     s = settings_from_args(args)
     from megatron_chunkflow.data import load_tokenizer, open_sft_dataset
-    from megatron_chunkflow.training.dist import init_distributed, shutdown
+    from megatron_chunkflow.mcore.dist import init_distributed, shutdown
     from megatron_chunkflow.training.loop import train
 
     max_samples = args.max_samples

@@ -36,7 +36,7 @@ from megatron_chunkflow.config import (
     config_from_args,
 )
 from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape, model_shape_from_dict
-from megatron_chunkflow.training.lora import LoRAConfig
+from megatron_chunkflow.mcore.lora import LoRAConfig
 from megatron_chunkflow.runtime.sparse import SparseConfig
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--draws needs --chunkflow-sparse-backward")
     if lora is not None and args.hf_reference:
         raise ValueError("--lora-rank cannot be combined with --hf-reference")
-    from megatron_chunkflow.training.dist import init_distributed, shutdown
+    from megatron_chunkflow.mcore.dist import init_distributed, shutdown
 
     init_distributed(tp=parallel.tp, pp=parallel.pp, seed=args.seed, cp=parallel.cp)
     try:
@@ -180,7 +180,7 @@ def _check_sparse_args(args, cfg, sparse) -> None:
 def _run_check(args, cfg, parallel, shape, dtype, lora=None) -> int:
     from megatron.core import parallel_state
 
-    from megatron_chunkflow.checks.memory import ActivationMeter
+    from megatron_chunkflow.runtime.meter import ActivationMeter
     from megatron_chunkflow.checks.verify import BOUNDS, run_verify
 
     steps, source = _step_lengths(args, cfg)
@@ -323,7 +323,7 @@ def _run_memory_cp(args, cfg, shape, dtype, cp: int) -> int:
     (each rank of the world runs it alone), same chunk size: the largest over the ranks."""
     from megatron_chunkflow.checks.memory import measure_one_sequence
     from megatron_chunkflow.runtime.p2p import comm_device
-    from megatron_chunkflow.training.dist import init_distributed
+    from megatron_chunkflow.mcore.dist import init_distributed
 
     lengths = _memory_lengths(args.lengths)
     world = torch.distributed.get_world_size()

@@ -137,7 +137,7 @@ def chunkflow_refusals(args, given_dataloader: str | None = None) -> list[str]:
                       "(Transformer Engine's CP communication is not used)")
     if cp > 1:
         from megatron_chunkflow.attention.backends import check_context_parallel
-        from megatron_chunkflow.training.cpu import has_real_cuda
+        from megatron_chunkflow.mcore.cpu import has_real_cuda
 
         try:
             check_context_parallel(args.chunkflow_attention_backend,
@@ -180,7 +180,7 @@ def chunkflow_config(args) -> ChunkFlowConfig:
 def resolve_backend(args) -> str:
     """The attention kernel --chunkflow-attention-backend stands for on this machine."""
     from megatron_chunkflow.attention import resolve_backend as resolve
-    from megatron_chunkflow.training.cpu import has_real_cuda
+    from megatron_chunkflow.mcore.cpu import has_real_cuda
 
     return resolve(args.chunkflow_attention_backend, "cuda" if has_real_cuda() else "cpu")
 

@@ -85,7 +85,7 @@ _HOOKS = _Hooks()
 def install(megatron_lm_dir: str | Path, allow_untested: bool | None = None) -> None:
     """Patch megatron/training so that pretrain_gpt.py honours --chunkflow; idempotent.
     `allow_untested` None: whether --chunkflow-allow-untested-megatron is on the command line."""
-    from megatron_chunkflow.training import cpu
+    from megatron_chunkflow.megatron_lm import cpu
 
     if allow_untested is None:
         allow_untested = "--chunkflow-allow-untested-megatron" in sys.argv
@@ -135,7 +135,7 @@ def check_load_hf(args) -> None:
     checked before any model is built."""
     if not args.chunkflow_load_hf:
         return
-    from megatron_chunkflow.training.hf import shape_from_hf_dir
+    from megatron_chunkflow.mcore.hf import shape_from_hf_dir
 
     try:
         hf = shape_from_hf_dir(args.chunkflow_load_hf)
@@ -171,7 +171,7 @@ def _get_model(original, *args, **kwargs):
     if a.chunkflow_load_hf:
         from megatron.core.utils import get_model_config
 
-        from megatron_chunkflow.training.hf import import_hf_weights, shape_from_hf_dir
+        from megatron_chunkflow.mcore.hf import import_hf_weights, shape_from_hf_dir
 
         hf_shape = shape_from_hf_dir(a.chunkflow_load_hf)
         try:
@@ -263,7 +263,7 @@ def _loss_vocab_size(a) -> int:
     (the Hugging Face model's softmax), else the tokenizer's; the rows Megatron pads beyond it are
     masked (stock Megatron-LM keeps them in its softmax)."""
     if a.chunkflow_load_hf:
-        from megatron_chunkflow.training.hf import shape_from_hf_dir
+        from megatron_chunkflow.mcore.hf import shape_from_hf_dir
 
         return shape_from_hf_dir(a.chunkflow_load_hf).vocab_size
     return _true_vocab_size(a)
@@ -339,7 +339,7 @@ def _training_log(original, *args, **kwargs):
 
 
 def _log_line(a, iteration: int) -> str:
-    from megatron_chunkflow.training.cpu import has_real_cuda
+    from megatron_chunkflow.mcore.cpu import has_real_cuda
     from megatron_chunkflow.training.loop import peak_memory_bytes
 
     h, last = _HOOKS, _HOOKS.iterator.last

@@ -2,7 +2,7 @@
 (`chunkflow bench`).
 
 Inputs are *measured* bytes per token (bench/systems.py probes a micro-batch through the real model
-under every option of Megatron's recompute menu with checks/memory.py's exact meter), so the rules
+under every option of Megatron's recompute menu with runtime/meter.py's exact meter), so the rules
 below hold for whatever the model saves. "Activation memory" is what that meter counts: bytes saved
 for backward from their save until autograd frees them (weights excluded), plus ChunkFlow's K/V
 state (stored K/V, fp32 gradient accumulators, prefix copies, stage inputs kept for re-forwards),

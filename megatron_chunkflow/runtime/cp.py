@@ -119,7 +119,7 @@ class _RecomputedAttention(torch.autograd.Function):
     """Saves only the local q, k, v; the backward gathers and recomputes, then back-propagates.
 
     A Function rather than torch.utils.checkpoint: its saves and its backward's recompute go
-    through the saved-tensor hooks of whoever meters memory (checks/memory.py), as Megatron's own
+    through the saved-tensor hooks of whoever meters memory (runtime/meter.py), as Megatron's own
     recompute does."""
 
     @staticmethod

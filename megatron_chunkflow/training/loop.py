@@ -55,7 +55,7 @@ def build_training(s: TrainSettings) -> Training:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron_chunkflow.training.build import build_gpt_model, transformer_config, wrap_ddp
+    from megatron_chunkflow.mcore.build import build_gpt_model, transformer_config, wrap_ddp
     from megatron_chunkflow.runtime.model import apply_chunkflow
 
     dtype = DTYPES[s.dtype]
@@ -63,11 +63,11 @@ def build_training(s: TrainSettings) -> Training:
                                 **s.recompute.megatron_kwargs())
     model = build_gpt_model(s.shape, config)
     if s.checkpoint.load_hf:
-        from megatron_chunkflow.training.hf import import_hf_weights
+        from megatron_chunkflow.mcore.hf import import_hf_weights
 
         import_hf_weights(model, s.checkpoint.load_hf, config, s.hf_shape)
     if s.lora is not None:
-        from megatron_chunkflow.training.lora import apply_lora
+        from megatron_chunkflow.mcore.lora import apply_lora
 
         apply_lora(model, s.lora, s.seed)  # freezes the rest: DDP and Adam see adapters only
     # the baseline uses the same attention, as plain THD attention within packed sequences
@@ -138,7 +138,7 @@ def _idle_step(ddp, config) -> None:
 
 def peak_memory_bytes() -> int:
     """GPU: torch.cuda.max_memory_allocated; CPU: the process's peak resident set size."""
-    from megatron_chunkflow.training.cpu import has_real_cuda
+    from megatron_chunkflow.mcore.cpu import has_real_cuda
 
     if has_real_cuda():
         return int(torch.cuda.max_memory_allocated())
@@ -197,12 +197,12 @@ def _export_hf(s: TrainSettings, model) -> None:
     """--save-hf: the trained model as a Hugging Face checkpoint (LoRA adapters merged)."""
     from pathlib import Path
 
-    from megatron_chunkflow.training.hf import save_hf_checkpoint
+    from megatron_chunkflow.mcore.hf import save_hf_checkpoint
 
     load_hf = s.checkpoint.load_hf
     source = Path(load_hf) / "config.json" if load_hf else None
     if s.lora is not None:
-        from megatron_chunkflow.training.lora import merge_lora
+        from megatron_chunkflow.mcore.lora import merge_lora
 
         merge_lora(model)  # the exported weights are W + (alpha / r) B A
     save_hf_checkpoint(model, model.config, s.hf_shape or s.shape, s.checkpoint.save_hf, source)

@@ -4,7 +4,7 @@
                   parallel=ParallelConfig(pp=2), optimizer=OptimizerConfig(lr=1e-3))
 
 ChunkFlowConfig and ParallelConfig (config.py), OptimizerConfig (here), CheckpointConfig
-(training/checkpoint.py), LoRAConfig (training/lora.py) and SparseConfig (runtime/sparse.py) are
+(training/checkpoint.py), LoRAConfig (mcore/lora.py) and SparseConfig (runtime/sparse.py) are
 each carried whole to the code that uses them; the command line derives its flags from them.
 """
 
@@ -17,7 +17,7 @@ from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig, Recompute
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.runtime.sparse import SparseConfig
 from megatron_chunkflow.training.checkpoint import CheckpointConfig
-from megatron_chunkflow.training.lora import LoRAConfig
+from megatron_chunkflow.mcore.lora import LoRAConfig
 
 DType = Literal["float32", "float64", "bfloat16"]
 # ChunkFlow, or one of the stock baselines (core/step.py: BASELINES)

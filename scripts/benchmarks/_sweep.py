@@ -45,7 +45,7 @@ def _job(settings, configs):
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
     import torch.distributed as dist
 
-    from megatron_chunkflow.training.dist import init_distributed, shutdown
+    from megatron_chunkflow.mcore.dist import init_distributed, shutdown
     from megatron_chunkflow.bench.sweep import sweep
 
     init_distributed(pp=settings.parallel.pp, seed=settings.seed)
@@ -62,7 +62,7 @@ def run(args, configs: list[dict], name: str, title: str) -> tuple[list[dict], P
     from megatron_chunkflow.bench.systems import BenchSettings
     from megatron_chunkflow.config import ParallelConfig
     from megatron_chunkflow.core.models import get_model_shape
-    from megatron_chunkflow.training.dist import run_processes
+    from megatron_chunkflow.mcore.dist import run_processes
 
     seqs = lengths(args)
     settings = BenchSettings(

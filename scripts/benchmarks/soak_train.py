@@ -32,7 +32,7 @@ def main() -> int:
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.core.profiles import ensure_long, sample_lengths
     from megatron_chunkflow.data.synthetic import make_sequences
-    from megatron_chunkflow.training.dist import init_distributed, shutdown
+    from megatron_chunkflow.mcore.dist import init_distributed, shutdown
     from megatron_chunkflow.training.loop import train
     from megatron_chunkflow.training.settings import OptimizerConfig, TrainSettings
 

@@ -178,7 +178,7 @@ def step_bench(out: Path, dry_run: bool) -> dict:
     from megatron_chunkflow.data.synthetic import make_sequences
     from megatron_chunkflow.perfmodel.hardware import get_gpu
     from megatron_chunkflow.perfmodel.search import best_chunkflow, best_megatron
-    from megatron_chunkflow.training.dist import init_distributed
+    from megatron_chunkflow.mcore.dist import init_distributed
     from megatron_chunkflow.training.loop import build_training, train_step
     from megatron_chunkflow.training.settings import OptimizerConfig, TrainSettings
 

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_chunkflow.cli import main
 from megatron_chunkflow.config import Recompute
-from megatron_chunkflow.training.dist import run_processes
+from megatron_chunkflow.mcore.dist import run_processes
 
 pytestmark = pytest.mark.slow
 
@@ -103,8 +103,8 @@ def _peaks(lengths_list):
         step_system,
         train_settings,
     )
-    from megatron_chunkflow.training.dist import init_distributed, shutdown
-    from megatron_chunkflow.bench.instrument import BenchMeter
+    from megatron_chunkflow.mcore.dist import init_distributed, shutdown
+    from megatron_chunkflow.runtime.meter import ActivationMeter
     from megatron_chunkflow.runtime.observe import StageTimeline
     from megatron_chunkflow.data.synthetic import make_sequences
 
@@ -118,7 +118,7 @@ def _peaks(lengths_list):
         sequences = make_sequences(lengths, 1000, seed=0)
         row = []
         for system in systems:
-            meter = BenchMeter(system.model, system.store)
+            meter = ActivationMeter(system.model, system.store)
             step_system(system, sequences, [StageTimeline(), meter])
             row.append((meter.peak_activation, meter.peak_state))
         out.append(row)

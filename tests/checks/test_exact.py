@@ -10,7 +10,7 @@ chunk counts differ; the tests then assert on the results.
 import pytest
 import torch
 
-from megatron_chunkflow.training.dist import run_processes
+from megatron_chunkflow.mcore.dist import run_processes
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +67,7 @@ def _run_single():
     from megatron_chunkflow.checks.verify import run_verify
     from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig, Recompute
     from megatron_chunkflow.core.models import get_model_shape
-    from megatron_chunkflow.training.dist import shutdown
+    from megatron_chunkflow.mcore.dist import shutdown
 
     out = {}
     for name, (model, steps, k, dtype, backend, masked, *recompute) in SINGLE.items():
@@ -84,7 +84,7 @@ def _run_layout(name):
     from megatron_chunkflow.checks.verify import run_verify
     from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig, Recompute
     from megatron_chunkflow.core.models import get_model_shape
-    from megatron_chunkflow.training.dist import shutdown
+    from megatron_chunkflow.mcore.dist import shutdown
 
     _, tp, pp, sp, ks, steps, *extra = LAYOUTS[name]
     cp, recompute, backend = (*extra, *(1, "none", "torch")[len(extra):])

@@ -3,14 +3,14 @@ transformers' unchunked Qwen2ForCausalLM, float64, on CPU with gloo.
 
     python -m pytest tests/checks/test_hf_verify.py -q
 
-The tiny random Qwen2 checkpoints are tests/training/hf_checkpoints.py's (nothing is downloaded);
+The tiny random Qwen2 checkpoints are tests/mcore/hf_checkpoints.py's (nothing is downloaded);
 each case runs in one set of spawned processes.
 """
 
 import pytest
 
-from megatron_chunkflow.training.dist import run_processes
-from tests.training.hf_checkpoints import build_checkpoints
+from megatron_chunkflow.mcore.dist import run_processes
+from tests.mcore.hf_checkpoints import build_checkpoints
 
 pytest.importorskip("transformers", reason="HF interop tests need transformers")
 pytest.importorskip("safetensors", reason="HF interop tests need safetensors")
@@ -27,7 +27,7 @@ def checkpoints(tmp_path_factory):
 def _hf_verify(path, tp, pp):
     from megatron_chunkflow.checks.hf_verify import run_hf_verify
     from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
-    from megatron_chunkflow.training.dist import shutdown
+    from megatron_chunkflow.mcore.dist import shutdown
 
     r = run_hf_verify(str(path), [70, 5, 33, 100, 12, 64, 1, 16, 48],
                       ChunkFlowConfig(16, 1, "torch"), ParallelConfig(tp=tp, pp=pp), seed=1)

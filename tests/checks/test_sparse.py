@@ -17,7 +17,7 @@ import math
 
 import pytest
 
-from megatron_chunkflow.training.dist import run_processes
+from megatron_chunkflow.mcore.dist import run_processes
 
 pytestmark = pytest.mark.slow
 
@@ -37,8 +37,8 @@ def _shape():
 def _single():
     from megatron_chunkflow.checks.sparse_verify import run_sparse_verify
     from megatron_chunkflow.config import ChunkFlowConfig
-    from megatron_chunkflow.training.dist import shutdown
-    from megatron_chunkflow.training.lora import LoRAConfig
+    from megatron_chunkflow.mcore.dist import shutdown
+    from megatron_chunkflow.mcore.lora import LoRAConfig
 
     k1, k2 = ChunkFlowConfig(C, 1, "torch"), ChunkFlowConfig(C, 2, "torch")
     out = {"exhaustive_k1": run_sparse_verify(_shape(), LENGTHS, k1, T, exhaustive=True, seed=3),
@@ -78,7 +78,7 @@ def test_mean_converges_like_one_over_sqrt_draws(results):
 def _layout(tp, pp, sp):
     from megatron_chunkflow.checks.sparse_verify import run_sparse_verify
     from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
-    from megatron_chunkflow.training.dist import shutdown
+    from megatron_chunkflow.mcore.dist import shutdown
 
     r = run_sparse_verify(_shape(), LENGTHS + [70], ChunkFlowConfig(C, 1, "torch"), 2, draws=4,
                           seed=3, draw_seed=7,

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from megatron_chunkflow.core.models import get_model_shape
-from megatron_chunkflow.training.dist import free_port
+from megatron_chunkflow.mcore.dist import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -25,7 +25,7 @@ import pytest
 
 from megatron_chunkflow.config import AttentionBackend
 from megatron_chunkflow.core.models import QWEN25, ModelShape
-from megatron_chunkflow.training.dist import run_processes
+from megatron_chunkflow.mcore.dist import run_processes
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_FILES = {p.stem: p for p in sorted((REPO / "configs" / "models").glob("qwen2.5-*.sh"))}
@@ -172,10 +172,10 @@ def test_tokenizer_variable_reaches_the_flags():
 
 
 def _build_on_meta(shapes):
-    """(child) Build each shape with training/build.py on the meta device."""
+    """(child) Build each shape with mcore/build.py on the meta device."""
     import torch
 
-    from megatron_chunkflow.training.build import build_gpt_model, transformer_config
+    from megatron_chunkflow.mcore.build import build_gpt_model, transformer_config
 
     out = {}
     for name, shape in shapes.items():
@@ -190,9 +190,9 @@ def _child(shapes, megatron_lm_dir, model_argvs, run_argvs):
     """One child process (world of one, gloo) for everything that needs process groups."""
     import torch
 
-    from megatron_chunkflow.training.dist import init_distributed, shutdown
+    from megatron_chunkflow.mcore.dist import init_distributed, shutdown
 
-    has_cuda = torch.cuda.is_available()  # before training/cpu.py's shims
+    has_cuda = torch.cuda.is_available()  # before mcore/cpu.py's shims
     init_distributed(1, 1)
     try:
         out = {"core": _build_on_meta(shapes)}
@@ -350,7 +350,7 @@ def _megatron_lm_parse(megatron_lm_dir, model_argvs, run_argvs, has_cuda):
 
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # validate_args asserts it when TP/CP > 1
     if not has_cuda:  # what the launcher installs on CPU (triton-only kernels, CUDA queries)
-        from megatron_chunkflow.training.cpu import install_megatron_lm_cpu_shims
+        from megatron_chunkflow.megatron_lm.cpu import install_megatron_lm_cpu_shims
 
         install_megatron_lm_cpu_shims()
     # the installed megatron.core first: the checkout's root has its own megatron/core, which would

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_chunkflow.training.dist import free_port as _free_port
+from megatron_chunkflow.mcore.dist import free_port as _free_port
 from megatron_chunkflow.megatron_lm.plugin import check_versions, checkout_version
 from megatron_chunkflow.megatron_lm.args import LaunchError
 
@@ -324,7 +324,7 @@ def test_cpu_shim_has_the_memory_stats_megatron_logs():
     source = (MEGATRON_LM / "megatron" / "training" / "training.py").read_text()
     keys = set(re.findall(r'mem_stats\["([^"]+)"\]', source))
     assert keys
-    code = ("import torch, json; from megatron_chunkflow.training.cpu import "
+    code = ("import torch, json; from megatron_chunkflow.megatron_lm.cpu import "
             "install_megatron_lm_cpu_shims as i; i(); print(json.dumps(torch.cuda.memory_stats()))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]

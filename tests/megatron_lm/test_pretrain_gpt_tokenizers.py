@@ -177,7 +177,7 @@ def _sft_corpus(directory: Path) -> int:
 # Face checkpoint, the mean cross entropy over Megatron's targets.
 _CHILD = r"""
 import json, sys, types
-from megatron_chunkflow.training.cpu import install_megatron_lm_cpu_shims
+from megatron_chunkflow.megatron_lm.cpu import install_megatron_lm_cpu_shims
 install_megatron_lm_cpu_shims()
 import megatron.core  # the installed megatron-core before the checkout's copy
 megatron_lm, tok_dir, fmt, data, hf_dir = sys.argv[1:6]

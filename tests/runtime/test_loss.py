@@ -4,7 +4,7 @@ every TP size, on both loss paths (float64 exact, and Megatron's fp32 vocab-para
 import pytest
 import torch
 
-from megatron_chunkflow.training.dist import run_processes
+from megatron_chunkflow.mcore.dist import run_processes
 
 VOCAB, PADDED, TOKENS = 300, 512, 23  # padded_vocab_size(300, tp) is 384 at TP 1, 512 at TP 2
 
@@ -16,7 +16,7 @@ def _losses(tp: int, dtype_name: str):
     from megatron.core import parallel_state
 
     from megatron_chunkflow.runtime.loss import token_loss_sum
-    from megatron_chunkflow.training.dist import init_distributed
+    from megatron_chunkflow.mcore.dist import init_distributed
 
     init_distributed(tp=tp)
     dtype = getattr(torch, dtype_name)

@@ -8,7 +8,7 @@ SpaCO's gradients themselves are checked in tests/checks/test_sparse.py.
 
 import pytest
 
-from megatron_chunkflow.training.dist import run_processes
+from megatron_chunkflow.mcore.dist import run_processes
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +21,7 @@ def _train(ckpt):
     from megatron_chunkflow.data.synthetic import make_sequences
     from megatron_chunkflow.runtime.sparse import SparseConfig
     from megatron_chunkflow.training.checkpoint import CheckpointConfig
-    from megatron_chunkflow.training.dist import init_distributed, shutdown
+    from megatron_chunkflow.mcore.dist import init_distributed, shutdown
     from megatron_chunkflow.training.loop import train
     from megatron_chunkflow.training.settings import OptimizerConfig, TrainSettings
 

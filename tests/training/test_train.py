@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_chunkflow.training.dist import run_processes
+from megatron_chunkflow.mcore.dist import run_processes
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ def _dataset():
 
 
 def _losses(runs):
-    from megatron_chunkflow.training.dist import init_distributed, shutdown
+    from megatron_chunkflow.mcore.dist import init_distributed, shutdown
     from megatron_chunkflow.training.loop import train
 
     out = []
@@ -165,7 +165,7 @@ def _lrs(ckpt):
     """Learning rates applied: an unbroken run of the new schedule, and runs saved at step 10 of
     the old one and resumed with the new one, without and with --override-lr-schedule."""
     from megatron_chunkflow.training.checkpoint import CheckpointConfig
-    from megatron_chunkflow.training.dist import init_distributed, shutdown
+    from megatron_chunkflow.mcore.dist import init_distributed, shutdown
     from megatron_chunkflow.training.loop import train
     from megatron_chunkflow.training.settings import OptimizerConfig
 

@@ -18,7 +18,7 @@
 
 import pytest
 
-from megatron_chunkflow.training.dist import run_processes
+from megatron_chunkflow.mcore.dist import run_processes
 
 pytestmark = pytest.mark.slow
 
@@ -44,8 +44,8 @@ def _verify_single():
     from megatron_chunkflow.checks.verify import run_verify
     from megatron_chunkflow.config import ChunkFlowConfig, Recompute
     from megatron_chunkflow.core.models import get_model_shape
-    from megatron_chunkflow.training.dist import shutdown
-    from megatron_chunkflow.training.lora import LoRAConfig
+    from megatron_chunkflow.mcore.dist import shutdown
+    from megatron_chunkflow.mcore.lora import LoRAConfig
 
     out = {name: _summary(run_verify(get_model_shape("tiny"), steps,
                                      ChunkFlowConfig(C, k, "torch"), seed=1,
@@ -60,8 +60,8 @@ def _verify_layout(tp, pp, sp):
     from megatron_chunkflow.checks.verify import run_verify
     from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
     from megatron_chunkflow.core.models import get_model_shape
-    from megatron_chunkflow.training.dist import shutdown
-    from megatron_chunkflow.training.lora import LoRAConfig
+    from megatron_chunkflow.mcore.dist import shutdown
+    from megatron_chunkflow.mcore.lora import LoRAConfig
 
     out = _summary(run_verify(get_model_shape("tiny"), [MIXED, DEPENDENT],
                               ChunkFlowConfig(C, 1, "torch"),
@@ -126,12 +126,12 @@ def _tp_invariance():
     from megatron.core import parallel_state
 
     from megatron_chunkflow.core.models import get_model_shape
-    from megatron_chunkflow.training.build import build_gpt_model, transformer_config, wrap_ddp
+    from megatron_chunkflow.mcore.build import build_gpt_model, transformer_config, wrap_ddp
     from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
     from megatron_chunkflow.runtime.execute import execute_step, plan_step
-    from megatron_chunkflow.training.dist import init_distributed, shutdown
-    from megatron_chunkflow.training.hf import export_hf_weights, import_hf_weights
-    from megatron_chunkflow.training.lora import LoRAConfig, apply_lora, merge_lora
+    from megatron_chunkflow.mcore.dist import init_distributed, shutdown
+    from megatron_chunkflow.mcore.hf import export_hf_weights, import_hf_weights
+    from megatron_chunkflow.mcore.lora import LoRAConfig, apply_lora, merge_lora
     from megatron_chunkflow.runtime.loss import global_loss
     from megatron_chunkflow.runtime.model import apply_chunkflow
     from megatron_chunkflow.data.synthetic import make_sequences
@@ -196,7 +196,7 @@ TRAIN_LENGTHS = [70, 5, 33, 100, 12, 64, 2, 16, 48, 9, 130, 21, 7, 90, 3, 40, 55
 def _settings(warmup: int = 1, **kw):
     from megatron_chunkflow.config import ChunkFlowConfig
     from megatron_chunkflow.core.models import get_model_shape
-    from megatron_chunkflow.training.lora import LoRAConfig
+    from megatron_chunkflow.mcore.lora import LoRAConfig
     from megatron_chunkflow.training.settings import OptimizerConfig, TrainSettings
 
     base = dict(shape=get_model_shape("tiny"), model_name="tiny", train_iters=6,
@@ -211,7 +211,7 @@ def _train(ckpt, hf_dir):
 
     from megatron_chunkflow.data.synthetic import make_sequences
     from megatron_chunkflow.training.checkpoint import CheckpointConfig
-    from megatron_chunkflow.training.dist import init_distributed, shutdown
+    from megatron_chunkflow.mcore.dist import init_distributed, shutdown
     from megatron_chunkflow.training.loop import build_training, run_step, train
 
     dataset = make_sequences(TRAIN_LENGTHS, 1000, seed=3)
@@ -270,7 +270,7 @@ def _resume_tp2(ckpt):
     from megatron_chunkflow.data.synthetic import make_sequences
     from megatron_chunkflow.runtime.sparse import SparseConfig
     from megatron_chunkflow.training.checkpoint import CheckpointConfig
-    from megatron_chunkflow.training.dist import init_distributed, shutdown
+    from megatron_chunkflow.mcore.dist import init_distributed, shutdown
     from megatron_chunkflow.training.loop import train
 
     dataset = make_sequences(TRAIN_LENGTHS[:12], 1000, seed=3)

@@ -1,8 +1,8 @@
-"""Hugging Face Qwen2 <-> megatron-core GPTModel weights (training/hf.py), on CPU with gloo.
+"""Hugging Face Qwen2 <-> megatron-core GPTModel weights (mcore/hf.py), on CPU with gloo.
 
     python -m pytest tests/training/test_hf_interop.py -q
 
-Tiny random Qwen2ForCausalLM checkpoints (tests/training/hf_checkpoints.py) are built and saved
+Tiny random Qwen2ForCausalLM checkpoints (tests/mcore/hf_checkpoints.py) are built and saved
 with save_pretrained (nothing is downloaded). Each layout (TP=1, TP=2, PP=2) imports them in one set
 of spawned processes, runs the megatron model (its own local attention, one sequence, no packing),
 exports, and sends back logits and tensors; the tests compare them with the HF model's.
@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
-from megatron_chunkflow.training.dist import run_processes
-from tests.training.hf_checkpoints import CASES, build_checkpoints
+from megatron_chunkflow.mcore.dist import run_processes
+from tests.mcore.hf_checkpoints import CASES, build_checkpoints
 
 pytest.importorskip("transformers", reason="HF interop tests need transformers")
 pytest.importorskip("safetensors", reason="HF interop tests need safetensors")
@@ -58,9 +58,9 @@ def _run_layout(layout, cases, out_root, bad_inputs=None):
     """Per case: (logits or None, exported tensors on rank 0), as numpy; also saves each case."""
     import dataclasses
 
-    from megatron_chunkflow.training.build import build_gpt_model, transformer_config
-    from megatron_chunkflow.training.dist import init_distributed, shutdown
-    from megatron_chunkflow.training.hf import (
+    from megatron_chunkflow.mcore.build import build_gpt_model, transformer_config
+    from megatron_chunkflow.mcore.dist import init_distributed, shutdown
+    from megatron_chunkflow.mcore.hf import (
         export_hf_weights,
         import_hf_weights,
         padded_vocab_size,
@@ -162,7 +162,7 @@ def test_saved_checkpoint_loads_in_transformers(checkpoints, layout_results):
 
 
 def _import_error(model, state, config, shape):
-    from megatron_chunkflow.training.hf import import_hf_weights
+    from megatron_chunkflow.mcore.hf import import_hf_weights
 
     try:
         import_hf_weights(model, state, config, shape)
@@ -191,7 +191,7 @@ def test_bad_checkpoints_name_the_tensor(layout_results):
 
 def test_shape_and_padding(checkpoints, tmp_path):
     from megatron_chunkflow.core.models import get_model_shape
-    from megatron_chunkflow.training.hf import padded_vocab_size, shape_from_hf_dir
+    from megatron_chunkflow.mcore.hf import padded_vocab_size, shape_from_hf_dir
 
     shape = shape_from_hf_dir(checkpoints["gqa7_hidden56"][0])
     assert (shape.hidden_size, shape.num_attention_heads, shape.num_query_groups) == (56, 7, 1)
@@ -256,7 +256,7 @@ def test_step1_loss_is_hugging_faces_at_tp1_and_tp2(tmp_path):
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from megatron_chunkflow.training.dist import free_port
+    from megatron_chunkflow.mcore.dist import free_port
 
     config = Qwen2Config(hidden_size=64, num_hidden_layers=2, intermediate_size=176,
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=300,

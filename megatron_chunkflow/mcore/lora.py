@@ -121,7 +121,7 @@ def apply_lora(model, lora: LoRAConfig, seed: int = 0, b_init_std: float = 0.0) 
         set_tensor_model_parallel_attributes,
     )
 
-    from megatron_chunkflow.training.build import full_model_name
+    from megatron_chunkflow.mcore.build import full_model_name
 
     gpt = _unwrap(model)
     config = gpt.config

@@ -4,7 +4,7 @@
     init_distributed(tp=1, pp=1, cp=2)    # context parallelism (Megatron's rank order tp-cp-ep-dp-pp)
     results = run_processes(fn, 4, arg)   # fn(arg) in 4 spawned processes forming one job
 
-On CPU the backend is gloo and training/cpu.py's shims are installed first. run_processes is the
+On CPU the backend is gloo and mcore/cpu.py's shims are installed first. run_processes is the
 one process harness: `chunkflow bench`, the benchmark scripts and the tests all use it.
 """
 
@@ -29,7 +29,7 @@ def init_distributed(tp: int = 1, pp: int = 1, seed: int = 1234, cp: int = 1) ->
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_chunkflow.training.cpu import install_cpu_shims
+    from megatron_chunkflow.mcore.cpu import install_cpu_shims
 
     on_cpu = install_cpu_shims()
     if not dist.is_initialized():

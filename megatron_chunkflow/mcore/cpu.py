@@ -1,8 +1,9 @@
 """Shims that let megatron-core 0.16.1 run on CPU with gloo (tests, CPU demos).
 
-Applied only when CUDA is absent (`install_cpu_shims` is a no-op on a GPU machine), and nowhere else
-does the package patch torch. Each patch names the Megatron seam it serves
-(each verified on CPU against megatron-core 0.16.1):
+Applied only when CUDA is absent (`install_cpu_shims` is a no-op on a GPU machine). The package
+patches torch nowhere else but megatron_lm/cpu.py, which adds what Megatron-LM's training package
+needs and only the launcher installs. Each patch names the Megatron seam it serves (each verified
+on CPU against megatron-core 0.16.1):
 
 - torch.cuda.current_device: tensor_parallel/layers.py and mappings.py, distributed/
   param_and_grad_buffer.py, utils.py GlobalMemoryBuffer, rotary_pos_embedding.py allocate there.
@@ -116,131 +117,11 @@ def install_cpu_shims() -> bool:
     return True
 
 
-# --- Megatron-LM's training package (pretrain_gpt.py) on CPU --------------------------------------
-# megatron/training asserts CUDA in initialize_megatron and creates streams, events and memory reports
-# around the step; on CPU these are answered as a single-device machine with no memory statistics.
-# Only the launcher (megatron_lm/plugin.py) installs these, and only without a real GPU.
-
+# install_megatron_lm_cpu_shims (megatron_lm/cpu.py) makes torch.cuda claim a device on CPU;
+# this is what the machine really has.
 _REAL_CUDA = torch.cuda.is_available()
 
 
 def has_real_cuda() -> bool:
-    """Whether a CUDA device exists (the Megatron-LM shims below make torch.cuda say so on CPU)."""
+    """Whether a CUDA device exists (megatron_lm/cpu.py's shims make torch.cuda say so on CPU)."""
     return _REAL_CUDA
-
-
-class _Stream:
-    """torch.cuda.Stream / Event stand-in: every operation is already complete on CPU."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def wait_stream(self, *a, **k):
-        pass
-
-    def wait_event(self, *a, **k):
-        pass
-
-    def record_event(self, *a, **k):
-        return _Stream()
-
-    def record(self, *a, **k):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def query(self):
-        return True
-
-    def elapsed_time(self, other):
-        return 0.0
-
-
-def install_megatron_lm_cpu_shims() -> bool:
-    """Everything install_cpu_shims does, plus what megatron/training (core_v0.16.1) needs on CPU
-    (what pretrain_gpt.py hits on CPU): returns True if installed, False on a CUDA machine."""
-    import os
-    import sys
-    import types
-
-    if _REAL_CUDA:
-        return False
-    install_cpu_shims()
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    cuda = torch.cuda
-    cuda.is_available = lambda: True  # initialize_megatron asserts it
-    cuda.device_count = lambda: 1  # parallel_state groups are built only for a positive count
-    cuda.set_device = lambda *a, **k: None
-    cuda.current_device = lambda: 0  # mapped to CPU by the TorchFunctionMode wherever it is used
-    cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(
-        major=9, minor=0, name="cpu", total_memory=0, multi_processor_count=1)
-    cuda.get_device_capability = lambda *a, **k: (9, 0)
-    cuda.get_device_name = lambda *a, **k: "cpu"
-    cuda.Stream = cuda.Event = _Stream  # DDP's communication stream, timers
-    cuda.current_stream = cuda.default_stream = lambda *a, **k: _Stream()
-    cuda.stream = lambda *a, **k: _Stream()
-    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
-                 "max_memory_reserved"):
-        setattr(cuda, name, lambda *a, **k: 0)
-    # --log-memory-to-tensorboard reads these keys; there is no CUDA memory on CPU
-    cuda.memory_stats = lambda *a, **k: dict.fromkeys(
-        ("reserved_bytes.all.current", "allocated_bytes.all.current", "allocated_bytes.all.peak",
-         "allocation.all.current"), 0)
-    cuda.reset_peak_memory_stats = cuda.empty_cache = lambda *a, **k: None
-    try:
-        import triton  # noqa: F401
-    except ImportError:  # initialize.py imports Megatron's triton kernels; never used on CPU
-        stub = types.ModuleType("megatron.core.transformer.custom_layers.batch_invariant_kernels")
-
-        def enable_batch_invariant_mode(*a, **k):
-            raise RuntimeError("batch-invariant kernels need triton and a GPU")
-
-        stub.enable_batch_invariant_mode = enable_batch_invariant_mode
-        sys.modules[stub.__name__] = stub
-    from megatron.core.datasets import utils as dataset_utils
-
-    dataset_utils.compile_helpers = lambda: None  # the wheel ships helpers_cpp; no Makefile
-    return True
-
-
-def spawn_children_from(module: str) -> bool:
-    """Processes that multiprocessing spawns (torch_dist checkpointing's writer queue) import this
-    module as their __main__ instead of the script being run: a spawned child re-imports
-    pretrain_gpt.py, and with it megatron/training, before it could install these shims. Returns
-    True if installed, False on a CUDA machine (where the script's own import works)."""
-    import multiprocessing.spawn as spawn
-
-    if _REAL_CUDA:
-        return False
-    if getattr(spawn.get_preparation_data, "_chunkflow_main", None) == module:
-        return True
-    original = spawn.get_preparation_data
-
-    def get_preparation_data(name):
-        data = original(name)
-        data.pop("init_main_from_path", None)
-        data["init_main_from_name"] = module
-        return data
-
-    get_preparation_data._chunkflow_main = module
-    spawn.get_preparation_data = get_preparation_data
-    return True
-
-
-def install_megatron_lm_training_shims() -> None:
-    """After megatron.training is importable: fused-kernel builds (nvcc) and the JIT warm-up on
-    "cuda" tensors become no-ops on CPU."""
-    if _REAL_CUDA:
-        return
-    from megatron.legacy import fused_kernels
-    from megatron.training import training
-
-    fused_kernels.load = lambda *a, **k: None
-    training.set_jit_fusion_options = lambda *a, **k: None

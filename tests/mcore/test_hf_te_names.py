@@ -4,7 +4,7 @@ renames them (post_training/modelopt/gpt/state_dict_hooks.py)."""
 
 import inspect
 
-from megatron_chunkflow.training.hf import TE_NAMES, local_spec_name
+from megatron_chunkflow.mcore.hf import TE_NAMES, local_spec_name
 
 
 def test_te_fused_norm_names_map_to_local_names():

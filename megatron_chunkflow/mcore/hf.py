@@ -1,4 +1,4 @@
-"""Hugging Face Qwen2 / Qwen2.5 checkpoints <-> the megatron-core GPTModel of training/build.py.
+"""Hugging Face Qwen2 / Qwen2.5 checkpoints <-> the megatron-core GPTModel of mcore/build.py.
 
     shape = shape_from_hf_dir(hf_dir)                          # the checkpoint's vocabulary
     padded = dataclasses.replace(shape, vocab_size=padded_vocab_size(shape.vocab_size, tp))
@@ -237,7 +237,7 @@ def import_hf_weights(model, hf_dir_or_state_dict, config, shape: ModelShape) ->
     """
     from megatron.core import parallel_state
 
-    from megatron_chunkflow.training.build import full_model_name
+    from megatron_chunkflow.mcore.build import full_model_name
 
     src = _HFSource(hf_dir_or_state_dict)
     src.check(shape)
@@ -271,7 +271,7 @@ def export_hf_weights(model, config, shape: ModelShape) -> dict[str, torch.Tenso
     """
     from megatron.core import parallel_state
 
-    from megatron_chunkflow.training.build import full_model_name
+    from megatron_chunkflow.mcore.build import full_model_name
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp = parallel_state.get_tensor_model_parallel_world_size()

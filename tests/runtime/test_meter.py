@@ -1,10 +1,10 @@
-"""The exact activation meter (checks/memory.py ActivationMeter; bench's BenchMeter is the same
-class): a saved tensor counts from its save until autograd frees it, at storage level.
+"""The exact activation meter (runtime/meter.py ActivationMeter, which verify and bench both use): a
+saved tensor counts from its save until autograd frees it, at storage level.
 
-    python -m pytest tests/checks/test_meter.py -q
+    python -m pytest tests/runtime/test_meter.py -q
 
 The first tests drive the meter with toy autograd graphs in this process. The rest run real
-megatron-core on CPU in one spawned process (a world of one, training/dist.run_processes): tiny
+megatron-core on CPU in one spawned process (a world of one, mcore/dist.run_processes): tiny
 GPT models, micro-batches through Megatron's forward_backward_no_pipelining inside
 bench/instrument.instrument_megatron, and one ChunkFlow step; they check the meter's peaks against
 layer arithmetic taken from an independent count (module by module, and one layer run alone).
@@ -17,7 +17,7 @@ import contextlib
 import pytest
 import torch
 
-from megatron_chunkflow.checks.memory import ActivationMeter
+from megatron_chunkflow.runtime.meter import ActivationMeter
 from megatron_chunkflow.core.types import Op
 from megatron_chunkflow.runtime.observe import StepObserver
 
@@ -303,7 +303,7 @@ def _gpt(shape_name: str, recompute: str, dtype):
     from megatron_chunkflow.config import Recompute
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.runtime.model import apply_chunkflow
-    from megatron_chunkflow.training.build import build_gpt_model, transformer_config, wrap_ddp
+    from megatron_chunkflow.mcore.build import build_gpt_model, transformer_config, wrap_ddp
 
     shape = get_model_shape(shape_name)
     config = transformer_config(shape, dtype, **Recompute.parse(recompute).megatron_kwargs())
@@ -385,7 +385,7 @@ def _chunkflow_state(c: int, n: int) -> dict:
     from megatron_chunkflow.runtime.execute import execute_step, plan_step
     from megatron_chunkflow.runtime.loss import make_forward_step
     from megatron_chunkflow.runtime.model import apply_chunkflow
-    from megatron_chunkflow.training.build import build_gpt_model, transformer_config, wrap_ddp
+    from megatron_chunkflow.mcore.build import build_gpt_model, transformer_config, wrap_ddp
 
     from megatron_chunkflow.checks.memory import kv_state_formula
 
@@ -461,7 +461,7 @@ def _chunkflow_with_megatron_recompute() -> list[tuple]:
 
 
 def _child():
-    from megatron_chunkflow.training.dist import init_distributed, shutdown
+    from megatron_chunkflow.mcore.dist import init_distributed, shutdown
 
     init_distributed()
     out = {"layers": {}, "recompute": {}}
@@ -499,7 +499,7 @@ def _child():
 
 @pytest.fixture(scope="module")
 def megatron():
-    from megatron_chunkflow.training.dist import run_processes
+    from megatron_chunkflow.mcore.dist import run_processes
 
     return run_processes(_child, 1, timeout=600)[0]
 
