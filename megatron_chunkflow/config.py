@@ -1,22 +1,18 @@
-"""ChunkFlowConfig and ParallelConfig: the knobs every entry point shares, carried whole to where
-they are used.
+"""ChunkFlowConfig, ParallelConfig and Recompute: the knobs every entry point shares, carried whole
+to where they are used.
 
 Each field's attribute docstring is its command-line help, and its flag is derived from it
-(`add_config_arguments`): one spelling per knob in every subcommand. A field's metadata may name
-its flag (`--chunkflow-k` for `k`, Megatron-LM's names for the parallel sizes), aliases that are
-equally valid (`--tp`), and deprecated spellings that still work but warn (`--k`).
+(flags.py: add_config_arguments): one spelling per knob in every subcommand. ParallelConfig is the
+one description of a layout, for the jobs that run and for the layouts the simulator searches;
+every rule about which chunk sizes and models a layout can take is written here, once.
 """
 
 from __future__ import annotations
 
-import argparse
-import ast
 import dataclasses
-import inspect
-import sys
+import itertools
 import typing
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Literal
 
 AttentionBackend = Literal["auto", "torch", "cpu_flash", "sdpa", "flex", "varlen", "flash", "te"]
@@ -54,103 +50,6 @@ class ChunkFlowConfig:
         if self.attention_backend not in choices:
             raise ValueError(f"--attention-backend {self.attention_backend!r}: choose from "
                              f"{', '.join(choices)}")
-
-    def check_parallel(self, parallel: ParallelConfig) -> None:
-        """Sequence parallelism splits each chunk's tokens over the TP ranks, so every chunk is
-        padded to a multiple of TP; context parallelism cuts every segment into 2 x CP pieces (x TP
-        under sequence parallelism). Full dependent chunks cannot be padded (their K/V is state),
-        so the chunk size must be a multiple of what the split needs."""
-        m = parallel.segment_multiple
-        if parallel.cp > 1 and self.chunk_size % m:
-            sp = f" x {_named('tp')} {parallel.tp}" if parallel.sequence_parallel else ""
-            raise ValueError(
-                f"--chunk-size {self.chunk_size} is not a multiple of 2 x {_named('cp')} "
-                f"{parallel.cp}{sp} = {m}: context parallelism cuts every chunk into 2 x CP equal "
-                f"pieces; give --chunk-size {max(m, self.chunk_size // m * m)}")
-        if self.chunk_size % parallel.pad_multiple:
-            raise ValueError(
-                f"--chunk-size {self.chunk_size} is not a multiple of the tensor-parallel size "
-                f"{parallel.tp}, which sequence parallelism requires")
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """Degrees of parallelism of one job (Megatron-LM's flags; DP is what the world leaves)."""
-
-    tp: int = field(default=1, metadata={"flag": "--tensor-model-parallel-size",
-                                         "aliases": ("--tp",)})
-    """Tensor-parallel size (TP): each layer's weights split over TP ranks."""
-
-    pp: int = field(default=1, metadata={"flag": "--pipeline-model-parallel-size",
-                                         "aliases": ("--pp",)})
-    """Pipeline-parallel size (PP): the layers split into PP stages."""
-
-    cp: int = field(default=1, metadata={"flag": "--context-parallel-size", "aliases": ("--cp",)})
-    """Context-parallel size (CP): every chunk's tokens split over CP ranks (2 x CP zigzag pieces
-    per segment), a long sequence's K/V state sharded with them; attention all-gathers K/V."""
-
-    dp: int | None = field(default=None, metadata={"flag": "--data-parallel-size",
-                                                   "aliases": ("--dp",)})
-    """Data-parallel size (DP); in a job it is world size / (TP x CP x PP)."""
-
-    sequence_parallel: bool = False
-    """Sequence parallelism: activations between TP regions split over the TP ranks (needs TP > 1;
-    every chunk is padded to a multiple of TP)."""
-
-    def __post_init__(self):
-        for name in ("tp", "pp", "cp", "dp"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{_named(name)} must be >= 1, got {value}")
-        if self.sequence_parallel and self.tp == 1:
-            raise ValueError(f"--sequence-parallel needs {_named('tp')} > 1")
-
-    @property
-    def model_parallel_size(self) -> int:
-        """Ranks of one model replica (one DP rank's share of the batch): TP x CP x PP."""
-        return self.tp * self.cp * self.pp
-
-    @property
-    def segment_multiple(self) -> int:
-        """Under context parallelism every segment of a chunk is padded to a multiple of this
-        (2 x CP pieces, each a multiple of TP under sequence parallelism); 1 without CP."""
-        return 2 * self.cp * self.pad_multiple if self.cp > 1 else 1
-
-    @property
-    def pad_multiple(self) -> int:
-        """Micro-batches (chunks) are padded to a multiple of this many tokens: TP under sequence
-        parallelism (each TP rank holds an equal slice of the tokens), else 1."""
-        return self.tp if self.sequence_parallel else 1
-
-    def with_world(self, world_size: int) -> ParallelConfig:
-        """This layout in a job of `world_size` ranks, DP filled in; ValueError if TP x PP does not
-        divide it (or a given DP does not match)."""
-        cp = f" x {_named('cp')} {self.cp}" if self.cp > 1 else ""
-        if world_size % self.model_parallel_size:
-            raise ValueError(f"world size {world_size} is not a multiple of {_named('tp')} "
-                             f"{self.tp}{cp} x {_named('pp')} {self.pp}")
-        dp = world_size // self.model_parallel_size
-        if self.dp is not None and self.dp != dp:
-            raise ValueError(f"{_named('dp')} {self.dp} does not match world size {world_size} "
-                             f"/ (TP {self.tp} x CP {self.cp} x PP {self.pp}) = {dp}")
-        return dataclasses.replace(self, dp=dp)
-
-    def check_model(self, shape) -> None:
-        """Megatron's requirements on a model (core.models.ModelShape): TP divides the attention
-        heads and K/V groups, PP divides the layers (even stages)."""
-        if shape.num_attention_heads % self.tp or shape.num_query_groups % self.tp:
-            raise ValueError(f"{_named('tp')} {self.tp} does not divide the model's "
-                             f"{shape.num_attention_heads} attention heads and "
-                             f"{shape.num_query_groups} query groups")
-        if shape.num_layers % self.pp:
-            raise ValueError(f"{_named('pp')} {self.pp} does not divide the model's "
-                             f"{shape.num_layers} layers")
-
-
-def _named(name: str) -> str:
-    """A ParallelConfig field's flag and its short alias, as an error message names them."""
-    f = next(f for f in dataclasses.fields(ParallelConfig) if f.name == name)
-    return f"{f.metadata['flag']} ({'/'.join(f.metadata['aliases'])})"
 
 
 @dataclass(frozen=True)
@@ -223,18 +122,26 @@ class Recompute:
                         recompute_num_layers=self.num_layers)
         return {}
 
+    def layers_recomputed(self, layers: int) -> int:
+        """How many of a stage's `layers` layers keep only their input and re-run whole in the
+        backward: all under full, the first N under block:N (Megatron's block method checkpoints
+        layer indices below N, transformer_block.py _checkpointed_forward), none otherwise."""
+        if self.kind == "full":
+            return layers
+        if self.kind == "block":
+            return min(self.num_layers, layers)
+        return 0
+
     def check_layers(self, layers_per_stage: int, flag: str = "--recompute") -> None:
-        """Block N needs N <= the layers of a pipeline stage."""
+        """Block N needs 1 <= N <= the layers of a pipeline stage; ValueError naming `flag`."""
         if self.kind == "block" and self.num_layers > layers_per_stage:
             raise ValueError(f"{flag} {self}: a pipeline stage has only {layers_per_stage} "
-                             "layers")
+                             f"layers (block:N needs 1 <= N <= {layers_per_stage})")
 
     @staticmethod
     def menu(layers_per_stage: int) -> list[Recompute]:
         """Every option for stages of `layers_per_stage` layers: none, the 7 selective module
         sets, block 1 .. layers_per_stage - 1, full (block with every layer is full)."""
-        import itertools
-
         subsets = [c for n in range(1, len(RECOMPUTE_MODULES) + 1)
                    for c in itertools.combinations(RECOMPUTE_MODULES, n)]
         return ([Recompute()] + [Recompute("selective", s) for s in subsets]
@@ -242,115 +149,210 @@ class Recompute:
                 + [Recompute("full")])
 
 
-# ---- command-line flags derived from the dataclasses ---------------------------------------------
+NO_RECOMPUTE = Recompute()
 
 
-@cache
-def field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings of a dataclass, read from its source."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The layout of one job: Megatron-LM's degrees of parallelism (DP is what the world leaves),
+    sequence parallelism and the activation recompute option of every layer.
+
+    Ranks are ordered as Megatron's default "tp-cp-ep-dp-pp" (TP fastest), so a TP group spans tp
+    consecutive GPUs, a CP group tp x cp, a DP group tp x cp x dp and a PP group all of them
+    (`span`). `recompute` also takes its text form ("full", "block:2")."""
+
+    tp: int = field(default=1, metadata={"flag": "--tensor-model-parallel-size",
+                                         "aliases": ("--tp",)})
+    """Tensor-parallel size (TP): each layer's weights split over TP ranks."""
+
+    pp: int = field(default=1, metadata={"flag": "--pipeline-model-parallel-size",
+                                         "aliases": ("--pp",)})
+    """Pipeline-parallel size (PP): the layers split into PP stages."""
+
+    cp: int = field(default=1, metadata={"flag": "--context-parallel-size", "aliases": ("--cp",)})
+    """Context-parallel size (CP): every chunk's tokens split over CP ranks (2 x CP zigzag pieces
+    per segment), a long sequence's K/V state sharded with them; attention all-gathers K/V."""
+
+    dp: int | None = field(default=None, metadata={"flag": "--data-parallel-size",
+                                                   "aliases": ("--dp",)})
+    """Data-parallel size (DP); in a job it is world size / (TP x CP x PP)."""
+
+    sequence_parallel: bool = False
+    """Sequence parallelism: activations between TP regions split over the TP ranks (needs TP > 1;
+    every chunk is padded to a multiple of TP)."""
+
+    recompute: Recompute = NO_RECOMPUTE
+    """Megatron's activation recompute inside each micro-batch or chunk: none, selective
+    (core_attn), selective:M1+M2 (modules core_attn, mlp, layernorm), full, or block:N (the
+    first N layers of each pipeline stage)."""
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "cp", "dp"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{_named(name)} must be >= 1, got {value}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError(f"--sequence-parallel needs {_named('tp')} > 1")
+        if isinstance(self.recompute, str):
+            object.__setattr__(self, "recompute", Recompute.parse(self.recompute))
+        elif not isinstance(self.recompute, Recompute):
+            raise ValueError(f"recompute must be a Recompute or its text form, got "
+                             f"{self.recompute!r}")
+
+    @classmethod
+    def layout(cls, *, tp: int = 1, cp: int = 1, pp: int = 1, dp: int = 1,
+               recompute: Recompute | str = NO_RECOMPUTE) -> ParallelConfig:
+        """A whole layout as Megatron-LM users run it and the simulator models it: every degree
+        given, sequence parallelism whenever TP > 1."""
+        return cls(tp=tp, pp=pp, cp=cp, dp=dp, sequence_parallel=tp > 1, recompute=recompute)
+
+    @classmethod
+    def parse(cls, text: str, num_gpus: int, shape, flag: str) -> ParallelConfig:
+        """"TP,CP,PP,RECOMPUTE" (e.g. "4,1,2,full", "4,1,2,selective:mlp+layernorm") on `num_gpus`
+        GPUs, as `layout` builds it, checked against the model (core.models.ModelShape);
+        ValueErrors name `flag` and the text."""
+        parts = [p.strip() for p in text.split(",")]
+        if len(parts) != 4:
+            raise ValueError(f"{flag} {text!r}: expected TP,CP,PP,RECOMPUTE, e.g. 4,1,1,selective "
+                             "or 4,1,2,block:2")
+        try:
+            tp, cp, pp = (int(p) for p in parts[:3])
+        except ValueError:
+            raise ValueError(f"{flag} {text!r}: TP, CP and PP must be integers") from None
+        return cls.on_gpus(tp, cp, pp, parts[3], num_gpus, shape, f"{flag} {text}")
+
+    @classmethod
+    def on_gpus(cls, tp: int, cp: int, pp: int, recompute: Recompute | str, num_gpus: int,
+                shape, where: str = "layout") -> ParallelConfig:
+        """`layout` with DP what `num_gpus` leaves, checked against the model; errors start with
+        `where` and name the offending value."""
+        for name, v in (("TP", tp), ("CP", cp), ("PP", pp)):
+            if v < 1:
+                raise ValueError(f"{where}: {name} must be >= 1, got {v}")
+        if isinstance(recompute, str):
+            recompute = Recompute.parse(recompute, f"{where}: RECOMPUTE")
+        if num_gpus % (tp * cp * pp):
+            raise ValueError(f"{where}: TP*CP*PP = {tp}*{cp}*{pp} = {tp * cp * pp} does not "
+                             f"divide --gpus {num_gpus}")
+        out = cls.layout(tp=tp, cp=cp, pp=pp, dp=num_gpus // (tp * cp * pp), recompute=recompute)
+        out.check_model(shape, where)
+        return out
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks of one model replica (one DP rank's share of the batch): TP x CP x PP."""
+        return self.tp * self.cp * self.pp
+
+    @property
+    def num_gpus(self) -> int:
+        """TP x CP x PP x DP (DP must be known)."""
+        return self.model_parallel_size * self.dp
+
+    @property
+    def degrees(self) -> ParallelConfig:
+        """The same layout without recompute (what the recompute-independent costs depend on)."""
+        return dataclasses.replace(self, recompute=NO_RECOMPUTE)
+
+    @property
+    def pad_multiple(self) -> int:
+        """Micro-batches (chunks) are padded to a multiple of this many tokens: TP under sequence
+        parallelism (each TP rank holds an equal slice of the tokens), else 1."""
+        return self.tp if self.sequence_parallel else 1
+
+    @property
+    def segment_multiple(self) -> int:
+        """Under context parallelism every segment of a chunk is padded at its end to a multiple of
+        this, so that it cuts into 2 x CP equal pieces (each a multiple of TP under sequence
+        parallelism); 1 without CP. Megatron's CP needs the same of each sequence."""
+        return 2 * self.cp * self.pad_multiple if self.cp > 1 else 1
+
+    @property
+    def chunk_multiple(self) -> int:
+        """ChunkFlow's chunk size must be a multiple of this: a full dependent chunk cannot be
+        padded (its K/V is state), so it must split as segments do under CP, and over TP under
+        sequence parallelism."""
+        return self.segment_multiple if self.cp > 1 else self.pad_multiple
+
+    def check_chunk_size(self, chunk_size: int, flag: str = "--chunk-size",
+                         naming: Literal["flags", "megatron-lm", "axes"] = "flags") -> None:
+        """ValueError naming `flag` unless `chunk_size` is a multiple of chunk_multiple; the axes
+        are named by their flags and aliases, by Megatron-LM's flags alone (the launcher) or as
+        the simulator's layouts name them (CP 2, TP 4)."""
+        if chunk_size % self.chunk_multiple == 0:
+            return
+
+        def axis(name):
+            if naming == "axes":
+                return f"{name.upper()} "
+            return (_named(name) if naming == "flags" else _flag(name)) + " "
+
+        if self.cp > 1:
+            sp = f" x {axis('tp')}{self.tp}" if self.sequence_parallel else ""
+            m = self.chunk_multiple
+            raise ValueError(
+                f"{flag} {chunk_size} is not a multiple of 2 x {axis('cp')}{self.cp}{sp} = {m}: "
+                f"context parallelism cuts every chunk into 2 x CP equal pieces; give {flag} "
+                f"{max(m, chunk_size // m * m)}")
+        raise ValueError(f"{flag} {chunk_size} is not a multiple of the tensor-parallel size "
+                         f"{self.tp}, which sequence parallelism requires")
+
+    def with_world(self, world_size: int) -> ParallelConfig:
+        """This layout in a job of `world_size` ranks, DP filled in; ValueError if TP x CP x PP
+        does not divide it (or a given DP does not match)."""
+        cp = f" x {_named('cp')} {self.cp}" if self.cp > 1 else ""
+        if world_size % self.model_parallel_size:
+            raise ValueError(f"world size {world_size} is not a multiple of {_named('tp')} "
+                             f"{self.tp}{cp} x {_named('pp')} {self.pp}")
+        dp = world_size // self.model_parallel_size
+        if self.dp is not None and self.dp != dp:
+            raise ValueError(f"{_named('dp')} {self.dp} does not match world size {world_size} "
+                             f"/ (TP {self.tp} x CP {self.cp} x PP {self.pp}) = {dp}")
+        return dataclasses.replace(self, dp=dp)
+
+    def check_model(self, shape, where: str | None = None) -> None:
+        """Megatron's requirements on a model (core.models.ModelShape): TP divides the attention
+        heads and K/V groups, PP divides the layers (even stages; megatron/training/arguments.py)
+        and block:N has 1 <= N <= layers per stage (TransformerConfig.__post_init__). Messages
+        name the flags, or start with `where` (a simulator layout's flag and text)."""
+        def name(axis):
+            return f"{where}: {axis.upper()}" if where else _named(axis)
+
+        if shape.num_attention_heads % self.tp or shape.num_query_groups % self.tp:
+            raise ValueError(f"{name('tp')} {self.tp} must divide the attention heads "
+                             f"({shape.num_attention_heads}) and the K/V groups "
+                             f"({shape.num_query_groups}), as Megatron requires")
+        if shape.num_layers % self.pp:
+            raise ValueError(f"{name('pp')} {self.pp} must divide the model's "
+                             f"{shape.num_layers} layers, as Megatron-LM requires")
+        self.recompute.check_layers(shape.num_layers // self.pp,
+                                    f"{where}: RECOMPUTE" if where else "--recompute")
+
+    def span(self, axis: str) -> int:
+        """GPUs a group of this axis spans, in Megatron's rank order."""
+        return {"tp": self.tp, "cp": self.tp * self.cp, "dp": self.tp * self.cp * self.dp,
+                "pp": self.num_gpus}[axis]
+
+    def describe(self) -> str:
+        """e.g. "TP4 CP1 PP2 DP4 selective:mlp"."""
+        return f"TP{self.tp} CP{self.cp} PP{self.pp} DP{self.dp} {self.recompute}"
+
+    def to_flag(self) -> str:
+        """The TP,CP,PP,RECOMPUTE form `chunkflow simulate` takes."""
+        return f"{self.tp},{self.cp},{self.pp},{self.recompute}"
+
+    def to_json(self) -> dict:
+        """Degrees as numbers, recompute as its text form: the simulator's layout record
+        (sequence parallelism is on whenever TP > 1 there)."""
+        return {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp,
+                "recompute": str(self.recompute)}
 
 
-def flag_of(cls: type, name: str, prefix: str = "") -> str:
-    """The command-line flag of field `name` of `cls`."""
-    f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    return f.metadata.get("flag") or "--" + prefix + name.replace("_", "-")
+def _flag(name: str) -> str:
+    """A ParallelConfig field's flag (Megatron-LM's name)."""
+    return next(f for f in dataclasses.fields(ParallelConfig) if f.name == name).metadata["flag"]
 
 
-class _Deprecated(argparse.Action):
-    """An old spelling of a flag: works, and says which spelling to use instead."""
-
-    def __init__(self, option_strings, dest, canonical: str, **kwargs):
-        super().__init__(option_strings, dest, **kwargs)
-        self.canonical = canonical
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        print(f"{parser.prog}: warning: {option_string} is deprecated; use {self.canonical}",
-              file=sys.stderr)
-        setattr(namespace, self.dest, True if self.nargs == 0 else values)
-
-
-def add_config_arguments(parser, cls: type, *, fields: tuple[str, ...] | None = None,
-                         defaults: dict | None = None, default_help: dict | None = None,
-                         flags: dict | None = None, prefix: str = "", dest_prefix: str = "",
-                         aliases: bool = True) -> None:
-    """Add one flag per field of dataclass `cls` (or of `fields`), help from its docstring.
-
-    `defaults` overrides field defaults for one command (None: chosen by the command, which
-    `default_help` can say in words); `flags`
-    renames a field's flag (the Megatron-LM launcher's `--chunkflow-attention-backend`);
-    `dest_prefix` prefixes the argparse destination (`lora_rank` for LoRAConfig.rank); without
-    `aliases` only the canonical flag is registered (inside Megatron-LM's own parser)."""
-    docs, hints = field_docs(cls), typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if fields is not None and f.name not in fields:
-            continue
-        flag = (flags or {}).get(f.name) or flag_of(cls, f.name, prefix)
-        default = (defaults or {}).get(f.name, f.default)
-        kind, choices = _kind(hints[f.name])
-        names = [flag, *(f.metadata.get("aliases", ()) if aliases else ())]
-        shown = (default_help or {}).get(f.name, default)
-        help_text = f"{docs[f.name]}" + (f" (default: {shown})" if kind is not bool else "")
-        dest = dest_prefix + f.name
-        if kind is bool:
-            parser.add_argument(*names, dest=dest, action="store_true", default=default,
-                                help=help_text)
-        else:
-            parser.add_argument(*names, dest=dest, type=kind, default=default, choices=choices,
-                                metavar=None if choices else f.name.upper(), help=help_text)
-        for old in f.metadata.get("deprecated", ()) if aliases else ():
-            deprecated_alias(parser, old, flag, dest=dest, type=None if kind is bool else kind,
-                             choices=choices, **({"nargs": 0} if kind is bool else {}))
-
-
-def deprecated_alias(parser, old: str, canonical: str, **kwargs) -> None:
-    """Register `old` as a hidden spelling of `canonical` that warns when used (argparse keyword
-    arguments as for the canonical flag; dest defaults to the canonical flag's)."""
-    kwargs.setdefault("dest", canonical.lstrip("-").replace("-", "_"))
-    parser.add_argument(old, action=_Deprecated, canonical=canonical,
-                        default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
-
-
-def config_from_args(cls: type, args: argparse.Namespace, dest_prefix: str = "", **overrides):
-    """An instance of `cls` from parsed flags (its ValueErrors name the flags)."""
-    values = {f.name: getattr(args, dest_prefix + f.name) for f in dataclasses.fields(cls)
-              if hasattr(args, dest_prefix + f.name)}
-    return cls(**{**values, **overrides})
-
-
-def _kind(annotation) -> tuple[type, tuple | None]:
-    """(argparse type, choices) of a field annotation: int, float, str, bool, Literal[...] or
-    `X | None`."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if typing.get_origin(annotation) is Literal:
-        return type(args[0]), tuple(args)
-    if args:  # X | None
-        return _kind(args[0])
-    return annotation, None
-
-
-def read_json_file(path, what: str):
-    """The JSON value in file `path`; ValueError starting with `what` (a flag and the path, or
-    the path) when the file is missing, not UTF-8 or not JSON (with its line)."""
-    import json
-    from pathlib import Path
-
-    try:
-        text = Path(path).read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise ValueError(f"{what}: no such file") from None
-    except IsADirectoryError:
-        raise ValueError(f"{what}: is a directory, not a JSON file") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{what}: not UTF-8 text (byte {e.start})") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{what}:{e.lineno}: not valid JSON ({e.msg})") from None
+def _named(name: str) -> str:
+    """A ParallelConfig field's flag and its short alias, as an error message names them."""
+    f = next(f for f in dataclasses.fields(ParallelConfig) if f.name == name)
+    return f"{f.metadata['flag']} ({'/'.join(f.metadata['aliases'])})"

@@ -7,8 +7,8 @@
 
 The script itself is not modified: the plugin patches megatron/training (megatron_lm/plugin.py)
 and then runs the script as __main__ (megatron_lm/launcher.py). Without --chunkflow, the run is
-stock Megatron-LM. A fork that patches pretrain_gpt.py instead (patches/pretrain_gpt.chunkflow.patch)
-calls `install`.
+stock Megatron-LM. A fork that patches pretrain_gpt.py instead
+(patches/pretrain_gpt.chunkflow.patch) calls `install`.
 """
 
 from __future__ import annotations

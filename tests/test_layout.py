@@ -21,8 +21,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 PKG = REPO / "megatron_chunkflow"
 TESTS = REPO / "tests"
 # dependencies point down this list: a folder may import the ones before it, never after
-ORDER = ["config", "core", "perfmodel", "attention", "data", "runtime", "mcore", "training",
-         "megatron_lm", "checks", "bench", "cli"]
+ORDER = ["flags", "config", "core", "perfmodel", "attention", "data", "runtime", "mcore",
+         "training", "megatron_lm", "checks", "bench", "cli"]
 TOP_LEVEL = {"__init__", "__main__", "launch"}  # entry points: may import anything
 MODULES = sorted(p for p in PKG.rglob("*.py") if "__pycache__" not in p.parts)
 

@@ -4,14 +4,17 @@
         results = gloo.run(fn, 2, arg)       # fn(arg) on every rank of a 2-process job
 
 Starting a job (spawning Python, importing torch and megatron-core, the gloo rendezvous) costs
-more than most of the tests that run in it, so every test of one world size shares a job. Each
-rank serves one function call at a time: the calling test's function initialises Megatron's
-process groups for its layout (megatron_chunkflow.mcore.dist.init_distributed reuses the job's
-default group; its shutdown() leaves that group alone) and the worker then tears down what the
-call built (Megatron's parallel state and its subgroups) and restores process state (default
-dtype, threads, environment). A call that fails or hangs on any rank ends the whole job (a
-collective may be left half-done); the next call starts a fresh one. What a rank prints is
-captured per call and replayed in the test's process, so capfd/capsys see it.
+more than many of the tests that run in it, so the tests of one world size share a job. Each rank
+runs one call at a time: the call's function builds Megatron's process groups for its layout
+(mcore/dist.init_distributed joins the job's default group, and its shutdown leaves that group to
+the job), and after every call the worker tears down what the call built (Megatron's groups and
+their gloo subgroups) and restores the process (default dtype, threads, environment). A call that
+fails or hangs on any rank ends its job, since a collective may be left half done; the next call
+starts a new one. What the ranks print is captured per call and written to the test's stderr, so
+capfd and capsys see it.
+
+Each rank uses cores / world_size threads: on 2 cores, a 4-process job would otherwise run 8
+threads.
 """
 
 from __future__ import annotations
@@ -26,50 +29,56 @@ import torch.multiprocessing as mp
 
 from megatron_chunkflow.mcore.dist import free_port
 
+FAILURE_GRACE_S = 5.0  # after one rank fails, how long the others get to report
+
 
 def _serve(rank: int, world_size: int, port: int, tasks, results) -> None:
-    """One rank of a job: form the default process group once, then run calls until told to
-    stop."""
+    """One rank of a job: join the default process group once, then run calls until None."""
     threads = max(1, (os.cpu_count() or 1) // world_size)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       OMP_NUM_THREADS=str(threads))
+    import warnings
+
     import torch
 
     from megatron_chunkflow.mcore.dist import start_job
 
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
     torch.set_num_threads(threads)
     start_job()
     environ = dict(os.environ)
-    while True:
-        task = tasks.get()
-        if task is None:
-            return
+    while (task := tasks.get()) is not None:
         fn, args = task
         with tempfile.TemporaryFile() as out:
-            saved = [os.dup(1), os.dup(2)]
-            sys.stdout.flush(), sys.stderr.flush()
-            os.dup2(out.fileno(), 1), os.dup2(out.fileno(), 2)
-            try:
-                status, value = "ok", fn(*args)
-            except ValueError as e:  # bad input: every rank raises the same
-                status, value = "value", str(e)
-            except BaseException:  # noqa: BLE001  reported, then this job ends
-                status, value = "error", traceback.format_exc()
-            finally:
-                sys.stdout.flush(), sys.stderr.flush()
-                os.dup2(saved[0], 1), os.dup2(saved[1], 2)
-                for fd in saved:
-                    os.close(fd)
+            status, value = _call(fn, args, out.fileno())
             out.seek(0)
             printed = out.read().decode("utf-8", "replace")
         _reset(environ, threads)
         results.put((status, rank, value, printed))
 
 
+def _call(fn, args, fd: int) -> tuple[str, object]:
+    """fn(*args) with this process's stdout and stderr written to `fd`."""
+    saved = [os.dup(1), os.dup(2)]
+    sys.stdout.flush(), sys.stderr.flush()
+    os.dup2(fd, 1), os.dup2(fd, 2)
+    try:
+        return "ok", fn(*args)
+    except ValueError as e:  # bad input: every rank raises the same
+        return "value", str(e)
+    except BaseException:  # noqa: BLE001  reported; the job then ends
+        return "error", traceback.format_exc()
+    finally:
+        sys.stdout.flush(), sys.stderr.flush()
+        os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+        for f in saved:
+            os.close(f)
+
+
 def _reset(environ: dict, threads: int) -> None:
-    """Leave the process as the call found it: no Megatron groups, float32, the same threads and
-    environment."""
+    """Leave the process as the next call expects it: no Megatron groups, float32 by default, the
+    job's threads and environment."""
     import gc
 
     import torch
@@ -100,63 +109,56 @@ class _Job:
             p.start()
 
     def run(self, fn, args, timeout: float) -> list:
+        """Every rank's fn(*args); raises as GlooJobs.run says."""
         for q in self.tasks:
             q.put((fn, args))
-        done: dict[int, tuple] = {}
-        deadline = time.monotonic() + timeout
-        while len(done) < self.world_size:
-            if not self.results.empty():
-                status, rank, value, printed = self.results.get()
-                done[rank] = (status, value, printed)
-                continue
-            dead = [(r, p.exitcode) for r, p in enumerate(self.procs) if not p.is_alive()]
-            if dead and self.results.empty():
-                self._replay(done)
-                raise RuntimeError(f"rank {dead[0][0]} died with exit code {dead[0][1]} "
-                                   "without reporting (killed?)")
-            if any(status != "ok" for status, _, _ in done.values()):
-                # the failing rank's partners may be stuck in a collective: give them a moment
-                if time.monotonic() > min(deadline, self._failed_at + 5.0):
-                    break
-            elif time.monotonic() > deadline:
-                self._replay(done)
-                raise TimeoutError(f"the job did not finish in {timeout:.0f} s")
-            if any(status != "ok" for status, _, _ in done.values()) and \
-                    not hasattr(self, "_failed_at_set"):
-                self._failed_at, self._failed_at_set = time.monotonic(), True
-            time.sleep(0.02)
-        self._replay(done)
+        done: dict[int, tuple[str, object, str]] = {}
+        deadline, failed_at = time.monotonic() + timeout, None
+        try:
+            while len(done) < self.world_size:
+                if not self.results.empty():
+                    status, rank, value, printed = self.results.get()
+                    done[rank] = (status, value, printed)
+                    if status != "ok" and failed_at is None:
+                        failed_at = time.monotonic()
+                    continue
+                now = time.monotonic()
+                if failed_at is not None and now > failed_at + FAILURE_GRACE_S:
+                    break  # the others are likely stuck in a collective with the failed rank
+                dead = [(r, p.exitcode) for r, p in enumerate(self.procs) if not p.is_alive()]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0][0]} died with exit code {dead[0][1]} "
+                                       "without reporting (killed?)")
+                if now > deadline:
+                    raise TimeoutError(f"the job did not finish in {timeout:.0f} s")
+                time.sleep(0.01)
+        finally:
+            for rank in sorted(done):
+                if done[rank][2]:
+                    sys.stderr.write(done[rank][2])
+            sys.stderr.flush()
         failed = sorted((r, s, v) for r, (s, v, _) in done.items() if s != "ok")
         if failed:
             rank, status, value = failed[0]
             if status == "value":
-                raise _JobValueError(value)
+                every_rank = len(failed) == self.world_size
+                raise (_BadInput if every_rank else ValueError)(value)
             raise RuntimeError(f"rank {rank} failed:\n{value}")
         return [done[r][1] for r in range(self.world_size)]
-
-    _failed_at = float("inf")
-
-    @staticmethod
-    def _replay(done: dict) -> None:
-        for rank in sorted(done):
-            printed = done[rank][2]
-            if printed:
-                sys.stderr.write(printed)
-        sys.stderr.flush()
 
     def close(self, graceful: bool = True) -> None:
         if graceful:
             for q in self.tasks:
                 q.put(None)
         for p in self.procs:
-            p.join(timeout=10 if graceful else 0.1)
+            p.join(timeout=10 if graceful else 0)
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=10)
 
 
-class _JobValueError(ValueError):
-    """A ValueError raised in the job (bad input), re-raised in the test with its message."""
+class _BadInput(ValueError):
+    """Every rank raised ValueError: the job is still sound and stays up."""
 
 
 class GlooJobs:
@@ -168,14 +170,18 @@ class GlooJobs:
     def run(self, fn, world_size: int, *args, timeout: float = 600) -> list:
         """fn(*args) on every rank of the `world_size` job; every rank's result, in rank order.
 
-        As mcore.dist.run_processes: a ValueError in the job is re-raised with its message; any
-        other exception, a rank that dies or the timeout raises RuntimeError (TimeoutError) with
-        the failing rank's traceback, and then the job is ended (the next call starts anew)."""
+        As mcore/dist.run_processes: a ValueError raised in the job is raised again here with its
+        message; any other exception, a rank that dies or `timeout` seconds passing raises
+        RuntimeError (TimeoutError) with the failing rank's traceback. The job is then ended and
+        the next call starts a new one, unless every rank raised ValueError (bad input, refused
+        alike everywhere). `fn` and `args` must be picklable."""
         job = self._jobs.get(world_size)
         if job is None:
             job = self._jobs[world_size] = _Job(world_size)
         try:
             return job.run(fn, args, timeout)
+        except _BadInput:
+            raise  # every rank refused the same input: none is left inside a collective
         except BaseException:
             del self._jobs[world_size]
             job.close(graceful=False)

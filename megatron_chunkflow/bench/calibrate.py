@@ -180,11 +180,11 @@ def fit_model_costs(hw: Hardware, shape: ModelShape, num_stages: int,
     The kernel rates come from isolated kernels; in the model the same work runs slower (layers
     of small ops between them) and every op pays a fixed host cost: two probe sizes separate
     the two. The scale applies to GEMM and memory rates (attention is a few % of the probes)."""
-    from megatron_chunkflow.perfmodel.layout import Layout
+    from megatron_chunkflow.config import ParallelConfig
     from megatron_chunkflow.perfmodel.roofline import Roofline
     from megatron_chunkflow.core.types import DataChunk, Segment
 
-    model = Roofline(shape, Layout(pp=num_stages), hw)
+    model = Roofline(shape, ParallelConfig.layout(pp=num_stages), hw)
 
     def predicted(tokens: int) -> float:
         segs = tuple(Segment(i, 0, segment) for i in range(tokens // segment))

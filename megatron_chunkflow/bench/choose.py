@@ -34,7 +34,7 @@ from megatron_chunkflow.perfmodel.budget import (
     choose_chunking,
     choose_recompute,
 )
-from megatron_chunkflow.perfmodel.layout import Layout
+from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.perfmodel.predict import predict_chunkflow, predict_megatron
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ def choose_all(s, dp: int, rates: ActivationRates, hw) -> tuple[dict[str, Plan],
     """Every system's configuration (the same on every rank: deterministic in its inputs), and
     for each baseline that no option fits, why. ValueError when ChunkFlow does not fit, or no
     baseline does."""
-    layout = Layout(s.parallel.tp, 1, s.parallel.pp, dp)
+    layout = ParallelConfig.layout(tp=s.parallel.tp, cp=1, pp=s.parallel.pp, dp=dp)
     out, unfit = {}, {}
     for baseline in s.baselines:
         def predict(option, baseline=baseline):

@@ -49,7 +49,7 @@ from megatron_chunkflow.config import Recompute
 from megatron_chunkflow.core.costs import sequence_model_flops
 from megatron_chunkflow.data.synthetic import make_sequences
 from megatron_chunkflow.perfmodel.budget import ActivationRates
-from megatron_chunkflow.perfmodel.layout import Layout
+from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.perfmodel.predict import predict_chunkflow, predict_megatron
 
 
@@ -142,7 +142,8 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
 def _system_result(name: str, plan: Plan, repeats: list[list[dict]], rss: int,
                    s: BenchSettings, dp: int, hw, act: ActivationRates) -> dict:
     """One system's summary, prediction and configuration."""
-    layout = Layout(s.parallel.tp, 1, s.parallel.pp, dp, plan.recompute)
+    layout = ParallelConfig.layout(tp=s.parallel.tp, pp=s.parallel.pp, dp=dp,
+                                   recompute=plan.recompute)
     if name == "chunkflow":
         pred = predict_chunkflow(s.lengths, s.shape, hw, layout, plan.choice.chunk_size,
                                  plan.choice.k)

@@ -73,8 +73,6 @@ def _norms_in_float64(model) -> None:
 def run_hf_verify(hf_dir: str, lengths: Sequence[int], chunkflow: ChunkFlowConfig,
                   parallel: ParallelConfig = ParallelConfig(), seed: int = 0) -> VerifyResult:
     """One step of ChunkFlow (megatron-core, float64) against transformers on the same batch."""
-    from megatron.core import parallel_state
-
     from megatron_chunkflow.runtime.execute import execute_step, plan_step
     from megatron_chunkflow.runtime.loss import global_loss, make_forward_step
     from megatron_chunkflow.runtime.model import apply_chunkflow
@@ -92,7 +90,7 @@ def run_hf_verify(hf_dir: str, lengths: Sequence[int], chunkflow: ChunkFlowConfi
     sequences = make_sequences(lengths, shape.vocab_size, seed)
     ref_loss, ref_grads = hf_reference(hf_dir, sequences, dtype)
 
-    init_distributed(tp=parallel.tp, pp=parallel.pp, seed=seed)
+    ranks = init_distributed(parallel, seed)
     padded = dataclasses.replace(shape, vocab_size=padded_vocab_size(shape.vocab_size,
                                                                      parallel.tp))
     config = transformer_config(padded, dtype)
@@ -100,9 +98,7 @@ def run_hf_verify(hf_dir: str, lengths: Sequence[int], chunkflow: ChunkFlowConfi
     import_hf_weights(model, hf_dir, config, shape)
     apply_chunkflow(model, backend=chunkflow.attention_backend)
     ddp = wrap_ddp(model, config)
-    dp, dp_rank = (parallel_state.get_data_parallel_world_size(),
-                   parallel_state.get_data_parallel_rank())
-    step = plan_step(sequences, chunkflow, parallel, padded, dp_size=dp, dp_rank=dp_rank)
+    step = plan_step(sequences, chunkflow, parallel, padded, ranks)
     reports = execute_step(step, ddp, make_forward_step(exact_loss=True,
                                                         vocab_size=shape.vocab_size))
     loss, count = global_loss(reports)

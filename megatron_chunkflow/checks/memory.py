@@ -11,6 +11,7 @@ import torch
 
 from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
 from megatron_chunkflow.runtime.meter import ActivationMeter
+from megatron_chunkflow.runtime.ranks import Ranks
 
 
 def kv_state_formula(length: int, chunk_size: int, kv_bytes_per_token: float,
@@ -67,8 +68,7 @@ def measure_one_sequence(shape, length: int, chunkflow: ChunkFlowConfig, dtype, 
     store = apply_chunkflow(model, backend=chunkflow.attention_backend)
     model = wrap_ddp(model, config)
     sequences = make_sequences([length], shape.vocab_size, seed)
-    step = plan_step(sequences, chunkflow, ParallelConfig(cp=cp), shape, dp_size=1, dp_rank=0,
-                     cp_rank=parallel_state.get_context_parallel_rank())
+    step = plan_step(sequences, chunkflow, ParallelConfig(cp=cp), shape, Ranks.current())
     meter = ActivationMeter(model, store)
     execute_step(step, model, make_forward_step(exact_loss=True), observers=[meter])
     from megatron_chunkflow.perfmodel.footprint import kv_state_bytes_per_token

@@ -60,15 +60,13 @@ def run_sparse_verify(shape, lengths: Sequence[int], chunkflow: ChunkFlowConfig,
     from megatron_chunkflow.mcore.dist import init_distributed
 
     sequences = make_sequences(lengths, shape.vocab_size, seed)
-    init_distributed(tp=parallel.tp, pp=1, seed=seed)
+    init_distributed(ParallelConfig(tp=parallel.tp), seed)
     ref_state, [(ref_loss, ref_count, ref_grads)] = _run_reference(shape, [sequences], dtype,
                                                                    lora, seed)
-    init_distributed(tp=parallel.tp, pp=parallel.pp, seed=seed)
+    ranks = init_distributed(parallel, seed)
     model, ddp, names, _ = build_chunked_model(shape, ref_state, dtype, chunkflow,
                                                parallel.sequence_parallel, lora=lora)
-    dp, dp_rank = (parallel_state.get_data_parallel_world_size(),
-                   parallel_state.get_data_parallel_rank())
-    base = plan_step(sequences, chunkflow, parallel, shape, dp_size=dp, dp_rank=dp_rank)
+    base = plan_step(sequences, chunkflow, parallel, shape, ranks)
     batch = base.batch
     step_fn = make_forward_step(exact_loss=True)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

@@ -28,6 +28,7 @@ from megatron_chunkflow.runtime.inputs import whole_sequence_input
 from megatron_chunkflow.runtime.loss import global_loss, make_forward_step
 from megatron_chunkflow.runtime.observe import StageTimeline
 from megatron_chunkflow.runtime.p2p import comm_device
+from megatron_chunkflow.runtime.ranks import Ranks
 
 BOUNDS = {torch.float64: 1e-10, torch.float32: 1e-4}
 
@@ -60,13 +61,13 @@ def run_verify(shape: ModelShape, steps: Sequence[Sequence[int]], chunkflow: Chu
     only the adapters are compared."""
     from megatron_chunkflow.mcore.dist import init_distributed
 
-    chunkflow.check_parallel(parallel)
+    parallel.check_chunk_size(chunkflow.chunk_size)
     batches = [make_sequences(lengths, shape.vocab_size, seed + i, fully_masked=fully_masked)
                for i, lengths in enumerate(steps)]
 
-    init_distributed(tp=parallel.tp, pp=1, seed=seed)
+    init_distributed(ParallelConfig(tp=parallel.tp), seed)
     reference = _run_reference(shape, batches, dtype, lora, seed)
-    init_distributed(tp=parallel.tp, pp=parallel.pp, seed=seed, cp=parallel.cp)
+    init_distributed(parallel, seed)
     return _run_chunked(shape, batches, reference, chunkflow, parallel, dtype, meter_cls,
                         recompute, lora)
 
@@ -140,18 +141,14 @@ def build_chunked_model(shape, ref_state, dtype, chunkflow: ChunkFlowConfig,
 def _run_chunked(shape, batches, reference, chunkflow: ChunkFlowConfig, parallel: ParallelConfig,
                  dtype, meter_cls, recompute: Recompute = Recompute(),
                  lora=None) -> list[VerifyResult]:
-    from megatron.core import parallel_state
-
     ref_state, ref_steps = reference
-    dp, dp_rank = (parallel_state.get_data_parallel_world_size(),
-                   parallel_state.get_data_parallel_rank())
+    ranks = Ranks.current()
     model, ddp, names, store = build_chunked_model(shape, ref_state, dtype, chunkflow,
                                                    parallel.sequence_parallel, recompute, lora)
     step_fn = make_forward_step(exact_loss=True)
     results = []
     for sequences, (ref_loss, ref_count, ref_grads) in zip(batches, ref_steps):
-        step = plan_step(sequences, chunkflow, parallel, shape, dp_size=dp, dp_rank=dp_rank,
-                         cp_rank=parallel_state.get_context_parallel_rank())
+        step = plan_step(sequences, chunkflow, parallel, shape, ranks)
         meter = meter_cls(model, store) if meter_cls is not None else None
         timeline = StageTimeline()
         ddp.zero_grad_buffer()

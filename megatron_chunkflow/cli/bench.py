@@ -28,13 +28,8 @@ import sys
 
 from megatron_chunkflow.cli.inputs import add_length_arguments, lengths_from_args
 from megatron_chunkflow.cli.output import Output, check_output_dir
-from megatron_chunkflow.config import (
-    ChunkFlowConfig,
-    ParallelConfig,
-    Recompute,
-    add_config_arguments,
-    config_from_args,
-)
+from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig, Recompute
+from megatron_chunkflow.flags import add_config_arguments, config_from_args
 from megatron_chunkflow.core.models import MODEL_SHAPES
 from megatron_chunkflow.core.step import BASELINES
 
@@ -199,7 +194,7 @@ def _job(settings) -> dict:
     from megatron_chunkflow.bench.compare import run_bench
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
 
-    init_distributed(tp=settings.parallel.tp, pp=settings.parallel.pp, seed=settings.seed)
+    init_distributed(settings.parallel, settings.seed)
     rank0 = dist.get_rank() == 0
 
     def log(text: str) -> None:

@@ -6,7 +6,7 @@ import argparse
 import math
 from pathlib import Path
 
-from megatron_chunkflow.config import deprecated_alias
+from megatron_chunkflow.flags import deprecated_alias
 from megatron_chunkflow.core.profiles import PROFILES, sample_lengths
 
 MAX_LENGTH = 1 << 24  # tokens in one sequence: 16M, 64x a 256K context; planning stays bounded

@@ -25,16 +25,11 @@ import argparse
 
 from megatron_chunkflow.cli.inputs import add_length_arguments, lengths_from_args
 from megatron_chunkflow.cli.output import Output, check_output_file
-from megatron_chunkflow.config import (
-    ChunkFlowConfig,
-    ParallelConfig,
-    add_config_arguments,
-    config_from_args,
-)
+from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+from megatron_chunkflow.flags import add_config_arguments, config_from_args
 from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape
 from megatron_chunkflow.core.step import BASELINES, plan_baseline, plan_chunkflow
 from megatron_chunkflow.perfmodel.footprint import memory_hooks
-from megatron_chunkflow.perfmodel.layout import Layout
 
 GIB = 2.0**30
 BF16_BYTES = 2  # the printed memory model's element size
@@ -91,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(ChunkFlowConfig, args)
     parallel = config_from_args(ParallelConfig, args)  # validates --pp, --cp and --dp
-    cfg.check_parallel(parallel)  # under CP: a chunk size the 2 x CP split divides
+    parallel.check_chunk_size(cfg.chunk_size)  # under CP: a chunk size the 2 x CP split divides
     if not 0 <= args.dp_rank < args.dp:
         raise ValueError(f"--dp-rank must be in [0, {args.dp}), got {args.dp_rank}")
     check_output_file("--png", args.png)
@@ -103,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     shape = get_model_shape(args.model)
 
     cp = parallel.cp
-    held_for, state_for = memory_hooks(shape, Layout(pp=args.pp, dp=args.dp, cp=cp),
+    held_for, state_for = memory_hooks(shape, ParallelConfig.layout(pp=args.pp, dp=args.dp, cp=cp),
                                        BF16_BYTES, cfg.chunk_size, cfg.k)
     costs = _per_gpu_flops(shape, cp)
     batch, cf = plan_chunkflow(lengths, cfg.chunk_size, cfg.k, args.pp, args.dp, shape,

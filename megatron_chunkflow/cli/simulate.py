@@ -30,7 +30,8 @@ import dataclasses
 
 from megatron_chunkflow.cli.inputs import read_lengths_file
 from megatron_chunkflow.cli.output import Output
-from megatron_chunkflow.config import ChunkFlowConfig, add_config_arguments, config_from_args
+from megatron_chunkflow.config import ChunkFlowConfig
+from megatron_chunkflow.flags import add_config_arguments, config_from_args
 from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape
 from megatron_chunkflow.core.profiles import PROFILES, sample_lengths
 from megatron_chunkflow.core.step import BASELINES
@@ -40,8 +41,8 @@ from megatron_chunkflow.perfmodel.hardware import (
     get_gpu,
     with_overrides,
 )
-from megatron_chunkflow.perfmodel.layout import parse_layout
-from megatron_chunkflow.perfmodel.predict import GIB, Prediction, check_chunk_size
+from megatron_chunkflow.config import ParallelConfig
+from megatron_chunkflow.perfmodel.predict import GIB, Prediction
 from megatron_chunkflow.perfmodel.search import best_chunkflow, best_megatron
 
 DEFAULT_BATCH = 2048
@@ -134,12 +135,13 @@ def run(args: argparse.Namespace) -> int:
         hw = apply_calibration(hw, args.calibration)
     mg_layout = cf_layout = None
     if args.megatron_parallel != "auto":
-        mg_layout = parse_layout(args.megatron_parallel, args.gpus, shape, "--megatron-parallel")
+        mg_layout = ParallelConfig.parse(args.megatron_parallel, args.gpus, shape,
+                                         "--megatron-parallel")
     if args.chunkflow_parallel != "auto":
-        cf_layout = parse_layout(args.chunkflow_parallel, args.gpus, shape,
+        cf_layout = ParallelConfig.parse(args.chunkflow_parallel, args.gpus, shape,
                                  "--chunkflow-parallel")
         if not args.auto:
-            check_chunk_size(cfg.chunk_size, cf_layout)
+            cf_layout.check_chunk_size(cfg.chunk_size, naming="axes")
     raw, source = _lengths(args)
     lengths = [min(n, args.seq_length) for n in raw]
     truncated = sum(n > args.seq_length for n in raw)

@@ -23,14 +23,8 @@ from pathlib import Path
 import torch
 
 from megatron_chunkflow.cli.output import Output, check_output_dir, check_output_file
-from megatron_chunkflow.config import (
-    RECOMPUTE_MODULES,
-    ChunkFlowConfig,
-    ParallelConfig,
-    Recompute,
-    add_config_arguments,
-    config_from_args,
-)
+from megatron_chunkflow.config import RECOMPUTE_MODULES, ChunkFlowConfig, ParallelConfig, Recompute
+from megatron_chunkflow.flags import add_config_arguments, config_from_args
 from megatron_chunkflow.core.models import MODEL_SHAPES
 from megatron_chunkflow.core.step import BASELINES
 from megatron_chunkflow.runtime.sparse import SparseConfig
@@ -145,7 +139,7 @@ def settings_from_args(args) -> TrainSettings:
     if args.chunkflow and cfg.chunk_size > args.seq_length:
         raise ValueError(f"--chunk-size {cfg.chunk_size} is larger than --seq-length "
                          f"{args.seq_length}")
-    cfg.check_parallel(parallel)
+    parallel.check_chunk_size(cfg.chunk_size)
     if parallel.cp > 1:
         if not args.chunkflow:
             raise ValueError(f"--context-parallel-size {parallel.cp} with --no-chunkflow: the stock "
@@ -224,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"token id {top} does not fit the model's vocabulary of "
                          f"{s.shape.vocab_size} (--model {s.model_name})")
     tp, pp, cp = s.parallel.tp, s.parallel.pp, s.parallel.cp
-    init_distributed(tp=tp, pp=pp, seed=s.seed, cp=cp)
+    init_distributed(s.parallel, s.seed)
     rank0 = torch.distributed.get_rank() == 0
     out = Output(args.json, quiet=not rank0)
     c = s.chunkflow

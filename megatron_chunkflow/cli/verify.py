@@ -29,12 +29,8 @@ import torch
 
 from megatron_chunkflow.cli.inputs import add_length_arguments, lengths_from_args
 from megatron_chunkflow.cli.output import Output
-from megatron_chunkflow.config import (
-    ChunkFlowConfig,
-    ParallelConfig,
-    add_config_arguments,
-    config_from_args,
-)
+from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+from megatron_chunkflow.flags import add_config_arguments, config_from_args
 from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape, model_shape_from_dict
 from megatron_chunkflow.mcore.lora import LoRAConfig
 from megatron_chunkflow.runtime.sparse import SparseConfig
@@ -81,7 +77,7 @@ def load_shape(args):
     """The --model preset, or --model-config FILE (our field names or an HF config.json)."""
     if not args.model_config:
         return get_model_shape(args.model)
-    from megatron_chunkflow.config import read_json_file
+    from megatron_chunkflow.flags import read_json_file
 
     path = Path(args.model_config)
     data = read_json_file(path, f"--model-config {path}")
@@ -95,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype]
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
-    cfg.check_parallel(parallel)
+    parallel.check_chunk_size(cfg.chunk_size)
     parallel.check_model(shape)
     if args.memory:
         _memory_lengths(args.lengths)  # bad input stops before any process group starts
@@ -122,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--lora-rank cannot be combined with --hf-reference")
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
 
-    init_distributed(tp=parallel.tp, pp=parallel.pp, seed=args.seed, cp=parallel.cp)
+    init_distributed(parallel, args.seed)
     try:
         if args.hf_reference:
             return _run_hf(args, cfg, parallel)
@@ -340,7 +336,7 @@ def _run_memory_cp(args, cfg, shape, dtype, cp: int) -> int:
     for n in lengths:
         measured = []
         for size in (1, cp):
-            init_distributed(seed=args.seed, cp=size)
+            init_distributed(ParallelConfig(cp=size), args.seed)
             row = measure_one_sequence(shape, n, cfg, dtype, seed=args.seed, cp=size)
             peaks = torch.tensor([row.total, row.state, row.cp_gathered,
                                   row.cp_reduce_scattered], dtype=torch.float64,

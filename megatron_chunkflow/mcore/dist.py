@@ -1,11 +1,14 @@
-"""Process groups for one process or a torchrun job: torch.distributed + megatron parallel_state.
+"""Process groups for one process or a torchrun job: torch.distributed + Megatron's parallel_state.
 
-    init_distributed(tp=2, pp=1)          # under torchrun: env:// ; alone: a world of one
-    init_distributed(tp=1, pp=1, cp=2)    # context parallelism (Megatron's rank order tp-cp-ep-dp-pp)
+    ranks = init_distributed(ParallelConfig(tp=2), seed=1234)   # under torchrun: env://
+    ranks.dp, ranks.dp_rank, ranks.pp_rank, ranks.is_last_stage
     results = run_processes(fn, 4, arg)   # fn(arg) in 4 spawned processes forming one job
 
-On CPU the backend is gloo and mcore/cpu.py's shims are installed first. run_processes is the
-one process harness: `chunkflow bench`, the benchmark scripts and the tests all use it.
+On CPU the backend is gloo and mcore/cpu.py's shims are installed first. Alone (no WORLD_SIZE in
+the environment) a process forms a world of one. `shutdown` tears down what `init_distributed`
+built; a job's default group that something else started (`start_job`, the tests' long-lived
+workers) is left to it. run_processes is the one process harness: `chunkflow bench` and the
+benchmark scripts use it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,11 @@ import socket
 import torch
 import torch.distributed as dist
 
+from megatron_chunkflow.config import ParallelConfig
+from megatron_chunkflow.runtime.ranks import Ranks
+
+_OWNS_DEFAULT_GROUP = False  # init_distributed started the default group, so shutdown ends it
+
 
 def free_port() -> int:
     """A TCP port free on this machine now (for a local rendezvous)."""
@@ -24,42 +32,68 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(tp: int = 1, pp: int = 1, seed: int = 1234, cp: int = 1) -> None:
-    """Initialise torch.distributed (if needed), megatron's model-parallel groups and RNG."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
+def start_job() -> bool:
+    """Join the job's default process group (gloo on CPU, with the CPU shims; NCCL on the
+    LOCAL_RANK GPU): from torchrun's environment, or a world of one. Returns whether this call
+    started it (False: it already existed)."""
     from megatron_chunkflow.mcore.cpu import install_cpu_shims
 
     on_cpu = install_cpu_shims()
-    if not dist.is_initialized():
-        backend = "gloo" if on_cpu else "nccl"
-        if "WORLD_SIZE" in os.environ:
-            if not on_cpu:
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group(backend)
-        else:
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}",
-                                    rank=0, world_size=1)
-    world = dist.get_world_size()
-    if world % (tp * cp * pp):
-        with_cp = f" x --cp {cp}" if cp > 1 else ""
-        raise ValueError(f"world size {world} is not divisible by --tp {tp}{with_cp} x --pp {pp}")
+    if dist.is_initialized():
+        return False
+    backend = "gloo" if on_cpu else "nccl"
+    if "WORLD_SIZE" in os.environ:
+        if not on_cpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}",
+                                rank=0, world_size=1)
+    return True
+
+
+def init_distributed(parallel: ParallelConfig = ParallelConfig(), seed: int = 1234) -> Ranks:
+    """Megatron's model-parallel groups for `parallel` (TP, CP, PP; DP is what the world leaves)
+    in this job, started if needed, and its RNG seeded; this process's Ranks. ValueError when the
+    world is not a multiple of TP x CP x PP (or a given DP does not match)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    global _OWNS_DEFAULT_GROUP
+    _OWNS_DEFAULT_GROUP = start_job() or _OWNS_DEFAULT_GROUP
+    parallel.with_world(dist.get_world_size())
     if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                             pipeline_model_parallel_size=pp,
-                                             context_parallel_size=cp)
+        _destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=parallel.tp,
+                                             pipeline_model_parallel_size=parallel.pp,
+                                             context_parallel_size=parallel.cp)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    return Ranks.current()
 
 
 def shutdown() -> None:
+    """Tear down what init_distributed built: Megatron's groups and, if it started it, the default
+    group."""
+    global _OWNS_DEFAULT_GROUP
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
+        _destroy_model_parallel()
+    if _OWNS_DEFAULT_GROUP and dist.is_initialized():
         dist.destroy_process_group()
+        _OWNS_DEFAULT_GROUP = False
+
+
+def _destroy_model_parallel() -> None:
+    """Megatron's parallel state forgotten and its subgroups destroyed (parallel_state only drops
+    its references; in a long-lived job every rebuild would otherwise leave gloo groups open)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    default = dist.distributed_c10d._get_default_group()
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group is not default and group is not dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(group)
 
 
 def _spawned(rank: int, world_size: int, port: int, fn, args, queue) -> None:

@@ -46,7 +46,7 @@ def shape_from_hf_dir(path) -> ModelShape:
     file = Path(path) / "config.json"
     if not file.is_file():
         raise ValueError(f"{file}: no such file (expected a Hugging Face checkpoint directory)")
-    from megatron_chunkflow.config import read_json_file
+    from megatron_chunkflow.flags import read_json_file
 
     d = read_json_file(file, str(file))
     if not isinstance(d, dict):

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_chunkflow.config import ChunkFlowConfig, add_config_arguments, config_from_args
+from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+from megatron_chunkflow.flags import add_config_arguments, config_from_args
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.profiles import PROFILES
 
@@ -111,18 +112,12 @@ def chunkflow_refusals(args, given_dataloader: str | None = None) -> list[str]:
         refuse.append(f"--chunk-size {chunk_size}{default} above --seq-length {args.seq_length}: "
                       f"give --chunk-size {args.seq_length} or less")
     cp = args.context_parallel_size
-    if args.sequence_parallel and chunk_size % args.tensor_model_parallel_size:
-        refuse.append(f"--chunk-size {chunk_size}, not a multiple of --tensor-model-parallel-size "
-                      f"{args.tensor_model_parallel_size} (--sequence-parallel splits every chunk "
-                      "over the TP ranks)")
-    elif cp > 1:
-        multiple = 2 * cp * (args.tensor_model_parallel_size if args.sequence_parallel else 1)
-        if chunk_size % multiple:
-            sp = (f" x --tensor-model-parallel-size {args.tensor_model_parallel_size}"
-                  if args.sequence_parallel else "")
-            refuse.append(f"--chunk-size {chunk_size}, not a multiple of 2 x "
-                          f"--context-parallel-size {cp}{sp} = {multiple} (context parallelism "
-                          f"cuts every chunk into 2 x CP equal pieces)")
+    tp = args.tensor_model_parallel_size
+    try:  # Megatron-LM turns --sequence-parallel off at TP 1
+        layout = ParallelConfig(tp=tp, cp=cp, sequence_parallel=args.sequence_parallel and tp > 1)
+        layout.check_chunk_size(chunk_size, naming="megatron-lm")
+    except ValueError as e:
+        refuse.append(str(e))
     if cp > 1 and args.seq_length is not None and args.seq_length % (2 * cp):
         refuse.append(f"--seq-length {args.seq_length}, not a multiple of 2 x "
                       f"--context-parallel-size {cp} (Megatron-LM asserts it; ChunkFlow pads "

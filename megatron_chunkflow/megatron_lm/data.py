@@ -23,6 +23,7 @@ from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.data.sampler import BatchSampler
 from megatron_chunkflow.data.store import batch_lengths, global_batch
 from megatron_chunkflow.runtime.execute import plan_step
+from megatron_chunkflow.runtime.ranks import Ranks
 
 
 @dataclass
@@ -43,11 +44,10 @@ class ChunkFlowStepIterator:
     global_batch_size: int
     seed: int
     chunkflow: ChunkFlowConfig
-    parallel: ParallelConfig  # with dp filled in
-    dp_rank: int
+    parallel: ParallelConfig
+    ranks: Ranks  # this process's DP rank (its chunks) and CP rank (its share of every chunk)
     shape: ModelShape
     consumed: int = 0  # sequences consumed so far (Megatron-LM's consumed_train_samples)
-    cp_rank: int = 0  # context parallelism: this rank's share of every chunk
     last: StepStats = field(default_factory=StepStats)
 
     def __post_init__(self):
@@ -59,8 +59,7 @@ class ChunkFlowStepIterator:
     def __next__(self):
         sequences = global_batch(self.dataset, self._sampler.batch_at(self.consumed))
         self.consumed += self.global_batch_size
-        step = plan_step(sequences, self.chunkflow, self.parallel, self.shape,
-                         dp_size=self.parallel.dp, dp_rank=self.dp_rank, cp_rank=self.cp_rank)
+        step = plan_step(sequences, self.chunkflow, self.parallel, self.shape, self.ranks)
         lengths = batch_lengths(sequences)
         self.last = StepStats(
             tokens=sum(lengths), flops=sequence_model_flops(lengths, self.shape),

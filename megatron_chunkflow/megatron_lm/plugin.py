@@ -192,25 +192,21 @@ def _build_iterators(original, provider):
     a = _args()
     if not a.chunkflow:
         return original(provider)
-    from megatron.core import parallel_state
     from megatron.core.rerun_state_machine import RerunDataIterator
 
     from megatron_chunkflow.config import ParallelConfig
     from megatron_chunkflow.megatron_lm.data import ChunkFlowStepIterator
+    from megatron_chunkflow.runtime.ranks import Ranks
 
     dataset = _open_dataset(a)
     chunkflow = chunkflow_config(a)
-    parallel = ParallelConfig(
-        tp=parallel_state.get_tensor_model_parallel_world_size(),
-        pp=parallel_state.get_pipeline_model_parallel_world_size(),
-        cp=parallel_state.get_context_parallel_world_size(),
-        dp=parallel_state.get_data_parallel_world_size(),
-        sequence_parallel=a.sequence_parallel)
+    ranks = Ranks.current()
+    parallel = ParallelConfig(tp=ranks.tp, pp=ranks.pp, cp=ranks.cp, dp=ranks.dp,
+                              sequence_parallel=a.sequence_parallel)
     _HOOKS.iterator = ChunkFlowStepIterator(
         dataset=dataset, global_batch_size=a.global_batch_size, seed=a.seed,
-        chunkflow=chunkflow, parallel=parallel, dp_rank=parallel_state.get_data_parallel_rank(),
-        shape=shape_from_args(a), consumed=a.consumed_train_samples,
-        cp_rank=parallel_state.get_context_parallel_rank())
+        chunkflow=chunkflow, parallel=parallel, ranks=ranks, shape=shape_from_args(a),
+        consumed=a.consumed_train_samples)
     a.do_train, a.do_valid, a.do_test = a.train_iters > 0, False, False
     _print_last(f"[chunkflow] data: {getattr(dataset, 'description', '')}; {len(dataset)} "
                 f"sequences; global batch {a.global_batch_size} sequences, chunk size "

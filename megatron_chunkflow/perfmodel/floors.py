@@ -46,7 +46,7 @@ from megatron_chunkflow.perfmodel.footprint import (
     transient_bytes,
 )
 from megatron_chunkflow.perfmodel.layer import Work, chunk_work
-from megatron_chunkflow.perfmodel.layout import Layout, recomputed_layers
+from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.perfmodel.roofline import Roofline
 
 MODULES = ("core_attn", "mlp", "layernorm")
@@ -199,7 +199,7 @@ def time_floor(items: Sequence[tuple[int, bool, Work, int | None]], model: Roofl
         keep = max(r.bwd + x_s, (r.bwd_kernels + x_k) * launch)
         full = max(r.bwd + r.fwd_roof, (r.bwd_kernels + r.fwd_kernels) * launch)
         for s, n in enumerate(layers):
-            k = recomputed_layers(rc, n)
+            k = rc.layers_recomputed(n)
             busy = (n * r.fwd + host * r.ops + k * full + (n - k) * keep
                     + host * r.chunks * (1 + k / max(n, 1)))
             first_f, last_b = n * r.max_fwd + host, n * r.max_bwd + 2 * host
@@ -237,7 +237,7 @@ def _chain_floor(ch: ChainSums, layers: Sequence[int], rc, launch: float, host: 
     for s, n in enumerate(layers):
         emb, head = s == 0, s == p - 1
         fwd = n * ch.fwd + host * ch.n + emb * ch.ends_f[0] + head * ch.ends_f[1]
-        k = recomputed_layers(rc, n)
+        k = rc.layers_recomputed(n)
         bwd = (k * full + (n - k) * keep + host * ch.n * (1 + k / max(n, 1))
                + emb * ch.ends_b[0] + head * ch.ends_b[1]
                + n * ch.refwd + host * ch.num_refwd + emb * ch.ends_r[0] + head * ch.ends_r[1])
@@ -307,7 +307,7 @@ def inflight_tokens(microbatches: Sequence[DataChunk], num_dp_ranks: int, cp: in
     return out
 
 
-def megatron_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: Layout,
+def megatron_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: ParallelConfig,
                           dtype_bytes: int,
                           inflight: list[tuple[tuple[int, ...], int]] | None = None) -> float:
     """A lower bound of stock Megatron's peak memory per GPU, without planning. With `inflight`
@@ -327,7 +327,7 @@ def megatron_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: Lay
                for windows, largest in inflight for s in range(layout.pp))
 
 
-def chunkflow_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: Layout,
+def chunkflow_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: ParallelConfig,
                            dtype_bytes: int, chunk_size: int, k: int) -> float:
     """A lower bound of ChunkFlow's peak memory per GPU, without planning (to skip hopeless
     (chunk size, K) candidates): on every stage the last K chunks of the longest sequence hold
@@ -355,7 +355,8 @@ def chunkflow_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: La
 
 
 @lru_cache(maxsize=4096)
-def _stage_bytes(shape: ModelShape, layout: Layout, dtype_bytes: int) -> tuple[list, list, list]:
+def _stage_bytes(shape: ModelShape, layout: ParallelConfig,
+                 dtype_bytes: int) -> tuple[list, list, list]:
     """Per stage: static bytes, activation bytes per token, transient bytes per token of the
     largest chunk (transient_bytes is linear in its tokens); a search asks once per layout."""
     params = stage_params(shape, layout.pp)

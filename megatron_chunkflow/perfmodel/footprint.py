@@ -81,7 +81,7 @@ from megatron_chunkflow.core.costs import layers_per_stage, linear_weights_per_l
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.types import DataChunk
 from megatron_chunkflow.perfmodel.layer import gather_extent
-from megatron_chunkflow.perfmodel.layout import NO_RECOMPUTE, Layout, recomputed_layers
+from megatron_chunkflow.config import NO_RECOMPUTE, ParallelConfig
 
 
 def layer_params(shape: ModelShape) -> int:
@@ -114,7 +114,7 @@ def total_params(shape: ModelShape) -> int:
     return sum(stage_params(shape, 1))
 
 
-def static_bytes(params: float, layout: Layout, dtype_bytes: int) -> float:
+def static_bytes(params: float, layout: ParallelConfig, dtype_bytes: int) -> float:
     """Weights, fp32 gradient buffer and optimizer states of `params` (before TP), the states
     sharded over DP x CP (CP ranks hold the same weights; Megatron reduces and shards over both)."""
     local = params / layout.tp
@@ -122,7 +122,7 @@ def static_bytes(params: float, layout: Layout, dtype_bytes: int) -> float:
     return local * (dtype_bytes + 4 + states / (layout.dp * layout.cp))
 
 
-def recompute_of(layout: Layout, recompute: Recompute | str | None) -> Recompute:
+def recompute_of(layout: ParallelConfig, recompute: Recompute | str | None) -> Recompute:
     """`recompute` (or its text form), else the layout's."""
     if recompute is None:
         return layout.recompute
@@ -135,7 +135,8 @@ RECOMPUTE_DROPS = {"core_attn": ("lse",), "mlp": ("fc1_output", "act_output"),
                    "layernorm": ("qkv_input", "fc1_input")}
 
 
-def activation_terms(shape: ModelShape, layout: Layout, dtype_bytes: int) -> dict[str, float]:
+def activation_terms(shape: ModelShape, layout: ParallelConfig,
+                     dtype_bytes: int) -> dict[str, float]:
     """Bytes per token (on this GPU, after CP) of each tensor one layer saves for backward
     without recompute (the module docstring's table), split over TP by sequence parallelism."""
     h, kv, f, t = shape.hidden_size, shape.kv_dim, shape.ffn_hidden_size, layout.tp
@@ -147,7 +148,7 @@ def activation_terms(shape: ModelShape, layout: Layout, dtype_bytes: int) -> dic
     return {k: out[k] for k in ACTIVATION_TERMS}
 
 
-def dropped_bytes(shape: ModelShape, layout: Layout, dtype_bytes: int,
+def dropped_bytes(shape: ModelShape, layout: ParallelConfig, dtype_bytes: int,
                   recompute: Recompute | str | None = None) -> float:
     """Bytes per token per layer a selective option does not keep (0 for the others)."""
     rc = recompute_of(layout, recompute)
@@ -157,12 +158,12 @@ def dropped_bytes(shape: ModelShape, layout: Layout, dtype_bytes: int,
     return sum(terms[n] for n in {t for m in rc.modules for t in RECOMPUTE_DROPS[m]})
 
 
-def layer_input_bytes(shape: ModelShape, layout: Layout, dtype_bytes: int) -> float:
+def layer_input_bytes(shape: ModelShape, layout: ParallelConfig, dtype_bytes: int) -> float:
     """What a fully recomputed layer keeps per token: its SP-split input."""
     return dtype_bytes * shape.hidden_size / layout.tp
 
 
-def layer_activation_bytes(shape: ModelShape, layout: Layout, dtype_bytes: int,
+def layer_activation_bytes(shape: ModelShape, layout: ParallelConfig, dtype_bytes: int,
                            recompute: Recompute | str | None = None) -> float:
     """Bytes saved for backward per token (on this GPU, after CP) by one layer under `recompute`
     (default: the layout's): everything less the selective modules' drops, or for a fully
@@ -175,24 +176,24 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, dtype_bytes: int,
             - dropped_bytes(shape, layout, dtype_bytes, rc))
 
 
-def stage_activation_bytes(shape: ModelShape, layout: Layout, dtype_bytes: int,
+def stage_activation_bytes(shape: ModelShape, layout: ParallelConfig, dtype_bytes: int,
                            layers: int) -> float:
     """Bytes per token a micro-batch keeps on a stage of `layers` layers under the layout's
     recompute: its recomputed layers keep their input, the others their (selective) bytes."""
-    r = recomputed_layers(layout.recompute, layers)
+    r = layout.recompute.layers_recomputed(layers)
     kept = layer_activation_bytes(shape, layout, dtype_bytes,
                                   NO_RECOMPUTE if r else layout.recompute)
     return r * layer_input_bytes(shape, layout, dtype_bytes) + (layers - r) * kept
 
 
-def head_activation_bytes(shape: ModelShape, layout: Layout, dtype_bytes: int) -> float:
+def head_activation_bytes(shape: ModelShape, layout: ParallelConfig, dtype_bytes: int) -> float:
     """Bytes per token the output layer saves on the last stage: its input and the final norm's,
     and the fp32 softmax of the vocabulary-parallel cross entropy."""
     return (2 * shape.hidden_size * dtype_bytes / layout.tp
             + 4 * math.ceil(shape.vocab_size / layout.tp))
 
 
-def per_token_bytes(shape: ModelShape, layout: Layout, dtype_bytes: int,
+def per_token_bytes(shape: ModelShape, layout: ParallelConfig, dtype_bytes: int,
                     num_stages: int) -> list[float]:
     """Activation bytes a micro-batch holds per token (after CP) on each stage."""
     out = [stage_activation_bytes(shape, layout, dtype_bytes, n)
@@ -214,21 +215,21 @@ def chunk_bytes_fn(chunks: Sequence[DataChunk], per_token: Sequence[float],
     return lambda chunk, stage: per_token[stage] * tokens[chunk]
 
 
-def held_bytes_fn(chunks: Sequence[DataChunk], shape: ModelShape, layout: Layout,
+def held_bytes_fn(chunks: Sequence[DataChunk], shape: ModelShape, layout: ParallelConfig,
                   dtype_bytes: int, num_stages: int) -> Callable[[int, int], float]:
     """chunk_bytes_fn on this model's per_token_bytes."""
     return chunk_bytes_fn(chunks, per_token_bytes(shape, layout, dtype_bytes, num_stages),
                           layout.cp)
 
 
-def transient_bytes(max_tokens: int, shape: ModelShape, layout: Layout, dtype_bytes: int,
+def transient_bytes(max_tokens: int, shape: ModelShape, layout: ParallelConfig, dtype_bytes: int,
                     last_stage: bool, layers: int | None = None) -> float:
     """Working memory of the backward of one layer (or the logits) for the largest micro-batch
     on this GPU (`max_tokens` after CP), on a stage of `layers` layers (default: an even split):
     the gradient working set plus what recompute re-creates then (module docstring)."""
     layers = shape.num_layers // layout.pp if layers is None else layers
     full = layer_activation_bytes(shape, layout, dtype_bytes, NO_RECOMPUTE)
-    r = recomputed_layers(layout.recompute, layers)
+    r = layout.recompute.layers_recomputed(layers)
     if r and r == layers:
         extra = full - layer_input_bytes(shape, layout, dtype_bytes)
     else:
@@ -274,7 +275,7 @@ def long_sequence_state_bytes(longest: int, chunk_size: int, k: int, kv: float, 
 
 
 def sequence_state_bytes(longest: int, chunk_size: int, k: int, shape: ModelShape,
-                         layout: Layout, dtype_bytes: int, num_stages: int) -> list[float]:
+                         layout: ParallelConfig, dtype_bytes: int, num_stages: int) -> list[float]:
     """long_sequence_state_bytes per stage, on per-token bytes modelled from the shape: K/V in
     `dtype_bytes`, fp32 accumulators, stage inputs of hidden_size / TP elements, each 1/CP on a
     rank under CP. Layers whose core attention is recomputed hold no prefix copy; the one they
@@ -285,7 +286,7 @@ def sequence_state_bytes(longest: int, chunk_size: int, k: int, shape: ModelShap
         u = kv_state_bytes_per_token(shape, layers, dtype_bytes, tp, with_grad=False) / cp
         a = kv_state_bytes_per_token(shape, layers, dtype_bytes, tp) / cp - u
         h = dtype_bytes * shape.hidden_size / tp / cp if s > 0 else 0.0
-        saving = 0 if "core_attn" in rc.modules else layers - recomputed_layers(rc, layers)
+        saving = 0 if "core_attn" in rc.modules else layers - rc.layers_recomputed(layers)
         state = long_sequence_state_bytes(longest, chunk_size, k, u, a, h, u * saving / layers)
         if saving < layers and longest > chunk_size:
             state += longest * u / layers
@@ -293,7 +294,7 @@ def sequence_state_bytes(longest: int, chunk_size: int, k: int, shape: ModelShap
     return out
 
 
-def gather_transient_bytes(chunks: Sequence[DataChunk], shape: ModelShape, layout: Layout,
+def gather_transient_bytes(chunks: Sequence[DataChunk], shape: ModelShape, layout: ParallelConfig,
                            dtype_bytes: int) -> float:
     """ChunkFlow under CP: the largest transient of one layer's attention among `chunks` on one
     GPU (module docstring): max(2 S x dtype, G x (dtype + 4 under half precision)) bytes per
@@ -311,7 +312,7 @@ def longest_cut_sequence(chunks: Sequence[DataChunk]) -> int:
     return max((c.segments[0].end for c in chunks if c.is_dependent), default=0)
 
 
-def chunkflow_state_bytes(chunks: Sequence[DataChunk], shape: ModelShape, layout: Layout,
+def chunkflow_state_bytes(chunks: Sequence[DataChunk], shape: ModelShape, layout: ParallelConfig,
                           dtype_bytes: int, num_stages: int, chunk_size: int,
                           k: int) -> list[float]:
     """sequence_state_bytes of the longest long sequence on this DP rank (one sequence's state
@@ -320,7 +321,7 @@ def chunkflow_state_bytes(chunks: Sequence[DataChunk], shape: ModelShape, layout
                                 dtype_bytes, num_stages)
 
 
-def memory_hooks(shape: ModelShape, layout: Layout, dtype_bytes: int, chunk_size: int = 0,
+def memory_hooks(shape: ModelShape, layout: ParallelConfig, dtype_bytes: int, chunk_size: int = 0,
                  k: int = 1) -> tuple[Callable, Callable]:
     """(held_bytes_for, state_bytes_for): this memory model as core/step.py's hooks, for a plan
     of `chunk_size`-token chunks with K = `k` (the state hook is for plan_chunkflow only)."""

@@ -95,7 +95,7 @@ from megatron_chunkflow.core.costs import (
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.types import DataChunk
 from megatron_chunkflow.perfmodel.hardware import Hardware
-from megatron_chunkflow.perfmodel.layout import Layout
+from megatron_chunkflow.config import ParallelConfig
 
 GEMM_TILES = ((128, 256), (256, 128), (128, 128), (64, 128), (128, 64))
 SPLIT_K = (1, 2, 4, 8, 16)
@@ -257,7 +257,7 @@ class LayerModel:
     """One layer's pieces on one parallel layout and device (see the module docstring); caches
     the dense part by token count. Independent of recompute, so shared by every option."""
 
-    def __init__(self, shape: ModelShape, layout: Layout, hw: Hardware):
+    def __init__(self, shape: ModelShape, layout: ParallelConfig, hw: Hardware):
         self.shape, self.layout, self.hw = shape, layout, hw
         t = layout.tp  # per-GPU widths: heads, K/V groups and the MLP are split over TP
         self.kv = shape.kv_dim // t
@@ -393,6 +393,6 @@ def overlapped(compute: float, transfer: float, overlap: float) -> float:
 
 
 @lru_cache(maxsize=256)
-def layer_model(shape: ModelShape, layout: Layout, hw: Hardware) -> LayerModel:
+def layer_model(shape: ModelShape, layout: ParallelConfig, hw: Hardware) -> LayerModel:
     """One LayerModel per (model, parallel layout without recompute, device)."""
-    return LayerModel(shape, layout.parallel, hw)
+    return LayerModel(shape, layout.degrees, hw)

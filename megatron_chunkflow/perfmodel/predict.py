@@ -46,7 +46,7 @@ from megatron_chunkflow.perfmodel.footprint import (
     transient_bytes,
 )
 from megatron_chunkflow.perfmodel.hardware import Hardware
-from megatron_chunkflow.perfmodel.layout import Layout
+from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.perfmodel.roofline import Roofline
 
 GIB = 2.0**30
@@ -57,7 +57,7 @@ class Prediction:
     """One system's predicted step on one layout."""
 
     system: str  # "megatron" or "chunkflow"
-    layout: Layout
+    layout: ParallelConfig
     step_s: float
     pipeline_s: float  # forward/backward of the slowest DP rank (plan replayed)
     optimizer_s: float
@@ -149,13 +149,14 @@ def _finish(system: str, rp: RankPlans, model: Roofline, shape: ModelShape, hw: 
 
 
 @lru_cache(maxsize=2048)
-def roofline(shape: ModelShape, layout: Layout, hw: Hardware) -> Roofline:
+def roofline(shape: ModelShape, layout: ParallelConfig, hw: Hardware) -> Roofline:
     """One Roofline per (model, layout, device), so searches reuse its per-chunk cost cache."""
     return Roofline(shape, layout, hw)
 
 
-def predict_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware, layout: Layout,
-                     seq_length: int, baseline: Baseline = "megatron-packed") -> Prediction:
+def predict_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware,
+                     layout: ParallelConfig, seq_length: int,
+                     baseline: Baseline = "megatron-packed") -> Prediction:
     """Stock Megatron: whole sequences in micro-batches of at most `seq_length` as `baseline`
     builds them (core/step.py), padded to 2 x CP under CP, Megatron's 1F1B; megatron-sft sends
     fixed seq_length shapes, the others each micro-batch's own after a shape handshake."""
@@ -169,10 +170,10 @@ def predict_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware, la
 
 
 def cp_padded_lengths(lengths: Sequence[int], multiple: int) -> list[int]:
-    """Each length rounded up to `multiple` (Layout.segment_multiple). Cut and packed at these
-    lengths, ChunkFlow's chunks are core/packer's under CP: a short sequence packed by its padded
-    length, a long one's last chunk padded (the chunk size being a multiple, its other cuts stay
-    where they were); with_padding turns the rounding back into Segment.padding."""
+    """Each length rounded up to `multiple` (ParallelConfig.segment_multiple). Cut and packed at
+    these lengths, ChunkFlow's chunks are core/packer's under CP: a short sequence packed by its
+    padded length, a long one's last chunk padded (the chunk size being a multiple, its other cuts
+    stay where they were); with_padding turns the rounding back into Segment.padding."""
     return [n + -n % multiple for n in lengths]
 
 
@@ -188,27 +189,12 @@ def with_padding(chunks: Sequence[DataChunk], lengths: Sequence[int]) -> list[Da
     return out
 
 
-def check_chunk_size(chunk_size: int, layout: Layout) -> None:
-    """ValueError naming --chunk-size unless it splits as `layout` needs (Layout.chunk_multiple):
-    a full dependent chunk cannot be padded, its K/V being state."""
-    m = layout.chunk_multiple
-    if chunk_size % m == 0:
-        return
-    if layout.cp > 1:
-        sp = f" x TP {layout.tp}" if layout.sequence_parallel else ""
-        raise ValueError(f"--chunk-size {chunk_size} is not a multiple of 2 x CP {layout.cp}{sp} "
-                         f"= {m}: context parallelism cuts every chunk into 2 x CP equal pieces "
-                         f"(each a multiple of TP under sequence parallelism)")
-    raise ValueError(f"--chunk-size {chunk_size} is not a multiple of the tensor-parallel size "
-                     f"{layout.tp}, which sequence parallelism requires")
-
-
-def predict_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware, layout: Layout,
-                      chunk_size: int, k: int) -> Prediction:
+def predict_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware,
+                      layout: ParallelConfig, chunk_size: int, k: int) -> Prediction:
     """ChunkFlow: chunks of `chunk_size`, K chunks of a long sequence holding activations; under
-    CP every segment padded to Layout.segment_multiple and ChunkFlow's CP attention (all-gathered
-    K/V, recomputed in the backward; perfmodel/layer.py)."""
-    check_chunk_size(chunk_size, layout)
+    CP every segment padded to ParallelConfig.segment_multiple and ChunkFlow's CP attention
+    (all-gathered K/V, recomputed in the backward; perfmodel/layer.py)."""
+    layout.check_chunk_size(chunk_size, naming="axes")
     model = roofline(shape, layout, hw)
     held_for, state_for = memory_hooks(shape, layout, hw.dtype_bytes, chunk_size, k)
     m, gather = layout.segment_multiple, layout.cp > 1

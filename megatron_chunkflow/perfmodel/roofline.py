@@ -51,7 +51,7 @@ from megatron_chunkflow.perfmodel.layer import (  # noqa: F401  (re-exported: ol
     layer_model,
     ring_time,
 )
-from megatron_chunkflow.perfmodel.layout import Layout, recomputed_layers
+from megatron_chunkflow.config import ParallelConfig
 
 SENDS = ("async", "fixed", "variable")  # ChunkFlow's; megatron-sft's; megatron-packed/-unpacked's
 
@@ -101,7 +101,7 @@ def layer_times(parts: Parts, recompute, launch_s: float) -> LayerTimes:
 class Roofline:
     """Op times of one model on one layout and device (see the module docstring)."""
 
-    def __init__(self, shape: ModelShape, layout: Layout, hw: Hardware):
+    def __init__(self, shape: ModelShape, layout: ParallelConfig, hw: Hardware):
         self.shape, self.layout, self.hw = shape, layout, hw
         self.layer = layer_model(shape, layout, hw)  # shared by every recompute option
         self.vocab = math.ceil(shape.vocab_size / layout.tp)
@@ -162,7 +162,7 @@ class Roofline:
         host = self.hw.op_overhead_us * 1e-6  # per op and stage; recompute adds forwards
         fwd, bwd = [], []
         for n in layers:
-            r = recomputed_layers(self.layout.recompute, n)
+            r = self.layout.recompute.layers_recomputed(n)
             fwd.append(n * t.fwd + host)
             bwd.append(r * t.bwd_full + (n - r) * t.bwd_keep + host * (1 + r / max(n, 1)))
         fwd[0], bwd[0] = fwd[0] + emb[0], bwd[0] + emb[1]

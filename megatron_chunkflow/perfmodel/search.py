@@ -5,8 +5,8 @@ Candidates: every (TP, CP, PP) Megatron accepts (TP inside a node, dividing the 
 and K/V groups; PP dividing the layers; CP up to 32), each with every option of
 config.Recompute.menu for its layers per stage (none, the 7 selective module sets, block 1 ..
 layers - 1, full); ChunkFlow's option applies inside every chunk. For --auto, every chunk size
-2K..seq_length (powers of two) that splits as the layout needs (Layout.chunk_multiple: 2 x CP,
-x TP under sequence parallelism) with K = 1, 2, 4, 8 while K is below the longest sequence's
+2K..seq_length (powers of two) that splits as the layout needs (ParallelConfig.chunk_multiple:
+2 x CP, x TP under sequence parallelism) with K = 1, 2, 4, 8 while K is below the longest sequence's
 number of chunks.
 
 The search is exhaustive but prunes exactly, with two lower bounds computed without planning
@@ -36,7 +36,7 @@ from megatron_chunkflow.perfmodel.floors import (
     time_floor,
 )
 from megatron_chunkflow.perfmodel.hardware import Hardware
-from megatron_chunkflow.perfmodel.layout import Layout, make_layout
+from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.perfmodel.predict import (
     Prediction,
     predict_chunkflow,
@@ -54,7 +54,7 @@ def _divisors(n: int, limit: int) -> list[int]:
 
 def candidate_layouts(shape: ModelShape, hw: Hardware, num_gpus: int, allow_cp: bool,
                       max_pp: int = 16, max_cp: int = 32,
-                      recompute: Sequence[Recompute] | None = None) -> list[Layout]:
+                      recompute: Sequence[Recompute] | None = None) -> list[ParallelConfig]:
     """Every layout Megatron accepts on `num_gpus` GPUs, each with every recompute option of the
     menu for its layers per stage (or only those in `recompute`)."""
     heads = math.gcd(shape.num_attention_heads, shape.num_query_groups)
@@ -66,15 +66,15 @@ def candidate_layouts(shape: ModelShape, hw: Hardware, num_gpus: int, allow_cp: 
                     continue  # Megatron-LM asserts that PP divides the layers
                 menu = Recompute.menu(shape.num_layers // pp)
                 for rc in (menu if recompute is None else [r for r in recompute if r in menu]):
-                    out.append(make_layout(tp, cp, pp, rc, num_gpus, shape))
+                    out.append(ParallelConfig.on_gpus(tp, cp, pp, rc, num_gpus, shape))
     return out
 
 
 def chunking_candidates(lengths: Sequence[int], seq_length: int,
                         multiple: int) -> list[tuple[int, int]]:
     """(chunk size, K) pairs worth simulating: C up to seq_length and a multiple of `multiple`
-    (Layout.chunk_multiple: TP under sequence parallelism, 2 x CP (x TP) under CP), K only while
-    it changes something."""
+    (ParallelConfig.chunk_multiple: TP under sequence parallelism, 2 x CP (x TP) under CP), K only
+    while it changes something."""
     longest = max(lengths)
     out = []
     for c in CHUNK_SIZES:
@@ -140,15 +140,15 @@ class _Floors:
     def __init__(self, shape: ModelShape, hw: Hardware):
         self.shape, self.hw, self.sums = shape, hw, {}
 
-    def time(self, key, items, layout: Layout) -> float:
+    def time(self, key, items, layout: ParallelConfig) -> float:
         model = roofline(self.shape, layout, self.hw)
-        if (key, layout.parallel) not in self.sums:
-            self.sums[key, layout.parallel] = floor_sums(items, model)
-        return time_floor(items, model, self.sums[key, layout.parallel])
+        if (key, layout.degrees) not in self.sums:
+            self.sums[key, layout.degrees] = floor_sums(items, model)
+        return time_floor(items, model, self.sums[key, layout.degrees])
 
 
 def best_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_gpus: int,
-                  seq_length: int, layout: Layout | None = None,
+                  seq_length: int, layout: ParallelConfig | None = None,
                   baseline: Baseline = "megatron-packed") -> Prediction:
     """Stock Megatron as `baseline` on `layout`, or on the fastest layout and recompute option
     that fits. Layouts whose CP padding makes a sequence longer than `seq_length` are skipped."""
@@ -156,7 +156,7 @@ def best_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_g
         return predict_megatron(lengths, shape, hw, layout, seq_length, baseline)
     mbs: dict[tuple[int, int], list | None] = {}  # (DP, CP) -> micro-batches
 
-    def microbatches(lay: Layout):
+    def microbatches(lay: ParallelConfig):
         if (lay.dp, lay.cp) not in mbs:
             try:
                 mbs[lay.dp, lay.cp] = baseline_microbatches(lengths, seq_length, lay.dp,
@@ -168,19 +168,19 @@ def best_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_g
     items, inflight, ranks, floors = {}, {}, {}, _Floors(shape, hw)
     sends = "fixed" if baseline == "megatron-sft" else "variable"
 
-    def time_of(lay: Layout) -> float:
+    def time_of(lay: ParallelConfig) -> float:
         key = (lay.dp, lay.cp)
         if key not in items:
             items[key] = chunk_work_items(microbatches(lay), hw.attn_block, lay.cp)
         return floors.time(key, items[key], lay)
 
-    def memory_of(lay: Layout) -> float:
+    def memory_of(lay: ParallelConfig) -> float:
         key = (lay.dp, lay.cp, lay.pp)
         if key not in inflight:
             inflight[key] = inflight_tokens(microbatches(lay), lay.dp, lay.cp, lay.pp)
         return megatron_memory_floor(lengths, shape, lay, hw.dtype_bytes, inflight[key])
 
-    def refine(lay: Layout) -> float:
+    def refine(lay: ParallelConfig) -> float:
         chunks = microbatches(lay)
         if (lay.dp, lay.cp) not in ranks:
             ranks[lay.dp, lay.cp] = [[c for c in chunks if c.dp_rank == r]
@@ -189,11 +189,11 @@ def best_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_g
         return relaxed_1f1b_floor(ranks[lay.dp, lay.cp], model,
                                   model.stage_costs(chunks, lay.pp, seq_length, sends))
 
-    def dominates(a: Layout, b: Layout) -> bool:
+    def dominates(a: ParallelConfig, b: ParallelConfig) -> bool:
         # exact for Megatron's fixed 1F1B order: its replay is monotone in the op costs, and
         # recompute changes only backward costs (the first forward, which the DP tail reads,
         # costs the same)
-        return a.parallel == b.parallel and recompute_dominates(a.recompute, b.recompute)
+        return a.degrees == b.degrees and recompute_dominates(a.recompute, b.recompute)
 
     layouts = [lay for lay in candidate_layouts(shape, hw, num_gpus, allow_cp=True)
                if microbatches(lay) is not None]
@@ -203,7 +203,7 @@ def best_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_g
 
 
 def best_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_gpus: int,
-                   seq_length: int, layout: Layout | None = None, chunk_size: int = 8192,
+                   seq_length: int, layout: ParallelConfig | None = None, chunk_size: int = 8192,
                    k: int = 1, auto_chunking: bool = False) -> Prediction:
     """ChunkFlow on `layout` (or the fastest fitting layout and recompute option) with
     (chunk_size, k), or with the fastest fitting (chunk size, K) when `auto_chunking`."""

@@ -1,7 +1,7 @@
 """A ChunkFlow training step on megatron-core: plan it, then execute it. Every caller (`chunkflow
 train`, the Megatron-LM plugin, verify, bench) goes through these two functions.
 
-    step = plan_step(sequences, chunkflow, parallel, shape, dp_size=dp, dp_rank=rank)
+    step = plan_step(sequences, chunkflow, parallel, shape, ranks)    # ranks: runtime/ranks.py
     reports = execute_step(step, ddp_model, make_forward_step(), observers=[timeline])
 
 plan_step: the core planner cuts, packs and distributes the global batch over DP (every rank builds
@@ -34,23 +34,24 @@ from megatron_chunkflow.runtime.inputs import ChunkedStep, build_step
 from megatron_chunkflow.runtime.model import get_state_store
 from megatron_chunkflow.runtime.observe import StepObserver
 from megatron_chunkflow.runtime.pipeline import StageRun
+from megatron_chunkflow.runtime.ranks import Ranks
 from megatron_chunkflow.runtime.sparse import SparseConfig, sparsify
 
 
 def plan_step(sequences: Sequence[TokenSequence], chunkflow: ChunkFlowConfig,
-              parallel: ParallelConfig, shape: ModelShape, *, dp_size: int, dp_rank: int,
+              parallel: ParallelConfig, shape: ModelShape, ranks: Ranks = Ranks(), *,
               sparse: SparseConfig | None = None, seed: int = 0, step_index: int = 0,
-              device=None, cp_rank: int = 0) -> ChunkedStep:
-    """This DP rank's step of the global batch `sequences` (the same on every rank); under context
-    parallelism (parallel.cp > 1) this CP rank's share of it."""
-    batch = build_chunks(batch_lengths(sequences), chunkflow.chunk_size, dp_size,
+              device=None) -> ChunkedStep:
+    """This DP rank's step of the global batch `sequences` (the same on every rank) for the
+    layout `parallel`; under context parallelism (parallel.cp > 1) this CP rank's share of it."""
+    batch = build_chunks(batch_lengths(sequences), chunkflow.chunk_size, ranks.dp,
                          chunkflow.k, shape, segment_multiple=parallel.segment_multiple)
-    chunks = batch.chunks_for_rank(dp_rank)
+    chunks = batch.chunks_for_rank(ranks.dp_rank)
     costs = OpCosts.from_model(chunks, shape, parallel.pp)
     plan = state_aware_plan(chunks, parallel.pp, chunkflow.k, costs)
     step = build_step(plan, sequences, chunkflow.chunk_size, device=device,
                       pad_multiple=parallel.pad_multiple, batch=batch, costs=costs,
-                      cp_size=parallel.cp, cp_rank=cp_rank)
+                      cp_size=parallel.cp, cp_rank=ranks.cp_rank)
     if sparse is not None and sparse.enabled:
         step = sparsify(step, sparse.sparse_backward, seed, step_index)
     return step

@@ -31,6 +31,7 @@ from megatron_chunkflow.data.store import batch_lengths, global_batch
 from megatron_chunkflow.runtime.execute import execute_step, plan_step
 from megatron_chunkflow.runtime.inputs import chunk_input, chunk_meta
 from megatron_chunkflow.runtime.loss import global_loss, make_forward_step
+from megatron_chunkflow.runtime.ranks import Ranks
 from megatron_chunkflow.runtime.sparse import num_backward_chunks
 from megatron_chunkflow.training.checkpoint import Checkpointer
 from megatron_chunkflow.training.settings import TrainSettings
@@ -95,20 +96,17 @@ def run_step(s: TrainSettings, sequences, ddp, config, step_index: int = 0, obse
     (dependent chunks back-propagated, dependent chunks) on this rank). `observers`
     (runtime/observe.py) measure ChunkFlow's schedule; Megatron's own schedule does not call them
     (bench/instrument.py wraps it)."""
-    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    dp, dp_rank = (parallel_state.get_data_parallel_world_size(),
-                   parallel_state.get_data_parallel_rank())
+    ranks = Ranks.current()
     step_fn = make_forward_step(exact_loss=s.dtype == "float64", vocab_size=s.real_vocab_size)
     if s.uses_chunkflow:
-        step = plan_step(sequences, s.chunkflow, s.parallel, s.shape, dp_size=dp,
-                         dp_rank=dp_rank, sparse=s.sparse, seed=s.seed, step_index=step_index,
-                         cp_rank=parallel_state.get_context_parallel_rank())
+        step = plan_step(sequences, s.chunkflow, s.parallel, s.shape, ranks, sparse=s.sparse,
+                         seed=s.seed, step_index=step_index)
         reports = execute_step(step, ddp, step_fn, observers=observers)
         return reports, len(step.batch.chunks), num_backward_chunks(step)
-    mbs = baseline_microbatches(batch_lengths(sequences), s.seq_length, dp, s.system)
-    mine = [c for c in mbs if c.dp_rank == dp_rank]
+    mbs = baseline_microbatches(batch_lengths(sequences), s.seq_length, ranks.dp, s.system)
+    mine = [c for c in mbs if c.dp_rank == ranks.dp_rank]
     if not mine:  # fewer micro-batches than DP ranks: idle, as ChunkFlow's idle ranks are
         _idle_step(ddp, config)
         return [], len(mbs), (0, 0)

@@ -48,7 +48,7 @@ def _job(settings, configs):
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
     from megatron_chunkflow.bench.sweep import sweep
 
-    init_distributed(pp=settings.parallel.pp, seed=settings.seed)
+    init_distributed(settings.parallel, settings.seed)
     rank0 = dist.get_rank() == 0
     try:
         return sweep(settings, configs,

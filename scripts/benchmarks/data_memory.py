@@ -29,6 +29,7 @@ from megatron_chunkflow.data import load_tokenizer
 from megatron_chunkflow.data.sampler import BatchSampler
 from megatron_chunkflow.data.store import global_batch
 from megatron_chunkflow.runtime.execute import plan_step
+from megatron_chunkflow.runtime.ranks import Ranks
 
 import megatron.core.datasets.indexed_dataset  # imported by both: not part of the figures
 prefix, mode = sys.argv[1], sys.argv[2]
@@ -45,7 +46,7 @@ ds = d.open_sft_dataset(prefix, tok, seq_length=1 << 20)
 opened, anon_opened, t1 = rss(), anon(), time.perf_counter()
 batch = global_batch(ds, BatchSampler(len(ds), 256, 0).batch_at(0))
 plan_step(batch, ChunkFlowConfig(4096, 1), ParallelConfig(dp=8), get_model_shape("tiny"),
-          dp_size=8, dp_rank=0)
+          Ranks(dp=8))
 t2 = time.perf_counter()
 print(json.dumps({"open_mib": (opened - before) / 2**20,
                   "open_private_mib": (anon_opened - anon_before) / 2**20, "open_s": t1 - t0, "step_s": t2 - t1,

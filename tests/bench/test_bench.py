@@ -7,7 +7,7 @@ import json
 import pytest
 
 from megatron_chunkflow.cli import main
-from megatron_chunkflow.config import Recompute
+from megatron_chunkflow.config import ParallelConfig, Recompute
 from megatron_chunkflow.mcore.dist import run_processes
 
 pytestmark = pytest.mark.slow
@@ -108,7 +108,7 @@ def _peaks(lengths_list):
     from megatron_chunkflow.runtime.observe import StageTimeline
     from megatron_chunkflow.data.synthetic import make_sequences
 
-    init_distributed(pp=2)
+    init_distributed(ParallelConfig(pp=2))
     s = BenchSettings(shape=get_model_shape("tiny"), model_name="tiny", lengths=[1],
                       seq_length=1024, budget_bytes=0)
     systems = [build_system("megatron-packed", train_settings(s, "megatron-packed")),

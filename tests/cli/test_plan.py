@@ -13,7 +13,7 @@ from megatron_chunkflow.perfmodel.footprint import (
     kv_state_bytes_per_token,
     per_token_bytes,
 )
-from megatron_chunkflow.perfmodel.layout import Layout
+from megatron_chunkflow.config import ParallelConfig
 
 
 def run_json(capsys, *argv):
@@ -103,7 +103,7 @@ def test_memory_is_the_simulators_model(tmp_path, capsys):
     rc, obj, _ = run_json(capsys, "--lengths-file", str(f), "--chunk-size", "8192",
                           "--chunkflow-k", "1")
     shape = get_model_shape("qwen2.5-7b")
-    per_token = per_token_bytes(shape, Layout(), 2, 1)[0]
+    per_token = per_token_bytes(shape, ParallelConfig.layout(), 2, 1)[0]
     u = kv_state_bytes_per_token(shape, shape.num_layers, 2, with_grad=False)
     a = kv_state_bytes_per_token(shape, shape.num_layers, 2) - u
     assert rc == 0

@@ -17,7 +17,7 @@ def run_verify(capsys, *argv):
 @pytest.mark.parametrize("argv,message", [
     (["--chunkflow-k", "0"], "--chunkflow-k must be >= 1"),
     (["--chunk-size", "0"], "--chunk-size must be >= 1"),
-    (["--tp", "3"], "--tensor-model-parallel-size (--tp) 3 does not divide"),
+    (["--tp", "3"], "--tensor-model-parallel-size (--tp) 3 must divide the attention heads"),
     (["--tp", "2", "--sequence-parallel", "--chunk-size", "15"],
      "--chunk-size 15 is not a multiple of the tensor-parallel size 2"),
     (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size (--tp) > 1"),

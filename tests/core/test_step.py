@@ -10,7 +10,7 @@ from megatron_chunkflow.perfmodel.footprint import (
     memory_hooks,
     per_token_bytes,
 )
-from megatron_chunkflow.perfmodel.layout import Layout
+from megatron_chunkflow.config import ParallelConfig
 
 SHAPE = get_model_shape("qwen2.5-7b")
 
@@ -20,7 +20,7 @@ def test_activation_memory_follows_chunk_size(pp):
     """Growing the longest sequence 8x: ChunkFlow's held activations stay put (only the K/V state
     grows, linearly), the baseline's grow with the micro-batch length."""
     C, short = 4096, [700] * 50
-    held_for, state_for = memory_hooks(SHAPE, Layout(pp=pp), 2, C, 1)
+    held_for, state_for = memory_hooks(SHAPE, ParallelConfig.layout(pp=pp), 2, C, 1)
     cf_held, cf_state, base = [], [], []
     for longest in (32768, 262144):
         _, cf = plan_chunkflow(short + [longest], C, 1, pp, 1, SHAPE, held_bytes_for=held_for,
@@ -32,7 +32,7 @@ def test_activation_memory_follows_chunk_size(pp):
     assert cf_held[0] == cf_held[1]
     assert cf_state[1][0] == pytest.approx(8 * cf_state[0][0])
     assert base[1][0] > 3 * base[0][0]  # fewer max-length micro-batches in flight, each 8x
-    per_token = per_token_bytes(SHAPE, Layout(pp=pp), 2, pp)[0]
+    per_token = per_token_bytes(SHAPE, ParallelConfig.layout(pp=pp), 2, pp)[0]
     assert cf_held[0][0] <= max(pp, 1) * C * per_token  # at most max(p - s, K) chunks held
     u = kv_state_bytes_per_token(SHAPE, SHAPE.num_layers // pp, with_grad=False)
     a = kv_state_bytes_per_token(SHAPE, SHAPE.num_layers // pp) - u
@@ -43,7 +43,7 @@ def test_without_memory_hooks_the_plan_counts_no_bytes():
     """core models time only: with no hooks every byte count is zero, the plan unchanged."""
     lengths = [700] * 50 + [20000]
     _, bare = plan_chunkflow(lengths, 4096, 1, 2, 1, SHAPE)
-    held_for, state_for = memory_hooks(SHAPE, Layout(pp=2), 2, 4096, 1)
+    held_for, state_for = memory_hooks(SHAPE, ParallelConfig.layout(pp=2), 2, 4096, 1)
     _, hooked = plan_chunkflow(lengths, 4096, 1, 2, 1, SHAPE, held_bytes_for=held_for,
                                state_bytes_for=state_for)
     assert bare.peak_memory_bytes(0) == (0.0, 0.0) and min(hooked.peak_memory_bytes(0)) > 0

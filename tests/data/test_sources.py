@@ -217,6 +217,7 @@ def test_a_rank_reads_only_the_sequences_of_its_chunks(tmp_path, tok):
     from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.runtime.execute import plan_step
+    from megatron_chunkflow.runtime.ranks import Ranks
 
     g = np.random.default_rng(1)
     prefix = str(tmp_path / "corpus")
@@ -226,7 +227,7 @@ def test_a_rank_reads_only_the_sequences_of_its_chunks(tmp_path, tok):
     for rank in range(2):
         batch = ds.batch(range(len(ds)))
         step = plan_step(batch, ChunkFlowConfig(32, 1), ParallelConfig(dp=2),
-                         get_model_shape("tiny"), dp_size=2, dp_rank=rank)
+                         get_model_shape("tiny"), Ranks(dp=2, dp_rank=rank))
         mine = {seg.seq_id for c in step.batch.chunks if c.dp_rank == rank for seg in c.segments}
         assert batch.num_read == len(mine) < len(ds)
         read.append(mine)

@@ -16,6 +16,7 @@ import torch
 
 from megatron_chunkflow.mcore.dist import run_processes
 from tests.mcore.hf_checkpoints import CASES, build_checkpoints
+from megatron_chunkflow.config import ParallelConfig
 
 pytest.importorskip("transformers", reason="HF interop tests need transformers")
 pytest.importorskip("safetensors", reason="HF interop tests need safetensors")
@@ -70,7 +71,7 @@ def _run_layout(layout, cases, out_root, bad_inputs=None):
 
     rank = int(os.environ["RANK"])
     tp, pp, _ = LAYOUTS[layout]
-    init_distributed(tp=tp, pp=pp)
+    init_distributed(ParallelConfig(tp=tp, pp=pp))
     results = {}
     for name, (path, tokens) in cases.items():
         shape = shape_from_hf_dir(path)

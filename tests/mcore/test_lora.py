@@ -19,6 +19,8 @@
 import pytest
 
 from megatron_chunkflow.mcore.dist import run_processes
+from megatron_chunkflow.config import ParallelConfig
+from megatron_chunkflow.runtime.ranks import Ranks
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +60,7 @@ def _verify_single():
 
 def _verify_layout(tp, pp, sp):
     from megatron_chunkflow.checks.verify import run_verify
-    from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+    from megatron_chunkflow.config import ChunkFlowConfig
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.mcore.dist import shutdown
     from megatron_chunkflow.mcore.lora import LoRAConfig
@@ -123,11 +125,10 @@ def _full_grads(model):
 
 def _tp_invariance():
     import torch
-    from megatron.core import parallel_state
 
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.mcore.build import build_gpt_model, transformer_config, wrap_ddp
-    from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+    from megatron_chunkflow.config import ChunkFlowConfig
     from megatron_chunkflow.runtime.execute import execute_step, plan_step
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
     from megatron_chunkflow.mcore.hf import export_hf_weights, import_hf_weights
@@ -141,7 +142,7 @@ def _tp_invariance():
     sequences = make_sequences(MIXED, shape.vocab_size, seed=4)
     base, out = None, {}
     for tp, sp in [(1, False), (2, False), (2, True)]:
-        init_distributed(tp=tp, pp=1, seed=4)
+        init_distributed(ParallelConfig(tp=tp), 4)
         config = transformer_config(shape, torch.float64, sequence_parallel=sp)
         model = build_gpt_model(shape, config)
         if base is None:
@@ -153,9 +154,7 @@ def _tp_invariance():
         apply_chunkflow(model, backend="torch")
         ddp = wrap_ddp(model, config)
         step = plan_step(sequences, ChunkFlowConfig(C, 1, "torch"),
-                         ParallelConfig(tp=tp, sequence_parallel=sp), shape,
-                         dp_size=parallel_state.get_data_parallel_world_size(),
-                         dp_rank=parallel_state.get_data_parallel_rank())
+                         ParallelConfig(tp=tp, sequence_parallel=sp), shape, Ranks.current())
         reports = execute_step(step, ddp, make_forward_step(exact_loss=True))
         loss_sum, count = global_loss(reports)
         grads = _full_grads(model)
@@ -266,7 +265,6 @@ def test_lora_training(tmp_path):
 
 
 def _resume_tp2(ckpt):
-    from megatron_chunkflow.config import ParallelConfig
     from megatron_chunkflow.data.synthetic import make_sequences
     from megatron_chunkflow.runtime.sparse import SparseConfig
     from megatron_chunkflow.training.checkpoint import CheckpointConfig
@@ -277,7 +275,7 @@ def _resume_tp2(ckpt):
     out = []
     for kw in [{}, dict(checkpoint=CheckpointConfig(save=ckpt, save_interval=2),
                         exit_interval=2), dict(checkpoint=CheckpointConfig(load=ckpt))]:
-        init_distributed(tp=2, seed=5)
+        init_distributed(ParallelConfig(tp=2), 5)
         s = _settings(train_iters=4, warmup=0,
                       parallel=ParallelConfig(tp=2, sequence_parallel=True),
                       sparse=SparseConfig(2), **kw)

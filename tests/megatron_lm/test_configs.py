@@ -193,7 +193,7 @@ def _child(shapes, megatron_lm_dir, model_argvs, run_argvs):
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
 
     has_cuda = torch.cuda.is_available()  # before mcore/cpu.py's shims
-    init_distributed(1, 1)
+    init_distributed()
     try:
         out = {"core": _build_on_meta(shapes)}
         if megatron_lm_dir is not None:

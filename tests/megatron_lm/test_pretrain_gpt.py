@@ -368,8 +368,9 @@ def test_single_process_refusal_comes_before_megatrons_assertion(workdir, extra,
      "--data-path missing.jsonl: no such file or directory"),
     (["--chunkflow", "--data-path", "corpus.idx"], "--data-path corpus.idx: unknown file type"),
     (["--chunkflow", "--context-parallel-size", "2", "--chunk-size", "126"],
-     "--chunkflow cannot run with --chunk-size 126, not a multiple of 2 x "
-     "--context-parallel-size 2 = 4"),
+     "--chunkflow cannot run with --chunk-size 126 is not a multiple of 2 x "
+     "--context-parallel-size 2 = 4: context parallelism cuts every chunk into 2 x CP equal "
+     "pieces; give --chunk-size 124"),
     (["--chunkflow", "--context-parallel-size", "2", "--seq-length", "510"],
      "--chunkflow cannot run with --seq-length 510, not a multiple of 2 x "
      "--context-parallel-size 2"),

@@ -176,14 +176,14 @@ def test_cpu_device_host_time_per_op():
     a B that re-runs the forward under full recompute), and nothing on GPUs (default 0)."""
     from megatron_chunkflow.core.types import DataChunk, Segment
     from megatron_chunkflow.perfmodel.hardware import hardware_from_measurements
-    from megatron_chunkflow.perfmodel.layout import Layout
+    from megatron_chunkflow.config import ParallelConfig
     from megatron_chunkflow.perfmodel.roofline import Roofline
 
     kw = dict(gemm_flops=1e11, attn_fwd_flops=5e10, attn_bwd_flops=5e10, memory_bytes=1e10,
               p2p_bytes_per_s=1e9)
     chunk = DataChunk(id=0, kind="standalone", segments=(Segment(0, 0, 500),))
     for recompute, extra in (("none", 1), ("full", 2)):
-        layout = Layout(pp=2, recompute=recompute)
+        layout = ParallelConfig.layout(pp=2, recompute=recompute)
         f0, b0 = Roofline(SHAPE, layout, hardware_from_measurements(**kw)).chunk_costs(chunk, 2)
         f1, b1 = Roofline(SHAPE, layout, hardware_from_measurements(
             **kw, op_overhead_s=0.01)).chunk_costs(chunk, 2)

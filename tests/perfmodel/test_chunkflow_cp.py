@@ -31,7 +31,7 @@ from megatron_chunkflow.perfmodel.layer import (
     layer_model,
     zigzag_pairs,
 )
-from megatron_chunkflow.perfmodel.layout import Layout
+from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.perfmodel.predict import (
     cp_padded_lengths,
     predict_chunkflow,
@@ -44,13 +44,15 @@ from megatron_chunkflow.perfmodel.search import (
     chunking_candidates,
 )
 
+P = ParallelConfig.layout  # a layout as the simulator models it (SP when TP > 1)
+
 H100 = get_gpu("h100")
 Q7B = get_model_shape("qwen2.5-7b")
 LONG = 50001  # odd: its last chunk needs padding under CP
 LENGTHS = [min(n, 8000) for n in sample_lengths("B", 120, seed=2)] + [LONG]
 
 
-def chunks_for(layout: Layout, chunk_size: int, k: int = 1, lengths=LENGTHS):
+def chunks_for(layout: ParallelConfig, chunk_size: int, k: int = 1, lengths=LENGTHS):
     return build_chunks(lengths, chunk_size, layout.dp, k, Q7B,
                         segment_multiple=layout.segment_multiple).chunks
 
@@ -58,7 +60,7 @@ def chunks_for(layout: Layout, chunk_size: int, k: int = 1, lengths=LENGTHS):
 def test_padding_matches_the_runtime_packer():
     """predict_chunkflow cuts and packs padded lengths (core/step.plan_chunkflow takes no
     multiple) and turns the rounding back into padding: the same chunks as core/packer's."""
-    for layout in (Layout(2, 2, 1, 1), Layout(1, 4, 1, 2), Layout(4, 2, 1, 1)):
+    for layout in (P(tp=2, cp=2), P(tp=1, cp=4, dp=2), P(tp=4, cp=2)):
         m = layout.segment_multiple
         assert m == 2 * layout.cp * (layout.tp if layout.tp > 1 else 1)
         ours = with_padding(build_chunks(cp_padded_lengths(LENGTHS, m), 4096, layout.dp, 2,
@@ -73,7 +75,7 @@ def test_padding_matches_the_runtime_packer():
 def test_cp2_halves_dense_tokens_and_activations_per_rank():
     """Each CP rank computes 1/CP of every chunk's tokens: per-rank GEMM work and the
     activations a chunk holds halve at CP 2 on the same padded chunks."""
-    cp1, cp2 = Layout(2, 1, 1, 1), Layout(2, 2, 1, 1)
+    cp1, cp2 = P(tp=2), P(tp=2, cp=2)
     for c in chunks_for(cp2, 8192):
         w = chunk_work(c, 128, 2, gather=True)
         assert 2 * w.tokens == c.computed_tokens == chunk_work(c, 128).tokens
@@ -81,7 +83,7 @@ def test_cp2_halves_dense_tokens_and_activations_per_rank():
     dense1 = layer_model(Q7B, cp1, H100).dense(8192)
     dense2 = layer_model(Q7B, cp2, H100).dense(4096)
     assert dense2.fwd < 0.6 * dense1.fwd
-    p1 = predict_chunkflow(LENGTHS, Q7B, H100, Layout(2, 1, 1, 2), 8192, 1)
+    p1 = predict_chunkflow(LENGTHS, Q7B, H100, P(tp=2, dp=2), 8192, 1)
     p2 = predict_chunkflow(LENGTHS, Q7B, H100, cp2, 8192, 1)
     assert p2.memory["kv_state"] == pytest.approx(p1.memory["kv_state"] / 2, rel=0.01)
 
@@ -96,7 +98,7 @@ def test_zigzag_pairs_are_balanced_and_add_up():
         tiled = zigzag_pairs(prefix, n, 128, cp)
         assert all(t >= e for t, e in zip(tiled, exact))
     # a dependent chunk: the slowest rank's pairs, about 1/CP of the chunk's
-    c = [c for c in chunks_for(Layout(1, 2, 1, 1), 8192) if c.is_dependent][-1]
+    c = [c for c in chunks_for(P(tp=1, cp=2), 8192) if c.is_dependent][-1]
     w = chunk_work(c, 0, 2, gather=True)
     assert w.pairs == pytest.approx(attention_pairs(c.prefix_len, c.computed_tokens) / 2)
 
@@ -107,7 +109,7 @@ def test_gather_bytes_and_recompute_in_backward():
     backward and a reduce-scatter of dK/dV in fp32 (twice the gather's bytes under bf16). CP
     overlap does not hide any of it."""
     tp, cp, gathered = 2, 4, 40960
-    layout = Layout(tp, cp, 1, 1)
+    layout = P(tp=tp, cp=cp)
     lm = layer_model(Q7B, layout, H100)
     bw, latency = H100.link(layout.span("cp"))
     kv_width = Q7B.kv_dim // tp  # K (or V) channels on this TP rank
@@ -116,7 +118,7 @@ def test_gather_bytes_and_recompute_in_backward():
     assert gather == pytest.approx((cp - 1) / cp * gather_bytes / bw + (cp - 1) * latency)
     assert scatter == pytest.approx((cp - 1) / cp * 2 * gather_bytes / bw + (cp - 1) * latency)
     tokens, pairs = 2048, 8.0e7
-    compute_f, compute_b = layer_model(Q7B, Layout(tp, 1, 1, 1), H100).attention(tokens, pairs)
+    compute_f, compute_b = layer_model(Q7B, P(tp=tp), H100).attention(tokens, pairs)
     fwd, bwd = lm.attention(tokens, pairs, gathered)
     assert fwd == pytest.approx(gather + compute_f)
     assert bwd == pytest.approx(gather + compute_f + compute_b + scatter)
@@ -131,7 +133,7 @@ def test_chunk_work_gathers_the_prefix():
     """A dependent chunk gathers its sequence's prefix and itself; its pieces read the prefix
     twice (one per piece) and their own segment up to their end; its kernels are the gather
     path's, not the ring's."""
-    layout = Layout(1, 2, 1, 1)
+    layout = P(tp=1, cp=2)
     deps = [c for c in chunks_for(layout, 8192) if c.is_dependent]
     last = deps[-1]
     w = chunk_work(last, 128, 2, gather=True)
@@ -140,13 +142,13 @@ def test_chunk_work_gathers_the_prefix():
     assert (w.gathered, w.selected) == gather_extent(last, 2)
     assert w.prior == last.index and not w.relayed and deps[0].prefix_len == 0
     parts = layer_model(Q7B, layout, H100).parts(w)
-    base = layer_model(Q7B, Layout(), H100)
+    base = layer_model(Q7B, P(), H100)
     assert parts.fwd_kernels == base.kernels_fwd + GATHER_KERNELS_FWD + 2  # + the relay's cat
     assert parts.bwd_kernels == base.kernels_bwd + GATHER_KERNELS_BWD + 2 * w.prior
     # the step: every layer's backward re-runs the attention forward, so B > 2 F per chunk
     model = roofline(Q7B, layout, H100)
     f, b = model.chunk_costs(last, 1, gather=True)
-    f1, b1 = roofline(Q7B, Layout(), H100).chunk_costs(last, 1)
+    f1, b1 = roofline(Q7B, P(), H100).chunk_costs(last, 1)
     assert b[0] / f[0] > b1[0] / f1[0]
 
 
@@ -156,18 +158,18 @@ def test_state_per_rank_halves_at_cp2():
     L, C = 120000, 8192
     for pp in (1, 2):
         for k in (1, 4):
-            one = sequence_state_bytes(L, C, k, Q7B, Layout(2, 1, pp, 1), 2, pp)
-            two = sequence_state_bytes(L, C, k, Q7B, Layout(2, 2, pp, 1), 2, pp)
+            one = sequence_state_bytes(L, C, k, Q7B, P(tp=2, pp=pp), 2, pp)
+            two = sequence_state_bytes(L, C, k, Q7B, P(tp=2, cp=2, pp=pp), 2, pp)
             assert two == pytest.approx([x / 2 for x in one])
-    layout = Layout(2, 2, 1, 1)
+    layout = P(tp=2, cp=2)
     chunks = chunks_for(layout, C, lengths=[L])
     last = chunks[-1]
     kv = kv_state_bytes_per_token(Q7B, 1, 2, 2, with_grad=False)
     g, s = gather_extent(last, 2)
     assert gather_transient_bytes(chunks, Q7B, layout, 2) == pytest.approx(max(2 * s, 3 * g) * kv)
-    assert gather_transient_bytes(chunks, Q7B, Layout(2, 1, 1, 1), 2) == 0.0
-    p1 = predict_chunkflow([L], Q7B, H100, Layout(2, 1, 1, 1), C, 1)
-    p2 = predict_chunkflow([L], Q7B, H100, Layout(2, 2, 1, 1), C, 1)
+    assert gather_transient_bytes(chunks, Q7B, P(tp=2), 2) == 0.0
+    p1 = predict_chunkflow([L], Q7B, H100, P(tp=2), C, 1)
+    p2 = predict_chunkflow([L], Q7B, H100, P(tp=2, cp=2), C, 1)
     assert p2.memory["kv_state"] == pytest.approx(p1.memory["kv_state"] / 2)
     assert p2.memory["activations"] == pytest.approx(p1.memory["activations"] / 2, rel=0.01)
     assert p2.memory["transient"] > p1.memory["transient"] / 2  # the whole gathered K/V
@@ -176,10 +178,10 @@ def test_state_per_rank_halves_at_cp2():
 def test_bad_chunk_size_names_the_flag():
     with pytest.raises(ValueError, match=r"--chunk-size 4100 is not a multiple of 2 x CP 2 x "
                                          r"TP 2 = 8"):
-        predict_chunkflow(LENGTHS, Q7B, H100, Layout(2, 2, 1, 1), 4100, 1)
+        predict_chunkflow(LENGTHS, Q7B, H100, P(tp=2, cp=2), 4100, 1)
     with pytest.raises(ValueError, match=r"--chunk-size 4098 is not a multiple of 2 x CP 2 = 4"):
-        predict_chunkflow(LENGTHS, Q7B, H100, Layout(1, 2, 1, 1), 4098, 1)
-    assert predict_chunkflow(LENGTHS, Q7B, H100, Layout(1, 2, 1, 1), 4100, 1).step_s > 0
+        predict_chunkflow(LENGTHS, Q7B, H100, P(tp=1, cp=2), 4098, 1)
+    assert predict_chunkflow(LENGTHS, Q7B, H100, P(tp=1, cp=2), 4100, 1).step_s > 0
     assert [c for c, _ in chunking_candidates(LENGTHS, 32768, 24)] == []  # no power of 2 fits
     assert chunking_candidates(LENGTHS, 32768, 8) == chunking_candidates(LENGTHS, 32768, 1)
 
@@ -229,7 +231,7 @@ def test_chain_floor_binds_on_deep_pipelines():
     stage, the last through all of them, and back) is above the busiest stage's work."""
     hw = get_gpu("h100")
     lengths = [60000, 3000, 2000]
-    lay = Layout(1, 1, 4, 1)
+    lay = P(tp=1, pp=4)
     chunks = build_chunks(lengths, 16384, 1, 1, SHAPE).chunks
     items = chunk_work_items(chunks, hw.attn_block, 1, 1)
     model = roofline(SHAPE, lay, hw)
@@ -243,10 +245,10 @@ def test_chain_floor_binds_on_deep_pipelines():
 def test_cp_prediction_is_consistent():
     """A CP layout's prediction: padding counted, model FLOPs those of the real tokens, the same
     speed on any CP overlap."""
-    lay = Layout(2, 2, 1, 2)
+    lay = P(tp=2, cp=2, dp=2)
     p = predict_chunkflow(LENGTHS, Q7B, H100, lay, 8192, 2)
     q = predict_chunkflow(LENGTHS, Q7B, dataclasses.replace(H100, cp_overlap=0.0), lay, 8192, 2)
     assert p.step_s == q.step_s and p.layout.cp == 2 and p.num_tokens == sum(LENGTHS)
     assert 0 < p.padding_fraction < 0.01
-    base = predict_chunkflow(LENGTHS, Q7B, H100, Layout(2, 1, 1, 4), 8192, 2)
+    base = predict_chunkflow(LENGTHS, Q7B, H100, P(tp=2, dp=4), 8192, 2)
     assert p.model_flops == base.model_flops and p.num_gpus == base.num_gpus

@@ -24,8 +24,10 @@ from megatron_chunkflow.perfmodel.layer import (
     chunk_work,
     layer_model,
 )
-from megatron_chunkflow.perfmodel.layout import Layout
+from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.perfmodel.predict import predict_megatron, roofline
+
+P = ParallelConfig.layout  # a layout as the simulator models it (SP when TP > 1)
 
 H100 = get_gpu("h100")
 Q7B = get_model_shape("qwen2.5-7b")
@@ -40,7 +42,7 @@ def test_sft_lines_compute_seq_length_tokens():
     packed = baseline_microbatches(LENGTHS, 32768, 2, "megatron-packed")
     assert sum(chunk_work(c, 128).tokens for c in sft) == len(sft) * 32768
     assert sum(chunk_work(c, 128).tokens for c in packed) == sum(LENGTHS)
-    layout = Layout(4, 1, 1, 2)
+    layout = P(tp=4, dp=2)
     p_sft, p_packed = (predict_megatron(LENGTHS, Q7B, H100, layout, 32768, b)
                        for b in ("megatron-sft", "megatron-packed"))
     assert p_sft.padding_fraction == pytest.approx(1 - sum(LENGTHS) / (len(sft) * 32768))
@@ -56,7 +58,7 @@ def test_cp_pads_every_sequence_to_twice_cp(baseline):
         for s in c.segments[:-1] if baseline == "megatron-sft" else c.segments:
             assert s.computed_tokens % (2 * cp) == 0 and s.padding < 2 * cp
         assert chunk_work(c, 128, cp).tokens == math.ceil(c.computed_tokens / cp)
-    p = predict_megatron(LENGTHS, Q7B, H100, Layout(2, cp, 1, 1), 32768, baseline)
+    p = predict_megatron(LENGTHS, Q7B, H100, P(tp=2, cp=cp), 32768, baseline)
     assert p.padding_fraction > 0
 
 
@@ -64,8 +66,8 @@ def test_sends_fixed_variable_and_async():
     """megatron-sft sends --seq-length shapes, megatron-packed/-unpacked their own after a
     handshake (a second message), blocking the sender; ChunkFlow's receiver waits for one
     message of the chunk size."""
-    model = roofline(Q7B, Layout(4, 1, 2, 1), H100)
-    latency = H100.link(Layout(4, 1, 2, 1).span("pp"))[1]
+    model = roofline(Q7B, P(tp=4, pp=2), H100)
+    latency = H100.link(P(tp=4, pp=2).span("pp"))[1]
     chunks = baseline_microbatches(LENGTHS, 32768, 1, "megatron-packed")
     fixed = model.stage_costs(chunks, 2, 32768, "fixed")
     variable = model.stage_costs(chunks, 2, 32768, "variable")
@@ -89,18 +91,18 @@ def test_launch_floor():
     free = dataclasses.replace(H100, kernel_launch_us=0.0)
     short, long = (DataChunk(0, "standalone", (Segment(0, 0, n),)) for n in (64, 16384))
     layers = Q05B.num_layers
-    ((fwd,), (bwd,)) = roofline(Q05B, Layout(), H100).chunk_costs(short, 1)
-    ((fwd0,), (bwd0,)) = roofline(Q05B, Layout(), free).chunk_costs(short, 1)
+    ((fwd,), (bwd,)) = roofline(Q05B, P(), H100).chunk_costs(short, 1)
+    ((fwd0,), (bwd0,)) = roofline(Q05B, P(), free).chunk_costs(short, 1)
     launch = KERNEL_LAUNCH_US * 1e-6
-    roof = layer_model(Q05B, Layout(), H100).parts(chunk_work(short, 128))
+    roof = layer_model(Q05B, P(), H100).parts(chunk_work(short, 128))
     assert roof.fwd < KERNELS_FWD * launch and roof.bwd < KERNELS_BWD * launch
     assert fwd - fwd0 == pytest.approx(layers * (KERNELS_FWD * launch - roof.fwd))
     assert bwd - bwd0 == pytest.approx(layers * (KERNELS_BWD * launch - roof.bwd))
-    assert roofline(Q05B, Layout(), H100).chunk_costs(long, 1) == \
-        roofline(Q05B, Layout(), free).chunk_costs(long, 1)
+    assert roofline(Q05B, P(), H100).chunk_costs(long, 1) == \
+        roofline(Q05B, P(), free).chunk_costs(long, 1)
     cpu = hardware_from_measurements(50e9, 20e9, 15e9, 8e9, 2e9)
     assert cpu.kernel_launch_us == 0.0
-    unpacked = [predict_megatron(LENGTHS, Q05B, hw, Layout(1, 1, 1, 8), 32768,
+    unpacked = [predict_megatron(LENGTHS, Q05B, hw, P(tp=1, dp=8), 32768,
                                  "megatron-unpacked").step_s for hw in (free, H100)]
     assert unpacked[1] > 1.02 * unpacked[0]  # hundreds of short micro-batches
 
@@ -108,17 +110,17 @@ def test_launch_floor():
 def test_cp_overlap_range():
     """Attention under CP costs compute + transfer - overlap x min(compute, transfer): the sum
     at 0, the max at 1; predictions order accordingly."""
-    model = {o: layer_model(Q7B, Layout(1, 8, 1, 1), with_overrides(H100, [f"cp_overlap={o}"]))
+    model = {o: layer_model(Q7B, P(tp=1, cp=8), with_overrides(H100, [f"cp_overlap={o}"]))
              for o in (0.0, H100.cp_overlap, 1.0)}
     zero, mid, one = (model[o].attention(4096, 4096.0 * 4096 / 2) for o in model)
-    raw = layer_model(Q7B, Layout(1, 1, 1, 1), H100).attention(4096, 4096.0 * 4096 / 2)
-    bw, latency = H100.link(Layout(1, 8, 1, 1).span("cp"))
+    raw = layer_model(Q7B, P(tp=1), H100).attention(4096, 4096.0 * 4096 / 2)
+    bw, latency = H100.link(P(tp=1, cp=8).span("cp"))
     transfer = 7 * 4096 * 2 * Q7B.kv_dim * 2 / bw
     assert zero[0] == pytest.approx(raw[0] + transfer + latency)
     assert one[0] == pytest.approx(max(raw[0], transfer) + latency)
     assert one[0] <= mid[0] <= zero[0] and one[1] <= mid[1] <= zero[1]
     steps = [predict_megatron(LENGTHS, Q7B, with_overrides(H100, [f"cp_overlap={o}"]),
-                              Layout(1, 8, 1, 4), 32768).step_s for o in (0, 0.8, 1)]
+                              P(tp=1, cp=8, dp=4), 32768).step_s for o in (0, 0.8, 1)]
     assert steps[0] > steps[1] > steps[2]
     with pytest.raises(ValueError, match="cp_overlap"):
         with_overrides(H100, ["cp_overlap=1.5"])
@@ -128,7 +130,7 @@ def test_chunkflow_state_traffic():
     """A dependent chunk's forward (and re-forward) reads its prefix and own K/V and writes
     their concatenation; its backward read-modify-writes the prefix's fp32 accumulators and adds
     its own; both every layer; a standalone chunk has neither."""
-    layout, C = Layout(4, 1, 1, 1), 4096
+    layout, C = P(tp=4), 4096
     chunks = split_long(0, 5 * C, C, 0)
     lm = layer_model(Q7B, layout, H100)
     kv = 2 * Q7B.kv_dim // 4  # K and V elements per token on a TP rank

@@ -17,8 +17,10 @@ from megatron_chunkflow.perfmodel.footprint import (
     transient_bytes,
 )
 from megatron_chunkflow.perfmodel.hardware import get_gpu
-from megatron_chunkflow.perfmodel.layout import Layout, make_layout
+from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.perfmodel.predict import predict_chunkflow, predict_megatron
+
+P = ParallelConfig.layout  # a layout as the simulator models it (SP when TP > 1)
 
 H100 = get_gpu("h100")
 Q7B = get_model_shape("qwen2.5-7b")
@@ -32,44 +34,44 @@ def test_terms_add_up_to_the_documented_count():
     own terms; full keeps the layer input."""
     h, kv, f = Q7B.hidden_size, Q7B.kv_dim, Q7B.ffn_hidden_size
     for tp in (1, 4):
-        terms = activation_terms(Q7B, Layout(tp), 2)
+        terms = activation_terms(Q7B, P(tp=tp), 2)
         assert sum(terms.values()) == pytest.approx(
             (2 * (6 * h + 2 * kv + 3 * f) + 4 * Q7B.num_attention_heads) / tp)
-        assert layer_activation_bytes(Q7B, Layout(tp), 2) == pytest.approx(sum(terms.values()))
+        assert layer_activation_bytes(Q7B, P(tp=tp), 2) == pytest.approx(sum(terms.values()))
         for module, names in RECOMPUTE_DROPS.items():
-            assert dropped_bytes(Q7B, Layout(tp), 2, Recompute("selective", (module,))) == \
+            assert dropped_bytes(Q7B, P(tp=tp), 2, Recompute("selective", (module,))) == \
                 pytest.approx(sum(terms[n] for n in names))
-        assert layer_activation_bytes(Q7B, Layout(tp), 2, "full") == 2 * h / tp
+        assert layer_activation_bytes(Q7B, P(tp=tp), 2, "full") == 2 * h / tp
     # mlp + layernorm share fc1's input (the pre-MLP norm's output): counted once
-    both = dropped_bytes(Q7B, Layout(), 2, Recompute("selective", ("mlp", "layernorm")))
+    both = dropped_bytes(Q7B, P(), 2, Recompute("selective", ("mlp", "layernorm")))
     assert both == 2 * (h + h + 2 * f + f)
 
 
 def test_block_keeps_inputs_for_its_first_n_layers():
-    layout = Layout(4, 1, 2, 1, "block:3")
+    layout = P(tp=4, pp=2, recompute="block:3")
     kept, inp = (layer_activation_bytes(Q7B, layout, 2, rc) for rc in ("none", "full"))
     per_token = per_token_bytes(Q7B, layout, 2, 2)
     assert per_token[0] == pytest.approx(3 * inp + 11 * kept)
-    assert per_token_bytes(Q7B, Layout(4, 1, 2, 1, "block:14"), 2, 2) == \
-        per_token_bytes(Q7B, Layout(4, 1, 2, 1, "full"), 2, 2)
+    assert per_token_bytes(Q7B, P(tp=4, pp=2, recompute="block:14"), 2, 2) == \
+        per_token_bytes(Q7B, P(tp=4, pp=2, recompute="full"), 2, 2)
 
 
 def test_transient_is_what_the_backward_recreates():
     """Selective modules re-create their drops for the layer in backward; full re-creates the
     whole layer; block with N below the stage's layers adds nothing (its kept layers have freed
     more by then)."""
-    base = transient_bytes(1000, Q7B, Layout(4), 2, False, 28)
-    full = transient_bytes(1000, Q7B, Layout(4, recompute="full"), 2, False, 28)
-    inp = layer_activation_bytes(Q7B, Layout(4), 2, "full")
+    base = transient_bytes(1000, Q7B, P(tp=4), 2, False, 28)
+    full = transient_bytes(1000, Q7B, P(tp=4, recompute="full"), 2, False, 28)
+    inp = layer_activation_bytes(Q7B, P(tp=4), 2, "full")
     assert full == pytest.approx(2 * base - 1000 * inp)  # its gradients and itself, less input
-    assert transient_bytes(1000, Q7B, Layout(4, recompute="block:5"), 2, False, 28) == base
-    assert transient_bytes(1000, Q7B, Layout(4, recompute="block:28"), 2, False, 28) == full
-    mlp = transient_bytes(1000, Q7B, Layout(4, recompute=SEL[("mlp",)]), 2, False, 28)
-    assert mlp == pytest.approx(base + 1000 * dropped_bytes(Q7B, Layout(4), 2, SEL[("mlp",)]))
+    assert transient_bytes(1000, Q7B, P(tp=4, recompute="block:5"), 2, False, 28) == base
+    assert transient_bytes(1000, Q7B, P(tp=4, recompute="block:28"), 2, False, 28) == full
+    mlp = transient_bytes(1000, Q7B, P(tp=4, recompute=SEL[("mlp",)]), 2, False, 28)
+    assert mlp == pytest.approx(base + 1000 * dropped_bytes(Q7B, P(tp=4), 2, SEL[("mlp",)]))
 
 
 def _pair(system, rc, pp=2):
-    layout = Layout(4, 1, pp, 2, rc)
+    layout = P(tp=4, pp=pp, dp=2, recompute=rc)
     if system == "megatron":
         p = predict_megatron(LENGTHS, Q7B, H100, layout, 32768)
     else:
@@ -114,23 +116,23 @@ def test_chunkflow_prefix_copies_follow_core_attention():
     """A layer whose core attention is recomputed holds no cat(prefix, own) copy between its
     forward and backward; the one its recompute re-creates (one layer's) is charged instead."""
     L, C = 10 * 4096, 4096
-    none = sequence_state_bytes(L, C, 1, Q7B, Layout(4, 1, 2, 1), 2, 2)
-    attn = sequence_state_bytes(L, C, 1, Q7B, Layout(4, 1, 2, 1, SEL[("core_attn",)]), 2, 2)
+    none = sequence_state_bytes(L, C, 1, Q7B, P(tp=4, pp=2), 2, 2)
+    attn = sequence_state_bytes(L, C, 1, Q7B, P(tp=4, pp=2, recompute=SEL[("core_attn",)]), 2, 2)
     u = kv_state_bytes_per_token(Q7B, 14, 2, 4, with_grad=False)
     assert none[0] - attn[0] == pytest.approx(L * u - L * u / 14)
-    mlp = sequence_state_bytes(L, C, 1, Q7B, Layout(4, 1, 2, 1, SEL[("mlp",)]), 2, 2)
+    mlp = sequence_state_bytes(L, C, 1, Q7B, P(tp=4, pp=2, recompute=SEL[("mlp",)]), 2, 2)
     assert mlp == none
 
 
 def test_layout_text_forms_and_validation():
-    lay = make_layout(4, 1, 2, "selective:mlp+layernorm", 32, Q7B)
+    lay = ParallelConfig.on_gpus(4, 1, 2, "selective:mlp+layernorm", 32, Q7B)
     assert lay.recompute == Recompute("selective", ("mlp", "layernorm"))
     assert lay.to_flag() == "4,1,2,selective:mlp+layernorm"
     assert lay.to_json()["recompute"] == "selective:mlp+layernorm"
     assert lay.describe() == "TP4 CP1 PP2 DP4 selective:mlp+layernorm"
-    assert make_layout(4, 1, 2, "block:14", 32, Q7B).recompute.num_layers == 14
+    assert ParallelConfig.on_gpus(4, 1, 2, "block:14", 32, Q7B).recompute.num_layers == 14
     with pytest.raises(ValueError, match="a pipeline stage has only 14 layers"):
-        make_layout(4, 1, 2, "block:15", 32, Q7B)
+        ParallelConfig.on_gpus(4, 1, 2, "block:15", 32, Q7B)
     with pytest.raises(ValueError, match="PP 8 must divide the model's 28 layers"):
-        make_layout(1, 1, 8, "none", 32, Q7B)
-    assert Layout(recompute="full").recompute == Recompute("full")  # text accepted
+        ParallelConfig.on_gpus(1, 1, 8, "none", 32, Q7B)
+    assert P(recompute="full").recompute == Recompute("full")  # text accepted

@@ -28,7 +28,7 @@ from megatron_chunkflow.perfmodel.hardware import (
     hardware_from_measurements,
     with_overrides,
 )
-from megatron_chunkflow.perfmodel.layout import Layout, make_layout
+from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.perfmodel.predict import predict_chunkflow, predict_megatron
 from megatron_chunkflow.perfmodel.roofline import (
     attention_tiles,
@@ -36,6 +36,8 @@ from megatron_chunkflow.perfmodel.roofline import (
     gemm_efficiency,
     gemm_shape_factor,
 )
+
+P = ParallelConfig.layout  # a layout as the simulator models it (SP when TP > 1)
 
 H100 = get_gpu("h100")
 Q7B = get_model_shape("qwen2.5-7b")
@@ -86,7 +88,7 @@ def test_attention_tiles_match_brute_force():
 @pytest.mark.parametrize("system", ["megatron", "chunkflow"])
 def test_mfu_below_max_efficiency(system):
     ceiling = max(H100.gemm_max_eff, H100.attn_fwd_eff, H100.attn_bwd_eff)
-    for layout in (Layout(1, 1, 1, 8), Layout(2, 1, 2, 2, "full")):
+    for layout in (P(tp=1, dp=8), P(tp=2, pp=2, dp=2, recompute="full")):
         if system == "megatron":
             p = predict_megatron(LENGTHS, Q05B, H100, layout, 32768)
         else:
@@ -96,10 +98,10 @@ def test_mfu_below_max_efficiency(system):
 
 
 def test_more_tp_less_weight_memory_per_gpu():
-    stat = [static_bytes(total_params(Q7B), Layout(tp, 1, 1, 1), 2) for tp in (1, 2, 4)]
+    stat = [static_bytes(total_params(Q7B), P(tp=tp), 2) for tp in (1, 2, 4)]
     assert stat[0] > stat[1] > stat[2] and stat[0] / stat[2] == pytest.approx(4)
-    preds = [predict_megatron(LENGTHS, Q7B, H100, make_layout(tp, 1, 1, "none", 8, Q7B), 32768)
-             for tp in (1, 2, 4)]
+    on_8 = [ParallelConfig.on_gpus(tp, 1, 1, "none", 8, Q7B) for tp in (1, 2, 4)]
+    preds = [predict_megatron(LENGTHS, Q7B, H100, layout, 32768) for layout in on_8]
     assert preds[0].memory["static"] > preds[1].memory["static"] > preds[2].memory["static"]
     assert preds[0].peak_mem_bytes > preds[2].peak_mem_bytes
 
@@ -112,19 +114,19 @@ def test_full_recompute_costs_about_a_third_more():
     for seq in (32768, 131072):
         lengths = [min(n, seq) for n in sample_lengths("B", 200, seed=2)]
         for tp in (1, 4):
-            none, full = (predict_megatron(lengths, Q7B, H100, Layout(tp, 1, 1, 1, rc), seq)
+            none, full = (predict_megatron(lengths, Q7B, H100, P(tp=tp, recompute=rc), seq)
                           for rc in ("none", "full"))
             ratio = full.pipeline_s / none.pipeline_s
             assert ratio == pytest.approx(4 / 3, abs=0.04)
             if tp == 1:
                 assert ratio <= 4 / 3
             assert full.peak_mem_bytes < none.peak_mem_bytes
-    assert layer_activation_bytes(Q7B, Layout(4), 2, "full") == 2 * Q7B.hidden_size / 4
+    assert layer_activation_bytes(Q7B, P(tp=4), 2, "full") == 2 * Q7B.hidden_size / 4
 
 
 def test_selective_recompute_costs_time_saves_little():
     lengths = [min(n, 32768) for n in LENGTHS]
-    none, sel = (predict_megatron(lengths, Q7B, H100, Layout(4, 1, 1, 2, rc), 32768)
+    none, sel = (predict_megatron(lengths, Q7B, H100, P(tp=4, dp=2, recompute=rc), 32768)
                  for rc in ("none", "selective"))
     assert sel.pipeline_s > none.pipeline_s
     assert 0.95 * none.peak_mem_bytes < sel.peak_mem_bytes < none.peak_mem_bytes
@@ -134,13 +136,13 @@ def test_selective_recompute_costs_time_saves_little():
 def test_7b_at_256k_without_cp_does_not_fit_on_80gb(tp):
     lengths = [262144] + [1000] * 50
     for recompute in ("none", "full"):
-        p = predict_megatron(lengths, Q7B, H100, Layout(tp, 1, 1, 1, recompute), 262144)
+        p = predict_megatron(lengths, Q7B, H100, P(tp=tp, recompute=recompute), 262144)
         assert not p.fits and p.peak_mem_bytes > get_gpu("h100").hbm_bytes
 
 
 def test_chunkflow_memory_floor_is_a_lower_bound():
     lengths = [200000] + [min(n, 8000) for n in LENGTHS]
-    for layout in (Layout(2, 1, 1, 2), Layout(4, 1, 2, 1, "full")):
+    for layout in (P(tp=2, dp=2), P(tp=4, pp=2, recompute="full")):
         for c, k in ((4096, 1), (4096, 4), (16384, 2)):
             p = predict_chunkflow(lengths, Q7B, H100, layout, c, k)
             floor = chunkflow_memory_floor(lengths, Q7B, layout, H100.dtype_bytes, c, k)
@@ -150,7 +152,7 @@ def test_chunkflow_memory_floor_is_a_lower_bound():
 def test_sequence_state_bounds_the_measured_peak():
     """K = 1: 2 L u + L a, above docs/exactness.md's exact peak (measured on CPU there); more K,
     more prefix copies; stages after the first add the re-forwarded chunks' inputs."""
-    layout, C = Layout(4, 1, 2, 1), 4096
+    layout, C = P(tp=4, pp=2), 4096
     u = kv_state_bytes_per_token(Q7B, 14, 2, 4, with_grad=False)
     a = kv_state_bytes_per_token(Q7B, 14, 2, 4) - u
     for n in (2, 3, 10):
@@ -168,7 +170,7 @@ def test_sequence_state_bounds_the_measured_peak():
 def test_modelled_and_measured_rates_share_the_state_formula():
     """The simulator (rates from the shape) and chunkflow bench's budget (measured rates) give
     the same state for the same per-token bytes, for every K and a last chunk cut short."""
-    layout = Layout(2, 1, 2, 1)
+    layout = P(tp=2, pp=2)
     u = kv_state_bytes_per_token(Q7B, 14, 2, 2, with_grad=False)
     a = kv_state_bytes_per_token(Q7B, 14, 2, 2) - u
     rates = ActivationRates((0.0, 0.0), (u, u), (a, a), 2 * Q7B.hidden_size / 2)
@@ -188,7 +190,7 @@ def test_measured_device_scales_with_its_rates():
                                          for k, v in kw.items()})
     assert slow.dtype_bytes == 4 and slow.num_sms == 0 and slow.gemm_max_eff == 1.0
     lengths = [min(n // 8, 4096) for n in LENGTHS]
-    layout = Layout(1, 1, 2, 1)
+    layout = P(tp=1, pp=2)
     for predict in (lambda hw: predict_megatron(lengths, tiny, hw, layout, 4096),
                     lambda hw: predict_chunkflow(lengths, tiny, hw, layout, 512, 2)):
         assert predict(fast).step_s == pytest.approx(predict(slow).step_s / 2, rel=1e-9)

@@ -19,7 +19,7 @@ from megatron_chunkflow.perfmodel.floors import (
     time_floor,
 )
 from megatron_chunkflow.perfmodel.hardware import get_gpu, with_overrides
-from megatron_chunkflow.perfmodel.layout import Layout
+from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.perfmodel.predict import (
     predict_chunkflow,
     predict_megatron,
@@ -32,6 +32,8 @@ from megatron_chunkflow.perfmodel.search import (
     chunking_candidates,
     recompute_dominates,
 )
+
+P = ParallelConfig.layout  # a layout as the simulator models it (SP when TP > 1)
 
 SHAPE = ModelShape(4, 2048, 5632, 16, 4, 32000)
 SEQ = 32768
@@ -96,7 +98,7 @@ def test_dominance_holds_op_by_op():
         for b in menu:
             if not recompute_dominates(a, b):
                 continue
-            ca, cb = (roofline(SHAPE, Layout(2, 1, 2, 1, rc), STOCK_HW)
+            ca, cb = (roofline(SHAPE, P(tp=2, pp=2, recompute=rc), STOCK_HW)
                       .stage_costs(chunks, 2, SEQ, "variable") for rc in (a, b))
             for c in chunks:
                 for s in range(2):
@@ -134,7 +136,7 @@ def test_chunkflow_search_is_exact():
 
 
 def test_chunkflow_auto_search_is_exact():
-    lay = Layout(2, 1, 1, 1, "selective:mlp")
+    lay = P(tp=2, recompute="selective:mlp")
     brute = fastest_fitting(predict_chunkflow(LENGTHS, SHAPE, CF_HW, lay, c, k)
                             for c, k in chunking_candidates(LENGTHS, SEQ, 2))
     found = best_chunkflow(LENGTHS, SHAPE, CF_HW, 2, SEQ, layout=lay, auto_chunking=True)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from megatron_chunkflow.mcore.dist import run_processes
+from megatron_chunkflow.config import ParallelConfig
 
 VOCAB, PADDED, TOKENS = 300, 512, 23  # padded_vocab_size(300, tp) is 384 at TP 1, 512 at TP 2
 
@@ -18,7 +19,7 @@ def _losses(tp: int, dtype_name: str):
     from megatron_chunkflow.runtime.loss import token_loss_sum
     from megatron_chunkflow.mcore.dist import init_distributed
 
-    init_distributed(tp=tp)
+    init_distributed(ParallelConfig(tp=tp))
     dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(0)
     full = torch.randn(1, TOKENS, PADDED, generator=g, dtype=torch.float64)
@@ -67,7 +68,7 @@ def test_chunk_inputs_follow_the_model_to_its_device():
     from megatron_chunkflow.runtime.execute import plan_step
 
     step = plan_step(make_sequences([40, 100, 7], 1000, seed=0), ChunkFlowConfig(32, 1),
-                     ParallelConfig(), get_model_shape("tiny"), dp_size=1, dp_rank=0)
+                     ParallelConfig(), get_model_shape("tiny"))
     for inp in step.inputs.values():
         moved = inp.to("meta")
         params = moved.packed_seq_params

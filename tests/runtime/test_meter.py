@@ -395,8 +395,7 @@ def _chunkflow_state(c: int, n: int) -> dict:
     store = apply_chunkflow(model, backend="cpu_flash")
     model = wrap_ddp(model, config)
     cfg = ChunkFlowConfig(c, 1, "cpu_flash")
-    step = plan_step(make_sequences([n * c], shape.vocab_size, 0), cfg, ParallelConfig(), shape,
-                     dp_size=1, dp_rank=0)
+    step = plan_step(make_sequences([n * c], shape.vocab_size, 0), cfg, ParallelConfig(), shape)
     meter = ActivationMeter(model, store)
     ends = []
 
@@ -447,8 +446,7 @@ def _chunkflow_with_megatron_recompute() -> list[tuple]:
 
     shape, gpt, store, ddp = _gpt("tiny", "full", torch.bfloat16)
     step = plan_step(make_sequences([700, 60, 130, 300], shape.vocab_size, 0),
-                     ChunkFlowConfig(64, 2, "torch"), ParallelConfig(), shape, dp_size=1,
-                     dp_rank=0)
+                     ChunkFlowConfig(64, 2, "torch"), ParallelConfig(), shape)
     out = []
     for cls in (CountsStaleStoreReads, ReadsStoreAlways) * 2:
         meter = cls(ddp, store)

@@ -5,6 +5,7 @@ import os
 import pytest
 
 from megatron_chunkflow.mcore.dist import run_processes
+from megatron_chunkflow.config import ParallelConfig
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +55,7 @@ def _failing_step():
     from megatron_chunkflow.data.synthetic import make_sequences
     from megatron_chunkflow.runtime.loss import forward_step
 
-    init_distributed(pp=2)
+    init_distributed(ParallelConfig(pp=2))
     shape = get_model_shape("tiny")
     config = transformer_config(shape)
     model = build_gpt_model(shape, config)
@@ -93,7 +94,7 @@ def _diverging_plans():
     from megatron_chunkflow.data.synthetic import make_sequences
     from megatron_chunkflow.runtime.loss import forward_step
 
-    init_distributed(pp=2)
+    init_distributed(ParallelConfig(pp=2))
     shape = get_model_shape("tiny")
     model = build_gpt_model(shape, transformer_config(shape))
     apply_chunkflow(model)

@@ -34,7 +34,7 @@ def _losses(runs):
     out = []
     for kw in runs:
         s = _settings(**kw)
-        init_distributed(tp=s.parallel.tp, pp=s.parallel.pp, seed=s.seed)
+        init_distributed(s.parallel, s.seed)
         out.append([m["loss"] for m in train(s, _dataset())])
     shutdown()
     return out
@@ -173,7 +173,7 @@ def _lrs(ckpt):
 
     def run(**kw):
         s = _settings(**kw)
-        init_distributed(tp=1, pp=1, seed=s.seed)
+        init_distributed(s.parallel, s.seed)
         return [m["lr"] for m in train(s, _dataset())]
 
     old = run(train_iters=14)

@@ -1,0 +1,127 @@
+"""Command-line flags derived from frozen dataclasses: each field's attribute docstring is its
+help, its metadata may name its flag (`--chunkflow-k` for `k`), aliases that are equally valid
+(`--tp`) and deprecated spellings that still work but warn (`--k`). One spelling per knob in every
+subcommand, and in the Megatron-LM launcher's parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import sys
+import typing
+from functools import cache
+from typing import Literal
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of a dataclass, read from its source."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def flag_of(cls: type, name: str, prefix: str = "") -> str:
+    """The command-line flag of field `name` of `cls`."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.metadata.get("flag") or "--" + prefix + name.replace("_", "-")
+
+
+class _Deprecated(argparse.Action):
+    """An old spelling of a flag: works, and says which spelling to use instead."""
+
+    def __init__(self, option_strings, dest, canonical: str, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.canonical = canonical
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog}: warning: {option_string} is deprecated; use {self.canonical}",
+              file=sys.stderr)
+        setattr(namespace, self.dest, True if self.nargs == 0 else values)
+
+
+def add_config_arguments(parser, cls: type, *, fields: tuple[str, ...] | None = None,
+                         defaults: dict | None = None, default_help: dict | None = None,
+                         flags: dict | None = None, prefix: str = "", dest_prefix: str = "",
+                         aliases: bool = True) -> None:
+    """Add one flag per field of dataclass `cls` (or of `fields`), help from its docstring.
+
+    `defaults` overrides field defaults for one command (None: chosen by the command, which
+    `default_help` can say in words); `flags`
+    renames a field's flag (the Megatron-LM launcher's `--chunkflow-attention-backend`);
+    `dest_prefix` prefixes the argparse destination (`lora_rank` for LoRAConfig.rank); without
+    `aliases` only the canonical flag is registered (inside Megatron-LM's own parser)."""
+    docs, hints = field_docs(cls), typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if fields is not None and f.name not in fields:
+            continue
+        flag = (flags or {}).get(f.name) or flag_of(cls, f.name, prefix)
+        default = (defaults or {}).get(f.name, f.default)
+        kind, choices = _kind(hints[f.name])
+        names = [flag, *(f.metadata.get("aliases", ()) if aliases else ())]
+        shown = (default_help or {}).get(f.name, default)
+        help_text = f"{docs[f.name]}" + (f" (default: {shown})" if kind is not bool else "")
+        dest = dest_prefix + f.name
+        if kind is bool:
+            parser.add_argument(*names, dest=dest, action="store_true", default=default,
+                                help=help_text)
+        else:
+            parser.add_argument(*names, dest=dest, type=kind, default=default, choices=choices,
+                                metavar=None if choices else f.name.upper(), help=help_text)
+        for old in f.metadata.get("deprecated", ()) if aliases else ():
+            deprecated_alias(parser, old, flag, dest=dest, type=None if kind is bool else kind,
+                             choices=choices, **({"nargs": 0} if kind is bool else {}))
+
+
+def deprecated_alias(parser, old: str, canonical: str, **kwargs) -> None:
+    """Register `old` as a hidden spelling of `canonical` that warns when used (argparse keyword
+    arguments as for the canonical flag; dest defaults to the canonical flag's)."""
+    kwargs.setdefault("dest", canonical.lstrip("-").replace("-", "_"))
+    parser.add_argument(old, action=_Deprecated, canonical=canonical,
+                        default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+
+
+def config_from_args(cls: type, args: argparse.Namespace, dest_prefix: str = "", **overrides):
+    """An instance of `cls` from parsed flags (its ValueErrors name the flags)."""
+    values = {f.name: getattr(args, dest_prefix + f.name) for f in dataclasses.fields(cls)
+              if hasattr(args, dest_prefix + f.name)}
+    return cls(**{**values, **overrides})
+
+
+def _kind(annotation) -> tuple[type, tuple | None]:
+    """(argparse type, choices) of a field annotation: int, float, str, bool, Literal[...] or
+    `X | None`."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is Literal:
+        return type(args[0]), tuple(args)
+    if args:  # X | None
+        return _kind(args[0])
+    return annotation, None
+
+
+def read_json_file(path, what: str):
+    """The JSON value in file `path`; ValueError starting with `what` (a flag and the path, or
+    the path) when the file is missing, not UTF-8 or not JSON (with its line)."""
+    import json
+    from pathlib import Path
+
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"{what}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"{what}: is a directory, not a JSON file") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what}: not UTF-8 text (byte {e.start})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what}:{e.lineno}: not valid JSON ({e.msg})") from None
