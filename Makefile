@@ -11,7 +11,7 @@ TEST_STAMP := $(VENV)/.installed-test
 MEGATRON_LM_GIT ?= https://github.com/NVIDIA/Megatron-LM.git
 MEGATRON_LM_TAG := core_v0.16.1
 
-.PHONY: demo plan test test-fast bench bench-cpu clean megatron-lm configs gpu-wheels
+.PHONY: demo plan test test-fast test-medium bench bench-cpu clean megatron-lm configs gpu-wheels
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -37,14 +37,17 @@ plan: $(STAMP)
 	$(BIN)/chunkflow plan --profile B --global-batch-size 2000 --chunk-size 8192 --chunkflow-k 1 \
 		--pp 4 --dp 2 --png out/plan.png
 
-# The whole suite (what CI and the README run). test-fast leaves out the tests marked slow: process
-# groups spawned through mcore/dist.run_processes, Megatron-LM or training subprocesses, and any
-# test over ~5 s (tests/conftest.py registers the marker).
+# The whole suite (what CI and the README run). test-fast leaves out the tests marked slow (those
+# that run in a gloo job or a subprocess, or take over ~5 s); test-medium adds back the slow tests
+# marked medium, one or two per area (tests/conftest.py registers the markers).
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest tests -m "not gpu" -q
 
 test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest tests -m "not gpu and not slow" -q
+
+test-medium: $(TEST_STAMP)
+	$(BIN)/python -m pytest tests -m "not gpu and (not slow or medium)" -q
 
 bench: $(STAMP)
 	$(BIN)/python scripts/benchmarks/bench_planner.py
@@ -64,7 +67,7 @@ bench-cpu: $(STAMP)
 	$(BIN)/python scripts/benchmarks/sweep_chunk_k.py --out out/bench
 
 # Regenerate configs/models/qwen2.5-*.sh from megatron_chunkflow/core/models.py (QWEN25 and
-# HF_CARDS). core/ is pure Python: no virtualenv needed. tests/megatron_lm/test_configs.py checks
+# HF_CARDS). core/ is pure Python: no virtualenv needed. tests/scripts/test_configs.py checks
 # them.
 configs:
 	$(PYTHON) scripts/gen_model_configs.py

@@ -286,15 +286,17 @@ class ParallelConfig:
                 return f"{name.upper()} "
             return (_named(name) if naming == "flags" else _flag(name)) + " "
 
+        sp_name = "sequence parallelism" if naming == "axes" else "--sequence-parallel"
         if self.cp > 1:
-            sp = f" x {axis('tp')}{self.tp}" if self.sequence_parallel else ""
+            sp = f" x {axis('tp')}{self.tp} ({sp_name})" if self.sequence_parallel else ""
             m = self.chunk_multiple
             raise ValueError(
                 f"{flag} {chunk_size} is not a multiple of 2 x {axis('cp')}{self.cp}{sp} = {m}: "
                 f"context parallelism cuts every chunk into 2 x CP equal pieces; give {flag} "
                 f"{max(m, chunk_size // m * m)}")
         raise ValueError(f"{flag} {chunk_size} is not a multiple of the tensor-parallel size "
-                         f"{self.tp}, which sequence parallelism requires")
+                         f"{self.tp}, which {sp_name} requires (it splits every chunk over the TP "
+                         "ranks)")
 
     def with_world(self, world_size: int) -> ParallelConfig:
         """This layout in a job of `world_size` ranks, DP filled in; ValueError if TP x CP x PP

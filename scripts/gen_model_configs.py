@@ -8,7 +8,7 @@ core/models.py: QWEN25 (the ModelShape: layers, sizes, heads, KV groups, vocabul
 embeddings, RoPE base, RMSNorm epsilon) and HF_CARDS (what else its header transcribes from the
 Hugging Face config.json: maximum positions, activation, initializer, dropout, sliding window, the
 hub id that is also the default tokenizer). To change a model file, change those tables and run
-this script; tests/megatron_lm/test_configs.py (test_model_configs_are_generated) fails while any
+this script; tests/scripts/test_configs.py (test_model_configs_are_generated) fails while any
 file differs from what this script writes.
 
 Needs neither torch nor megatron (core/ is pure), so the system python is enough.

@@ -6,7 +6,8 @@ The rules are docs/design.md's ("Module map"): a folder imports only the folders
 (function-level imports included), core/ and perfmodel/ import neither torch nor megatron, no
 module is over 400 lines, no folder holds more than a third of the package, and the README's and
 docs/design.md's maps name exactly the folders and modules that exist. The test tree mirrors the
-package: tests/<folder>/ tests megatron_chunkflow/<folder>/ (tests/gpu/ aside).
+package: tests/<folder>/ tests megatron_chunkflow/<folder>/ (tests/gpu/ and tests/scripts/
+aside).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ TESTS = REPO / "tests"
 ORDER = ["flags", "config", "core", "perfmodel", "attention", "data", "runtime", "mcore",
          "training", "megatron_lm", "checks", "bench", "cli"]
 TOP_LEVEL = {"__init__", "__main__", "launch"}  # entry points: may import anything
+OUTSIDE = {"gpu", "scripts"}  # test folders of no package folder: CUDA tests; scripts/, configs/
 MODULES = sorted(p for p in PKG.rglob("*.py") if "__pycache__" not in p.parts)
 
 
@@ -120,16 +122,17 @@ def test_design_module_map_names_every_module():
 
 
 def test_tests_mirror_the_package():
-    """Every tests/<folder>/ is named after a package folder (tests/gpu/ aside: the tests that need
-    a CUDA GPU), is a package (the tests import each other as tests.<folder>.<module>) and holds
-    tests; every package folder with code has its tests/<folder>/."""
+    """Every tests/<folder>/ is named after a package folder (aside: tests/gpu/, the tests that need
+    a CUDA GPU, and tests/scripts/, those of scripts/ and configs/), is a package (the tests import
+    each other as tests.<folder>.<module>) and holds tests; every package folder with code has its
+    tests/<folder>/."""
     def folders(root):
         return {p.name for p in root.iterdir()
                 if p.is_dir() and p.name != "__pycache__" and not p.name.startswith(".")}
 
     package, tests = folders(PKG), folders(TESTS)
-    assert tests - {"gpu"} <= package, f"test folders named after no package folder: " \
-        f"{sorted(tests - {'gpu'} - package)}"
+    assert tests - OUTSIDE <= package, f"test folders named after no package folder: " \
+        f"{sorted(tests - OUTSIDE - package)}"
     with_code = {f for f in package if any(p.name != "__init__.py" for p in (PKG / f).glob("*.py"))}
     assert with_code <= tests, f"package folders without a test folder: {sorted(with_code - tests)}"
     for folder in tests:

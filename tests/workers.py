@@ -19,6 +19,7 @@ threads.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import tempfile
@@ -29,7 +30,7 @@ import torch.multiprocessing as mp
 
 from megatron_chunkflow.mcore.dist import free_port
 
-FAILURE_GRACE_S = 5.0  # after one rank fails, how long the others get to report
+FAILURE_GRACE_S = 2.0  # after one rank fails, how long the others get to report
 
 
 def _serve(rank: int, world_size: int, port: int, tasks, results) -> None:
@@ -93,6 +94,23 @@ def _reset(environ: dict, threads: int) -> None:
     gc.collect()
 
 
+def cli(argv: list[str]) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `chunkflow ARGV` run in this process, as every rank of a job
+    runs it under torchrun (GlooJobs.cli)."""
+    import contextlib
+    import io
+
+    from megatron_chunkflow.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(argv))
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code if isinstance(e.code, int) else 1
+    return code, out.getvalue(), err.getvalue()
+
+
 class _Job:
     """`world_size` spawned processes forming one torch.distributed job."""
 
@@ -102,11 +120,13 @@ class _Job:
         self.results = ctx.SimpleQueue()
         self.tasks = [ctx.SimpleQueue() for _ in range(world_size)]
         port = free_port()
-        self.procs = [ctx.Process(target=_serve, daemon=True,
+        # not daemons: a call may start processes of its own (dist_checkpointing's writer)
+        self.procs = [ctx.Process(target=_serve,
                                   args=(r, world_size, port, self.tasks[r], self.results))
                       for r in range(world_size)]
         for p in self.procs:
             p.start()
+        atexit.register(self.close, graceful=False)  # a session that ends without teardown
 
     def run(self, fn, args, timeout: float) -> list:
         """Every rank's fn(*args); raises as GlooJobs.run says."""
@@ -147,7 +167,8 @@ class _Job:
         return [done[r][1] for r in range(self.world_size)]
 
     def close(self, graceful: bool = True) -> None:
-        if graceful:
+        atexit.unregister(self.close)
+        if graceful and all(p.is_alive() for p in self.procs):
             for q in self.tasks:
                 q.put(None)
         for p in self.procs:
@@ -186,6 +207,11 @@ class GlooJobs:
             del self._jobs[world_size]
             job.close(graceful=False)
             raise
+
+    def cli(self, world_size: int, *argv: str, timeout: float = 600) -> tuple[int, str, str]:
+        """`chunkflow ARGV` on every rank of the `world_size` job, as torchrun would run it: rank
+        0's (exit code, stdout, stderr)."""
+        return self.run(cli, world_size, [str(a) for a in argv], timeout=timeout)[0]
 
     def close(self) -> None:
         for job in self._jobs.values():

@@ -8,7 +8,6 @@ import pytest
 
 from megatron_chunkflow.cli import main
 from megatron_chunkflow.config import ParallelConfig, Recompute
-from megatron_chunkflow.mcore.dist import run_processes
 
 pytestmark = pytest.mark.slow
 
@@ -126,10 +125,10 @@ def _peaks(lengths_list):
     return out
 
 
-def test_baseline_activations_grow_with_length_chunkflow_flat():
+def test_baseline_activations_grow_with_length_chunkflow_flat(gloo):
     """One sequence of 256 then 512 tokens: stock Megatron's metered activations double with the
     micro-batch, ChunkFlow's (C = 64, K = 1) stay the same; only its K/V state grows."""
-    for stage in run_processes(_peaks, 2, [[256], [512]], timeout=300):
+    for stage in gloo.run(_peaks, 2, [[256], [512]], timeout=300):
         (mg_short, cf_short), (mg_long, cf_long) = stage
         assert mg_long[0] == pytest.approx(2 * mg_short[0], rel=0.05)
         assert cf_long[0] == cf_short[0]

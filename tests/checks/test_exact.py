@@ -10,7 +10,6 @@ chunk counts differ; the tests then assert on the results.
 import pytest
 import torch
 
-from megatron_chunkflow.mcore.dist import run_processes
 
 pytestmark = pytest.mark.slow
 
@@ -56,6 +55,7 @@ LAYOUTS = {
     "cp2_dp2": (4, 1, 1, False, (1,), [MIXED, DEPENDENT], 2),
 }
 BOUND = {torch.float64: 1e-10, torch.float32: 1e-4}
+MEDIUM = ("pp2", "cp2")  # `make test-medium`'s share of the layouts
 
 
 def _summary(results):
@@ -104,10 +104,11 @@ def _check(name, rows, bound):
 
 
 @pytest.fixture(scope="module")
-def single_results():
-    return run_processes(_run_single, 1, timeout=600)[0]
+def single_results(gloo):
+    return gloo.run(_run_single, 1, timeout=600)[0]
 
 
+@pytest.mark.medium
 @pytest.mark.parametrize("name", SINGLE)
 def test_exact_pp1_single_process(single_results, name):
     _check(name, single_results[name], BOUND[SINGLE[name][3]])
@@ -118,9 +119,10 @@ def test_chunk_count_changes_between_steps(single_results):
     assert len(set(counts)) == len(counts) and min(counts) == 1
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
-def test_exact_layout(name):
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.medium) if n in MEDIUM else n
+                                  for n in LAYOUTS])
+def test_exact_layout(gloo, name):
     world = LAYOUTS[name][0]
-    for per_rank in run_processes(_run_layout, world, name, timeout=900):
+    for per_rank in gloo.run(_run_layout, world, name, timeout=900):
         for k, rows in per_rank.items():
             _check(f"{name} K={k}", rows, 1e-10)

@@ -9,7 +9,6 @@ each case runs in one set of spawned processes.
 
 import pytest
 
-from megatron_chunkflow.mcore.dist import run_processes
 from tests.mcore.hf_checkpoints import build_checkpoints
 
 pytest.importorskip("transformers", reason="HF interop tests need transformers")
@@ -37,10 +36,10 @@ def _hf_verify(path, tp, pp):
 
 @pytest.mark.parametrize("case,tp,pp", [("gqa2_tied", 1, 1), ("gqa2_untied_sharded", 1, 1),
                                         ("gqa2_tied", 1, 2)])
-def test_verify_against_transformers_float64(checkpoints, case, tp, pp):
+def test_verify_against_transformers_float64(gloo, checkpoints, case, tp, pp):
     """ChunkFlow on megatron-core vs transformers' unchunked Qwen2ForCausalLM: float64 gradients
     (mapped back to HF names) within 1e-10, and the same loss."""
-    for err, worst, loss_ref, loss_cf in run_processes(_hf_verify, tp * pp, checkpoints[case][0],
+    for err, worst, loss_ref, loss_cf in gloo.run(_hf_verify, tp * pp, checkpoints[case][0],
                                                        tp, pp, timeout=600):
         assert err <= 1e-10, (f"max relative grad error {err:.2e} at {worst}; "
                               f"loss {loss_ref} vs {loss_cf}")

@@ -17,7 +17,6 @@ import math
 
 import pytest
 
-from megatron_chunkflow.mcore.dist import run_processes
 
 pytestmark = pytest.mark.slow
 
@@ -50,8 +49,8 @@ def _single():
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_processes(_single, 1, timeout=900)[0]
+def results(gloo):
+    return gloo.run(_single, 1, timeout=900)[0]
 
 
 @pytest.mark.parametrize("name", ["exhaustive_k1", "exhaustive_k2_lora"])
@@ -88,14 +87,14 @@ def _layout(tp, pp, sp):
 
 
 @pytest.fixture(scope="module")
-def single_process_draws():
-    return run_processes(_layout, 1, 1, 1, False, timeout=600)[0]
+def single_process_draws(gloo):
+    return gloo.run(_layout, 1, 1, 1, False, timeout=600)[0]
 
 
 @pytest.mark.parametrize("tp,pp,sp", [(2, 1, True), (1, 2, False)])
-def test_same_draws_under_tensor_and_pipeline_parallelism(single_process_draws, tp, pp, sp):
+def test_same_draws_under_tensor_and_pipeline_parallelism(gloo, single_process_draws, tp, pp, sp):
     base = single_process_draws
-    for curve, loss, fraction in run_processes(_layout, tp * pp, tp, pp, sp, timeout=600):
+    for curve, loss, fraction in gloo.run(_layout, tp * pp, tp, pp, sp, timeout=600):
         assert fraction == base[2] and loss == pytest.approx(base[1], rel=1e-12)
         for (n, err), (n0, err0) in zip(curve, base[0]):
             assert n == n0 and err == pytest.approx(err0, rel=1e-9)

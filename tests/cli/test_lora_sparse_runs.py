@@ -4,8 +4,6 @@
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -16,17 +14,17 @@ SMALL = {"num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64, "num_attenti
          "num_query_groups": 2, "vocab_size": 128, "tie_embeddings": True}
 
 
-def run_cli(*argv):
-    proc = subprocess.run([sys.executable, "-m", "megatron_chunkflow", *argv],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout), proc.stderr
+def run_cli(gloo, *argv):
+    """`chunkflow ARGV` in the tests' world-of-one job: (its JSON, its stderr)."""
+    code, out, err = gloo.cli(1, *argv)
+    assert code == 0, err[-3000:]
+    return json.loads(out), err
 
 
-def test_memory_with_lora_follows_the_chunk_size():
+def test_memory_with_lora_follows_the_chunk_size(gloo):
     """One process training LoRA adapters, K=1, L = 4C, 8C, 16C: activation bytes are the same
     at every length (set by C), unchunked grows >= 3x, the K/V state matches its formula."""
-    out, _ = run_cli("verify", "--memory", "--lora-rank", "8", "--lengths",
+    out, _ = run_cli(gloo, "verify", "--memory", "--lora-rank", "8", "--lengths",
                      f"{4 * C},{8 * C},{16 * C}", "--chunk-size", str(C), "--chunkflow-k", "1", "--json")
     assert out["lora"] == {"rank": 8, "alpha": 16.0, "targets": ["qkv", "proj", "fc1", "fc2"]}
     rows = out["rows"]
@@ -46,15 +44,15 @@ def small_model(tmp_path):
     return ["--model-config", str(path), "--lengths-file", str(lengths), "--chunk-size", "16"]
 
 
-def test_verify_lora_json(small_model):
-    out, _ = run_cli("verify", *small_model, "--lora-rank", "4", "--json")
+def test_verify_lora_json(gloo, small_model):
+    out, _ = run_cli(gloo, "verify", *small_model, "--lora-rank", "4", "--json")
     assert out["passed"] and out["max_rel_grad_err"] <= 1e-10
     assert out["lora"]["rank"] == 4 and ".lora_" in out["worst_param"]
 
 
-def test_verify_sparse_json_is_labelled_approximate(small_model):
-    out, text = run_cli("verify", *small_model, "--chunkflow-sparse-backward", "1", "--draws", "8",
-                        "--json")
+def test_verify_sparse_json_is_labelled_approximate(gloo, small_model):
+    out, text = run_cli(gloo, "verify", *small_model, "--chunkflow-sparse-backward", "1",
+                        "--draws", "8", "--json")
     assert out["approximate"] is True and out["passed"]
     sparse = out["sparse"]
     assert {"t", "draws", "rel_err_of_mean", "expected_rel_err"} <= set(sparse)
@@ -65,11 +63,11 @@ def test_verify_sparse_json_is_labelled_approximate(small_model):
     assert any(line.startswith("APPROXIMATE (SpaCO)") for line in text.splitlines())
 
 
-def test_train_labels_every_sparse_record(tmp_path):
+def test_train_labels_every_sparse_record(gloo, tmp_path):
     model = tmp_path / "small.json"
     model.write_text(json.dumps({**SMALL, "vocab_size": 151936}))  # the Qwen2.5 tokenizer's ids
     log = tmp_path / "steps.jsonl"
-    out, text = run_cli("train", "--model-config", str(model), "--train-iters", "2",
+    out, text = run_cli(gloo, "train", "--model-config", str(model), "--train-iters", "2",
                         "--lr-warmup-iters", "0", "--global-batch-size", "2", "--max-samples", "8",
                         "--chunk-size", "64", "--seq-length", "4096", "--lora-rank", "4",
                         "--chunkflow-sparse-backward", "2", "--json", "--log-json", str(log))
@@ -82,14 +80,14 @@ def test_train_labels_every_sparse_record(tmp_path):
     assert text.count("| APPROXIMATE (SpaCO T=2)") == 2 and "(APPROXIMATE gradients" in text
 
 
-def test_log_json_rows_carry_every_metric_and_the_rate_each_step_applied(tmp_path):
+def test_log_json_rows_carry_every_metric_and_the_rate_each_step_applied(gloo, tmp_path):
     """--log-json rows hold what the --json summary's steps hold (grad_norm, loss_tokens
     included), and `lr` is the rate the step applied: Megatron-LM's warm-up, step 1 at 0. A global
     batch larger than the data set is warned about."""
     model = tmp_path / "small.json"
     model.write_text(json.dumps({**SMALL, "vocab_size": 151936}))
     log = tmp_path / "steps.jsonl"
-    out, text = run_cli("train", "--model-config", str(model), "--train-iters", "4",
+    out, text = run_cli(gloo, "train", "--model-config", str(model), "--train-iters", "4",
                         "--lr-warmup-iters", "2", "--lr", "0.003", "--min-lr", "0.0003",
                         "--global-batch-size", "4", "--max-samples", "3", "--chunk-size", "64",
                         "--seq-length", "4096", "--json", "--log-json", str(log))

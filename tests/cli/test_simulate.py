@@ -155,7 +155,8 @@ def test_auto_layouts_and_lengths_file(tmp_path, capsys):
     (["--megatron-parallel", "1,1,8,none"], "PP 8 must divide the model's 28 layers"),
     (["--megatron-parallel", "2,1"], "--megatron-parallel '2,1': expected TP,CP,PP,RECOMPUTE"),
     (["--chunkflow-parallel", "2,2,1,none", "--chunk-size", "4100"],
-     "--chunk-size 4100 is not a multiple of 2 x CP 2 x TP 2 = 8: context parallelism cuts"),
+     "--chunk-size 4100 is not a multiple of 2 x CP 2 x TP 2 (sequence parallelism) = 8: "
+     "context parallelism cuts"),
     (["--chunkflow-parallel", "4,1,1,none", "--chunk-size", "4098"],
      "--chunk-size 4098 is not a multiple of the tensor-parallel size 4"),
     (["--gpus", "0"], "--gpus must be >= 1"),

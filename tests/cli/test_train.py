@@ -43,7 +43,7 @@ def test_empty_dataset(capsys, tmp_path):
                                            "--context-parallel-size (--cp) 2 = 4"),
     (["--cp", "2", "--tp", "2", "--sequence-parallel", "--chunk-size", "132"],
      "--chunk-size 132 is not a multiple of 2 x --context-parallel-size (--cp) 2 x "
-     "--tensor-model-parallel-size (--tp) 2 = 8"),
+     "--tensor-model-parallel-size (--tp) 2 (--sequence-parallel) = 8"),
     (["--cp", "2", "--attention-backend", "flex"], "--attention-backend flex: context "
                                                    "parallelism recomputes attention"),
     (["--cp", "2", "--no-chunkflow"], "--context-parallel-size 2 with --no-chunkflow"),

@@ -14,7 +14,6 @@ import os
 import pytest
 import torch
 
-from megatron_chunkflow.mcore.dist import run_processes
 from tests.mcore.hf_checkpoints import CASES, build_checkpoints
 from megatron_chunkflow.config import ParallelConfig
 
@@ -94,7 +93,7 @@ def _run_layout(layout, cases, out_root, bad_inputs=None):
 
 
 @pytest.fixture(scope="module")
-def layout_results(checkpoints, tmp_path_factory):
+def layout_results(gloo, checkpoints, tmp_path_factory):
     """layout -> (results per rank, directory of the re-saved checkpoints)."""
     cache = {}
 
@@ -104,7 +103,7 @@ def layout_results(checkpoints, tmp_path_factory):
             out_root = tmp_path_factory.mktemp(f"export_{layout}")
             cases = {n: (checkpoints[n][0], checkpoints[n][2]) for n in names}
             bad = _bad_inputs(checkpoints[names[-1]][1]) if layout == "tp1" else None
-            cache[layout] = (run_processes(_run_layout, tp * pp, layout, cases, out_root, bad,
+            cache[layout] = (gloo.run(_run_layout, tp * pp, layout, cases, out_root, bad,
                                            timeout=300), out_root)
         return cache[layout]
 
@@ -213,12 +212,9 @@ def test_shape_and_padding(checkpoints, tmp_path):
 
 
 @pytest.mark.slow
-def test_train_from_and_to_hf_checkpoint(checkpoints, tmp_path):
+def test_train_from_and_to_hf_checkpoint(gloo, checkpoints, tmp_path):
     """`chunkflow train --load-hf DIR --save-hf OUT`: the model comes from config.json, the
     trained weights load back into transformers and differ from the start."""
-    import subprocess
-    import sys
-
     import numpy as np
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
     from transformers import Qwen2ForCausalLM
@@ -231,13 +227,12 @@ def test_train_from_and_to_hf_checkpoint(checkpoints, tmp_path):
         builder.end_document()
     builder.finalize(prefix + ".idx")
     src, out = checkpoints["gqa2_untied_sharded"][0], tmp_path / "trained"
-    proc = subprocess.run(
-        [sys.executable, "-m", "megatron_chunkflow", "train", "--load-hf", str(src), "--save-hf",
-         str(out), "--data-path", prefix, "--seq-length", "256", "--chunk-size", "64",
-         "--global-batch-size", "4", "--train-iters", "3", "--lr-warmup-iters", "0",
-         "--lr", "1e-3"], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "model " + str(src) in proc.stdout
+    code, stdout, stderr = gloo.cli(
+        1, "train", "--load-hf", src, "--save-hf", out, "--data-path", prefix, "--seq-length", 256,
+        "--chunk-size", 64, "--global-batch-size", 4, "--train-iters", 3, "--lr-warmup-iters", 0,
+        "--lr", "1e-3")
+    assert code == 0, stderr[-3000:]
+    assert "model " + str(src) in stdout
     before = Qwen2ForCausalLM.from_pretrained(src).state_dict()
     after = Qwen2ForCausalLM.from_pretrained(out).state_dict()
     assert before.keys() == after.keys()
@@ -246,18 +241,13 @@ def test_train_from_and_to_hf_checkpoint(checkpoints, tmp_path):
 
 
 @pytest.mark.slow
-def test_step1_loss_is_hugging_faces_at_tp1_and_tp2(tmp_path):
+def test_step1_loss_is_hugging_faces_at_tp1_and_tp2(gloo, tmp_path):
     """A vocab-300 checkpoint: Megatron pads the vocabulary to 384 rows at TP 1 and 512 at TP 2;
     `train` leaves the padded rows out of the softmax, so step 1's loss (before any update) is the
     Hugging Face model's on the same tokens, on both systems and at both TP sizes."""
-    import subprocess
-    import sys
-
     import numpy as np
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
     from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from megatron_chunkflow.mcore.dist import free_port
 
     config = Qwen2Config(hidden_size=64, num_hidden_layers=2, intermediate_size=176,
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
@@ -284,14 +274,10 @@ def test_step1_loss_is_hugging_faces_at_tp1_and_tp2(tmp_path):
     losses = {}
     for tp, system in ((1, []), (2, []), (2, ["--no-chunkflow", "--baseline", "megatron-packed"])):
         log = tmp_path / f"tp{tp}{len(system)}.jsonl"
-        launch = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                   "--master_port", str(free_port()), "-m"] if tp == 2 else [sys.executable, "-m"])
-        proc = subprocess.run(
-            [*launch, "megatron_chunkflow", "train", "--load-hf", str(tmp_path / "hf"),
-             "--data-path", prefix, "--seq-length", "256", "--chunk-size", "64",
-             "--global-batch-size", "4", "--train-iters", "1", "--lr-warmup-iters", "0",
-             "--tp", str(tp), "--log-json", str(log), *system],
-            capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        code, _, stderr = gloo.cli(
+            tp, "train", "--load-hf", tmp_path / "hf", "--data-path", prefix, "--seq-length", 256,
+            "--chunk-size", 64, "--global-batch-size", 4, "--train-iters", 1,
+            "--lr-warmup-iters", 0, "--tp", tp, "--log-json", log, *system)
+        assert code == 0, stderr[-3000:]
         losses[tp, bool(system)] = json.loads(log.read_text().splitlines()[0])["loss"]
     assert losses == {key: pytest.approx(hf_loss, rel=2e-6) for key in losses}

@@ -18,7 +18,6 @@
 
 import pytest
 
-from megatron_chunkflow.mcore.dist import run_processes
 from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.runtime.ranks import Ranks
 
@@ -82,8 +81,8 @@ def _check(name, rows, targets="qkv,proj,fc1,fc2"):
 
 
 @pytest.fixture(scope="module")
-def single_results():
-    return run_processes(_verify_single, 1, timeout=900)[0]
+def single_results(gloo):
+    return gloo.run(_verify_single, 1, timeout=900)[0]
 
 
 @pytest.mark.parametrize("name", SINGLE)
@@ -92,9 +91,9 @@ def test_lora_chunked_equals_unchunked(single_results, name):
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_lora_chunked_equals_unchunked_layout(name):
+def test_lora_chunked_equals_unchunked_layout(gloo, name):
     tp, pp, sp = LAYOUTS[name]
-    for rows in run_processes(_verify_layout, tp * pp, tp, pp, sp, timeout=900):
+    for rows in gloo.run(_verify_layout, tp * pp, tp, pp, sp, timeout=900):
         _check(name, rows)
 
 
@@ -176,8 +175,8 @@ def _tp_invariance():
             for key, (loss, _, errors, *rest) in out.items()}
 
 
-def test_lora_is_tensor_parallel_invariant_and_merges():
-    ranks = run_processes(_tp_invariance, 2, timeout=900)
+def test_lora_is_tensor_parallel_invariant_and_merges(gloo):
+    ranks = gloo.run(_tp_invariance, 2, timeout=900)
     ref_loss = ranks[0][(1, False)][0]
     for per_rank in ranks:
         for (tp, sp), (loss, errors, merge_err, merged, left) in per_rank.items():
@@ -247,10 +246,10 @@ def _train(ckpt, hf_dir):
     return out
 
 
-def test_lora_training(tmp_path):
+def test_lora_training(gloo, tmp_path):
     """Adapters only train; ChunkFlow == stock Megatron with LoRA (float64, 6 steps); resume from a
     checkpoint with adapters and their optimizer state; --save-hf exports merged weights."""
-    out = run_processes(_train, 1, str(tmp_path / "ckpt"), str(tmp_path / "hf"),
+    out = gloo.run(_train, 1, str(tmp_path / "ckpt"), str(tmp_path / "hf"),
                         timeout=900)[0]
     assert len(out["trainable"]) == 32 and all(".lora_" in n for n in out["trainable"])
     assert out["optimizer_params"] == 32
@@ -284,9 +283,9 @@ def _resume_tp2(ckpt):
     return out
 
 
-def test_lora_checkpoint_under_tensor_parallelism(tmp_path):
+def test_lora_checkpoint_under_tensor_parallelism(gloo, tmp_path):
     """TP = 2 with sequence parallelism (and SpaCO): the adapters' TP-sharded checkpoint entries
     (fc1's B through the swiglu factory) save and load; the resumed run repeats the losses."""
-    for whole, first, resumed in run_processes(_resume_tp2, 2, str(tmp_path / "ckpt"),
+    for whole, first, resumed in gloo.run(_resume_tp2, 2, str(tmp_path / "ckpt"),
                                                timeout=900):
         assert first + resumed == pytest.approx(whole, rel=1e-12)

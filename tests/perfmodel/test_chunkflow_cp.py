@@ -177,7 +177,7 @@ def test_state_per_rank_halves_at_cp2():
 
 def test_bad_chunk_size_names_the_flag():
     with pytest.raises(ValueError, match=r"--chunk-size 4100 is not a multiple of 2 x CP 2 x "
-                                         r"TP 2 = 8"):
+                                         r"TP 2 \(sequence parallelism\) = 8"):
         predict_chunkflow(LENGTHS, Q7B, H100, P(tp=2, cp=2), 4100, 1)
     with pytest.raises(ValueError, match=r"--chunk-size 4098 is not a multiple of 2 x CP 2 = 4"):
         predict_chunkflow(LENGTHS, Q7B, H100, P(tp=1, cp=2), 4098, 1)

@@ -4,7 +4,7 @@ saved tensor counts from its save until autograd frees it, at storage level.
     python -m pytest tests/runtime/test_meter.py -q
 
 The first tests drive the meter with toy autograd graphs in this process. The rest run real
-megatron-core on CPU in one spawned process (a world of one, mcore/dist.run_processes): tiny
+megatron-core on CPU in a world of one (the tests' gloo job, tests/workers.py): tiny
 GPT models, micro-batches through Megatron's forward_backward_no_pipelining inside
 bench/instrument.instrument_megatron, and one ChunkFlow step; they check the meter's peaks against
 layer arithmetic taken from an independent count (module by module, and one layer run alone).
@@ -496,10 +496,8 @@ def _child():
 
 
 @pytest.fixture(scope="module")
-def megatron():
-    from megatron_chunkflow.mcore.dist import run_processes
-
-    return run_processes(_child, 1, timeout=600)[0]
+def megatron(gloo):
+    return gloo.run(_child, 1, timeout=600)[0]
 
 
 @pytest.mark.slow

@@ -4,7 +4,6 @@ import os
 
 import pytest
 
-from megatron_chunkflow.mcore.dist import run_processes
 from megatron_chunkflow.config import ParallelConfig
 
 pytestmark = pytest.mark.slow
@@ -26,11 +25,11 @@ def _memory(pp, k):
     return r.held_bytes_per_stage, r.chunk_bytes_per_stage, r.bubble_measured, r.bubble_predicted
 
 
-@pytest.mark.parametrize("pp,k", [(2, 1), (4, 2)])
-def test_stage_activations_bounded_by_window(pp, k):
+@pytest.mark.parametrize("pp,k", [pytest.param(2, 1, marks=pytest.mark.medium), (4, 2)])
+def test_stage_activations_bounded_by_window(gloo, pp, k):
     """Measured: stage s never holds more than max(p - s, K) chunks' activations at once
     (1F1B's in-flight count for standalone chunks, the K window for a long sequence)."""
-    held, largest, measured, predicted = run_processes(_memory, pp, pp, k, timeout=600)[0]
+    held, largest, measured, predicted = gloo.run(_memory, pp, pp, k, timeout=600)[0]
     for s in range(pp):
         assert 0 < held[s] <= max(pp - s, k) * largest[s], (s, held[s], largest[s])
     assert 0 <= measured < 1 and 0 <= predicted < 1
@@ -75,9 +74,9 @@ def _failing_step():
                                data_iterator=iter([step]), num_microbatches=len(chunks))
 
 
-def test_exception_on_one_rank_ends_all_ranks():
+def test_exception_on_one_rank_ends_all_ranks(gloo):
     with pytest.raises(RuntimeError, match="rank 1 failed(.|\n)*injected failure on stage 1"):
-        run_processes(_failing_step, 2, timeout=120)
+        gloo.run(_failing_step, 2, timeout=120)
 
 
 def _diverging_plans():
@@ -106,6 +105,6 @@ def _diverging_plans():
                                data_iterator=iter([step]), num_microbatches=len(chunks))
 
 
-def test_ranks_with_different_plans_are_refused():
+def test_ranks_with_different_plans_are_refused(gloo):
     with pytest.raises(RuntimeError, match="different ChunkFlow plans"):
-        run_processes(_diverging_plans, 2, timeout=120)
+        gloo.run(_diverging_plans, 2, timeout=120)

@@ -8,7 +8,6 @@ SpaCO's gradients themselves are checked in tests/checks/test_sparse.py.
 
 import pytest
 
-from megatron_chunkflow.mcore.dist import run_processes
 
 pytestmark = pytest.mark.slow
 
@@ -42,10 +41,10 @@ def _train(ckpt):
     return out
 
 
-def test_sparse_training_is_seeded_and_counts_every_token(tmp_path):
+def test_sparse_training_is_seeded_and_counts_every_token(gloo, tmp_path):
     """Step 1's loss (same weights) equals exact training's: every chunk runs forward and counts;
     each step's draw depends on (seed, step) only, so a resumed run draws the same chunks."""
-    out = run_processes(_train, 1, str(tmp_path / "ckpt"), timeout=900)[0]
+    out = gloo.run(_train, 1, str(tmp_path / "ckpt"), timeout=900)[0]
     (exact,), whole = out["exact"], out["whole"]
     assert whole[0]["loss"] == pytest.approx(exact["loss"], rel=1e-12)
     assert whole[0]["loss_tokens"] == exact["loss_tokens"]

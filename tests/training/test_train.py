@@ -2,7 +2,6 @@
 
 import pytest
 
-from megatron_chunkflow.mcore.dist import run_processes
 
 pytestmark = pytest.mark.slow
 
@@ -43,15 +42,15 @@ def _losses(runs):
 SYSTEMS = ["chunkflow", "megatron-sft", "megatron-packed", "megatron-unpacked"]
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_chunkflow_trains_like_stock_megatron(pp):
+@pytest.mark.parametrize("pp", [pytest.param(1, marks=pytest.mark.medium), 2])
+def test_chunkflow_trains_like_stock_megatron(gloo, pp):
     """20 steps, float64, same data order and seed: ChunkFlow and the three stock baselines give
     the same loss at every step to 1e-8 (megatron-sft computes its lines' padding, fixed shapes
     through the pipeline, and still trains on exactly the same tokens)."""
     from megatron_chunkflow.config import ParallelConfig
 
     layout = ParallelConfig(pp=pp)
-    runs = run_processes(_losses, pp, [dict(parallel=layout, system=s) for s in SYSTEMS],
+    runs = gloo.run(_losses, pp, [dict(parallel=layout, system=s) for s in SYSTEMS],
                          timeout=900)[-1]
     chunkflow = runs[0]
     assert chunkflow[-1] < chunkflow[0]
@@ -76,11 +75,11 @@ def _losses_with_crashed_save(ckpt):
     return first, _losses([dict(checkpoint=CheckpointConfig(load=ckpt))])[0]
 
 
-def test_resume_gives_the_same_losses(tmp_path):
+def test_resume_gives_the_same_losses(gloo, tmp_path):
     """Save at step 10, crash during a later save, resume: steps 11-20 match an uninterrupted run."""
     ckpt = str(tmp_path / "ckpt")
-    (whole,) = run_processes(_losses, 1, [dict()], timeout=900)[0]
-    first, resumed = run_processes(_losses_with_crashed_save, 1, ckpt, timeout=900)[0]
+    (whole,) = gloo.run(_losses, 1, [dict()], timeout=900)[0]
+    first, resumed = gloo.run(_losses_with_crashed_save, 1, ckpt, timeout=900)[0]
     assert len(first) == 10 and len(resumed) == 10
     assert first == pytest.approx(whole[:10], rel=1e-12)
     assert resumed == pytest.approx(whole[10:], rel=1e-10)
@@ -105,10 +104,10 @@ def _resume_after_crashed_resave(ckpt):
     return from_old, from_5
 
 
-def test_resume_falls_back_to_the_newest_complete_checkpoint(tmp_path, capfd):
+def test_resume_falls_back_to_the_newest_complete_checkpoint(gloo, tmp_path, capfd):
     ckpt = str(tmp_path / "ckpt")
-    (whole,) = run_processes(_losses, 1, [dict()], timeout=900)[0]
-    from_old, from_5 = run_processes(_resume_after_crashed_resave, 1, ckpt, timeout=900)[0]
+    (whole,) = gloo.run(_losses, 1, [dict()], timeout=900)[0]
+    from_old, from_5 = gloo.run(_resume_after_crashed_resave, 1, ckpt, timeout=900)[0]
     assert from_old == pytest.approx(whole[10:], rel=1e-10)
     assert from_5 == pytest.approx(whole[5:], rel=1e-10)
     err = capfd.readouterr().err
@@ -123,36 +122,36 @@ def _load(ckpt):
     return _losses([dict(checkpoint=CheckpointConfig(load=ckpt))])
 
 
-def test_truncated_shard_is_named(tmp_path):
+def test_truncated_shard_is_named(gloo, tmp_path):
     from pathlib import Path
 
     from megatron_chunkflow.training.checkpoint import CheckpointConfig
 
     ckpt = str(tmp_path / "ckpt")
-    run_processes(_losses, 1, [dict(checkpoint=CheckpointConfig(save=ckpt), train_iters=3)],
+    gloo.run(_losses, 1, [dict(checkpoint=CheckpointConfig(save=ckpt), train_iters=3)],
                   timeout=600)
     (shard,) = (Path(ckpt) / "iter_0000003").glob("*.distcp")
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(ValueError, match=r"--load .*iter_0000003: the sharded checkpoint cannot "
                                          r"be read"):
-        run_processes(_load, 1, ckpt, timeout=600)
+        gloo.run(_load, 1, ckpt, timeout=600)
 
 
-def test_resume_on_more_processes_than_saved_is_refused(tmp_path):
+def test_resume_on_more_processes_than_saved_is_refused(gloo, tmp_path):
     from megatron_chunkflow.training.checkpoint import CheckpointConfig
 
     ckpt = str(tmp_path / "ckpt")
-    run_processes(_losses, 1, [dict(checkpoint=CheckpointConfig(save=ckpt), train_iters=3)],
+    gloo.run(_losses, 1, [dict(checkpoint=CheckpointConfig(save=ckpt), train_iters=3)],
                   timeout=600)
     with pytest.raises(ValueError, match="saved by 1 processes, this run has 2; resume with 1"):
-        run_processes(_load, 2, ckpt, timeout=600)
+        gloo.run(_load, 2, ckpt, timeout=600)
 
 
-def test_stock_runs_steps_with_fewer_microbatches_than_dp_ranks():
+def test_stock_runs_steps_with_fewer_microbatches_than_dp_ranks(gloo):
     """DP=2, global batches of 2 sequences: most pack into one --seq-length micro-batch, so one
     rank has nothing to run. It idles (zero gradients, no tokens, the same reduction) instead of
     dying, and the losses equal ChunkFlow's at every step."""
-    runs = run_processes(_losses, 2, [dict(system=s, global_batch_size=2, train_iters=8)
+    runs = gloo.run(_losses, 2, [dict(system=s, global_batch_size=2, train_iters=8)
                                       for s in ("chunkflow", "megatron-packed", "megatron-sft")],
                          timeout=600)
     for chunkflow, packed, sft in runs:  # every rank reports the same losses
@@ -185,8 +184,8 @@ def _lrs(ckpt):
     return old, kept, overridden, whole
 
 
-def test_override_lr_schedule_takes_this_runs_schedule(tmp_path, capfd):
-    old, kept, overridden, whole = run_processes(_lrs, 1, str(tmp_path / "ckpt"),
+def test_override_lr_schedule_takes_this_runs_schedule(gloo, tmp_path, capfd):
+    old, kept, overridden, whole = gloo.run(_lrs, 1, str(tmp_path / "ckpt"),
                                                  timeout=900)[0]
     assert kept == pytest.approx(old[10:], rel=1e-12)  # the checkpoint's schedule continues
     assert overridden == pytest.approx(whole[10:], rel=1e-12)

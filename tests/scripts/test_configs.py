@@ -1,6 +1,6 @@
 """Shipped configs (for Megatron-LM's pretrain_gpt.py); the SLURM scripts are in test_slurm.py.
 
-    .venv/bin/python -m pytest tests/megatron_lm/test_configs.py -q
+    .venv/bin/python -m pytest tests/scripts/test_configs.py -q
 
 Every configs/models/qwen2.5-*.sh must be exactly what scripts/gen_model_configs.py writes from
 core/models.py (`make configs` regenerates them). Each is also parsed by bash and checked against

@@ -1,7 +1,7 @@
 """scripts/slurm: train.sbatch's dry run (the command each system gets) and submit.sh's checks,
 which run before anything is submitted (a fake `sbatch` on PATH logs what would be).
 
-    .venv/bin/python -m pytest tests/megatron_lm/test_slurm.py -q
+    .venv/bin/python -m pytest tests/scripts/test_slurm.py -q
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.megatron_lm.test_configs import (
+from tests.scripts.test_configs import (
     REPO,
     RUN_MODELS,
     SBATCH,

@@ -1,7 +1,7 @@
 """scripts/compare_runs.py: two Megatron-LM logs (a stock and a ChunkFlow run of the SLURM scripts)
 -> throughput and memory figures and their ratios; bad logs exit 2 naming the file and line.
 
-    .venv/bin/python -m pytest tests/megatron_lm/test_compare_runs.py -q
+    .venv/bin/python -m pytest tests/scripts/test_compare_runs.py -q
 
 The logs are written here in the formats of Megatron-LM's _print_args, training_log and
 report_memory, and of the plugin's [chunkflow] line. The script runs in-process (its main).
