@@ -45,7 +45,9 @@ class _Deprecated(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         print(f"{parser.prog}: warning: {option_string} is deprecated; use {self.canonical}",
               file=sys.stderr)
-        setattr(namespace, self.dest, True if self.nargs == 0 else values)
+        if self.nargs == 0:
+            values = True if self.const is None else self.const
+        setattr(namespace, self.dest, values)
 
 
 def add_config_arguments(parser, cls: type, *, fields: tuple[str, ...] | None = None,
@@ -83,7 +85,8 @@ def add_config_arguments(parser, cls: type, *, fields: tuple[str, ...] | None = 
 
 def deprecated_alias(parser, old: str, canonical: str, **kwargs) -> None:
     """Register `old` as a hidden spelling of `canonical` that warns when used (argparse keyword
-    arguments as for the canonical flag; dest defaults to the canonical flag's)."""
+    arguments as for the canonical flag; dest defaults to the canonical flag's; nargs=0 with
+    `const` makes a switch that stands for one value, `--bf16` for `--dtype bfloat16`)."""
     kwargs.setdefault("dest", canonical.lstrip("-").replace("-", "_"))
     parser.add_argument(old, action=_Deprecated, canonical=canonical,
                         default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
@@ -97,8 +100,10 @@ def config_from_args(cls: type, args: argparse.Namespace, dest_prefix: str = "",
 
 
 def _kind(annotation) -> tuple[type, tuple | None]:
-    """(argparse type, choices) of a field annotation: int, float, str, bool, Literal[...] or
-    `X | None`."""
+    """(argparse type, choices) of a field annotation: int, float, str, bool, Literal[...], a
+    class with a `parse(text)` classmethod (config.Recompute) or `X | None`."""
+    if hasattr(annotation, "parse"):
+        return _parsed_by(annotation), None
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if typing.get_origin(annotation) is Literal:
         return type(args[0]), tuple(args)
@@ -125,3 +130,50 @@ def read_json_file(path, what: str):
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{what}:{e.lineno}: not valid JSON ({e.msg})") from None
+
+
+def _parsed_by(cls: type):
+    """An argparse type that reads a value with `cls.parse`, its ValueError shown as the usage
+    error (argparse would otherwise say only "invalid value")."""
+    def parse(text: str):
+        try:
+            return cls.parse(text, "")
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).strip()) from None
+
+    parse.__name__ = cls.__name__
+    return parse
+
+
+def check_output_file(flag: str, path: str | None) -> None:
+    """A file a command will write, checked before any work: ValueError naming `flag` when it is
+    a directory or its directory is missing or not writable."""
+    import os
+
+    if path is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a directory; give a file name")
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"{flag} {path}: directory {parent} is not writable")
+
+
+def check_output_dir(flag: str, path: str | None) -> None:
+    """A directory a command will create or write into: ValueError naming `flag` when it is an
+    existing file, or when it is missing and so is its nearest existing ancestor's write access."""
+    import os
+
+    if path is None:
+        return
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a file, not a directory")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"{flag} {path}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK):
+        raise ValueError(f"{flag} {path}: {existing} is not writable")

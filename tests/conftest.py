@@ -21,8 +21,8 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """A test that runs in a gloo job is slow: the fast tier starts no process group."""
-    unmarked = [item.nodeid for item in items
-                if "gloo" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("slow")]
+    unmarked = [item.nodeid for item in items if "gloo" in getattr(item, "fixturenames", ())
+                and not item.get_closest_marker("slow")]
     if unmarked:
         raise pytest.UsageError("tests using the gloo fixture must be marked slow: "
                                 + ", ".join(unmarked))

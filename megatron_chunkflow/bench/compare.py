@@ -35,10 +35,10 @@ import torch.distributed as dist
 from megatron_chunkflow.attention import resolve_backend
 from megatron_chunkflow.bench.choose import Plan, choose_all, menu, recompute_flops
 from megatron_chunkflow.bench.instrument import cache_freed_memory
+from megatron_chunkflow.bench.settings import BenchSettings
 from megatron_chunkflow.bench.systems import (
     PROBE_SEGMENT,
     PROBE_SIZES,
-    BenchSettings,
     build_system,
     probe_rates,
     probe_step_times,
@@ -51,6 +51,7 @@ from megatron_chunkflow.data.synthetic import make_sequences
 from megatron_chunkflow.perfmodel.budget import ActivationRates
 from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.perfmodel.predict import predict_chunkflow, predict_megatron
+from megatron_chunkflow.runtime.ranks import Ranks
 
 
 def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
@@ -65,7 +66,7 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
     )
     torch.set_num_threads(s.threads)
     caching = s.caching_malloc and cache_freed_memory()
-    dp = parallel_state.get_data_parallel_world_size()
+    dp = Ranks.current().dp
     load = [os.getloadavg()[0]]
     pp = s.parallel.pp
     chunkflow = build_system("chunkflow", train_settings(s, "chunkflow"))

@@ -1,9 +1,6 @@
-"""Instruments for comparing training steps on Megatron's own schedule as on ChunkFlow's: the same
-observers (runtime/observe.py: the exact activation meter of runtime/meter.py, the stage timeline),
-peak RSS, and a malloc that keeps freed memory.
+"""Process-level instruments for comparing training steps (the per-op ones are observers,
+runtime/observe.py and runtime/meter.py, which both systems' steps call: mcore/step.py).
 
-- instrument_megatron: calls the same observers (runtime/observe.py) from Megatron's own schedule,
-  by wrapping its module-level forward_step and backward_step, as ChunkFlow's execute_step does.
 - reset_peak_rss / peak_rss: the process's resident-set high-water mark (VmHWM), reset per step.
 - cache_freed_memory: glibc malloc told to keep freed memory, like a GPU caching allocator.
 """
@@ -12,40 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-
-from megatron_chunkflow.core.types import Op
-from megatron_chunkflow.runtime.observe import observing
-
-
-@contextlib.contextmanager
-def instrument_megatron(observers):
-    """Call `observers` from Megatron's own schedule: schedules.forward_step (micro-batch i's
-    forward, loss included) and schedules.backward_step (1F1B runs backwards in forward order) are
-    wrapped for the duration of the context."""
-    from megatron.core.pipeline_parallel import schedules
-
-    original_fwd, original_bwd = schedules.forward_step, schedules.backward_step
-    count = {"F": 0, "B": 0}
-
-    def forward_step(*args, **kwargs):
-        i, count["F"] = count["F"], count["F"] + 1
-        with observing(observers, "forward", Op("F", i), True):
-            return original_fwd(*args, **kwargs)
-
-    def backward_step(*args, **kwargs):
-        i, count["B"] = count["B"], count["B"] + 1
-        with observing(observers, "backward", Op("B", i)):
-            return original_bwd(*args, **kwargs)
-
-    for observer in observers:
-        observer.step_began()
-    schedules.forward_step, schedules.backward_step = forward_step, backward_step
-    try:
-        yield
-    finally:
-        schedules.forward_step, schedules.backward_step = original_fwd, original_bwd
-        for observer in observers:
-            observer.step_ended()
 
 
 def reset_peak_rss(trim: bool = True) -> None:
@@ -83,6 +46,6 @@ def peak_rss() -> int:
         match = re.search(r"VmHWM:\s+(\d+) kB", open("/proc/self/status").read())
         if match:
             return int(match.group(1)) * 1024
-    from megatron_chunkflow.training.loop import peak_memory_bytes
+    from megatron_chunkflow.mcore.step import peak_memory_bytes
 
     return peak_memory_bytes()

@@ -19,8 +19,8 @@ import torch
 
 from megatron_chunkflow.config import Recompute
 from megatron_chunkflow.perfmodel.budget import chunkflow_peak
+from megatron_chunkflow.bench.settings import BenchSettings
 from megatron_chunkflow.bench.systems import (
-    BenchSettings,
     build_system,
     probe_rates,
     timed_step,
@@ -33,14 +33,13 @@ MIB = 2.0**20
 
 def sweep(s: BenchSettings, configs: list[dict], log=lambda text: None) -> list[dict]:
     """One row per configuration (same on every rank)."""
-    from megatron.core import parallel_state
-
     from megatron_chunkflow.data.synthetic import make_sequences
+    from megatron_chunkflow.runtime.ranks import Ranks
 
     torch.set_num_threads(s.threads)
     if s.caching_malloc:
         cache_freed_memory()
-    dp = parallel_state.get_data_parallel_world_size()
+    dp = Ranks.current().dp
     sequences = make_sequences(s.lengths, s.shape.vocab_size, s.seed)
     systems = {}
     act = None

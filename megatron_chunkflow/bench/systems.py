@@ -1,7 +1,6 @@
 """The systems `chunkflow bench` compares, built and stepped the same way, and its probes.
 
-- BenchSettings: what one comparison runs (model, batch, layout, budget, baselines, repeats).
-- build_system / step_system: training/loop.py's build_training and run_step (a stock baseline on
+- build_system / step_system: mcore/step.py's build_training and training_step (a stock baseline on
   Megatron's own schedule, or ChunkFlow's execute_step) with a meter and a timeline attached.
 - timed_step: one step measured on every rank (wall time, per-op intervals, metered bytes, RSS).
 - probe_rates: activation bytes per token per stage under every recompute option, measured on a
@@ -17,53 +16,25 @@ import dataclasses
 import gc
 import statistics
 import time
-from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from megatron_chunkflow.bench.instrument import instrument_megatron, peak_rss, reset_peak_rss
-from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig, Recompute
+from megatron_chunkflow.bench.instrument import peak_rss, reset_peak_rss
+from megatron_chunkflow.bench.settings import BenchSettings
+from megatron_chunkflow.config import ChunkFlowConfig, Recompute
 from megatron_chunkflow.core.costs import layers_per_stage
-from megatron_chunkflow.core.models import ModelShape
-from megatron_chunkflow.core.step import BASELINES
 from megatron_chunkflow.data.synthetic import make_sequences
 from megatron_chunkflow.perfmodel.budget import ActivationRates, OptionRates
 from megatron_chunkflow.perfmodel.footprint import kv_state_bytes_per_token
 from megatron_chunkflow.runtime.meter import ActivationMeter
 from megatron_chunkflow.runtime.observe import StageTimeline
-from megatron_chunkflow.training.settings import OptimizerConfig, TrainSettings
+from megatron_chunkflow.runtime.ranks import Ranks
+from megatron_chunkflow.mcore.settings import OptimizerConfig, TrainSettings
+from megatron_chunkflow.mcore.step import build_training, forward_backward, training_step
 
 PROBE_TOKENS = 1024
-
-
-@dataclass
-class BenchSettings:
-    shape: ModelShape
-    model_name: str
-    lengths: list[int]
-    seq_length: int
-    budget_bytes: float
-    chunkflow_budget_bytes: float | None = None  # ChunkFlow's own budget (None: budget_bytes)
-    chunk_size: int | None = None  # None: chosen by the budget
-    k: int | None = None  # None: chosen by the budget
-    attention_backend: str = "auto"  # every system's kernel
-    baselines: tuple[str, ...] = BASELINES  # the stock systems compared with ChunkFlow
-    megatron_recompute: str = "auto"  # auto (by the budget) or a Recompute text form
-    chunkflow_recompute: str = "auto"  # the same, inside ChunkFlow's chunks
-    parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig(pp=2))
-    warmup: int = 1
-    repeats: int = 2
-    seed: int = 0
-    threads: int = 1
-    caching_malloc: bool = True  # instrument.cache_freed_memory in every rank
-
-
-    @property
-    def chunkflow_budget(self) -> float:
-        return self.budget_bytes if self.chunkflow_budget_bytes is None \
-            else self.chunkflow_budget_bytes
 
 
 @dataclass
@@ -72,7 +43,7 @@ class System:
 
     name: str  # "chunkflow" or a baseline's name
     settings: TrainSettings
-    training: object  # training.loop.Training
+    training: object  # mcore/step.py Training
 
     @property
     def model(self):
@@ -88,8 +59,6 @@ class System:
 
 
 def build_system(name: str, ts: TrainSettings) -> System:
-    from megatron_chunkflow.training.loop import build_training
-
     torch.manual_seed(ts.seed)
     return System(name, ts, build_training(ts))
 
@@ -102,25 +71,17 @@ def train_settings(s: BenchSettings, system: str, chunk_size: int | None = None,
                                 s.attention_backend)
     return TrainSettings(
         shape=s.shape, model_name=s.model_name, system=system, chunkflow=chunkflow,
-        parallel=s.parallel,
+        parallel=dataclasses.replace(s.parallel, recompute=recompute),
         optimizer=OptimizerConfig(lr=1e-4, min_lr=1e-5, lr_warmup_iters=0),
         train_iters=s.warmup + s.repeats + 1, global_batch_size=len(s.lengths),
-        seq_length=s.seq_length, seed=s.seed, recompute=recompute)
+        seq_length=s.seq_length, seed=s.seed)
 
 
 def step_system(system: System, sequences, observers) -> int:
-    """One training step (forward, backward, optimizer) of training/loop.py's run_step, measured
-    by `observers`; returns micro-batches or chunks."""
-    from megatron_chunkflow.training.loop import run_step
-
-    ts, tr = system.settings, system.training
-    tr.ddp.zero_grad_buffer()
-    tr.optimizer.zero_grad()
-    with nullcontext() if ts.uses_chunkflow else instrument_megatron(observers):
-        _, count, _ = run_step(ts, sequences, tr.ddp, tr.model.config, observers=observers)
-    tr.optimizer.step()
-    tr.scheduler.step(increment=1)
-    return count
+    """One training step (forward, backward, optimizer: mcore/step.py's training_step, as
+    `chunkflow train` runs it), measured by `observers`; returns micro-batches or chunks."""
+    return training_step(system.settings, system.training, sequences,
+                         observers=observers).num_chunks
 
 
 def gather(row: dict) -> list[dict]:
@@ -132,8 +93,7 @@ def gather(row: dict) -> list[dict]:
 def timed_step(system: System, sequences, trim: bool = True) -> list[dict]:
     """One step of `system`, measured on every rank; every rank's record. `trim`: return freed
     heap to the OS first, so the step's peak RSS is its own (and its pages fault in again)."""
-    from megatron.core import parallel_state
-
+    ranks = Ranks.current()
     meter, timeline = ActivationMeter(system.model, system.store), StageTimeline()
     gc.collect()
     reset_peak_rss(trim)
@@ -142,9 +102,7 @@ def timed_step(system: System, sequences, trim: bool = True) -> list[dict]:
     count = step_system(system, sequences, [timeline, meter])
     elapsed = time.perf_counter() - t0
     return gather({
-        "stage": parallel_state.get_pipeline_model_parallel_rank(),
-        "dp_rank": parallel_state.get_data_parallel_rank(),
-        "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+        "stage": ranks.pp_rank, "dp_rank": ranks.dp_rank, "tp_rank": ranks.tp_rank,
         "elapsed": elapsed, "ops": timeline.ops, "span": timeline.step_time,
         "peak_total": meter.peak_total, "peak_state": meter.peak_state,
         "peak_activation": meter.peak_activation, "peak_recompute": meter.peak_recompute,
@@ -159,24 +117,20 @@ def probe_rates(system: System, s: BenchSettings,
     between its forward and its backward and the most live while it runs (a model per option,
     since Megatron's layers read the recompute setting when they are built); K/V, accumulator
     and hidden bytes from the tensors' shapes and dtypes."""
-    from megatron.core import parallel_state
-
-    from megatron_chunkflow.training.loop import build_training, run_step
-
-    dp = parallel_state.get_data_parallel_world_size()
-    probe = make_sequences([PROBE_TOKENS // 4] * 4 * dp, s.shape.vocab_size, s.seed)
+    ranks = Ranks.current()
+    probe = make_sequences([PROBE_TOKENS // 4] * 4 * ranks.dp, s.shape.vocab_size, s.seed)
     pp, tp = s.parallel.pp, s.parallel.tp
     measured = {}
     for option in options:
         ts = dataclasses.replace(system.settings, system="megatron-packed",
-                                 seq_length=PROBE_TOKENS, recompute=option)
+                                 seq_length=PROBE_TOKENS,
+                                 parallel=dataclasses.replace(s.parallel, recompute=option))
         torch.manual_seed(s.seed)
         tr = system.training if option.kind == "none" else build_training(ts)
         meter = ActivationMeter(tr.model, tr.store)
-        with instrument_megatron([meter]):
-            run_step(ts, probe, tr.ddp, tr.model.config)
+        forward_backward(ts, tr, probe, observers=[meter])
         tr.ddp.zero_grad_buffer()
-        rows = gather({"stage": parallel_state.get_pipeline_model_parallel_rank(),
+        rows = gather({"stage": ranks.pp_rank,
                        "held": meter.max_chunk_activation / PROBE_TOKENS,
                        "peak": meter.peak_total / PROBE_TOKENS})
         held, peak = [0.0] * pp, [0.0] * pp
@@ -206,22 +160,17 @@ def probe_step_times(system: System, s: BenchSettings, repeats: int = 3) -> dict
     ranks, so every rank gets the same numbers) for micro-batches of PROBE_SIZES tokens packed
     from PROBE_SEGMENT-token sequences, one per DP rank, on Megatron's schedule without
     recompute: the median of `repeats` runs after one unrecorded."""
-    from megatron.core import parallel_state
-
-    from megatron_chunkflow.training.loop import run_step
-
     out = {}
     for tokens in PROBE_SIZES:
-        dp = parallel_state.get_data_parallel_world_size()
-        batch = make_sequences([PROBE_SEGMENT] * (tokens // PROBE_SEGMENT) * dp,
+        batch = make_sequences([PROBE_SEGMENT] * (tokens // PROBE_SEGMENT) * Ranks.current().dp,
                                s.shape.vocab_size, s.seed)
         ts = dataclasses.replace(system.settings, system="megatron-packed", seq_length=tokens,
-                                 recompute=Recompute())
+                                 parallel=dataclasses.replace(s.parallel, recompute=Recompute()))
         times = []
         for _ in range(repeats + 1):
             timeline = StageTimeline()
-            with instrument_megatron([ActivationMeter(system.model, system.store), timeline]):
-                run_step(ts, batch, system.ddp, system.model.config)
+            forward_backward(ts, system.training, batch,
+                             observers=[ActivationMeter(system.model, system.store), timeline])
             times.append(sum(end - start for _, _, start, end in timeline.ops))
         mine = torch.tensor([statistics.median(times[1:])], dtype=torch.float64)
         dist.all_reduce(mine)

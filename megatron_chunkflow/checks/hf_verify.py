@@ -73,17 +73,11 @@ def _norms_in_float64(model) -> None:
 def run_hf_verify(hf_dir: str, lengths: Sequence[int], chunkflow: ChunkFlowConfig,
                   parallel: ParallelConfig = ParallelConfig(), seed: int = 0) -> VerifyResult:
     """One step of ChunkFlow (megatron-core, float64) against transformers on the same batch."""
+    from megatron_chunkflow.mcore.build import build_chunkflow_model
+    from megatron_chunkflow.mcore.dist import init_distributed
+    from megatron_chunkflow.mcore.hf import export_hf_weights, padded_vocab_size, shape_from_hf_dir
     from megatron_chunkflow.runtime.execute import execute_step, plan_step
     from megatron_chunkflow.runtime.loss import global_loss, make_forward_step
-    from megatron_chunkflow.runtime.model import apply_chunkflow
-    from megatron_chunkflow.mcore.build import build_gpt_model, transformer_config, wrap_ddp
-    from megatron_chunkflow.mcore.dist import init_distributed
-    from megatron_chunkflow.mcore.hf import (
-        export_hf_weights,
-        import_hf_weights,
-        padded_vocab_size,
-        shape_from_hf_dir,
-    )
 
     dtype = torch.float64
     shape = shape_from_hf_dir(hf_dir)
@@ -93,11 +87,9 @@ def run_hf_verify(hf_dir: str, lengths: Sequence[int], chunkflow: ChunkFlowConfi
     ranks = init_distributed(parallel, seed)
     padded = dataclasses.replace(shape, vocab_size=padded_vocab_size(shape.vocab_size,
                                                                      parallel.tp))
-    config = transformer_config(padded, dtype)
-    model = build_gpt_model(padded, config)
-    import_hf_weights(model, hf_dir, config, shape)
-    apply_chunkflow(model, backend=chunkflow.attention_backend)
-    ddp = wrap_ddp(model, config)
+    cm = build_chunkflow_model(padded, dtype, parallel, load_hf=hf_dir, hf_shape=shape,
+                               attention_backend=chunkflow.attention_backend)
+    model, ddp, config = cm.model, cm.ddp, cm.config
     step = plan_step(sequences, chunkflow, parallel, padded, ranks)
     reports = execute_step(step, ddp, make_forward_step(exact_loss=True,
                                                         vocab_size=shape.vocab_size))

@@ -49,32 +49,25 @@ class MemoryRow:
 def measure_one_sequence(shape, length: int, chunkflow: ChunkFlowConfig, dtype, seed: int = 0,
                          lora=None, cp: int = 1) -> MemoryRow:
     """One training step of one sequence through ChunkFlow's schedule, metered (PP=1), on this
-    rank; with `lora` (training.lora.LoRAConfig) the base is frozen and only adapters train. With
+    rank; with `lora` (mcore/lora.py LoRAConfig) the base is frozen and only adapters train. With
     `cp` > 1 the process groups must have that CP size: this CP rank's share is measured."""
-    from megatron.core import parallel_state
-
     from megatron_chunkflow.data.synthetic import make_sequences
+    from megatron_chunkflow.mcore.build import build_chunkflow_model
+    from megatron_chunkflow.perfmodel.footprint import kv_state_bytes_per_token
     from megatron_chunkflow.runtime.execute import execute_step, plan_step
     from megatron_chunkflow.runtime.loss import make_forward_step
-    from megatron_chunkflow.runtime.model import apply_chunkflow
-    from megatron_chunkflow.mcore.build import build_gpt_model, transformer_config, wrap_ddp
 
-    config = transformer_config(shape, dtype)
-    model = build_gpt_model(shape, config)
-    if lora is not None:
-        from megatron_chunkflow.mcore.lora import apply_lora
-
-        apply_lora(model, lora, seed)
-    store = apply_chunkflow(model, backend=chunkflow.attention_backend)
-    model = wrap_ddp(model, config)
+    parallel, ranks = ParallelConfig(cp=cp), Ranks.current()
+    alone = Ranks(tp=ranks.tp, tp_rank=ranks.tp_rank, cp=ranks.cp, cp_rank=ranks.cp_rank)
+    cm = build_chunkflow_model(shape, dtype, parallel, lora=lora, lora_seed=seed,
+                               attention_backend=chunkflow.attention_backend)
+    store = cm.store
     sequences = make_sequences([length], shape.vocab_size, seed)
-    step = plan_step(sequences, chunkflow, ParallelConfig(cp=cp), shape, Ranks.current())
-    meter = ActivationMeter(model, store)
-    execute_step(step, model, make_forward_step(exact_loss=True), observers=[meter])
-    from megatron_chunkflow.perfmodel.footprint import kv_state_bytes_per_token
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    kv, acc = (kv_state_bytes_per_token(shape, shape.num_layers, nbytes, tp, with_grad=False)
+    step = plan_step(sequences, chunkflow, parallel, shape, alone)  # whole on every DP rank
+    meter = ActivationMeter(cm.ddp, store)
+    execute_step(step, cm.ddp, make_forward_step(exact_loss=True), observers=[meter])
+    kv, acc = (kv_state_bytes_per_token(shape, shape.num_layers, nbytes, ranks.tp,
+                                        with_grad=False)
                for nbytes in (torch.finfo(dtype).bits // 8, 8 if dtype == torch.float64 else 4))
     formula = (kv_state_formula(length, chunkflow.chunk_size, kv, acc)
                if chunkflow.k == 1 and cp == 1 else None)

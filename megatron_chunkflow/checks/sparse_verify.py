@@ -64,8 +64,8 @@ def run_sparse_verify(shape, lengths: Sequence[int], chunkflow: ChunkFlowConfig,
     ref_state, [(ref_loss, ref_count, ref_grads)] = _run_reference(shape, [sequences], dtype,
                                                                    lora, seed)
     ranks = init_distributed(parallel, seed)
-    model, ddp, names, _ = build_chunked_model(shape, ref_state, dtype, chunkflow,
-                                               parallel.sequence_parallel, lora=lora)
+    cm, names = build_chunked_model(shape, ref_state, dtype, chunkflow, parallel, lora)
+    model, ddp = cm.model, cm.ddp
     base = plan_step(sequences, chunkflow, parallel, shape, ranks)
     batch = base.batch
     step_fn = make_forward_step(exact_loss=True)

@@ -3,8 +3,9 @@
 The reference is stock Megatron at PP = 1: each sequence whole as one micro-batch, the model's own
 local DotProductAttention (causal), Megatron's forward_backward_no_pipelining, DDP and
 finalize_model_grads, with DP = world / TP. Then the process groups are rebuilt for the layout under
-test (TP x CP x PP x DP), each pipeline stage's GPTModel takes its slice of the reference weights, is
-patched by apply_chunkflow and runs the step through runtime/execute.py (plan_step, execute_step).
+test (TP x CP x PP x DP, sequence parallelism and recompute as it says), each pipeline stage's model
+is built by mcore/build.py's build_chunkflow_model with its slice of the reference weights and runs
+the step through runtime/execute.py (plan_step, execute_step).
 Both use per-token loss, so both gradients are (sum of masked token-loss gradients) / (global token
 count). Several steps (batches of different sizes, so different chunk counts) run in one go.
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig, Recompute
+from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.simulate import simulate
 from megatron_chunkflow.data.synthetic import make_sequences
@@ -52,13 +53,13 @@ class VerifyResult:
 def run_verify(shape: ModelShape, steps: Sequence[Sequence[int]], chunkflow: ChunkFlowConfig,
                parallel: ParallelConfig = ParallelConfig(), dtype: torch.dtype = torch.float64,
                seed: int = 0, fully_masked: Sequence[int] = (), meter_cls=None,
-               recompute: Recompute = Recompute(), lora=None) -> list[VerifyResult]:
+               lora=None) -> list[VerifyResult]:
     """One training step per entry of `steps` (sequence lengths), both ways; one result each.
 
-    `parallel`: the chunked model's TP, CP, PP and sequence parallelism (the reference runs at the
-    same TP, CP = PP = 1; DP is what the world leaves). `lora` (training.lora.LoRAConfig): both models get
-    the same adapters, B initialised at random (LORA_B_STD) so that A's gradient is not zero, and
-    only the adapters are compared."""
+    `parallel`: the chunked model's TP, CP, PP, sequence parallelism and recompute (the reference
+    runs at the same TP, CP = PP = 1, no recompute; DP is what the world leaves). `lora`
+    (mcore/lora.py LoRAConfig): both models get the same adapters, B initialised at random
+    (LORA_B_STD) so that A's gradient is not zero, and only the adapters are compared."""
     from megatron_chunkflow.mcore.dist import init_distributed
 
     parallel.check_chunk_size(chunkflow.chunk_size)
@@ -68,8 +69,7 @@ def run_verify(shape: ModelShape, steps: Sequence[Sequence[int]], chunkflow: Chu
     init_distributed(ParallelConfig(tp=parallel.tp), seed)
     reference = _run_reference(shape, batches, dtype, lora, seed)
     init_distributed(parallel, seed)
-    return _run_chunked(shape, batches, reference, chunkflow, parallel, dtype, meter_cls,
-                        recompute, lora)
+    return _run_chunked(shape, batches, reference, chunkflow, parallel, dtype, meter_cls, lora)
 
 
 LORA_B_STD = 0.05
@@ -77,13 +77,11 @@ LORA_B_STD = 0.05
 
 def _run_reference(shape, batches, dtype, lora=None, seed: int = 0):
     """Stock Megatron, PP = 1: per step, (loss sum, count, {param name: gradient})."""
-    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
     from megatron_chunkflow.mcore.build import build_gpt_model, transformer_config, wrap_ddp
 
-    dp, dp_rank = (parallel_state.get_data_parallel_world_size(),
-                   parallel_state.get_data_parallel_rank())
+    ranks = Ranks.current()
     step_fn = make_forward_step(exact_loss=True)
     config = transformer_config(shape, dtype)
     model = build_gpt_model(shape, config)
@@ -95,7 +93,8 @@ def _run_reference(shape, batches, dtype, lora=None, seed: int = 0):
     ddp = wrap_ddp(model, config)
     out = []
     for sequences in batches:
-        mine = [whole_sequence_input(s) for i, s in enumerate(sequences) if i % dp == dp_rank]
+        mine = [whole_sequence_input(s) for i, s in enumerate(sequences)
+                if i % ranks.dp == ranks.dp_rank]
         ddp.zero_grad_buffer()
         if mine:
             reports = forward_backward_no_pipelining(
@@ -113,38 +112,23 @@ def _run_reference(shape, batches, dtype, lora=None, seed: int = 0):
 
 
 def build_chunked_model(shape, ref_state, dtype, chunkflow: ChunkFlowConfig,
-                        sequence_parallel: bool, recompute: Recompute = Recompute(),
-                        lora=None):
-    """This stage's GPTModel with the reference weights (and adapters), patched for ChunkFlow and
-    wrapped in DDP: (model, ddp, {stage name: PP = 1 name}, K/V store)."""
-    from megatron_chunkflow.runtime.model import apply_chunkflow
-    from megatron_chunkflow.mcore.build import (
-        build_gpt_model,
-        full_model_name,
-        transformer_config,
-        wrap_ddp,
-    )
+                        parallel: ParallelConfig, lora=None):
+    """This stage's ChunkFlow model (mcore/build.py) with the reference weights (and adapters):
+    (ChunkFlowModel, {stage parameter name: its PP = 1 name})."""
+    from megatron_chunkflow.mcore.build import build_chunkflow_model, full_model_name
 
-    config = transformer_config(shape, dtype, sequence_parallel=sequence_parallel,
-                                **recompute.megatron_kwargs())
-    model = build_gpt_model(shape, config)
-    if lora is not None:
-        from megatron_chunkflow.mcore.lora import apply_lora
-
-        apply_lora(model, lora)
-    names = {n: full_model_name(n, config, shape.tie_embeddings) for n in model.state_dict()}
-    model.load_state_dict({n: ref_state[names[n]] for n in names})
-    store = apply_chunkflow(model, backend=chunkflow.attention_backend)
-    return model, wrap_ddp(model, config), names, store
+    cm = build_chunkflow_model(shape, dtype, parallel, lora=lora, weights=ref_state,
+                               attention_backend=chunkflow.attention_backend)
+    return cm, {n: full_model_name(n, cm.config, shape.tie_embeddings)
+                for n in cm.model.state_dict()}
 
 
 def _run_chunked(shape, batches, reference, chunkflow: ChunkFlowConfig, parallel: ParallelConfig,
-                 dtype, meter_cls, recompute: Recompute = Recompute(),
-                 lora=None) -> list[VerifyResult]:
+                 dtype, meter_cls, lora=None) -> list[VerifyResult]:
     ref_state, ref_steps = reference
     ranks = Ranks.current()
-    model, ddp, names, store = build_chunked_model(shape, ref_state, dtype, chunkflow,
-                                                   parallel.sequence_parallel, recompute, lora)
+    cm, names = build_chunked_model(shape, ref_state, dtype, chunkflow, parallel, lora)
+    model, ddp, store = cm.model, cm.ddp, cm.store
     step_fn = make_forward_step(exact_loss=True)
     results = []
     for sequences, (ref_loss, ref_count, ref_grads) in zip(batches, ref_steps):

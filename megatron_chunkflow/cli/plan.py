@@ -23,14 +23,17 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_chunkflow.cli.inputs import add_length_arguments, lengths_from_args
-from megatron_chunkflow.cli.output import Output, check_output_file
 from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
-from megatron_chunkflow.flags import add_config_arguments, config_from_args
+from megatron_chunkflow.console import Output
+from megatron_chunkflow.core.lengths import LengthsConfig
 from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape
+from megatron_chunkflow.core.simulate import SimResult
 from megatron_chunkflow.core.step import BASELINES, plan_baseline, plan_chunkflow
+from megatron_chunkflow.core.types import StagePlan
+from megatron_chunkflow.flags import add_config_arguments, check_output_file, config_from_args
 from megatron_chunkflow.perfmodel.footprint import memory_hooks
 
+SCENARIO = dict(global_batch_size=2000)  # the embedded scenario (README, "Defaults")
 GIB = 2.0**30
 BF16_BYTES = 2  # the printed memory model's element size
 STRONGEST = "megatron-packed"  # the JSON's "baseline" (kept for compatibility)
@@ -66,7 +69,9 @@ def _baseline_summary(rp, dp_rank: int) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_length_arguments(parser, default_sequences=2000)
+    g = parser.add_argument_group("sequence lengths")
+    add_config_arguments(g, LengthsConfig, default_help={
+        "profile": "B", "global_batch_size": SCENARIO["global_batch_size"]})
     g = parser.add_argument_group("chunkflow")
     add_config_arguments(g, ChunkFlowConfig, fields=("chunk_size", "k"))
     g = parser.add_argument_group("layout and cost model")
@@ -91,15 +96,15 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--dp-rank must be in [0, {args.dp}), got {args.dp_rank}")
     check_output_file("--png", args.png)
     out = Output(args.json)
-    lengths, source = lengths_from_args(args)
+    lengths, source = config_from_args(LengthsConfig, args).lengths(SCENARIO["global_batch_size"])
     longest = max(lengths)  # by default the baseline's micro-batch holds it, padded to 2 x CP
     seq_length = args.seq_length or longest + (-longest % (2 * parallel.cp) if parallel.cp > 1
                                                else 0)
     shape = get_model_shape(args.model)
 
     cp = parallel.cp
-    held_for, state_for = memory_hooks(shape, ParallelConfig.layout(pp=args.pp, dp=args.dp, cp=cp),
-                                       BF16_BYTES, cfg.chunk_size, cfg.k)
+    layout = ParallelConfig.layout(pp=args.pp, dp=args.dp, cp=cp)
+    held_for, state_for = memory_hooks(shape, layout, BF16_BYTES, cfg.chunk_size, cfg.k)
     costs = _per_gpu_flops(shape, cp)
     batch, cf = plan_chunkflow(lengths, cfg.chunk_size, cfg.k, args.pp, args.dp, shape,
                                costs_for=costs, held_bytes_for=held_for,
@@ -138,8 +143,6 @@ def run(args: argparse.Namespace) -> int:
         out.say(f"note: DP rank {r} has {len(cf.chunks[r])} chunks for {args.pp} pipeline "
                 "stages; the pipeline cannot fill")
     if args.png:
-        from megatron_chunkflow.cli.timeline import draw_timelines
-
         draw_timelines(args.png, [
             (f"ChunkFlow C={cfg.chunk_size} K={cfg.k}, DP rank {r}", sim, plan),
             (f"stock Megatron ({STRONGEST}) 1F1B, seq-length {seq_length}, DP rank {r}",
@@ -180,3 +183,43 @@ def run(args: argparse.Namespace) -> int:
                   "dp_rank": r, "model": args.model, "source": source},
     })
     return 0
+
+
+COLORS = {"F": "#4c78a8", "F0": "#a9c4e4", "R": "#f58518", "B": "#54a24b"}
+LABELS = {"F": "forward (keeps activations)", "F0": "forward without graph (state only)",
+          "R": "re-forward", "B": "backward"}
+
+
+def draw_timelines(path: str, panels: list[tuple[str, SimResult, StagePlan]]) -> None:
+    """Per-stage timeline pictures of simulated plans, one panel per (title, simulation, plan),
+    on a shared time axis (matplotlib, imported only when drawing)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    end = max(sim.step_time for _, sim, _ in panels) or 1.0
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 1.2 + 0.6 * sum(
+        sim and len(sim.busy) for _, sim, _ in panels)), sharex=True, squeeze=False)
+    for ax, (title, sim, plan) in zip(axes[:, 0], panels):
+        p = len(sim.timeline)
+        for s, ops in enumerate(sim.timeline):
+            recomputed = {t.op.chunk for t in ops if t.op.kind == "R"}
+            by_kind: dict[str, list] = {}
+            for t in ops:
+                kind = "F0" if t.op.kind == "F" and t.op.chunk in recomputed else t.op.kind
+                by_kind.setdefault(kind, []).append((t.start / end, (t.end - t.start) / end))
+            for kind, spans in by_kind.items():
+                ax.broken_barh(spans, (p - 1 - s + 0.1, 0.8), facecolors=COLORS[kind],
+                               edgecolor="white", linewidth=0.2)
+        ax.set_yticks([p - 1 - s + 0.5 for s in range(p)], [f"stage {s}" for s in range(p)])
+        ax.set_ylim(0, p)
+        ax.set_title(f"{title}: bubble {sim.bubble_ratio:.1%}", fontsize=10, loc="left")
+    axes[-1, 0].set_xlim(0, 1.0)
+    axes[-1, 0].set_xlabel("time (fraction of the slower plan's step)")
+    fig.legend(handles=[Patch(color=COLORS[k], label=LABELS[k]) for k in COLORS],
+               loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -28,12 +28,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from megatron_chunkflow.cli.inputs import read_lengths_file
-from megatron_chunkflow.cli.output import Output
+from megatron_chunkflow.console import Output
+from megatron_chunkflow.core.lengths import LengthsConfig
 from megatron_chunkflow.config import ChunkFlowConfig
 from megatron_chunkflow.flags import add_config_arguments, config_from_args
 from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape
-from megatron_chunkflow.core.profiles import PROFILES, sample_lengths
 from megatron_chunkflow.core.step import BASELINES
 from megatron_chunkflow.perfmodel.hardware import (
     GPUS,
@@ -45,7 +44,7 @@ from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.perfmodel.predict import GIB, Prediction
 from megatron_chunkflow.perfmodel.search import best_chunkflow, best_megatron
 
-DEFAULT_BATCH = 2048
+SCENARIO = dict(global_batch_size=2048)  # the embedded scenario (README, "Defaults")
 STRONGEST = "megatron-packed"  # what the JSON's "megatron" and "speedup" keep reporting
 CP_OVERLAP_ENDS = (0.0, 1.0)
 
@@ -65,16 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "kernel_launch_us=10 (repeatable; keys: perfmodel/hardware.py Hardware)")
     g.add_argument("--calibration", metavar="FILE",
                    help="efficiencies measured by scripts/benchmarks/gpu_calibrate.py")
-    g = parser.add_argument_group("data")
-    src = g.add_mutually_exclusive_group()
-    src.add_argument("--profile", choices=sorted(PROFILES), default="B",
-                     help="seeded long-tailed length profile (docs/design.md; default: B)")
-    src.add_argument("--lengths-file", metavar="PATH",
-                     help="the global batch: one sequence length per line")
-    g.add_argument("--global-batch-size", type=int, default=None, metavar="N",
-                   help=f"sequences per step drawn from --profile (default: {DEFAULT_BATCH})")
-    g.add_argument("--seed", type=int, default=0, help="profile seed (default: 0)")
-    g.add_argument("--step", type=int, default=0, help="training step to draw (default: 0)")
+    g = parser.add_argument_group("sequence lengths")
+    add_config_arguments(g, LengthsConfig, default_help={
+        "profile": "B", "global_batch_size": SCENARIO["global_batch_size"]})
     g = parser.add_argument_group("stock Megatron and layouts")
     g.add_argument("--baseline", choices=[*BASELINES, "all"], default="all",
                    help="the stock system(s) to predict (default: all three)")
@@ -89,19 +81,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="choose (chunk size, K) instead: the fastest that fits in memory")
     g = parser.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-
-
-def _lengths(args: argparse.Namespace) -> tuple[list[int], str]:
-    if args.lengths_file:
-        if args.global_batch_size is not None:
-            raise ValueError("--global-batch-size draws from --profile; with --lengths-file "
-                             "the file is the global batch")
-        return read_lengths_file(args.lengths_file), args.lengths_file
-    n = DEFAULT_BATCH if args.global_batch_size is None else args.global_batch_size
-    if n < 1:
-        raise ValueError(f"--global-batch-size must be >= 1, got {n}")
-    return (sample_lengths(args.profile, n, args.seed, args.step),
-            f"profile {args.profile}, seed {args.seed}, step {args.step}")
 
 
 def _row(name: str, p: Prediction, usable: float) -> str:
@@ -142,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
                                  "--chunkflow-parallel")
         if not args.auto:
             cf_layout.check_chunk_size(cfg.chunk_size, naming="axes")
-    raw, source = _lengths(args)
+    raw, source = config_from_args(LengthsConfig, args).lengths(SCENARIO["global_batch_size"])
     lengths = [min(n, args.seq_length) for n in raw]
     truncated = sum(n > args.seq_length for n in raw)
     names = list(BASELINES) if args.baseline == "all" else [args.baseline]

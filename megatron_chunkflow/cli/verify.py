@@ -16,45 +16,49 @@ float32 1e-4). With --memory: activation bytes for one sequence per length, chun
 (world N): per rank at CP=N against CP=1, same chunk size.
 With --chunkflow-sparse-backward T: exit 1 when the mean of --draws SpaCO gradients is further from the exact
 gradient than 4 x its expected error (estimated from the draws' variance), or the loss differs.
+The flags fill checks/settings.py's VerifySettings, which checks how they combine.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
-from pathlib import Path
 
 import torch
 
-from megatron_chunkflow.cli.inputs import add_length_arguments, lengths_from_args
-from megatron_chunkflow.cli.output import Output
+from megatron_chunkflow.checks.settings import VerifySettings
 from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+from megatron_chunkflow.console import Output
+from megatron_chunkflow.core.lengths import LengthsConfig
+from megatron_chunkflow.core.models import MODEL_SHAPES, load_model_shape
 from megatron_chunkflow.flags import add_config_arguments, config_from_args
-from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape, model_shape_from_dict
 from megatron_chunkflow.mcore.lora import LoRAConfig
 from megatron_chunkflow.runtime.sparse import SparseConfig
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
+# the embedded scenario (README, "Defaults"): a tiny model, 32 profile-B sequences scaled by 1/32
+SCENARIO = dict(model="tiny", global_batch_size=32, scale=1 / 32, min_long=1, chunk_size=256)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_length_arguments(parser, default_sequences=32, default_scale=1 / 32)
-    parser.add_argument("--min-long", type=int, default=1, metavar="N",
-                        help="make sure at least N sequences are longer than the chunk size by "
-                             "redrawing the last ones from the profile's tail (default: 1)")
+    g = parser.add_argument_group("sequence lengths")
+    add_config_arguments(g, LengthsConfig, defaults={k: SCENARIO[k] for k in (
+        "scale", "min_long")}, default_help={"profile": "B", "global_batch_size":
+                                            SCENARIO["global_batch_size"]})
     g = parser.add_argument_group("chunkflow")
-    add_config_arguments(g, ChunkFlowConfig, defaults={"chunk_size": 256})
+    add_config_arguments(g, ChunkFlowConfig, defaults={"chunk_size": SCENARIO["chunk_size"]})
     g = parser.add_argument_group("model and layout")
-    g.add_argument("--model", default="tiny", choices=sorted(MODEL_SHAPES),
-                   help="model shape (default: tiny, Qwen2.5-shaped)")
+    g.add_argument("--model", default=SCENARIO["model"], choices=sorted(MODEL_SHAPES),
+                   help=f"model shape (default: {SCENARIO['model']}, Qwen2.5-shaped)")
     g.add_argument("--model-config", metavar="FILE",
                    help="JSON with ModelShape fields, or a Hugging Face Qwen2 config.json")
-    g.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default="float64",
+                   help="precision of both runs (default: float64)")
     g.add_argument("--hf-reference", metavar="DIR",
                    help="compare with transformers' Qwen2ForCausalLM loaded from this Hugging Face "
                         "checkpoint (float64; needs transformers) instead of megatron-core")
-    add_config_arguments(g, ParallelConfig, fields=("tp", "pp", "cp", "sequence_parallel"))
+    add_config_arguments(g, ParallelConfig, fields=("tp", "pp", "cp", "sequence_parallel",
+                                                    "recompute"))
     g.add_argument("--steps", type=int, default=1,
                    help="training steps to check, each a new batch (default: 1)")
     g = parser.add_argument_group("LoRA (adapters on a frozen model)")
@@ -73,65 +77,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
-def load_shape(args):
-    """The --model preset, or --model-config FILE (our field names or an HF config.json)."""
-    if not args.model_config:
-        return get_model_shape(args.model)
-    from megatron_chunkflow.flags import read_json_file
-
-    path = Path(args.model_config)
-    data = read_json_file(path, f"--model-config {path}")
-    return model_shape_from_dict(data, f"--model-config {path}")
+def settings_from_args(args: argparse.Namespace) -> VerifySettings:
+    return VerifySettings(
+        shape=load_model_shape(args.model, args.model_config),
+        lengths=config_from_args(LengthsConfig, args),
+        chunkflow=config_from_args(ChunkFlowConfig, args),
+        parallel=config_from_args(ParallelConfig, args), dtype=args.dtype, steps=args.steps,
+        lora=LoRAConfig.from_args(args), sparse=config_from_args(SparseConfig, args),
+        draws=args.draws, memory=args.lengths if args.memory else None,
+        hf_reference=args.hf_reference, default_batch=SCENARIO["global_batch_size"])
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = config_from_args(ChunkFlowConfig, args)
-    parallel = config_from_args(ParallelConfig, args)
-    shape = load_shape(args)
-    dtype = DTYPES[args.dtype]
-    if args.steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {args.steps}")
-    parallel.check_chunk_size(cfg.chunk_size)
-    parallel.check_model(shape)
-    if args.memory:
-        _memory_lengths(args.lengths)  # bad input stops before any process group starts
-        if parallel.tp > 1 or parallel.pp > 1:
-            raise ValueError("--memory measures at TP = PP = 1 (with --cp N: under torchrun "
-                             "with N processes)")
-    if parallel.cp > 1:
-        from megatron_chunkflow.attention.backends import check_context_parallel
-
-        check_context_parallel(cfg.attention_backend, "cpu")  # verify runs on the CPU
-        for dest, flag in (("hf_reference", "--hf-reference"), ("lora_rank", "--lora-rank"),
-                           ("sparse_backward", "--chunkflow-sparse-backward")):
-            if getattr(args, dest, None):
-                raise ValueError(f"{flag} is not checked with --context-parallel-size "
-                                 f"{parallel.cp} yet; give --context-parallel-size 1")
-    lora = LoRAConfig.from_args(args)
-    sparse = config_from_args(SparseConfig, args)
-    if sparse.enabled:
-        args.draws = 16 if args.draws is None else args.draws
-        _check_sparse_args(args, cfg, sparse)
-    elif args.draws is not None:
-        raise ValueError("--draws needs --chunkflow-sparse-backward")
-    if lora is not None and args.hf_reference:
-        raise ValueError("--lora-rank cannot be combined with --hf-reference")
+    s = settings_from_args(args)
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
 
-    init_distributed(parallel, args.seed)
+    init_distributed(s.parallel, s.lengths.seed)
     try:
-        if args.hf_reference:
-            return _run_hf(args, cfg, parallel)
-        if args.memory:
-            if parallel.cp > 1:
-                return _run_memory_cp(args, cfg, shape, dtype, parallel.cp)
-            return _run_memory(args, cfg, shape, dtype, lora)
-        if sparse.enabled:
-            from megatron_chunkflow.cli.verify_sparse import run_sparse_check
-
-            return run_sparse_check(args, cfg, parallel, shape, dtype, lora,
-                                    _step_lengths(args, cfg))
-        return _run_check(args, cfg, parallel, shape, dtype, lora)
+        return {"hf": _run_hf, "memory": _run_memory, "memory_cp": _run_memory_cp,
+                "sparse": _run_sparse, "exact": _run_check}[s.mode](s, args.json)
     finally:
         shutdown()
 
@@ -140,62 +104,30 @@ def _is_main() -> bool:
     return torch.distributed.get_rank() == 0
 
 
-def _step_lengths(args, cfg) -> tuple[list[list[int]], str]:
-    """One list of lengths per step: a lengths file repeats; a profile draws step, step+1, ..."""
-    from megatron_chunkflow.core.profiles import ensure_long
-
-    steps, source = [], ""
-    for i in range(args.steps):
-        args_i = argparse.Namespace(**{**vars(args), "step": args.step + i})
-        lengths, source_i = lengths_from_args(args_i)
-        if not args.lengths_file:
-            lengths = ensure_long(lengths, args.profile, cfg.chunk_size, args.min_long,
-                                  args.seed + i, args.scale)
-        steps.append(lengths)
-        source = source or source_i
-    return steps, source + (f", {args.steps} steps" if args.steps > 1 else "")
-
-
-def _check_sparse_args(args, cfg, sparse) -> None:
-    """--chunkflow-sparse-backward T: one batch, checked against the exact gradient, T below its
-    longest sequence's chunk count; no --memory or --hf-reference."""
-    for flag in ("--memory", "--hf-reference"):
-        if getattr(args, flag[2:].replace("-", "_")):
-            raise ValueError(f"--chunkflow-sparse-backward cannot be combined with {flag}")
-    if args.steps != 1:
-        raise ValueError("--chunkflow-sparse-backward checks one batch; --steps must be 1, got "
-                         f"{args.steps}")
-    if args.draws < 2:
-        raise ValueError(f"--draws must be >= 2 (the variance needs two draws), got {args.draws}")
-    steps, _ = _step_lengths(args, cfg)
-    longest = max(steps[0])
-    sparse.check(-(-longest // cfg.chunk_size),
-                 what=f" in this batch (longest {longest} tokens, --chunk-size {cfg.chunk_size})")
-
-
-def _run_check(args, cfg, parallel, shape, dtype, lora=None) -> int:
-    from megatron.core import parallel_state
-
-    from megatron_chunkflow.runtime.meter import ActivationMeter
+def _run_check(s: VerifySettings, as_json: bool) -> int:
     from megatron_chunkflow.checks.verify import BOUNDS, run_verify
+    from megatron_chunkflow.runtime.meter import ActivationMeter
+    from megatron_chunkflow.runtime.ranks import Ranks
 
-    steps, source = _step_lengths(args, cfg)
-    common = dict(dtype=dtype, seed=args.seed, meter_cls=ActivationMeter, lora=lora)
+    cfg, parallel, lora, shape = s.chunkflow, s.parallel, s.lora, s.shape
+    steps, source = s.step_lengths()
+    common = dict(dtype=DTYPES[s.dtype], seed=s.lengths.seed, meter_cls=ActivationMeter,
+                  lora=lora)
     results = run_verify(shape, steps, cfg, parallel, **common)
-    longest = max(max(s) for s in steps)
-    multiple = math.lcm(parallel.tp, parallel.segment_multiple)
-    whole = dataclasses.replace(cfg, chunk_size=longest + (-longest % multiple), k=1)
+    longest = max(max(lengths) for lengths in steps)
+    whole = dataclasses.replace(cfg, chunk_size=longest + (-longest % parallel.chunk_multiple),
+                                k=1)
     unchunked = run_verify(shape, steps, whole, parallel, **common)
-    bound = BOUNDS[dtype]
+    bound = BOUNDS[DTYPES[s.dtype]]
     ok = all(r.max_rel_grad_err <= bound
              and abs(r.loss_chunked - r.loss_ref) <= bound * max(1.0, abs(r.loss_ref))
              for r in results)
-    dp = parallel_state.get_data_parallel_world_size()
+    dp = Ranks.current().dp
     worst = max(results, key=lambda r: r.max_rel_grad_err)
-    out = Output(args.json, quiet=not _is_main())
+    out = Output(as_json, quiet=not _is_main())
     n_dep = sum(1 for n in steps[0] if n > cfg.chunk_size)
     out.say(f"{len(steps[0])} sequences ({source}), {sum(steps[0]):,} tokens, {n_dep} longer than "
-            f"C={cfg.chunk_size}; K={cfg.k}, {args.dtype}, TP={parallel.tp}"
+            f"C={cfg.chunk_size}; K={cfg.k}, {s.dtype}, TP={parallel.tp}"
             f"{' (sequence parallel)' if parallel.sequence_parallel else ''} CP={parallel.cp} "
             f"PP={parallel.pp} DP={dp}, attention {_backend(cfg)}; reference: stock Megatron at PP=1"
             + (f"; LoRA rank {lora.rank} on {lora.targets} (adapter gradients compared, base "
@@ -215,7 +147,7 @@ def _run_check(args, cfg, parallel, shape, dtype, lora=None) -> int:
             f"{max(last.activation_bytes_per_stage):,} vs unchunked "
             f"{max(last_unchunked.activation_bytes_per_stage):,}")
     out.result({
-        "dtype": args.dtype, "tp": parallel.tp, "cp": parallel.cp, "pp": parallel.pp, "dp": dp,
+        "dtype": s.dtype, "tp": parallel.tp, "cp": parallel.cp, "pp": parallel.pp, "dp": dp,
         "sequence_parallel": parallel.sequence_parallel,
         "chunk_size": cfg.chunk_size, "k": cfg.k, "lora": _lora_json(lora),
         "loss_ref": worst.loss_ref, "loss_chunked": worst.loss_chunked,
@@ -233,25 +165,25 @@ def _run_check(args, cfg, parallel, shape, dtype, lora=None) -> int:
     return 0 if ok else 1
 
 
-def _run_hf(args, cfg, parallel) -> int:
-    from megatron.core import parallel_state
-
+def _run_hf(s: VerifySettings, as_json: bool) -> int:
     from megatron_chunkflow.checks.hf_verify import run_hf_verify
+    from megatron_chunkflow.runtime.ranks import Ranks
 
-    steps, source = _step_lengths(args, cfg)
-    r = run_hf_verify(args.hf_reference, steps[0], cfg, parallel, args.seed)
+    cfg, parallel = s.chunkflow, s.parallel
+    steps, source = s.step_lengths()
+    r = run_hf_verify(s.hf_reference, steps[0], cfg, parallel, s.lengths.seed)
     ok = r.max_rel_grad_err <= 1e-10
-    out = Output(args.json, quiet=not _is_main())
+    out = Output(as_json, quiet=not _is_main())
     out.say(f"{len(steps[0])} sequences ({source}); C={cfg.chunk_size} K={cfg.k}, float64, "
             f"TP={parallel.tp} PP={parallel.pp}; reference: transformers Qwen2ForCausalLM from "
-            f"{args.hf_reference}, unchunked")
+            f"{s.hf_reference}, unchunked")
     for name, err in r.param_errors:
         out.say(f"{name:<58} {err:.2e}")
     out.say(f"loss: transformers {r.loss_ref:.12f}  chunked {r.loss_chunked:.12f}")
     out.say(f"max relative gradient error {r.max_rel_grad_err:.2e} ({r.worst_param}); bound 1e-10: "
             f"{'PASS' if ok else 'FAIL'}")
     out.result({"dtype": "float64", "tp": parallel.tp, "pp": parallel.pp,
-                "dp": parallel_state.get_data_parallel_world_size(), "chunk_size": cfg.chunk_size,
+                "dp": Ranks.current().dp, "chunk_size": cfg.chunk_size,
                 "k": cfg.k, "loss_ref": r.loss_ref, "loss_chunked": r.loss_chunked,
                 "max_rel_grad_err": r.max_rel_grad_err, "worst_param": r.worst_param,
                 "reference": "transformers", "passed": ok})
@@ -265,39 +197,23 @@ def _backend(cfg) -> str:
     return resolve_backend(cfg.attention_backend, "cpu")
 
 
-MEMORY_MAX_LENGTH = 1 << 20
-
-
-def _memory_lengths(text: str) -> list[int]:
-    try:
-        lengths = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--lengths {text!r}: expected comma-separated integers") from None
-    if not lengths or min(lengths) < 1:
-        raise ValueError(f"--lengths {text!r}: lengths must be positive")
-    if max(lengths) > MEMORY_MAX_LENGTH:  # each runs through the real model on this machine
-        raise ValueError(f"--lengths {text!r}: {max(lengths):,} tokens is more than the "
-                         f"{MEMORY_MAX_LENGTH:,} the memory check runs")
-    return lengths
-
-
 def _lora_json(lora) -> dict | None:
     if lora is None:
         return None
     return {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.target_names)}
 
 
-def _run_memory(args, cfg, shape, dtype, lora=None) -> int:
+def _run_memory(s: VerifySettings, as_json: bool) -> int:
     from megatron_chunkflow.checks.memory import measure_one_sequence
 
-    lengths = _memory_lengths(args.lengths)
+    cfg, shape, dtype, lora = s.chunkflow, s.shape, DTYPES[s.dtype], s.lora
     rows = []
-    out = Output(args.json, quiet=not _is_main())
-    out.say(f"one sequence per length; C={cfg.chunk_size}, K={cfg.k}, {args.dtype}, "
+    out = Output(as_json, quiet=not _is_main())
+    out.say(f"one sequence per length; C={cfg.chunk_size}, K={cfg.k}, {s.dtype}, "
             f"attention {_backend(cfg)}; bytes saved for backward (no weights) and K/V state"
             + (f"; LoRA rank {lora.rank} on {lora.targets}, base frozen" if lora else ""))
     out.say(f"{'length':>8} {'chunked':>14} {'unchunked':>14} {'state':>14} {'state formula':>14}")
-    for n in lengths:
+    for n in s.memory_lengths:
         chunked = measure_one_sequence(shape, n, cfg, dtype, lora=lora)
         unchunked = measure_one_sequence(shape, n, dataclasses.replace(cfg, chunk_size=n, k=1),
                                          dtype, lora=lora)
@@ -309,35 +225,36 @@ def _run_memory(args, cfg, shape, dtype, lora=None) -> int:
             f"{row['state_formula_bytes']:,.0f}"
         out.say(f"{n:>8} {row['chunked_bytes']:>14,} {row['unchunked_bytes']:>14,} "
                 f"{row['state_bytes']:>14,} {formula:>14}")
-    out.result({"chunk_size": cfg.chunk_size, "k": cfg.k, "dtype": args.dtype,
+    out.result({"chunk_size": cfg.chunk_size, "k": cfg.k, "dtype": s.dtype,
                 "lora": _lora_json(lora), "rows": rows})
     return 0
 
 
-def _run_memory_cp(args, cfg, shape, dtype, cp: int) -> int:
+def _run_memory_cp(s: VerifySettings, as_json: bool) -> int:
     """Per rank, peak activation + K/V state bytes of one sequence at CP = `cp` against CP = 1
     (each rank of the world runs it alone), same chunk size: the largest over the ranks."""
     from megatron_chunkflow.checks.memory import measure_one_sequence
-    from megatron_chunkflow.runtime.p2p import comm_device
     from megatron_chunkflow.mcore.dist import init_distributed
+    from megatron_chunkflow.runtime.p2p import comm_device
 
-    lengths = _memory_lengths(args.lengths)
+    cfg, shape, dtype, cp = s.chunkflow, s.shape, DTYPES[s.dtype], s.parallel.cp
+    seed = s.lengths.seed
     world = torch.distributed.get_world_size()
     if world != cp:
         raise ValueError(f"--memory --cp {cp} runs in {cp} processes (torchrun --nproc_per_node "
                          f"{cp}), got {world}")
-    out = Output(args.json, quiet=not _is_main())
-    out.say(f"one sequence per length; C={cfg.chunk_size}, K={cfg.k}, {args.dtype}, attention "
+    out = Output(as_json, quiet=not _is_main())
+    out.say(f"one sequence per length; C={cfg.chunk_size}, K={cfg.k}, {s.dtype}, attention "
             f"{_backend(cfg)}; peak bytes saved for backward (no weights) plus K/V state, the "
             f"largest rank's")
     out.say(f"{'length':>8} {'CP=1':>14} {f'CP={cp}':>14} {'ratio':>7} {'state CP=1':>14} "
             f"{f'state CP={cp}':>14} {'gathered':>14} {'reduce-scat.':>14}")
     rows = []
-    for n in lengths:
+    for n in s.memory_lengths:
         measured = []
         for size in (1, cp):
-            init_distributed(ParallelConfig(cp=size), args.seed)
-            row = measure_one_sequence(shape, n, cfg, dtype, seed=args.seed, cp=size)
+            init_distributed(ParallelConfig(cp=size), seed)
+            row = measure_one_sequence(shape, n, cfg, dtype, seed=seed, cp=size)
             peaks = torch.tensor([row.total, row.state, row.cp_gathered,
                                   row.cp_reduce_scattered], dtype=torch.float64,
                                  device=comm_device())
@@ -352,6 +269,59 @@ def _run_memory_cp(args, cfg, shape, dtype, cp: int) -> int:
                 f"{many_state:>14,} {gathered:>14,} {scattered:>14,}")
     out.say(f"gathered / reduce-scat.: bytes one CP={cp} rank received in the step's K/V "
             "all-gathers and dK/dV reduce-scatters (every layer, forwards and backwards)")
-    out.result({"chunk_size": cfg.chunk_size, "k": cfg.k, "dtype": args.dtype, "cp": cp,
+    out.result({"chunk_size": cfg.chunk_size, "k": cfg.k, "dtype": s.dtype, "cp": cp,
                 "rows": rows})
     return 0
+
+
+FACTOR = 4.0  # pass if rel_err_of_mean <= FACTOR * expected_rel_err
+
+
+def _run_sparse(s: VerifySettings, as_json: bool) -> int:
+    """SpaCO is approximate: each draw's gradient differs from the exact one; their expectation
+    is the exact gradient (docs/sparse.md). The check prints the relative error of the mean after
+    1, 4, 16, ... draws (it should fall like 1 / sqrt(draws)) and passes when the final error is
+    within FACTOR x the error expected from the draws' own variance, sqrt(trace Var / N) / ||g||,
+    and the loss value (every chunk runs forward) equals the exact loss."""
+    from megatron_chunkflow.checks.sparse_verify import run_sparse_verify
+    from megatron_chunkflow.checks.verify import BOUNDS
+
+    cfg, parallel, lora, dtype = s.chunkflow, s.parallel, s.lora, DTYPES[s.dtype]
+    steps, source = s.step_lengths()
+    lengths = steps[0]
+    t = s.sparse.sparse_backward
+    r = run_sparse_verify(s.shape, lengths, cfg, t, s.draws, dtype, seed=s.lengths.seed,
+                          parallel=parallel, lora=lora)
+    bound = BOUNDS[dtype]
+    loss_ok = abs(r.loss_sparse - r.loss_ref) <= bound * max(1.0, abs(r.loss_ref))
+    ok = loss_ok and r.rel_err_of_mean <= FACTOR * r.expected_rel_err
+    dp = torch.distributed.get_world_size() // parallel.model_parallel_size
+    out = Output(as_json, quiet=not _is_main())
+    out.say(f"APPROXIMATE (SpaCO): {len(lengths)} sequences ({source}), {sum(lengths):,} tokens; "
+            f"C={cfg.chunk_size} K={cfg.k}, {s.dtype}, TP={parallel.tp} PP={parallel.pp} DP={dp}"
+            + (f", LoRA rank {lora.rank}" if lora else "")
+            + f"; T={t}: each dependent chunk of a k-chunk sequence back-propagated with "
+            f"probability min(1, {t}/k), weighted by its inverse")
+    out.say(f"{r.num_dependent} dependent chunks per draw, {r.backward_fraction:.1%} "
+            f"back-propagated on average; exact gradient: stock Megatron at PP=1")
+    out.say(f"loss: exact {r.loss_ref:.12f}  SpaCO {r.loss_sparse:.12f} "
+            f"({'equal' if loss_ok else 'DIFFERENT'}: every chunk runs forward)")
+    out.say(f"one draw: relative RMS error {r.rel_std:.3f}")
+    out.say(f"{'draws':>8} {'rel. error of the mean':>24}")
+    for n, err in r.curve:
+        out.say(f"{n:>8} {err:>24.4f}")
+    out.say(f"rel. error of the mean {r.rel_err_of_mean:.4f}, expected from the draws' variance "
+            f"{r.expected_rel_err:.4f}; bound {FACTOR:g} x expected: {'PASS' if ok else 'FAIL'}")
+    out.result({
+        "approximate": True, "dtype": s.dtype, "tp": parallel.tp, "pp": parallel.pp, "dp": dp,
+        "chunk_size": cfg.chunk_size, "k": cfg.k,
+        "lora": None if lora is None else {"rank": lora.rank, "alpha": lora.alpha,
+                                           "targets": list(lora.target_names)},
+        "loss_ref": r.loss_ref, "loss_sparse": r.loss_sparse,
+        "sparse": {"t": t, "draws": r.draws, "rel_err_of_mean": r.rel_err_of_mean,
+                   "expected_rel_err": r.expected_rel_err, "rel_std_one_draw": r.rel_std,
+                   "curve": [{"draws": n, "rel_err_of_mean": e} for n, e in r.curve],
+                   "backward_fraction": r.backward_fraction},
+        "passed": ok,
+    })
+    return 0 if ok else 1

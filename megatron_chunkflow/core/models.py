@@ -157,3 +157,14 @@ def model_shape_from_dict(d: dict, source: str = "model config") -> ModelShape:
         raise ValueError(f"{source}: num_attention_heads {shape.num_attention_heads} is not a "
                          f"multiple of num_query_groups {shape.num_query_groups}")
     return shape
+
+
+def load_model_shape(name: str, config_path: str | None = None) -> ModelShape:
+    """The shape --model-config FILE describes (our field names or a Hugging Face Qwen2
+    config.json), else the --model preset `name`; ValueErrors name the flag and file."""
+    if not config_path:
+        return get_model_shape(name)
+    from megatron_chunkflow.flags import read_json_file
+
+    data = read_json_file(config_path, f"--model-config {config_path}")
+    return model_shape_from_dict(data, f"--model-config {config_path}")

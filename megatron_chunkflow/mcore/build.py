@@ -1,4 +1,8 @@
-"""Build a Qwen2.5-architecture megatron-core GPTModel from a core.models.ModelShape.
+"""Build a Qwen2.5-architecture megatron-core GPTModel from a core.models.ModelShape, and the one
+ChunkFlow model every entry point trains (`build_chunkflow_model`).
+
+    cm = build_chunkflow_model(shape, torch.float64, ParallelConfig(pp=2))  # after init_distributed
+    execute_step(step, cm.ddp, make_forward_step())      # cm.model, cm.store, cm.config
 
 Qwen2.5 features: GQA (num_query_groups), bias on QKV only, RMSNorm, SwiGLU MLP, RoPE with base 1e6,
 tied or untied embeddings. The local layer spec on CPU; Transformer Engine's when it is installed and
@@ -7,9 +11,12 @@ CUDA is present. Fusions that need CUDA kernels are off on CPU.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.core.models import ModelShape
 
 
@@ -140,3 +147,53 @@ def full_model_name(stage_name: str, config, tie_embeddings: bool) -> str:
     if tie_embeddings and stage_name == "output_layer.weight":
         return "embedding.word_embeddings.weight"
     return stage_name
+
+
+@dataclass
+class ChunkFlowModel:
+    """This rank's pipeline stage of a GPTModel patched for chunk attention (runtime/model.py),
+    its K/V state store and Megatron's DDP around it."""
+
+    model: object  # the GPTModel stage (parameters named as Megatron names them)
+    ddp: object  # megatron.core.distributed.DistributedDataParallel
+    store: object  # runtime/state.py KVStateStore
+
+    @property
+    def config(self):
+        return self.model.config
+
+
+def build_chunkflow_model(shape: ModelShape, dtype: torch.dtype = torch.float32,
+                          parallel: ParallelConfig = ParallelConfig(), *,
+                          attention_backend: str = "auto", load_hf: str | None = None,
+                          hf_shape: ModelShape | None = None, lora=None, lora_seed: int = 0,
+                          lora_b_init_std: float = 0.0, weights: dict | None = None
+                          ) -> ChunkFlowModel:
+    """The ChunkFlow model of `chunkflow train`, verify, bench and the memory check, built in one
+    order on the process groups of `parallel` (mcore/dist.py: init_distributed):
+
+    1. this stage's GPTModel in `dtype`, with `parallel`'s sequence parallelism and recompute;
+    2. `load_hf`: a Hugging Face checkpoint directory's weights (`hf_shape`: its unpadded shape);
+    3. `lora` (mcore/lora.py LoRAConfig): adapters seeded by `lora_seed` (B drawn from
+       N(0, lora_b_init_std) for gradient checks), every other weight frozen;
+    4. `weights`: a state dict by the PP = 1 model's names (verify's reference weights, adapters
+       included), this stage's slice loaded;
+    5. chunk attention (`attention_backend`, runtime/model.py: apply_chunkflow), Megatron's DDP."""
+    from megatron_chunkflow.runtime.model import apply_chunkflow
+
+    config = transformer_config(shape, dtype, sequence_parallel=parallel.sequence_parallel,
+                                **parallel.recompute.megatron_kwargs())
+    model = build_gpt_model(shape, config)
+    if load_hf:
+        from megatron_chunkflow.mcore.hf import import_hf_weights
+
+        import_hf_weights(model, load_hf, config, hf_shape or shape)
+    if lora is not None:
+        from megatron_chunkflow.mcore.lora import apply_lora
+
+        apply_lora(model, lora, lora_seed, b_init_std=lora_b_init_std)
+    if weights is not None:
+        names = {n: full_model_name(n, config, shape.tie_embeddings) for n in model.state_dict()}
+        model.load_state_dict({n: weights[names[n]] for n in names})
+    store = apply_chunkflow(model, backend=attention_backend)
+    return ChunkFlowModel(model, wrap_ddp(model, config), store)

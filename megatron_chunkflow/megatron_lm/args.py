@@ -16,6 +16,7 @@ from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
 from megatron_chunkflow.flags import add_config_arguments, config_from_args
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.profiles import PROFILES
+from megatron_chunkflow.data.config import DataConfig
 
 TESTED_VERSION = "0.16.1"
 # Megatron-LM has its own --attention-backend: ours lives in the chunkflow namespace, as every
@@ -38,12 +39,7 @@ def add_chunkflow_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     g.add_argument("--chunkflow-mock-profile", choices=sorted(PROFILES), default="B",
                    help="with --mock-data: the length profile (docs/design.md), scaled so its "
                         "longest sequence is --seq-length (default: B)")
-    g.add_argument("--overlong", choices=("error", "drop", "split"), default="error",
-                   help="a --data-path sequence longer than --seq-length: error (default) stops "
-                        "naming it, drop skips and counts it, split cuts it into independent "
-                        "pieces; nothing is truncated silently")
-    g.add_argument("--skip-bad-records", action="store_true",
-                   help="skip malformed --data-path records (counted) instead of stopping")
+    add_config_arguments(g, DataConfig, fields=("overlong", "skip_bad_records"), aliases=False)
     g.add_argument("--chunkflow-load-hf", metavar="DIR",
                    help="initialise from a Hugging Face Qwen2/Qwen2.5 checkpoint directory (works "
                         "with and without --chunkflow, so both systems can start from the same "

@@ -336,7 +336,7 @@ def _training_log(original, *args, **kwargs):
 
 def _log_line(a, iteration: int) -> str:
     from megatron_chunkflow.mcore.cpu import has_real_cuda
-    from megatron_chunkflow.training.loop import peak_memory_bytes
+    from megatron_chunkflow.mcore.step import peak_memory_bytes
 
     h, last = _HOOKS, _HOOKS.iterator.last
     per_step = h.interval_time / h.interval_steps

@@ -12,8 +12,8 @@ step (point-to-point waits are outside every context, so they count as idle time
 - `backward(op)`: a context around one B (Megatron's backward_step);
 - `input_kept(chunk, tensor)` / `input_released(chunk)`: a stage input kept after a forward
   without graph (stages after the first) until the chunk's re-forward takes it.
-bench/instrument.py drives the same hooks from Megatron's own schedule, so both systems are
-measured by the same observers.
+`observing_megatron` drives the same hooks from Megatron's own schedule (the stock baselines), so
+both systems are measured by the same observers.
 """
 
 from __future__ import annotations
@@ -101,3 +101,38 @@ def observing(observers, hook: str, *args) -> contextlib.ExitStack:
     for observer in observers:
         stack.enter_context(getattr(observer, hook)(*args))
     return stack
+
+
+@contextlib.contextmanager
+def observing_megatron(observers):
+    """Call `observers` from Megatron's own schedule for the duration of the context: its
+    module-level forward_step (micro-batch i's forward, loss included) and backward_step (1F1B
+    runs backwards in forward order) are wrapped, as execute_step calls them for ChunkFlow. No
+    observers: nothing is wrapped."""
+    if not observers:
+        yield
+        return
+    from megatron.core.pipeline_parallel import schedules
+
+    original_fwd, original_bwd = schedules.forward_step, schedules.backward_step
+    count = {"F": 0, "B": 0}
+
+    def forward_step(*args, **kwargs):
+        i, count["F"] = count["F"], count["F"] + 1
+        with observing(observers, "forward", Op("F", i), True):
+            return original_fwd(*args, **kwargs)
+
+    def backward_step(*args, **kwargs):
+        i, count["B"] = count["B"], count["B"] + 1
+        with observing(observers, "backward", Op("B", i)):
+            return original_bwd(*args, **kwargs)
+
+    for observer in observers:
+        observer.step_began()
+    schedules.forward_step, schedules.backward_step = forward_step, backward_step
+    try:
+        yield
+    finally:
+        schedules.forward_step, schedules.backward_step = original_fwd, original_bwd
+        for observer in observers:
+            observer.step_ended()

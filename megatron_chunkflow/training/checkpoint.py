@@ -24,44 +24,14 @@ import shutil
 import sys
 from pathlib import Path
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_chunkflow.mcore.settings import CheckpointConfig
+
 TRACKER = "latest_checkpointed_iteration.txt"
 OLD = ".old"  # a complete checkpoint being replaced by a new save of the same iteration
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    """Where a run saves and resumes (Megatron-LM's flags), and Hugging Face import and export."""
-
-    save: str | None = None
-    """Checkpoint directory (Megatron-LM's layout, dist_checkpointing)."""
-
-    load: str | None = None
-    """Resume from the newest complete checkpoint in this directory."""
-
-    save_interval: int | None = None
-    """Save every N steps (and at the end)."""
-
-    load_hf: str | None = None
-    """Start from a Hugging Face Qwen2/Qwen2.5 checkpoint directory (its config.json sets the
-    model; overrides --model)."""
-
-    save_hf: str | None = None
-    """Write the trained model as a Hugging Face checkpoint (safetensors) here."""
-
-    override_lr_schedule: bool = False
-    """With --load: this run's --lr, --min-lr, --lr-warmup-iters and --train-iters set the
-    learning-rate schedule, continued from the checkpoint's step (Megatron-LM's
-    --override-opt_param-scheduler); without it the checkpoint's schedule continues."""
-
-    def __post_init__(self):
-        if self.save_interval is not None and self.save_interval < 1:
-            raise ValueError(f"--save-interval must be >= 1, got {self.save_interval}")
 
 
 class Checkpointer:

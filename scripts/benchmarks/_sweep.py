@@ -59,7 +59,7 @@ def _job(settings, configs):
 
 def run(args, configs: list[dict], name: str, title: str) -> tuple[list[dict], Path]:
     """Measure `configs` on a PP = args.pp job; write NAME.md, .csv, .json; return the rows."""
-    from megatron_chunkflow.bench.systems import BenchSettings
+    from megatron_chunkflow.bench.settings import BenchSettings
     from megatron_chunkflow.config import ParallelConfig
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.mcore.dist import run_processes

@@ -171,7 +171,7 @@ def step_bench(out: Path, dry_run: bool) -> dict:
     """ChunkFlow and the stock baselines, each as the simulator configures it for this GPU."""
     import torch
 
-    from megatron_chunkflow.config import ChunkFlowConfig, Recompute
+    from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.core.profiles import ensure_long, sample_lengths
     from megatron_chunkflow.core.step import BASELINES
@@ -179,8 +179,9 @@ def step_bench(out: Path, dry_run: bool) -> dict:
     from megatron_chunkflow.perfmodel.hardware import get_gpu
     from megatron_chunkflow.perfmodel.search import best_chunkflow, best_megatron
     from megatron_chunkflow.mcore.dist import init_distributed
-    from megatron_chunkflow.training.loop import build_training, train_step
-    from megatron_chunkflow.training.settings import OptimizerConfig, TrainSettings
+    from megatron_chunkflow.mcore.step import build_training
+    from megatron_chunkflow.training.loop import train_step
+    from megatron_chunkflow.mcore.settings import OptimizerConfig, TrainSettings
 
     exactness = out / "exactness.json"
     backend = (json.loads(exactness.read_text()).get("fastest_exact_backend")
@@ -204,13 +205,16 @@ def step_bench(out: Path, dry_run: bool) -> dict:
     for name, plan in plans.items():
         row = {"recompute": str(plan.layout.recompute), "predicted_step_s": plan.step_s,
                "predicted_fits": plan.fits}
+        # the search's smallest chunk (2K) exceeds the dry run's 512-token context
+        chunk_size = min(plan.chunk_size or seq_length, seq_length)
         if name == "chunkflow":
-            row.update(chunk_size=plan.chunk_size, k=plan.k)
+            row.update(chunk_size=chunk_size, k=plan.k)
         try:
-            chunkflow = ChunkFlowConfig(plan.chunk_size or 8192, plan.k or 1, backend)
+            chunkflow = ChunkFlowConfig(chunk_size, plan.k or 1, backend)
             s = TrainSettings(shape=shape, model_name=model, system=name, dtype=dtype,
                               seq_length=seq_length, global_batch_size=gbs, train_iters=steps,
-                              chunkflow=chunkflow, optimizer=OptimizerConfig(lr_warmup_iters=0), recompute=Recompute.parse(row["recompute"]))
+                              chunkflow=chunkflow, optimizer=OptimizerConfig(lr_warmup_iters=0),
+                              parallel=ParallelConfig(recompute=row["recompute"]))
             gc.collect()  # the last system's model and DDP reference each other
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()

@@ -96,12 +96,8 @@ def _peaks(lengths_list):
     """Per batch: (stock Megatron's and ChunkFlow's peak activation bytes without state, and
     ChunkFlow's peak state) on this stage, no recompute, C = 64, K = 1."""
     from megatron_chunkflow.core.models import get_model_shape
-    from megatron_chunkflow.bench.systems import (
-        BenchSettings,
-        build_system,
-        step_system,
-        train_settings,
-    )
+    from megatron_chunkflow.bench.settings import BenchSettings
+    from megatron_chunkflow.bench.systems import build_system, step_system, train_settings
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
     from megatron_chunkflow.runtime.meter import ActivationMeter
     from megatron_chunkflow.runtime.observe import StageTimeline
@@ -109,7 +105,7 @@ def _peaks(lengths_list):
 
     init_distributed(ParallelConfig(pp=2))
     s = BenchSettings(shape=get_model_shape("tiny"), model_name="tiny", lengths=[1],
-                      seq_length=1024, budget_bytes=0)
+                      seq_length=1024, budget_bytes=2**30)
     systems = [build_system("megatron-packed", train_settings(s, "megatron-packed")),
                build_system("chunkflow", train_settings(s, "chunkflow", chunk_size=64))]
     out = []

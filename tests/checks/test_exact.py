@@ -65,32 +65,31 @@ def _summary(results):
 
 def _run_single():
     from megatron_chunkflow.checks.verify import run_verify
-    from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig, Recompute
+    from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.mcore.dist import shutdown
 
     out = {}
     for name, (model, steps, k, dtype, backend, masked, *recompute) in SINGLE.items():
+        parallel = ParallelConfig(recompute=recompute[0] if recompute else "none")
         out[name] = _summary(run_verify(get_model_shape(model), steps,
-                                        ChunkFlowConfig(C, k, backend), ParallelConfig(), dtype,
-                                        seed=1, fully_masked=masked,
-                                        recompute=Recompute.parse(recompute[0] if recompute
-                                                                  else "none")))
+                                        ChunkFlowConfig(C, k, backend), parallel, dtype,
+                                        seed=1, fully_masked=masked))
     shutdown()
     return out
 
 
 def _run_layout(name):
     from megatron_chunkflow.checks.verify import run_verify
-    from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig, Recompute
+    from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.mcore.dist import shutdown
 
     _, tp, pp, sp, ks, steps, *extra = LAYOUTS[name]
     cp, recompute, backend = (*extra, *(1, "none", "torch")[len(extra):])
-    parallel = ParallelConfig(tp=tp, pp=pp, cp=cp, sequence_parallel=sp)
+    parallel = ParallelConfig(tp=tp, pp=pp, cp=cp, sequence_parallel=sp, recompute=recompute)
     out = {k: _summary(run_verify(get_model_shape("tiny"), steps, ChunkFlowConfig(C, k, backend),
-                                  parallel, seed=2, recompute=Recompute.parse(recompute)))
+                                  parallel, seed=2))
            for k in ks}
     shutdown()
     return out

@@ -151,8 +151,19 @@ def test_lengths_file_not_utf8_names_the_file(tmp_path, capsys):
                                             "--context-parallel-size (--cp) 2 = 4"),
 ])
 def test_bad_input_exits_2(capsys, argv, message):
-    assert main(["plan", "--global-batch-size", "50", *argv]) == 2
+    batch = [] if "--lengths-file" in argv else ["--global-batch-size", "50"]
+    assert main(["plan", *batch, *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_lengths_file_is_the_whole_batch(capsys, tmp_path):
+    """--global-batch-size and --profile draw lengths; with --lengths-file they would be ignored,
+    so giving both is refused (in every command that reads lengths)."""
+    f = tmp_path / "l.txt"
+    f.write_text("30\n40\n")
+    for flag in (["--global-batch-size", "50"], ["--profile", "A"]):
+        assert main(["plan", "--lengths-file", str(f), *flag]) == 2
+        assert f"{flag[0]} draws the lengths; with --lengths-file" in capsys.readouterr().err
 
 
 def test_usage_error_exits_2(capsys):

@@ -43,15 +43,15 @@ def _summary(results):
 
 def _verify_single():
     from megatron_chunkflow.checks.verify import run_verify
-    from megatron_chunkflow.config import ChunkFlowConfig, Recompute
+    from megatron_chunkflow.config import ChunkFlowConfig
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.mcore.dist import shutdown
     from megatron_chunkflow.mcore.lora import LoRAConfig
 
     out = {name: _summary(run_verify(get_model_shape("tiny"), steps,
-                                     ChunkFlowConfig(C, k, "torch"), seed=1,
-                                     lora=LoRAConfig(rank=4, targets=targets),
-                                     recompute=Recompute.parse(recompute)))
+                                     ChunkFlowConfig(C, k, "torch"),
+                                     ParallelConfig(recompute=recompute), seed=1,
+                                     lora=LoRAConfig(rank=4, targets=targets)))
            for name, (k, steps, targets, recompute) in SINGLE.items()}
     shutdown()
     return out
@@ -195,7 +195,7 @@ def _settings(warmup: int = 1, **kw):
     from megatron_chunkflow.config import ChunkFlowConfig
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.mcore.lora import LoRAConfig
-    from megatron_chunkflow.training.settings import OptimizerConfig, TrainSettings
+    from megatron_chunkflow.mcore.settings import OptimizerConfig, TrainSettings
 
     base = dict(shape=get_model_shape("tiny"), model_name="tiny", train_iters=6,
                 global_batch_size=6, seq_length=160, chunkflow=ChunkFlowConfig(C, 1),
@@ -208,9 +208,10 @@ def _train(ckpt, hf_dir):
     import torch
 
     from megatron_chunkflow.data.synthetic import make_sequences
-    from megatron_chunkflow.training.checkpoint import CheckpointConfig
+    from megatron_chunkflow.mcore.settings import CheckpointConfig
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
-    from megatron_chunkflow.training.loop import build_training, run_step, train
+    from megatron_chunkflow.mcore.step import build_training, forward_backward
+    from megatron_chunkflow.training.loop import train
 
     dataset = make_sequences(TRAIN_LENGTHS, 1000, seed=3)
     out = {}
@@ -218,9 +219,9 @@ def _train(ckpt, hf_dir):
     s = _settings(warmup=0)  # (warmup starts at lr 0)
     init_distributed(seed=s.seed)
     tr = build_training(s)
-    model, ddp, optimizer = tr.model, tr.ddp, tr.optimizer
+    model, optimizer = tr.model, tr.optimizer
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    run_step(s, dataset[:6], ddp, model.config)
+    forward_backward(s, tr, dataset[:6])
     optimizer.step()
     out["trainable"] = sorted(n for n, p in model.named_parameters() if p.requires_grad)
     out["optimizer_params"] = sum(len(g["params"]) for g in optimizer.param_groups)
@@ -266,7 +267,7 @@ def test_lora_training(gloo, tmp_path):
 def _resume_tp2(ckpt):
     from megatron_chunkflow.data.synthetic import make_sequences
     from megatron_chunkflow.runtime.sparse import SparseConfig
-    from megatron_chunkflow.training.checkpoint import CheckpointConfig
+    from megatron_chunkflow.mcore.settings import CheckpointConfig
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
     from megatron_chunkflow.training.loop import train
 

@@ -6,7 +6,7 @@ saved tensor counts from its save until autograd frees it, at storage level.
 The first tests drive the meter with toy autograd graphs in this process. The rest run real
 megatron-core on CPU in a world of one (the tests' gloo job, tests/workers.py): tiny
 GPT models, micro-batches through Megatron's forward_backward_no_pipelining inside
-bench/instrument.instrument_megatron, and one ChunkFlow step; they check the meter's peaks against
+runtime/observe.observing_megatron, and one ChunkFlow step; they check the meter's peaks against
 layer arithmetic taken from an independent count (module by module, and one layer run alone).
 """
 
@@ -316,10 +316,10 @@ def _gpt(shape_name: str, recompute: str, dtype):
 def _megatron_step(ddp, shape, tokens: int, observers, forward_only=False):
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
-    from megatron_chunkflow.bench.instrument import instrument_megatron
+    from megatron_chunkflow.runtime.observe import observing_megatron
     from megatron_chunkflow.runtime.loss import make_forward_step
 
-    with instrument_megatron(observers), \
+    with observing_megatron(observers), \
             torch.no_grad() if forward_only else contextlib.nullcontext():
         forward_backward_no_pipelining(
             forward_step_func=make_forward_step(exact_loss=True), model=ddp,

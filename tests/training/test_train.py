@@ -11,7 +11,7 @@ LENGTHS = [70, 5, 33, 100, 12, 64, 1, 16, 48, 9, 130, 21, 7, 90, 3, 40, 55, 11]
 def _settings(**kw):
     from megatron_chunkflow.config import ChunkFlowConfig
     from megatron_chunkflow.core.models import get_model_shape
-    from megatron_chunkflow.training.settings import OptimizerConfig, TrainSettings
+    from megatron_chunkflow.mcore.settings import OptimizerConfig, TrainSettings
 
     base = dict(shape=get_model_shape("tiny"), model_name="tiny", train_iters=20,
                 global_batch_size=6, seq_length=160, chunkflow=ChunkFlowConfig(16, 1),
@@ -65,7 +65,7 @@ def _losses_with_crashed_save(ckpt):
     half-written iter_*.tmp, tracker untouched); then resume."""
     from pathlib import Path
 
-    from megatron_chunkflow.training.checkpoint import CheckpointConfig
+    from megatron_chunkflow.mcore.settings import CheckpointConfig
 
     first = _losses([dict(checkpoint=CheckpointConfig(save=ckpt, save_interval=10),
                                 exit_interval=10)])[0]
@@ -93,7 +93,7 @@ def _resume_after_crashed_resave(ckpt):
     import shutil
     from pathlib import Path
 
-    from megatron_chunkflow.training.checkpoint import CheckpointConfig
+    from megatron_chunkflow.mcore.settings import CheckpointConfig
 
     _losses([dict(checkpoint=CheckpointConfig(save=ckpt, save_interval=5), exit_interval=10)])
     root = Path(ckpt)
@@ -117,7 +117,7 @@ def test_resume_falls_back_to_the_newest_complete_checkpoint(gloo, tmp_path, cap
 
 
 def _load(ckpt):
-    from megatron_chunkflow.training.checkpoint import CheckpointConfig
+    from megatron_chunkflow.mcore.settings import CheckpointConfig
 
     return _losses([dict(checkpoint=CheckpointConfig(load=ckpt))])
 
@@ -125,7 +125,7 @@ def _load(ckpt):
 def test_truncated_shard_is_named(gloo, tmp_path):
     from pathlib import Path
 
-    from megatron_chunkflow.training.checkpoint import CheckpointConfig
+    from megatron_chunkflow.mcore.settings import CheckpointConfig
 
     ckpt = str(tmp_path / "ckpt")
     gloo.run(_losses, 1, [dict(checkpoint=CheckpointConfig(save=ckpt), train_iters=3)],
@@ -138,7 +138,7 @@ def test_truncated_shard_is_named(gloo, tmp_path):
 
 
 def test_resume_on_more_processes_than_saved_is_refused(gloo, tmp_path):
-    from megatron_chunkflow.training.checkpoint import CheckpointConfig
+    from megatron_chunkflow.mcore.settings import CheckpointConfig
 
     ckpt = str(tmp_path / "ckpt")
     gloo.run(_losses, 1, [dict(checkpoint=CheckpointConfig(save=ckpt), train_iters=3)],
@@ -163,10 +163,10 @@ def test_stock_runs_steps_with_fewer_microbatches_than_dp_ranks(gloo):
 def _lrs(ckpt):
     """Learning rates applied: an unbroken run of the new schedule, and runs saved at step 10 of
     the old one and resumed with the new one, without and with --override-lr-schedule."""
-    from megatron_chunkflow.training.checkpoint import CheckpointConfig
+    from megatron_chunkflow.mcore.settings import CheckpointConfig
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
     from megatron_chunkflow.training.loop import train
-    from megatron_chunkflow.training.settings import OptimizerConfig
+    from megatron_chunkflow.mcore.settings import OptimizerConfig
 
     new = dict(optimizer=OptimizerConfig(lr=1e-3, min_lr=1e-5, lr_warmup_iters=2), train_iters=14)
 

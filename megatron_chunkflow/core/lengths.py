@@ -1,0 +1,125 @@
+"""Where a command's sequence lengths come from: a seeded long-tailed profile (core/profiles.py) or a
+lengths file. `chunkflow plan`, `simulate`, `verify` and `bench` derive their length flags from
+LengthsConfig, each with its own default batch (cli/: SCENARIO), and `--seed` means the same in
+every command: the seed of everything it draws at random.
+
+    lengths, source = LengthsConfig(profile="A", global_batch_size=300).lengths(default_batch=2000)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from megatron_chunkflow.core.profiles import PROFILES, ensure_long, sample_lengths
+
+ProfileName = Literal["A", "B", "C", "dcp"]  # core/profiles.py PROFILES
+MAX_LENGTH = 1 << 24  # tokens in one sequence: 16M, 64x a 256K context; planning stays bounded
+DEFAULT_PROFILE = "B"
+
+
+@dataclass(frozen=True)
+class LengthsConfig:
+    """The sequence lengths of a command's global batch."""
+
+    profile: ProfileName | None = None
+    """Seeded long-tailed length profile (docs/design.md, "Length profiles")."""
+
+    lengths_file: str | None = None
+    """The global batch itself: one positive integer per line ('#' starts a comment)."""
+
+    global_batch_size: int | None = field(default=None, metadata={
+        "deprecated": ("--num-sequences",)})
+    """Sequences in the global batch, drawn from --profile."""
+
+    seed: int = 0
+    """Seed of everything the command draws at random: lengths from --profile, token ids, initial
+    weights, the data order."""
+
+    step: int = 0
+    """Training step to draw from --profile (each step draws a new batch)."""
+
+    scale: float = 1.0
+    """Multiply every length drawn from --profile by F, e.g. 0.125 on CPU."""
+
+    min_long: int = 0
+    """Make sure at least N sequences drawn from --profile are long (longer than the command's
+    threshold: the chunk size in verify, --seq-length / 8 in bench) by redrawing the last ones
+    from the profile's tail."""
+
+    def __post_init__(self):
+        if self.lengths_file is not None:
+            for flag, given in (("--profile", self.profile is not None),
+                                ("--global-batch-size", self.global_batch_size is not None)):
+                if given:
+                    raise ValueError(f"{flag} draws the lengths; with --lengths-file the file is "
+                                     "the global batch: give one of the two")
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            raise ValueError(f"--global-batch-size must be >= 1, got {self.global_batch_size}")
+        if not (self.scale > 0 and math.isfinite(self.scale)):
+            raise ValueError(f"--scale must be a finite number > 0, got {self.scale}")
+        if self.step < 0:
+            raise ValueError(f"--step must be >= 0, got {self.step}")
+        if self.min_long < 0:
+            raise ValueError(f"--min-long must be >= 0, got {self.min_long}")
+        if self.profile is not None and self.profile not in PROFILES:
+            raise ValueError(f"--profile {self.profile!r}: choose from {', '.join(PROFILES)}")
+
+    def lengths(self, default_batch: int, long_above: int | None = None,
+                step_offset: int = 0) -> tuple[list[int], str]:
+        """The lengths, and a one-line description of where they came from; a profile draws
+        --global-batch-size sequences (`default_batch` when it is not given) at --step plus
+        `step_offset`, --min-long of them longer than `long_above`."""
+        if self.lengths_file is not None:
+            return read_lengths_file(self.lengths_file), self.lengths_file
+        profile = self.profile or DEFAULT_PROFILE
+        step = self.step + step_offset
+        lengths = sample_lengths(profile, self.global_batch_size or default_batch, self.seed,
+                                 step, self.scale)
+        check_length(max(lengths), f"--scale {self.scale:g}")
+        if self.min_long and long_above is not None:
+            lengths = ensure_long(lengths, profile, long_above, self.min_long,
+                                  self.seed + step_offset, self.scale)
+        return lengths, (f"profile {profile}, seed {self.seed}, step {step}"
+                         + (f", scale {self.scale:g}" if self.scale != 1 else ""))
+
+    @property
+    def profile_name(self) -> str:
+        return self.profile or DEFAULT_PROFILE
+
+
+def check_length(n: int, where: str) -> None:
+    """ValueError naming `where` for a sequence longer than any command plans."""
+    if n > MAX_LENGTH:
+        raise ValueError(f"{where}: length {n:,} is more than the {MAX_LENGTH:,} tokens a "
+                         "sequence may have here")
+
+
+def read_lengths_file(path: str) -> list[int]:
+    """The lengths in `path`, one per line; ValueError naming the file and line."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--lengths-file {path}: no such file")
+    try:
+        text_all = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--lengths-file {path}: not UTF-8 text (byte {e.start})") from None
+    lengths = []
+    for lineno, raw in enumerate(text_all.splitlines(), start=1):
+        text = raw.split("#", 1)[0].strip()
+        if not text:
+            continue
+        try:
+            n = int(text)
+        except ValueError:
+            raise ValueError(f"{path}:{lineno}: {text!r} is not an integer") from None
+        if n <= 0:
+            raise ValueError(f"{path}:{lineno}: length {n} must be positive")
+        check_length(n, f"{path}:{lineno}")
+        lengths.append(n)
+    if not lengths:
+        raise ValueError(f"{path}: no lengths (empty input)")
+    return lengths
+

@@ -1,0 +1,179 @@
+"""The settings of one training system, ChunkFlow or a stock baseline: a `chunkflow train` run, a
+system `chunkflow bench` measures, the device check's runs.
+
+    TrainSettings(shape=..., model_name=..., chunkflow=ChunkFlowConfig(chunk_size=1024),
+                  parallel=ParallelConfig(pp=2, recompute="full"), optimizer=OptimizerConfig())
+
+ChunkFlowConfig and ParallelConfig (config.py), OptimizerConfig and CheckpointConfig (here),
+LoRAConfig (mcore/lora.py) and SparseConfig (runtime/sparse.py) are each carried whole to the
+code that uses them; the command line derives its flags from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+from megatron_chunkflow.core.models import ModelShape
+from megatron_chunkflow.flags import check_output_dir
+from megatron_chunkflow.runtime.sparse import SparseConfig
+from megatron_chunkflow.mcore.lora import LoRAConfig
+
+DType = Literal["float32", "float64", "bfloat16"]
+# ChunkFlow, or one of the stock baselines (core/step.py: BASELINES)
+System = Literal["chunkflow", "megatron-sft", "megatron-packed", "megatron-unpacked"]
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Megatron's Adam with weight decay and clipping, and its warmup + cosine LR schedule."""
+
+    lr: float = 1e-3
+    """Peak learning rate."""
+
+    min_lr: float = 1e-4
+    """Floor of the cosine decay (reached at the last step)."""
+
+    lr_warmup_iters: int = 5
+    """Steps of linear warmup from 0 to the peak."""
+
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+
+    clip_grad: float = 1.0
+    """Gradient clipping by global norm (0: off)."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where a run saves and resumes (Megatron-LM's flags), and Hugging Face import and export."""
+
+    save: str | None = None
+    """Checkpoint directory (Megatron-LM's layout, dist_checkpointing)."""
+
+    load: str | None = None
+    """Resume from the newest complete checkpoint in this directory."""
+
+    save_interval: int | None = None
+    """Save every N steps (and at the end)."""
+
+    load_hf: str | None = None
+    """Start from a Hugging Face Qwen2/Qwen2.5 checkpoint directory (its config.json sets the
+    model; overrides --model)."""
+
+    save_hf: str | None = None
+    """Write the trained model as a Hugging Face checkpoint (safetensors) here."""
+
+    override_lr_schedule: bool = False
+    """With --load: this run's --lr, --min-lr, --lr-warmup-iters and --train-iters set the
+    learning-rate schedule, continued from the checkpoint's step (Megatron-LM's
+    --override-opt_param-scheduler); without it the checkpoint's schedule continues."""
+
+    def __post_init__(self):
+        if self.save_interval is not None and self.save_interval < 1:
+            raise ValueError(f"--save-interval must be >= 1, got {self.save_interval}")
+        check_output_dir("--save", self.save)  # before any work, not at the first save
+        check_output_dir("--save-hf", self.save_hf)
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """One training run: what to train, on which data order, with which system and layout.
+    Every rule that ties two of its flags together is checked here (ValueError naming both)."""
+
+    shape: ModelShape
+    model_name: str
+    system: System = "chunkflow"  # a stock baseline: Megatron's own schedule, whole sequences
+    chunkflow: ChunkFlowConfig = field(default_factory=ChunkFlowConfig)  # attention for both
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # recompute included
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    train_iters: int = 50
+    global_batch_size: int = 16  # sequences per step
+    seq_length: int = 32768  # the longest context; stock Megatron's micro-batch length
+    seed: int = 1234
+    exit_interval: int | None = None  # stop after this many steps of this run (Megatron-LM's)
+    dtype: DType = "float32"
+    hf_shape: ModelShape | None = None  # the --load-hf checkpoint's shape (unpadded vocabulary)
+    lora: LoRAConfig | None = None  # adapters only, the base frozen
+    sparse: SparseConfig = field(default_factory=SparseConfig)  # SpaCO (approximate)
+
+    def __post_init__(self):
+        for flag, value in (("--global-batch-size", self.global_batch_size),
+                            ("--seq-length", self.seq_length), ("--train-iters", self.train_iters)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.exit_interval is not None and self.exit_interval < 1:
+            raise ValueError(f"--exit-interval must be >= 1, got {self.exit_interval}")
+        if not 0 <= self.optimizer.lr_warmup_iters < self.train_iters:
+            raise ValueError(f"--lr-warmup-iters {self.optimizer.lr_warmup_iters} must be in [0, "
+                             f"--train-iters {self.train_iters})")
+        self.parallel.check_model(self.shape)
+        c = self.chunkflow.chunk_size
+        if self.uses_chunkflow:
+            if c > self.seq_length:
+                raise ValueError(f"--chunk-size {c} is larger than --seq-length "
+                                 f"{self.seq_length}")
+            self.parallel.check_chunk_size(c)
+        if self.parallel.cp > 1:
+            self._check_context_parallel()
+        self.sparse.check(-(-self.seq_length // c), self.uses_chunkflow,
+                          f" (--seq-length {self.seq_length} / --chunk-size {c})")
+        from megatron_chunkflow.mcore.cpu import has_real_cuda
+
+        if self.dtype == "bfloat16" and not has_real_cuda():
+            raise ValueError("--dtype bfloat16 needs a GPU; CPU runs train in float32 (or "
+                             "--dtype float64)")
+
+    def _check_context_parallel(self) -> None:
+        cp = f"--context-parallel-size {self.parallel.cp}"
+        if not self.uses_chunkflow:
+            raise ValueError(f"{cp} with --no-chunkflow: the stock path here runs "
+                             "megatron-core's local attention, which has no context parallelism "
+                             "(Transformer Engine's has: run stock CP through Megatron-LM's "
+                             "pretrain_gpt.py)")
+        from megatron_chunkflow.attention.backends import check_context_parallel
+        from megatron_chunkflow.mcore.cpu import has_real_cuda
+
+        check_context_parallel(self.chunkflow.attention_backend,
+                               "cuda" if has_real_cuda() else "cpu")
+        for flag, given in (("--lora-rank", self.lora is not None),
+                            ("--chunkflow-sparse-backward", self.sparse.enabled)):
+            if given:
+                raise ValueError(f"{flag} is not checked with {cp} yet (chunkflow verify "
+                                 "refuses the pair too); give --context-parallel-size 1")
+
+    @staticmethod
+    def system_of(chunkflow: bool, baseline: str | None) -> System:
+        """--chunkflow/--no-chunkflow and --baseline as one system name."""
+        if chunkflow and baseline:
+            raise ValueError(f"--baseline {baseline} names a stock path: add --no-chunkflow")
+        return "chunkflow" if chunkflow else baseline or "megatron-packed"
+
+    @property
+    def uses_chunkflow(self) -> bool:
+        return self.system == "chunkflow"
+
+    @property
+    def real_vocab_size(self) -> int:
+        """The vocabulary the loss is taken over: the checkpoint's, without the rows Megatron pads
+        (runtime/loss.py masks them; Megatron-LM keeps them in the softmax)."""
+        return (self.hf_shape or self.shape).vocab_size
+
+
+def model_of(model: str, model_config: str | None, load_hf: str | None,
+             tp: int) -> tuple[ModelShape, ModelShape | None, str]:
+    """(the shape to build, the --load-hf checkpoint's own shape or None, the model's name) of
+    --model, --model-config or --load-hf (config.json sets the model; Megatron's vocabulary is
+    padded for TP)."""
+    if load_hf:
+        import dataclasses
+
+        from megatron_chunkflow.mcore.hf import padded_vocab_size, shape_from_hf_dir
+
+        hf = shape_from_hf_dir(load_hf)
+        return dataclasses.replace(hf, vocab_size=padded_vocab_size(hf.vocab_size, tp)), hf, load_hf
+    from megatron_chunkflow.core.models import load_model_shape
+
+    return load_model_shape(model, model_config), None, model_config or model

@@ -1,0 +1,86 @@
+"""What `chunkflow train` reports per step: a progress line on stderr, --log-json lines,
+TensorBoard scalars.
+
+    log = StepLog(LogConfig(log_json="metrics.jsonl"), total_steps=100)
+    train(settings, dataset, on_step=log); log.close()
+
+Each record holds the loss, tokens/s, model TFLOP/s (attention counted per sequence, recompute not
+counted), peak memory, chunks per step, the learning rate the step applied and the gradient norm;
+SpaCO runs label every record approximate.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_chunkflow.flags import check_output_dir, check_output_file
+
+FIELDS = ("step", "loss", "loss_tokens", "tokens", "tokens_per_s", "model_tflops",
+          "peak_mem_bytes", "num_chunks", "lr", "grad_norm", "step_s", "approximate",
+          "sparse_backward", "backward_chunks", "dependent_chunks")
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """Where a run's per-step metrics go besides the progress line."""
+
+    log_json: str | None = None
+    """One JSON line of metrics per step (appended)."""
+
+    tensorboard_dir: str | None = None
+    """TensorBoard event files (needs the tensorboard package)."""
+
+    def __post_init__(self):
+        check_output_file("--log-json", self.log_json)
+        check_output_dir("--tensorboard-dir", self.tensorboard_dir)
+
+
+class StepLog:
+    """Called with each step's metrics (training/loop.py train's on_step); `quiet` ranks write
+    nothing."""
+
+    def __init__(self, config: LogConfig, total_steps: int, quiet: bool = False):
+        self.total, self.quiet = total_steps, quiet
+        self.json_file = open(config.log_json, "a") if config.log_json and not quiet else None
+        self.tb = None
+        if config.tensorboard_dir and not quiet:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ValueError("--tensorboard-dir needs the tensorboard package: "
+                                 "pip install tensorboard") from None
+            Path(config.tensorboard_dir).mkdir(parents=True, exist_ok=True)
+            self.tb = SummaryWriter(config.tensorboard_dir)
+
+    def __call__(self, m: dict) -> None:
+        done = int(20 * m["step"] / self.total)
+        if not self.quiet:
+            print(f"step {m['step']:>4}/{self.total} [{'#' * done}{'.' * (20 - done)}] "
+                  f"loss {m['loss']:.4f} | {m['tokens_per_s']:,.0f} tok/s | "
+                  f"{m['model_tflops']:.3f} TFLOP/s | peak {m['peak_mem_bytes'] / 2**30:.2f} GiB | "
+                  f"{m['num_chunks']} chunks | lr {m['lr']:.2e}{_sparse_note(m)}",
+                  file=sys.stderr, flush=True)
+        row = {k: m[k] for k in FIELDS if k in m}
+        if self.json_file:
+            self.json_file.write(json.dumps(row) + "\n")
+            self.json_file.flush()
+        if self.tb:
+            for k, v in row.items():
+                if k not in ("step", "approximate"):
+                    self.tb.add_scalar(f"train/{k}", v, m["step"])
+
+    def close(self) -> None:
+        if self.json_file:
+            self.json_file.close()
+        if self.tb:
+            self.tb.close()
+
+
+def _sparse_note(m: dict) -> str:
+    if not m.get("approximate"):
+        return ""
+    return (f" | APPROXIMATE (SpaCO T={m['sparse_backward']}): {m['backward_chunks']}/"
+            f"{m['dependent_chunks']} dependent chunks back-propagated")
