@@ -28,7 +28,7 @@ class ChunkFlowConfig:
     """Tokens per data chunk (C). Sequences longer than C are cut into dependent chunks; shorter ones
     are packed into standalone chunks of capacity C. Peak activation memory follows C."""
 
-    k: int = field(default=1, metadata={"flag": "--chunkflow-k", "deprecated": ("--k",)})
+    num_kept: int = field(default=1, metadata={"flag": "--chunkflow-k", "deprecated": ("--k",)})
     """Chunks of one long sequence that keep activations (K). The others run forward without a
     graph and are re-forwarded during the backward pass: more K, more memory, less recompute."""
 
@@ -44,8 +44,8 @@ class ChunkFlowConfig:
     def __post_init__(self):
         if self.chunk_size < 1:
             raise ValueError(f"--chunk-size must be >= 1, got {self.chunk_size}")
-        if self.k < 1:
-            raise ValueError(f"--chunkflow-k must be >= 1, got {self.k}")
+        if self.num_kept < 1:
+            raise ValueError(f"--chunkflow-k must be >= 1, got {self.num_kept}")
         choices = typing.get_args(AttentionBackend)
         if self.attention_backend not in choices:
             raise ValueError(f"--attention-backend {self.attention_backend!r}: choose from "

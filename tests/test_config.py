@@ -23,7 +23,7 @@ def test_deprecated_spellings_work_and_warn(capsys):
     parser = argparse.ArgumentParser(prog="chunkflow verify")
     add_config_arguments(parser, ChunkFlowConfig)
     args = parser.parse_args(["--k", "2", "--backend", "torch"])
-    assert config_from_args(ChunkFlowConfig, args) == ChunkFlowConfig(k=2,
+    assert config_from_args(ChunkFlowConfig, args) == ChunkFlowConfig(num_kept=2,
                                                                       attention_backend="torch")
     err = capsys.readouterr().err
     assert "--k is deprecated; use --chunkflow-k" in err
@@ -62,7 +62,8 @@ def test_every_field_documented(cls):
     assert set(field_docs(cls)) == {f.name for f in dataclasses.fields(cls)}
 
 
-@pytest.mark.parametrize("kw,flag", [({"chunk_size": 0}, "--chunk-size"), ({"k": 0}, "--chunkflow-k")])
+@pytest.mark.parametrize("kw,flag", [({"chunk_size": 0}, "--chunk-size"),
+                                     ({"num_kept": 0}, "--chunkflow-k")])
 def test_validation_names_flag(kw, flag):
     with pytest.raises(ValueError, match=flag):
         ChunkFlowConfig(**kw)

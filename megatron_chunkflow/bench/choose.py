@@ -76,13 +76,14 @@ def choose_all(s, dp: int, rates: ActivationRates, hw) -> tuple[dict[str, Plan],
     if not out:
         raise ValueError("; ".join(unfit.values()))
 
-    def predict_cf(c, k, option):
+    def predict_cf(c, num_kept, option):
         lay = dataclasses.replace(layout, recompute=option)
-        return predict_chunkflow(s.lengths, s.shape, hw, lay, c, k).step_s
+        return predict_chunkflow(s.lengths, s.shape, hw, lay, c, num_kept).step_s
 
     out["chunkflow"] = Plan("chunkflow", choose_chunking(
         s.lengths, s.seq_length, dp, s.shape, rates, s.chunkflow_budget, predict_cf,
-        sizes=[s.chunk_size] if s.chunk_size else None, ks=(s.k,) if s.k else None,
+        sizes=[s.chunk_size] if s.chunk_size else None,
+        num_kepts=(s.num_kept,) if s.num_kept else None,
         options=menu(s, s.chunkflow_recompute)))
     return out, unfit
 
@@ -106,9 +107,10 @@ def recompute_flops(name: str, lengths: Sequence[int], shape: ModelShape, seq_le
     last K of its sequence."""
     option = plan.recompute
     if name == "chunkflow":
-        chunks = build_chunks(lengths, plan.choice.chunk_size, dp, plan.choice.k, shape).chunks
+        choice = plan.choice
+        chunks = build_chunks(lengths, choice.chunk_size, dp, choice.num_kept, shape).chunks
         out = sum(chunk_flops(c, shape).forward(shape.num_layers) for c in chunks
-                  if is_reforwarded(c, plan.choice.k))
+                  if is_reforwarded(c, plan.choice.num_kept))
     else:
         chunks = baseline_microbatches(lengths, seq_length, dp, name)
         out = 0.0

@@ -13,10 +13,11 @@ Run in every process of a job (cli/bench.py spawns them, or torchrun). Per run:
    A baseline that no option fits is not run (the JSON's "not_run" says why).
 3. Every system is built (bench/systems.py: same model shape and seed, Megatron's DDP, Adam and
    scheduler, the same attention kernel) and stepped on the same global batch, in turn: warm-up
-   rounds, then measured rounds. A stock baseline is training/loop.py's path (core/step.py:
-   megatron-sft, megatron-packed, megatron-unpacked on Megatron's get_forward_backward_func);
-   ChunkFlow is runtime/execute.py on the core planner's plan. glibc malloc keeps freed memory
-   (bench/instrument.py: cache_freed_memory), as a GPU caching allocator would.
+   rounds, then measured rounds, each step mcore/step.py's training_step (as `chunkflow train`
+   steps): a stock baseline (core/step.py: megatron-sft, megatron-packed, megatron-unpacked) on
+   Megatron's get_forward_backward_func, ChunkFlow runtime/execute.py on the planner's plan.
+   glibc malloc keeps freed memory (bench/instrument.py: cache_freed_memory), as a GPU caching
+   allocator would.
 Measured per step: wall time of forward, backward and optimizer (slowest rank); per-op compute
 intervals (bubble = 1 - busy / (p x span)); activation bytes (the exact meter: a saved tensor from
 its save until autograd frees it, plus ChunkFlow's K/V state, the same meter for every system);
@@ -100,13 +101,14 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
     s = dataclasses.replace(s, baselines=tuple(b for b in s.baselines if b in plans))
     cf_plan = plans["chunkflow"]
     chunkflow.settings = train_settings(s, "chunkflow", cf_plan.choice.chunk_size,
-                                        cf_plan.choice.k, cf_plan.recompute)
+                                        cf_plan.choice.num_kept, cf_plan.recompute)
     chunkflow = build_system("chunkflow", chunkflow.settings) \
         if cf_plan.recompute.kind != "none" else chunkflow
     systems = [build_system(b, train_settings(s, b, recompute=plans[b].recompute))
                for b in s.baselines] + [chunkflow]
     for name, plan in plans.items():
-        what = (f"C={plan.choice.chunk_size} K={plan.choice.k} " if name == "chunkflow" else "")
+        what = (f"C={plan.choice.chunk_size} K={plan.choice.num_kept} " if name == "chunkflow"
+                else "")
         budget = s.chunkflow_budget if name == "chunkflow" else s.budget_bytes
         log(f"budget {budget / 2**20:.0f} MiB: {name} {what}recompute {plan.recompute} "
             f"(modelled peak {plan.choice.peak_bytes / 2**20:.0f} MiB)")
@@ -147,7 +149,7 @@ def _system_result(name: str, plan: Plan, repeats: list[list[dict]], rss: int,
                                    recompute=plan.recompute)
     if name == "chunkflow":
         pred = predict_chunkflow(s.lengths, s.shape, hw, layout, plan.choice.chunk_size,
-                                 plan.choice.k)
+                                 plan.choice.num_kept)
     else:
         pred = predict_megatron(s.lengths, s.shape, hw, layout, s.seq_length, name)
     re_flops = recompute_flops(name, s.lengths, s.shape, s.seq_length, dp, s.parallel.pp, plan)
@@ -156,7 +158,7 @@ def _system_result(name: str, plan: Plan, repeats: list[list[dict]], rss: int,
                modelled_peak_activation_bytes=plan.choice.peak_bytes,
                recompute_candidates=[c.to_json() for c in plan.choice.candidates])
     if name == "chunkflow":
-        out.update(chunk_size=plan.choice.chunk_size, k=plan.choice.k)
+        out.update(chunk_size=plan.choice.chunk_size, k=plan.choice.num_kept)
     return out
 
 

@@ -7,10 +7,6 @@ import os
 MIB = 2.0**20
 
 
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x" if b else "-"
-
-
 def report_lines(r: dict) -> list[str]:
     """The human report: setup, one column per system, ChunkFlow against each baseline."""
     cf, st = r["chunkflow"], r["setup"]

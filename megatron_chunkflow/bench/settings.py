@@ -30,7 +30,7 @@ class BenchSettings:
     budget_bytes: float
     chunkflow_budget_bytes: float | None = None  # ChunkFlow's own budget (None: budget_bytes)
     chunk_size: int | None = None  # None: chosen by the budget
-    k: int | None = None  # None: chosen by the budget
+    num_kept: int | None = None  # None: chosen by the budget
     attention_backend: str = "auto"  # every system's kernel
     baselines: tuple[str, ...] = BASELINES  # the stock systems compared with ChunkFlow
     megatron_recompute: str = "auto"  # auto (by the budget) or a Recompute text form
@@ -50,7 +50,7 @@ class BenchSettings:
                 raise ValueError(f"{flag} must be >= {low}, got {value}")
         # --chunk-size and --chunkflow-k may be left to the budget (None): check the given ones
         ChunkFlowConfig(1 if self.chunk_size is None else self.chunk_size,
-                        1 if self.k is None else self.k, self.attention_backend)
+                        1 if self.num_kept is None else self.num_kept, self.attention_backend)
         for flag, value in (("--budget-mib", self.budget_bytes),
                             ("--chunkflow-budget-mib", self.chunkflow_budget_bytes)):
             if value is not None and not value > 0:

@@ -64,10 +64,12 @@ def build_system(name: str, ts: TrainSettings) -> System:
 
 
 def train_settings(s: BenchSettings, system: str, chunk_size: int | None = None,
-                   k: int | None = None, recompute: Recompute = Recompute()) -> TrainSettings:
+                   num_kept: int | None = None,
+                   recompute: Recompute = Recompute()) -> TrainSettings:
     """`chunkflow train`'s settings for one of the two systems on this comparison's batch; the
     chunking defaults to the given one (or C = --seq-length, K = 1 until one is chosen)."""
-    chunkflow = ChunkFlowConfig(chunk_size or s.chunk_size or s.seq_length, k or s.k or 1,
+    chunkflow = ChunkFlowConfig(chunk_size or s.chunk_size or s.seq_length,
+                                num_kept or s.num_kept or 1,
                                 s.attention_backend)
     return TrainSettings(
         shape=s.shape, model_name=s.model_name, system=system, chunkflow=chunkflow,

@@ -1,6 +1,6 @@
-"""VerifySettings: one `chunkflow verify` run, what it checks on which batches and layout. Every rule
-that ties two of its flags together is checked here, before any process group starts (ValueError
-naming the flags).
+"""VerifySettings: one `chunkflow verify` run, what it checks on which batches and layout. Every
+rule that ties two of its flags together is checked here, before any process group starts
+(ValueError naming the flags).
 
 Modes: "exact" (chunked against unchunked megatron-core, checks/verify.py), "hf" (against
 transformers, checks/hf_verify.py), "memory" and "memory_cp" (activation and K/V bytes of one

@@ -80,10 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunkflow-recompute", default="auto", metavar="OPTION",
                    help="Megatron's recompute inside ChunkFlow's chunks, the same forms "
                         "(default: auto, chosen with the chunk size and K)")
-    add_config_arguments(g, ChunkFlowConfig, fields=("chunk_size", "k"),
-                         defaults={"chunk_size": None, "k": None},
+    add_config_arguments(g, ChunkFlowConfig, fields=("chunk_size", "num_kept"),
+                         defaults={"chunk_size": None, "num_kept": None},
                          default_help={"chunk_size": "the fastest that fits --budget-mib",
-                                       "k": "chosen with the chunk size"})
+                                       "num_kept": "chosen with the chunk size"})
     g = p.add_argument_group("measurement")
     g.add_argument("--warmup", type=int, default=SCENARIO["warmup"], metavar="N",
                    help="unmeasured steps of each system first; the first pair also measures "
@@ -122,7 +122,8 @@ def settings_from_args(args: argparse.Namespace):
         seq_length=args.seq_length, budget_bytes=args.budget_mib * MIB,
         chunkflow_budget_bytes=(None if args.chunkflow_budget_mib is None
                                 else args.chunkflow_budget_mib * MIB),
-        chunk_size=args.chunk_size, k=args.k, attention_backend=args.attention_backend,
+        chunk_size=args.chunk_size, num_kept=args.num_kept,
+        attention_backend=args.attention_backend,
         megatron_recompute=args.megatron_recompute, chunkflow_recompute=args.chunkflow_recompute,
         baselines=tuple(BASELINES) if args.baseline == "all" else (args.baseline,),
         parallel=parallel, warmup=args.warmup, repeats=args.repeats, seed=args.seed,

@@ -29,7 +29,7 @@ from megatron_chunkflow.core.lengths import LengthsConfig
 from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape
 from megatron_chunkflow.core.simulate import SimResult
 from megatron_chunkflow.core.step import BASELINES, plan_baseline, plan_chunkflow
-from megatron_chunkflow.core.types import StagePlan
+from megatron_chunkflow.core.types import PipelinePlan
 from megatron_chunkflow.flags import add_config_arguments, check_output_file, config_from_args
 from megatron_chunkflow.perfmodel.footprint import memory_hooks
 
@@ -73,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(g, LengthsConfig, default_help={
         "profile": "B", "global_batch_size": SCENARIO["global_batch_size"]})
     g = parser.add_argument_group("chunkflow")
-    add_config_arguments(g, ChunkFlowConfig, fields=("chunk_size", "k"))
+    add_config_arguments(g, ChunkFlowConfig, fields=("chunk_size", "num_kept"))
     g = parser.add_argument_group("layout and cost model")
     add_config_arguments(g, ParallelConfig, fields=("pp", "cp", "dp"), defaults={"dp": 1})
     g.add_argument("--dp-rank", type=int, default=0,
@@ -104,9 +104,9 @@ def run(args: argparse.Namespace) -> int:
 
     cp = parallel.cp
     layout = ParallelConfig.layout(pp=args.pp, dp=args.dp, cp=cp)
-    held_for, state_for = memory_hooks(shape, layout, BF16_BYTES, cfg.chunk_size, cfg.k)
+    held_for, state_for = memory_hooks(shape, layout, BF16_BYTES, cfg.chunk_size, cfg.num_kept)
     costs = _per_gpu_flops(shape, cp)
-    batch, cf = plan_chunkflow(lengths, cfg.chunk_size, cfg.k, args.pp, args.dp, shape,
+    batch, cf = plan_chunkflow(lengths, cfg.chunk_size, cfg.num_kept, args.pp, args.dp, shape,
                                costs_for=costs, held_bytes_for=held_for,
                                state_bytes_for=state_for,
                                segment_multiple=parallel.segment_multiple)
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     num_dep = len(batch.chunks) - batch.num_standalone
     out.say(f"{len(lengths)} sequences ({source}): {batch.num_tokens:,} tokens, "
             f"longest {max(lengths):,}")
-    out.say(f"ChunkFlow  C={cfg.chunk_size} K={cfg.k} PP={args.pp} "
+    out.say(f"ChunkFlow  C={cfg.chunk_size} K={cfg.num_kept} PP={args.pp} "
             + (f"CP={cp} " if cp > 1 else "") + f"DP={args.dp}: "
             f"{len(batch.chunks)} chunks = {num_dep} dependent (from {num_long} long sequences) "
             f"+ {batch.num_standalone} standalone (lower bound {batch.bins_lower_bound}); "
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
                 "stages; the pipeline cannot fill")
     if args.png:
         draw_timelines(args.png, [
-            (f"ChunkFlow C={cfg.chunk_size} K={cfg.k}, DP rank {r}", sim, plan),
+            (f"ChunkFlow C={cfg.chunk_size} K={cfg.num_kept}, DP rank {r}", sim, plan),
             (f"stock Megatron ({STRONGEST}) 1F1B, seq-length {seq_length}, DP rank {r}",
              base.sims[r], base.plans[r]),
         ])
@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         "baselines": summaries,
         "speedup": speedup,
         "speedups": {b: x["step_time"] / cf.step_time for b, x in summaries.items()},
-        "setup": {"chunk_size": cfg.chunk_size, "k": cfg.k, "pp": args.pp, "cp": cp,
+        "setup": {"chunk_size": cfg.chunk_size, "k": cfg.num_kept, "pp": args.pp, "cp": cp,
                   "dp": args.dp,
                   "dp_rank": r, "model": args.model, "source": source},
     })
@@ -190,7 +190,7 @@ LABELS = {"F": "forward (keeps activations)", "F0": "forward without graph (stat
           "R": "re-forward", "B": "backward"}
 
 
-def draw_timelines(path: str, panels: list[tuple[str, SimResult, StagePlan]]) -> None:
+def draw_timelines(path: str, panels: list[tuple[str, SimResult, PipelinePlan]]) -> None:
     """Per-stage timeline pictures of simulated plans, one panel per (title, simulation, plan),
     on a shared time axis (matplotlib, imported only when drawing)."""
     import matplotlib
@@ -218,7 +218,7 @@ def draw_timelines(path: str, panels: list[tuple[str, SimResult, StagePlan]]) ->
         ax.set_title(f"{title}: bubble {sim.bubble_ratio:.1%}", fontsize=10, loc="left")
     axes[-1, 0].set_xlim(0, 1.0)
     axes[-1, 0].set_xlabel("time (fraction of the slower plan's step)")
-    fig.legend(handles=[Patch(color=COLORS[k], label=LABELS[k]) for k in COLORS],
+    fig.legend(handles=[Patch(color=COLORS[kind], label=LABELS[kind]) for kind in COLORS],
                loc="lower center", ncol=4, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=120)

@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="ChunkFlow's layout (under CP, --chunk-size a multiple of 2 x CP, x TP "
                         "when TP > 1), or auto (default: auto)")
     g = parser.add_argument_group("chunkflow")
-    add_config_arguments(g, ChunkFlowConfig, fields=("chunk_size", "k"))
+    add_config_arguments(g, ChunkFlowConfig, fields=("chunk_size", "num_kept"))
     g.add_argument("--auto", action="store_true",
                    help="choose (chunk size, K) instead: the fastest that fits in memory")
     g = parser.add_argument_group("output")
@@ -87,7 +87,7 @@ def _row(name: str, p: Prediction, usable: float) -> str:
     lay = p.layout
     layout = f"{lay.tp} {lay.cp} {lay.pp} {lay.dp} {lay.recompute}"
     if p.system == "chunkflow":
-        layout += f"  C={p.chunk_size} K={p.k}"
+        layout += f"  C={p.chunk_size} K={p.num_kept}"
     return (f"{name:<17} {layout:<44} {p.step_s:>9.3f} {p.tokens_per_s:>11,.0f} "
             f"{p.mfu:>6.1%} {p.bubble:>7.1%} {p.padding_fraction:>6.1%} "
             f"{p.peak_mem_bytes / GIB:>7.1f} / {usable / GIB:<5.1f} {'yes' if p.fits else 'NO'}")
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
 
     preds = {name: stock(name, hw) for name in names}
     cf = best_chunkflow(lengths, shape, hw, args.gpus, args.seq_length, cf_layout,
-                        cfg.chunk_size, cfg.k, auto_chunking=args.auto)
+                        cfg.chunk_size, cfg.num_kept, auto_chunking=args.auto)
     speedups = {name: speedup_of(p, cf) for name, p in preds.items()}
     ratios = {name: p.step_s / cf.step_s for name, p in preds.items()}
     ends = {}  # CP overlap 0 and 1: the stock systems again (ChunkFlow's CP does not overlap)
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     if cf_layout is None:
         chosen.append(f"--chunkflow-parallel {cf.layout.to_flag()}")
     if args.auto:
-        chosen.append(f"--chunk-size {cf.chunk_size} --chunkflow-k {cf.k}")
+        chosen.append(f"--chunk-size {cf.chunk_size} --chunkflow-k {cf.num_kept}")
     if chosen:
         out.say("chosen by search (fastest that fits): " + "; ".join(chosen))
 
@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         "step_time_ratios": ratios,
         "cp_overlap": {"value": hw.cp_overlap, "range": ends},
         "chunk_size": cf.chunk_size,
-        "k": cf.k,
+        "k": cf.num_kept,
         "setup": {
             "model": args.model, "gpu": hw.name, "gpus": args.gpus,
             "seq_length": args.seq_length, "global_batch_size": len(lengths),

@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     out = Output(args.json, quiet=not rank0)
     p = s.parallel
     c = s.chunkflow
-    path = (f"ChunkFlow (C={c.chunk_size}, K={c.k}, state-aware "
+    path = (f"ChunkFlow (C={c.chunk_size}, K={c.num_kept}, state-aware "
             f"{'1F1B' if p.pp > 1 else 'schedule'})" if s.uses_chunkflow else
             f"stock Megatron, {s.system} (micro-batches of up to {s.seq_length} tokens, "
             f"{'1F1B' if p.pp > 1 else 'forward_backward_no_pipelining'}, recompute "

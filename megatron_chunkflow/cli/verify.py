@@ -116,7 +116,7 @@ def _run_check(s: VerifySettings, as_json: bool) -> int:
     results = run_verify(shape, steps, cfg, parallel, **common)
     longest = max(max(lengths) for lengths in steps)
     whole = dataclasses.replace(cfg, chunk_size=longest + (-longest % parallel.chunk_multiple),
-                                k=1)
+                                num_kept=1)
     unchunked = run_verify(shape, steps, whole, parallel, **common)
     bound = BOUNDS[DTYPES[s.dtype]]
     ok = all(r.max_rel_grad_err <= bound
@@ -127,7 +127,7 @@ def _run_check(s: VerifySettings, as_json: bool) -> int:
     out = Output(as_json, quiet=not _is_main())
     n_dep = sum(1 for n in steps[0] if n > cfg.chunk_size)
     out.say(f"{len(steps[0])} sequences ({source}), {sum(steps[0]):,} tokens, {n_dep} longer than "
-            f"C={cfg.chunk_size}; K={cfg.k}, {s.dtype}, TP={parallel.tp}"
+            f"C={cfg.chunk_size}; K={cfg.num_kept}, {s.dtype}, TP={parallel.tp}"
             f"{' (sequence parallel)' if parallel.sequence_parallel else ''} CP={parallel.cp} "
             f"PP={parallel.pp} DP={dp}, attention {_backend(cfg)}; reference: stock Megatron at PP=1"
             + (f"; LoRA rank {lora.rank} on {lora.targets} (adapter gradients compared, base "
@@ -149,7 +149,7 @@ def _run_check(s: VerifySettings, as_json: bool) -> int:
     out.result({
         "dtype": s.dtype, "tp": parallel.tp, "cp": parallel.cp, "pp": parallel.pp, "dp": dp,
         "sequence_parallel": parallel.sequence_parallel,
-        "chunk_size": cfg.chunk_size, "k": cfg.k, "lora": _lora_json(lora),
+        "chunk_size": cfg.chunk_size, "k": cfg.num_kept, "lora": _lora_json(lora),
         "loss_ref": worst.loss_ref, "loss_chunked": worst.loss_chunked,
         "max_rel_grad_err": worst.max_rel_grad_err, "worst_param": worst.worst_param,
         "activation_bytes": {"chunked": max(last.activation_bytes_per_stage),
@@ -174,7 +174,7 @@ def _run_hf(s: VerifySettings, as_json: bool) -> int:
     r = run_hf_verify(s.hf_reference, steps[0], cfg, parallel, s.lengths.seed)
     ok = r.max_rel_grad_err <= 1e-10
     out = Output(as_json, quiet=not _is_main())
-    out.say(f"{len(steps[0])} sequences ({source}); C={cfg.chunk_size} K={cfg.k}, float64, "
+    out.say(f"{len(steps[0])} sequences ({source}); C={cfg.chunk_size} K={cfg.num_kept}, float64, "
             f"TP={parallel.tp} PP={parallel.pp}; reference: transformers Qwen2ForCausalLM from "
             f"{s.hf_reference}, unchunked")
     for name, err in r.param_errors:
@@ -184,7 +184,7 @@ def _run_hf(s: VerifySettings, as_json: bool) -> int:
             f"{'PASS' if ok else 'FAIL'}")
     out.result({"dtype": "float64", "tp": parallel.tp, "pp": parallel.pp,
                 "dp": Ranks.current().dp, "chunk_size": cfg.chunk_size,
-                "k": cfg.k, "loss_ref": r.loss_ref, "loss_chunked": r.loss_chunked,
+                "k": cfg.num_kept, "loss_ref": r.loss_ref, "loss_chunked": r.loss_chunked,
                 "max_rel_grad_err": r.max_rel_grad_err, "worst_param": r.worst_param,
                 "reference": "transformers", "passed": ok})
     return 0 if ok else 1
@@ -209,14 +209,14 @@ def _run_memory(s: VerifySettings, as_json: bool) -> int:
     cfg, shape, dtype, lora = s.chunkflow, s.shape, DTYPES[s.dtype], s.lora
     rows = []
     out = Output(as_json, quiet=not _is_main())
-    out.say(f"one sequence per length; C={cfg.chunk_size}, K={cfg.k}, {s.dtype}, "
+    out.say(f"one sequence per length; C={cfg.chunk_size}, K={cfg.num_kept}, {s.dtype}, "
             f"attention {_backend(cfg)}; bytes saved for backward (no weights) and K/V state"
             + (f"; LoRA rank {lora.rank} on {lora.targets}, base frozen" if lora else ""))
     out.say(f"{'length':>8} {'chunked':>14} {'unchunked':>14} {'state':>14} {'state formula':>14}")
     for n in s.memory_lengths:
         chunked = measure_one_sequence(shape, n, cfg, dtype, lora=lora)
-        unchunked = measure_one_sequence(shape, n, dataclasses.replace(cfg, chunk_size=n, k=1),
-                                         dtype, lora=lora)
+        whole = dataclasses.replace(cfg, chunk_size=n, num_kept=1)
+        unchunked = measure_one_sequence(shape, n, whole, dtype, lora=lora)
         row = {"length": n, "chunked_bytes": chunked.activation, "unchunked_bytes":
                unchunked.activation + unchunked.state, "state_bytes": chunked.state,
                "state_formula_bytes": chunked.state_formula}
@@ -225,7 +225,7 @@ def _run_memory(s: VerifySettings, as_json: bool) -> int:
             f"{row['state_formula_bytes']:,.0f}"
         out.say(f"{n:>8} {row['chunked_bytes']:>14,} {row['unchunked_bytes']:>14,} "
                 f"{row['state_bytes']:>14,} {formula:>14}")
-    out.result({"chunk_size": cfg.chunk_size, "k": cfg.k, "dtype": s.dtype,
+    out.result({"chunk_size": cfg.chunk_size, "k": cfg.num_kept, "dtype": s.dtype,
                 "lora": _lora_json(lora), "rows": rows})
     return 0
 
@@ -244,7 +244,7 @@ def _run_memory_cp(s: VerifySettings, as_json: bool) -> int:
         raise ValueError(f"--memory --cp {cp} runs in {cp} processes (torchrun --nproc_per_node "
                          f"{cp}), got {world}")
     out = Output(as_json, quiet=not _is_main())
-    out.say(f"one sequence per length; C={cfg.chunk_size}, K={cfg.k}, {s.dtype}, attention "
+    out.say(f"one sequence per length; C={cfg.chunk_size}, K={cfg.num_kept}, {s.dtype}, attention "
             f"{_backend(cfg)}; peak bytes saved for backward (no weights) plus K/V state, the "
             f"largest rank's")
     out.say(f"{'length':>8} {'CP=1':>14} {f'CP={cp}':>14} {'ratio':>7} {'state CP=1':>14} "
@@ -269,7 +269,7 @@ def _run_memory_cp(s: VerifySettings, as_json: bool) -> int:
                 f"{many_state:>14,} {gathered:>14,} {scattered:>14,}")
     out.say(f"gathered / reduce-scat.: bytes one CP={cp} rank received in the step's K/V "
             "all-gathers and dK/dV reduce-scatters (every layer, forwards and backwards)")
-    out.result({"chunk_size": cfg.chunk_size, "k": cfg.k, "dtype": s.dtype, "cp": cp,
+    out.result({"chunk_size": cfg.chunk_size, "k": cfg.num_kept, "dtype": s.dtype, "cp": cp,
                 "rows": rows})
     return 0
 
@@ -298,7 +298,8 @@ def _run_sparse(s: VerifySettings, as_json: bool) -> int:
     dp = torch.distributed.get_world_size() // parallel.model_parallel_size
     out = Output(as_json, quiet=not _is_main())
     out.say(f"APPROXIMATE (SpaCO): {len(lengths)} sequences ({source}), {sum(lengths):,} tokens; "
-            f"C={cfg.chunk_size} K={cfg.k}, {s.dtype}, TP={parallel.tp} PP={parallel.pp} DP={dp}"
+            f"C={cfg.chunk_size} K={cfg.num_kept}, {s.dtype}, TP={parallel.tp} PP={parallel.pp} "
+            f"DP={dp}"
             + (f", LoRA rank {lora.rank}" if lora else "")
             + f"; T={t}: each dependent chunk of a k-chunk sequence back-propagated with "
             f"probability min(1, {t}/k), weighted by its inverse")
@@ -314,7 +315,7 @@ def _run_sparse(s: VerifySettings, as_json: bool) -> int:
             f"{r.expected_rel_err:.4f}; bound {FACTOR:g} x expected: {'PASS' if ok else 'FAIL'}")
     out.result({
         "approximate": True, "dtype": s.dtype, "tp": parallel.tp, "pp": parallel.pp, "dp": dp,
-        "chunk_size": cfg.chunk_size, "k": cfg.k,
+        "chunk_size": cfg.chunk_size, "k": cfg.num_kept,
         "lora": None if lora is None else {"rank": lora.rank, "alpha": lora.alpha,
                                            "targets": list(lora.target_names)},
         "loss_ref": r.loss_ref, "loss_sparse": r.loss_sparse,

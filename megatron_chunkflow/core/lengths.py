@@ -1,5 +1,5 @@
-"""Where a command's sequence lengths come from: a seeded long-tailed profile (core/profiles.py) or a
-lengths file. `chunkflow plan`, `simulate`, `verify` and `bench` derive their length flags from
+"""Where a command's sequence lengths come from: a seeded long-tailed profile (core/profiles.py) or
+a lengths file. `chunkflow plan`, `simulate`, `verify` and `bench` derive their length flags from
 LengthsConfig, each with its own default batch (cli/: SCENARIO), and `--seed` means the same in
 every command: the seed of everything it draws at random.
 

@@ -109,10 +109,10 @@ def distribute(units: list[list[DataChunk]], costs: list[float], num_ranks: int)
     return rank_of
 
 
-def unit_cost(unit: list[DataChunk], shape: ModelShape, k: int) -> float:
+def unit_cost(unit: list[DataChunk], shape: ModelShape, num_kept: int) -> float:
     """Training FLOPs of a unit: 3x forward, plus one more forward per re-forwarded chunk."""
     fwd = [chunk_flops(c, shape).forward(shape.num_layers) for c in unit]
-    num_recomputed = max(0, len(unit) - k) if unit[0].is_dependent else 0
+    num_recomputed = max(0, len(unit) - num_kept) if unit[0].is_dependent else 0
     return 3.0 * sum(fwd) + sum(fwd[:num_recomputed])
 
 
@@ -120,7 +120,7 @@ def build_chunks(
     seq_lengths: Sequence[int],
     chunk_size: int,
     num_dp_ranks: int,
-    k: int,
+    num_kept: int,
     shape: ModelShape,
     segment_multiple: int = 1,
 ) -> ChunkBatch:
@@ -139,8 +139,8 @@ def build_chunks(
         raise ValueError(f"chunk size must be >= 1, got {chunk_size}")
     if num_dp_ranks < 1:
         raise ValueError(f"data-parallel size must be >= 1, got {num_dp_ranks}")
-    if k < 1:
-        raise ValueError(f"K must be >= 1, got {k}")
+    if num_kept < 1:
+        raise ValueError(f"K must be >= 1, got {num_kept}")
     if segment_multiple < 1 or chunk_size % segment_multiple:
         raise ValueError(f"chunk size {chunk_size} is not a multiple of the segment multiple "
                          f"{segment_multiple} (2 x the context-parallel size)")
@@ -162,7 +162,7 @@ def build_chunks(
         units.append([DataChunk(id=next_id, kind="standalone", segments=segments)])
         next_id += 1
 
-    ranks = distribute(units, [unit_cost(u, shape, k) for u in units], num_dp_ranks)
+    ranks = distribute(units, [unit_cost(u, shape, num_kept) for u in units], num_dp_ranks)
     chunks = tuple(dataclasses.replace(c, dp_rank=r) for u, r in zip(units, ranks) for c in u)
     return ChunkBatch(
         chunks=tuple(sorted(chunks, key=lambda c: c.id)),

@@ -36,26 +36,26 @@ from collections import deque
 from collections.abc import Sequence
 
 from megatron_chunkflow.core.costs import OpCosts
-from megatron_chunkflow.core.types import DataChunk, Op, StagePlan
+from megatron_chunkflow.core.types import DataChunk, Op, PipelinePlan
 
 
-def is_reforwarded(chunk: DataChunk, k: int) -> bool:
-    """A dependent chunk before the last `k` of its sequence: its first forward keeps no
+def is_reforwarded(chunk: DataChunk, num_kept: int) -> bool:
+    """A dependent chunk before the last `num_kept` of its sequence: its first forward keeps no
     activations, and it is re-forwarded (R) right before its backward."""
-    return chunk.is_dependent and chunk.index < chunk.num_siblings - k
+    return chunk.is_dependent and chunk.index < chunk.num_siblings - num_kept
 
 
-def state_aware_plan(chunks: Sequence[DataChunk], num_stages: int, k: int,
-                     costs: OpCosts) -> StagePlan:
+def state_aware_plan(chunks: Sequence[DataChunk], num_stages: int, num_kept: int,
+                     costs: OpCosts) -> PipelinePlan:
     """Plan one DP rank's chunks with state-aware scheduling (1F1B when num_stages >= 2)."""
     if num_stages < 1:
         raise ValueError(f"pipeline size must be >= 1, got {num_stages}")
-    if k < 1:
-        raise ValueError(f"K must be >= 1, got {k}")
-    return _Planner(list(chunks), num_stages, k, costs).run()
+    if num_kept < 1:
+        raise ValueError(f"K must be >= 1, got {num_kept}")
+    return _Planner(list(chunks), num_stages, num_kept, costs).run()
 
 
-def megatron_1f1b_plan(microbatches: Sequence[DataChunk], num_stages: int) -> StagePlan:
+def megatron_1f1b_plan(microbatches: Sequence[DataChunk], num_stages: int) -> PipelinePlan:
     """Megatron's non-interleaved 1F1B order (schedules.py: warmup, steady 1F1B, cooldown)."""
     ids = [c.id for c in microbatches]
     m, stages = len(ids), []
@@ -66,21 +66,22 @@ def megatron_1f1b_plan(microbatches: Sequence[DataChunk], num_stages: int) -> St
             ops += [Op("F", ids[warmup + i]), Op("B", ids[i])]
         ops += [Op("B", ids[i]) for i in range(m - warmup, m)]
         stages.append(tuple(ops))
-    return StagePlan(tuple(stages), tuple(microbatches))
+    return PipelinePlan(tuple(stages), tuple(microbatches))
 
 
 class _Planner:
     """Event-driven list scheduler; positions (0..M-1) index chunks internally."""
 
-    def __init__(self, chunks: list[DataChunk], p: int, k: int, costs: OpCosts):
-        self.chunks, self.p, self.k, self.costs = chunks, p, k, costs
+    def __init__(self, chunks: list[DataChunk], p: int, num_kept: int, costs: OpCosts):
+        self.chunks, self.p, self.num_kept, self.costs = chunks, p, num_kept, costs
         m = len(chunks)
         pos_of = {c.id: i for i, c in enumerate(chunks)}
         self.dep = [c.is_dependent for c in chunks]
-        self.kept = [not is_reforwarded(c, k) for c in chunks]
-        # positions of siblings: next/previous (descending backward) and K apart (the R window)
+        self.kept = [not is_reforwarded(c, num_kept) for c in chunks]
+        # positions of siblings: next/previous (descending backward) and the one num_kept (K)
+        # earlier, whose R waits for this chunk's B (the R window)
         self.next_sib, self.prev_sib = [-1] * m, [-1] * m
-        self.k_earlier = [-1] * m
+        self.sib_window_before = [-1] * m
         groups: dict[int, list[int]] = {}
         for i, c in enumerate(chunks):
             if c.is_dependent:
@@ -94,8 +95,8 @@ class _Planner:
                     self.next_sib[i] = members[j + 1]
                 if j > 0:
                     self.prev_sib[i] = members[j - 1]
-                if j >= k:
-                    self.k_earlier[i] = members[j - k]
+                if j >= num_kept:
+                    self.sib_window_before[i] = members[j - num_kept]
         # first stage's forward queues: longest sequence first, then standalone in id order
         order = sorted(groups.values(), key=lambda g: (-sum(chunks[i].num_tokens for i in g),
                                                         chunks[g[0]].parent))
@@ -135,7 +136,7 @@ class _Planner:
             heapq.heappush(self.ready_r[s], (-self.fwd_rank[i], i))  # latest chunk first
 
     def _cap(self, i: int, s: int) -> int:
-        return max(self.p - s, self.k) if self.dep[i] else self.p - s
+        return max(self.p - s, self.num_kept) if self.dep[i] else self.p - s
 
     def _may_forward(self, i: int, s: int) -> bool:
         return not self.kept[i] or self.held[s] < self._cap(i, s)
@@ -173,7 +174,7 @@ class _Planner:
         return None if i is None else Op("F", i)
 
     def max_cap(self, s: int) -> int:
-        return max(self.p - s, self.k)
+        return max(self.p - s, self.num_kept)
 
     # ---- event loop -----------------------------------------------------------------------------
     def _try_start(self, s: int, now: float) -> None:
@@ -209,12 +210,12 @@ class _Planner:
                 self._dec_b(i, s - 1)
             if self.prev_sib[i] >= 0:
                 self._dec_b(self.prev_sib[i], s)
-            if self.k_earlier[i] >= 0:
-                self._dec_r(self.k_earlier[i], s)
+            if self.sib_window_before[i] >= 0:
+                self._dec_r(self.sib_window_before[i], s)
             if s == 0 and self.dep[i] and self.prev_sib[i] < 0:
                 self.open_seq = None  # the sequence's first chunk is done: its state is freed
 
-    def run(self) -> StagePlan:
+    def run(self) -> PipelinePlan:
         for s in range(self.p):
             self._try_start(s, 0.0)
         while self.events:
@@ -232,7 +233,7 @@ class _Planner:
             raise RuntimeError(f"planner stalled: ops per stage {[len(o) for o in self.ops]}, "
                                f"expected {expected} (a bug; please report the input)")
         ids = [c.id for c in self.chunks]
-        return StagePlan(
+        return PipelinePlan(
             tuple(tuple(Op(op.kind, ids[op.chunk]) for op in ops) for ops in self.ops),
             tuple(self.chunks),
         )

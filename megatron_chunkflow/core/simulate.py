@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_chunkflow.core.costs import OpCosts
-from megatron_chunkflow.core.types import Op, StagePlan
+from megatron_chunkflow.core.types import Op, PipelinePlan
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class PlanDeadlock(RuntimeError):
     """The plan cannot run: every stage waits on an op that never comes."""
 
 
-def simulate(plan: StagePlan, costs: OpCosts | Callable[[str, int, int], float],
+def simulate(plan: PipelinePlan, costs: OpCosts | Callable[[str, int, int], float],
              comm: float | None = None,
              held_bytes: Callable[[int, int], float] | None = None) -> SimResult:
     """Replay `plan`. `held_bytes(chunk, stage)` gives the activation bytes a chunk holds."""

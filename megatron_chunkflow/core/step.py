@@ -38,7 +38,7 @@ from megatron_chunkflow.core.packer import (
 )
 from megatron_chunkflow.core.schedule import megatron_1f1b_plan, state_aware_plan
 from megatron_chunkflow.core.simulate import SimResult, simulate
-from megatron_chunkflow.core.types import ChunkBatch, DataChunk, Segment, StagePlan
+from megatron_chunkflow.core.types import ChunkBatch, DataChunk, Segment, PipelinePlan
 
 Baseline = Literal["megatron-sft", "megatron-packed", "megatron-unpacked"]
 BASELINES: tuple[str, ...] = typing.get_args(Baseline)
@@ -49,7 +49,7 @@ class RankPlans:
     """Plans and their simulation for every DP rank of one step."""
 
     chunks: tuple[tuple[DataChunk, ...], ...]  # per DP rank
-    plans: tuple[StagePlan, ...]
+    plans: tuple[PipelinePlan, ...]
     sims: tuple[SimResult, ...]
     state_bytes: tuple[tuple[float, ...], ...]  # per DP rank, per stage: long-sequence state
 
@@ -79,13 +79,13 @@ def _flop_costs(shape: ModelShape) -> CostHook:
     return lambda chunks, num_stages: OpCosts.from_model(chunks, shape, num_stages)
 
 
-def _replay(chunks: Sequence[DataChunk], plan: StagePlan, costs, held_bytes_for: CostHook | None,
+def _replay(chunks: Sequence[DataChunk], plan: PipelinePlan, costs, held_bytes_for: CostHook | None,
             num_stages: int) -> SimResult:
     held = held_bytes_for(chunks, num_stages) if held_bytes_for else None
     return simulate(plan, costs, held_bytes=held)
 
 
-def plan_chunkflow(seq_lengths: Sequence[int], chunk_size: int, k: int, num_stages: int,
+def plan_chunkflow(seq_lengths: Sequence[int], chunk_size: int, num_kept: int, num_stages: int,
                    num_dp_ranks: int, shape: ModelShape, costs_for: CostHook | None = None,
                    held_bytes_for: CostHook | None = None,
                    state_bytes_for: StateHook | None = None,
@@ -93,12 +93,12 @@ def plan_chunkflow(seq_lengths: Sequence[int], chunk_size: int, k: int, num_stag
     """ChunkFlow's step: chunks built, distributed and planned with state-aware 1F1B per DP rank,
     each plan replayed; bytes only from the hooks (see CostHook). `segment_multiple`: context
     parallelism's padding of every segment (core/packer.build_chunks)."""
-    batch = build_chunks(seq_lengths, chunk_size, num_dp_ranks, k, shape, segment_multiple)
+    batch = build_chunks(seq_lengths, chunk_size, num_dp_ranks, num_kept, shape, segment_multiple)
     per_rank = tuple(tuple(batch.chunks_for_rank(r)) for r in range(num_dp_ranks))
     plans, sims, state = [], [], []
     for chunks in per_rank:
         costs = (costs_for or _flop_costs(shape))(chunks, num_stages)
-        plan = state_aware_plan(chunks, num_stages, k, costs)
+        plan = state_aware_plan(chunks, num_stages, num_kept, costs)
         plans.append(plan)
         sims.append(_replay(chunks, plan, costs, held_bytes_for, num_stages))
         state.append(tuple(state_bytes_for(chunks, num_stages)) if state_bytes_for

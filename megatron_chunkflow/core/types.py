@@ -151,8 +151,8 @@ class Op:
 
 
 @dataclass(frozen=True)
-class StagePlan:
-    """Per pipeline stage, the ordered ops one DP rank executes in a step."""
+class PipelinePlan:
+    """One DP rank's step for the whole pipeline: per stage, the ordered ops it executes."""
 
     stages: tuple[tuple[Op, ...], ...]
     chunks: tuple[DataChunk, ...]  # the chunks this plan runs (one DP rank's)

@@ -21,10 +21,11 @@ from megatron_chunkflow.core.models import ModelShape
 
 
 def transformer_config(shape: ModelShape, dtype: torch.dtype = torch.float32, **overrides):
-    from megatron.core import parallel_state
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    on_gpu = torch.cuda.is_available()
+    from megatron_chunkflow.runtime.ranks import Ranks
+
+    ranks, on_gpu = Ranks.current(), torch.cuda.is_available()
     kw = dict(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -43,9 +44,9 @@ def transformer_config(shape: ModelShape, dtype: torch.dtype = torch.float32, **
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
-        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        context_parallel_size=parallel_state.get_context_parallel_world_size(),
+        tensor_model_parallel_size=ranks.tp,
+        pipeline_model_parallel_size=ranks.pp,
+        context_parallel_size=ranks.cp,
         use_cpu_initialization=not on_gpu,
         apply_rope_fusion=False,
         bias_dropout_fusion=False,  # dropout is 0; the fused kernel is torch.compile'd

@@ -1,7 +1,7 @@
 """Process groups for one process or a torchrun job: torch.distributed + Megatron's parallel_state.
 
     ranks = init_distributed(ParallelConfig(tp=2), seed=1234)   # under torchrun: env://
-    ranks.dp, ranks.dp_rank, ranks.pp_rank, ranks.is_last_stage
+    ranks.dp, ranks.dp_rank, ranks.pp_rank, ranks.cp_rank
     results = run_processes(fn, 4, arg)   # fn(arg) in 4 spawned processes forming one job
 
 On CPU the backend is gloo and mcore/cpu.py's shims are installed first. Alone (no WORLD_SIZE in

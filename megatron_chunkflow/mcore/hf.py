@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_chunkflow.core.models import ModelShape, model_shape_from_dict
+from megatron_chunkflow.runtime.ranks import Ranks
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers that old transformers versions saved
 
@@ -235,14 +236,13 @@ def import_hf_weights(model, hf_dir_or_state_dict, config, shape: ModelShape) ->
     missing, unexpected or wrongly shaped HF tensor raises the same ValueError everywhere. With
     tied embeddings an lm_head.weight (HF's state_dict() has the tied copy) is ignored, as in HF.
     """
-    from megatron.core import parallel_state
 
     from megatron_chunkflow.mcore.build import full_model_name
 
     src = _HFSource(hf_dir_or_state_dict)
     src.check(shape)
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    rank = parallel_state.get_tensor_model_parallel_rank()
+    ranks = Ranks.current()
+    tp, rank = ranks.tp, ranks.tp_rank
     for name, param in _unwrap(model).named_parameters():
         full_name = local_spec_name(full_model_name(name, config, shape.tie_embeddings))
         full = _megatron_from_hf(full_name, src, shape)
@@ -274,10 +274,10 @@ def export_hf_weights(model, config, shape: ModelShape) -> dict[str, torch.Tenso
     from megatron_chunkflow.mcore.build import full_model_name
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp = Ranks.current().tp
     if any(".lora_" in name for name, _ in _unwrap(model).named_parameters()):
         raise ValueError("the model has LoRA adapters: merge them into the base weights first "
-                         "(training.lora.merge_lora), or they would be left out")
+                         "(mcore/lora.py merge_lora), or they would be left out")
     mine = {}
     for name, param in _unwrap(model).named_parameters():
         t = param.detach()

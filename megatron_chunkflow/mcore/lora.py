@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_chunkflow.runtime.ranks import Ranks
+
 TARGETS = {  # --lora-targets name -> (module path inside a transformer layer, parallel mode)
     "qkv": ("self_attention.linear_qkv", "column"),
     "proj": ("self_attention.linear_proj", "row"),
@@ -114,7 +116,6 @@ def apply_lora(model, lora: LoRAConfig, seed: int = 0, b_init_std: float = 0.0) 
 
     Call before wrap_ddp (and after loading base weights). Returns the adapter parameter names.
     """
-    from megatron.core import parallel_state
     from megatron.core.tensor_parallel.layers import (
         ColumnParallelLinear,
         RowParallelLinear,
@@ -125,8 +126,8 @@ def apply_lora(model, lora: LoRAConfig, seed: int = 0, b_init_std: float = 0.0) 
 
     gpt = _unwrap(model)
     config = gpt.config
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    ranks = Ranks.current()
+    tp, tp_rank = ranks.tp, ranks.tp_rank
     for p in gpt.parameters():
         p.requires_grad_(False)
     wanted = {TARGETS[t][0]: TARGETS[t][1] for t in lora.target_names}
@@ -251,9 +252,3 @@ def merge_lora(model) -> int:
             delattr(m, attr)
         merged += 1
     return merged
-
-
-def num_parameters(model) -> tuple[int, int]:
-    """(trainable, total) parameters of this rank's model stage."""
-    params = list(_unwrap(model).parameters())
-    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)

@@ -20,7 +20,7 @@ from megatron_chunkflow.data.config import DataConfig
 
 TESTED_VERSION = "0.16.1"
 # Megatron-LM has its own --attention-backend: ours lives in the chunkflow namespace, as every
-# destination of the plugin's flags does (args.chunkflow_chunk_size, args.chunkflow_k, ...).
+# destination of the plugin's flags does (args.chunkflow_chunk_size, args.chunkflow_num_kept, ...).
 FLAGS = {"attention_backend": "--chunkflow-attention-backend"}
 DEST_PREFIX = "chunkflow_"
 

@@ -8,7 +8,7 @@ runs (no Megatron file is edited); each patch delegates to Megatron's original u
 - initialize.validate_args: after Megatron's checks, the plugin's (check_chunkflow_args);
 - training.get_model: swap core attention and RoPE for chunk attention (apply_chunkflow), and
   --chunkflow-load-hf (also without --chunkflow, so both systems can start from the same weights);
-- training.build_train_valid_test_data_iterators: ChunkFlow's step iterator (megatron_lm_data.py);
+- training.build_train_valid_test_data_iterators: ChunkFlow's step iterator (megatron_lm/data.py);
 - training.get_forward_backward_func: forward_backward_chunkflow with the plugin's forward step;
 - training.num_floating_point_operations / train_step / training_log: FLOPs of the step's actual
   sequence lengths, and one `[chunkflow]` line (tokens, tokens/s/GPU, model TFLOP/s/GPU, chunks,
@@ -210,7 +210,7 @@ def _build_iterators(original, provider):
     a.do_train, a.do_valid, a.do_test = a.train_iters > 0, False, False
     _print_last(f"[chunkflow] data: {getattr(dataset, 'description', '')}; {len(dataset)} "
                 f"sequences; global batch {a.global_batch_size} sequences, chunk size "
-                f"{chunkflow.chunk_size}, K {chunkflow.k}, attention {resolve_backend(a)}")
+                f"{chunkflow.chunk_size}, K {chunkflow.num_kept}, attention {resolve_backend(a)}")
     return RerunDataIterator(_HOOKS.iterator), None, None
 
 

@@ -115,16 +115,16 @@ def baseline_peak(lengths: Sequence[int], seq_length: int, num_dp_ranks: int, sh
     return _plan_peak(rp, option)
 
 
-def state_bound(longest: int, chunk_size: int, k: int, rates: ActivationRates,
+def state_bound(longest: int, chunk_size: int, num_kept: int, rates: ActivationRates,
                 stage: int) -> float:
     """Upper bound of the K/V state (+ kept stage inputs) of a `longest`-token sequence on
     `stage`: footprint.long_sequence_state_bytes on the measured rates."""
     hidden = rates.hidden_per_token if stage > 0 else 0.0
-    return long_sequence_state_bytes(longest, chunk_size, k, rates.kv_per_token[stage],
+    return long_sequence_state_bytes(longest, chunk_size, num_kept, rates.kv_per_token[stage],
                                      rates.acc_per_token[stage], hidden)
 
 
-def chunkflow_peak(lengths: Sequence[int], chunk_size: int, k: int, num_dp_ranks: int,
+def chunkflow_peak(lengths: Sequence[int], chunk_size: int, num_kept: int, num_dp_ranks: int,
                    shape: ModelShape, rates: ActivationRates,
                    recompute: Recompute = Recompute()) -> float:
     """Modelled peak activation memory of ChunkFlow's plan: worst (DP rank, stage)."""
@@ -132,9 +132,9 @@ def chunkflow_peak(lengths: Sequence[int], chunk_size: int, k: int, num_dp_ranks
 
     def state_for(chunks, num_stages):
         longest = longest_cut_sequence(chunks)
-        return [state_bound(longest, chunk_size, k, rates, s) for s in range(num_stages)]
+        return [state_bound(longest, chunk_size, num_kept, rates, s) for s in range(num_stages)]
 
-    _, rp = plan_chunkflow(lengths, chunk_size, k, rates.num_stages, num_dp_ranks, shape,
+    _, rp = plan_chunkflow(lengths, chunk_size, num_kept, rates.num_stages, num_dp_ranks, shape,
                            held_bytes_for=_held_hook(option), state_bytes_for=state_for)
     return _plan_peak(rp, option)
 
@@ -147,7 +147,7 @@ class Candidate:
     peak_bytes: float
     predicted_s: float | None  # None when it does not fit (not simulated)
     chunk_size: int | None = None  # ChunkFlow only
-    k: int | None = None
+    num_kept: int | None = None
 
     @property
     def fits(self) -> bool:
@@ -157,7 +157,7 @@ class Candidate:
         out = {"recompute": str(self.recompute), "peak_bytes": self.peak_bytes,
                "predicted_s": self.predicted_s}
         if self.chunk_size is not None:
-            out.update(chunk_size=self.chunk_size, k=self.k)
+            out.update(chunk_size=self.chunk_size, k=self.num_kept)
         return out
 
 
@@ -177,8 +177,8 @@ class Choice:
         return self.best.chunk_size
 
     @property
-    def k(self) -> int | None:
-        return self.best.k
+    def num_kept(self) -> int | None:
+        return self.best.num_kept
 
     @property
     def peak_bytes(self) -> float:
@@ -226,32 +226,32 @@ def chunk_size_candidates(seq_length: int) -> list[int]:
     return out or [seq_length]
 
 
-def k_candidates(num_chunks: int) -> list[int]:
+def num_kept_candidates(num_chunks: int) -> list[int]:
     """K worth trying for a longest sequence of `num_chunks` chunks: the powers of two below it,
     and `num_chunks` itself (every chunk keeps its activations: no re-forward)."""
-    out, k = [], 1
-    while k < num_chunks:
-        out.append(k)
-        k *= 2
+    out, num_kept = [], 1
+    while num_kept < num_chunks:
+        out.append(num_kept)
+        num_kept *= 2
     return out + [max(1, num_chunks)]
 
 
 def choose_chunking(lengths: Sequence[int], seq_length: int, num_dp_ranks: int,
                     shape: ModelShape, rates: ActivationRates, budget: float,
                     predict_s: Callable[[int, int, Recompute], float],
-                    sizes: Sequence[int] | None = None, ks: Sequence[int] | None = None,
+                    sizes: Sequence[int] | None = None, num_kepts: Sequence[int] | None = None,
                     options: Sequence[Recompute] = (Recompute(),),
                     tie: float = TIE) -> Choice:
     """ChunkFlow's (C, K, recompute): the fastest by `predict_s(C, K, option)` whose modelled
-    peak fits in `budget` bytes (near ties to the smaller peak). K from `ks`, by default
-    k_candidates of the longest sequence's chunk count at each C. ValueError when nothing fits,
-    naming the smallest peak found."""
+    peak fits in `budget` bytes (near ties to the smaller peak). K from `num_kepts`, by default
+    num_kept_candidates of the longest sequence's chunk count at each C. ValueError when nothing
+    fits, naming the smallest peak found."""
     longest = max(lengths)
     candidates = []
     for c in sizes or chunk_size_candidates(seq_length):
-        for k in ks or k_candidates(math.ceil(longest / c)):
+        for num_kept in num_kepts or num_kept_candidates(math.ceil(longest / c)):
             for option in options:
-                peak = chunkflow_peak(lengths, c, k, num_dp_ranks, shape, rates, option)
-                candidates.append(Candidate(option, peak, predict_s(c, k, option)
-                                            if peak <= budget else None, c, k))
+                peak = chunkflow_peak(lengths, c, num_kept, num_dp_ranks, shape, rates, option)
+                candidates.append(Candidate(option, peak, predict_s(c, num_kept, option)
+                                            if peak <= budget else None, c, num_kept))
     return _choose(candidates, budget, "(chunk size, K, recompute)", tie)

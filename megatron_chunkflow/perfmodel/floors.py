@@ -52,12 +52,12 @@ from megatron_chunkflow.perfmodel.roofline import Roofline
 MODULES = ("core_attn", "mlp", "layernorm")
 
 
-def chunk_work_items(chunks: Sequence[DataChunk], block: int, cp: int = 1, k: int = 1,
+def chunk_work_items(chunks: Sequence[DataChunk], block: int, cp: int = 1, num_kept: int = 1,
                      gather: bool = False) -> list[tuple[int, bool, Work, int | None]]:
     """(DP rank, re-forwarded, Work, long sequence or None) per chunk: what time_floor needs,
     independent of TP, PP and recompute, so a search computes it once per chunking (and CP);
     `gather`: ChunkFlow's CP."""
-    return [(c.dp_rank, is_reforwarded(c, k), chunk_work(c, block, cp, gather), c.parent)
+    return [(c.dp_rank, is_reforwarded(c, num_kept), chunk_work(c, block, cp, gather), c.parent)
             for c in chunks]
 
 
@@ -199,9 +199,9 @@ def time_floor(items: Sequence[tuple[int, bool, Work, int | None]], model: Roofl
         keep = max(r.bwd + x_s, (r.bwd_kernels + x_k) * launch)
         full = max(r.bwd + r.fwd_roof, (r.bwd_kernels + r.fwd_kernels) * launch)
         for s, n in enumerate(layers):
-            k = rc.layers_recomputed(n)
-            busy = (n * r.fwd + host * r.ops + k * full + (n - k) * keep
-                    + host * r.chunks * (1 + k / max(n, 1)))
+            n_re = rc.layers_recomputed(n)
+            busy = (n * r.fwd + host * r.ops + n_re * full + (n - n_re) * keep
+                    + host * r.chunks * (1 + n_re / max(n, 1)))
             first_f, last_b = n * r.max_fwd + host, n * r.max_bwd + 2 * host
             if s == 0:
                 busy += r.emb_fwd + r.emb_bwd
@@ -237,8 +237,8 @@ def _chain_floor(ch: ChainSums, layers: Sequence[int], rc, launch: float, host: 
     for s, n in enumerate(layers):
         emb, head = s == 0, s == p - 1
         fwd = n * ch.fwd + host * ch.n + emb * ch.ends_f[0] + head * ch.ends_f[1]
-        k = rc.layers_recomputed(n)
-        bwd = (k * full + (n - k) * keep + host * ch.n * (1 + k / max(n, 1))
+        n_re = rc.layers_recomputed(n)
+        bwd = (n_re * full + (n - n_re) * keep + host * ch.n * (1 + n_re / max(n, 1))
                + emb * ch.ends_b[0] + head * ch.ends_b[1]
                + n * ch.refwd + host * ch.num_refwd + emb * ch.ends_r[0] + head * ch.ends_r[1])
         down = max(down, sum(first_f[:s]) + fwd + sum(last_f[s + 1:]))
@@ -328,7 +328,7 @@ def megatron_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: Par
 
 
 def chunkflow_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: ParallelConfig,
-                           dtype_bytes: int, chunk_size: int, k: int) -> float:
+                           dtype_bytes: int, chunk_size: int, num_kept: int) -> float:
     """A lower bound of ChunkFlow's peak memory per GPU, without planning (to skip hopeless
     (chunk size, K) candidates): on every stage the last K chunks of the longest sequence hold
     activations at once (all are forwarded before the first of them runs backward), beside its
@@ -339,11 +339,12 @@ def chunkflow_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: Pa
     longest, cp = max(lengths), layout.cp
     if longest > chunk_size:
         n = math.ceil(longest / chunk_size)
-        held = longest - (n - min(k, n)) * chunk_size
+        held = longest - (n - min(num_kept, n)) * chunk_size
     else:
         held = longest
     static, per_token, transient = _stage_bytes(shape, layout, dtype_bytes)
-    state = sequence_state_bytes(longest, chunk_size, k, shape, layout, dtype_bytes, layout.pp)
+    state = sequence_state_bytes(longest, chunk_size, num_kept, shape, layout, dtype_bytes,
+                                 layout.pp)
     gathered = 0.0
     if cp > 1:
         wide = 4 if dtype_bytes < 4 else 0

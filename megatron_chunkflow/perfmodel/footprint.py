@@ -248,11 +248,11 @@ def kv_state_bytes_per_token(shape: ModelShape, num_layers: int, dtype_bytes: in
     return num_layers * per_layer
 
 
-def long_sequence_state_bytes(longest: int, chunk_size: int, k: int, kv: float, acc: float,
+def long_sequence_state_bytes(longest: int, chunk_size: int, num_kept: int, kv: float, acc: float,
                               hidden: float, copy_kv: float | None = None) -> float:
     """An upper bound of the state one stage keeps for a long sequence of `longest` tokens cut
-    into C = `chunk_size` token chunks, K = `k` of them holding activations, as the plugin keeps
-    it (docs/exactness.md, "Memory"). Per-token bytes of the stage: `kv` (u) its stored K/V,
+    into C = `chunk_size` token chunks, K = `num_kept` of them holding activations, as the plugin
+    keeps it (docs/exactness.md, "Memory"). Per-token bytes of the stage: `kv` (u) its stored K/V,
     `acc` (a) their gradient accumulators, `hidden` (h) the stage input kept for each
     re-forwarded chunk (0 on the first stage, which re-reads its input), `copy_kv` (c, default u)
     the cat(prefix, own) copies held (less than u when recompute re-creates some layers'). With
@@ -269,12 +269,12 @@ def long_sequence_state_bytes(longest: int, chunk_size: int, k: int, kv: float, 
         return 0.0
     copy_kv = kv if copy_kv is None else copy_kv
     n = math.ceil(longest / chunk_size)
-    first_kept = max(0, n - k)
+    first_kept = max(0, n - num_kept)
     copies = sum(min((j + 1) * chunk_size, longest) for j in range(first_kept, n))
     return longest * (kv + acc) + copies * copy_kv + first_kept * chunk_size * hidden
 
 
-def sequence_state_bytes(longest: int, chunk_size: int, k: int, shape: ModelShape,
+def sequence_state_bytes(longest: int, chunk_size: int, num_kept: int, shape: ModelShape,
                          layout: ParallelConfig, dtype_bytes: int, num_stages: int) -> list[float]:
     """long_sequence_state_bytes per stage, on per-token bytes modelled from the shape: K/V in
     `dtype_bytes`, fp32 accumulators, stage inputs of hidden_size / TP elements, each 1/CP on a
@@ -287,7 +287,8 @@ def sequence_state_bytes(longest: int, chunk_size: int, k: int, shape: ModelShap
         a = kv_state_bytes_per_token(shape, layers, dtype_bytes, tp) / cp - u
         h = dtype_bytes * shape.hidden_size / tp / cp if s > 0 else 0.0
         saving = 0 if "core_attn" in rc.modules else layers - rc.layers_recomputed(layers)
-        state = long_sequence_state_bytes(longest, chunk_size, k, u, a, h, u * saving / layers)
+        state = long_sequence_state_bytes(longest, chunk_size, num_kept, u, a, h,
+                                          u * saving / layers)
         if saving < layers and longest > chunk_size:
             state += longest * u / layers
         out.append(state)
@@ -314,17 +315,17 @@ def longest_cut_sequence(chunks: Sequence[DataChunk]) -> int:
 
 def chunkflow_state_bytes(chunks: Sequence[DataChunk], shape: ModelShape, layout: ParallelConfig,
                           dtype_bytes: int, num_stages: int, chunk_size: int,
-                          k: int) -> list[float]:
+                          num_kept: int) -> list[float]:
     """sequence_state_bytes of the longest long sequence on this DP rank (one sequence's state
     lives at a time)."""
-    return sequence_state_bytes(longest_cut_sequence(chunks), chunk_size, k, shape, layout,
+    return sequence_state_bytes(longest_cut_sequence(chunks), chunk_size, num_kept, shape, layout,
                                 dtype_bytes, num_stages)
 
 
 def memory_hooks(shape: ModelShape, layout: ParallelConfig, dtype_bytes: int, chunk_size: int = 0,
-                 k: int = 1) -> tuple[Callable, Callable]:
+                 num_kept: int = 1) -> tuple[Callable, Callable]:
     """(held_bytes_for, state_bytes_for): this memory model as core/step.py's hooks, for a plan
-    of `chunk_size`-token chunks with K = `k` (the state hook is for plan_chunkflow only)."""
+    of `chunk_size`-token chunks with K = `num_kept` (the state hook is for plan_chunkflow only)."""
     return (lambda chunks, p: held_bytes_fn(chunks, shape, layout, dtype_bytes, p),
             lambda chunks, p: chunkflow_state_bytes(chunks, shape, layout, dtype_bytes, p,
-                                                    chunk_size, k))
+                                                    chunk_size, num_kept))

@@ -72,7 +72,7 @@ class Prediction:
     num_microbatches: int = 0  # all DP ranks; chunks for ChunkFlow
     recompute_chunks: int = 0  # ChunkFlow re-forwards, all DP ranks
     chunk_size: int | None = None
-    k: int | None = None
+    num_kept: int | None = None
     baseline: str | None = None  # stock Megatron: which of core/step.py's BASELINES
     padding_fraction: float = 0.0  # computed tokens that are padding, all DP ranks
 
@@ -102,7 +102,7 @@ class Prediction:
         if self.baseline is not None:
             out["baseline"] = self.baseline
         if self.system == "chunkflow":
-            out.update(chunk_size=self.chunk_size, k=self.k,
+            out.update(chunk_size=self.chunk_size, k=self.num_kept,
                        recompute_chunks=self.recompute_chunks)
         return out
 
@@ -190,23 +190,23 @@ def with_padding(chunks: Sequence[DataChunk], lengths: Sequence[int]) -> list[Da
 
 
 def predict_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware,
-                      layout: ParallelConfig, chunk_size: int, k: int) -> Prediction:
+                      layout: ParallelConfig, chunk_size: int, num_kept: int) -> Prediction:
     """ChunkFlow: chunks of `chunk_size`, K chunks of a long sequence holding activations; under
     CP every segment padded to ParallelConfig.segment_multiple and ChunkFlow's CP attention
     (all-gathered K/V, recomputed in the backward; perfmodel/layer.py)."""
     layout.check_chunk_size(chunk_size, naming="axes")
     model = roofline(shape, layout, hw)
-    held_for, state_for = memory_hooks(shape, layout, hw.dtype_bytes, chunk_size, k)
+    held_for, state_for = memory_hooks(shape, layout, hw.dtype_bytes, chunk_size, num_kept)
     m, gather = layout.segment_multiple, layout.cp > 1
     if m == 1:
         padded, real = lengths, (lambda chunks: chunks)
     else:
         padded, real = cp_padded_lengths(lengths, m), (lambda chunks: with_padding(chunks, lengths))
     _, rp = plan_chunkflow(
-        padded, chunk_size, k, layout.pp, layout.dp, shape,
+        padded, chunk_size, num_kept, layout.pp, layout.dp, shape,
         lambda chunks, p: model.stage_costs(real(chunks), p, chunk_size, "async", gather),
         lambda chunks, p: held_for(real(chunks), p),
         lambda chunks, p: state_for(real(chunks), p))
     return _finish("chunkflow", rp, model, shape, hw, lengths,
                    [real(c) for c in rp.chunks] if m > 1 else None,
-                   chunk_size=chunk_size, k=k)
+                   chunk_size=chunk_size, num_kept=num_kept)

@@ -112,12 +112,6 @@ class Roofline:
         self.launch_s = hw.kernel_launch_us * 1e-6
         self._ends = self.layer.ends_cache  # (tokens, stages) -> embedding, head, layers
 
-    def dense_layer(self, tokens: int) -> tuple[float, float]:
-        """(forward, backward) seconds of one layer's GEMMs, elementwise work and TP
-        collectives for `tokens` tokens on this GPU (already divided by CP)."""
-        d = self.layer.dense(tokens)
-        return d.fwd, d.bwd
-
     def attention(self, tokens: int, pairs: float, gathered: int = 0) -> tuple[float, float]:
         """(forward, backward) seconds of one layer's attention core (perfmodel/layer.py)."""
         return self.layer.attention(tokens, pairs, gathered)

@@ -81,7 +81,7 @@ def chunking_candidates(lengths: Sequence[int], seq_length: int,
         if c > max(seq_length, CHUNK_SIZES[0]) or c % multiple:
             continue
         n = math.ceil(longest / c)
-        out.extend((c, k) for k in KS if k == 1 or k < n)
+        out.extend((c, num_kept) for num_kept in KS if num_kept == 1 or num_kept < n)
     return out
 
 
@@ -204,15 +204,15 @@ def best_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_g
 
 def best_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_gpus: int,
                    seq_length: int, layout: ParallelConfig | None = None, chunk_size: int = 8192,
-                   k: int = 1, auto_chunking: bool = False) -> Prediction:
+                   num_kept: int = 1, auto_chunking: bool = False) -> Prediction:
     """ChunkFlow on `layout` (or the fastest fitting layout and recompute option) with
-    (chunk_size, k), or with the fastest fitting (chunk size, K) when `auto_chunking`."""
+    (chunk_size, num_kept), or with the fastest fitting (chunk size, K) when `auto_chunking`."""
     if layout is not None and not auto_chunking:
-        return predict_chunkflow(lengths, shape, hw, layout, chunk_size, k)
+        return predict_chunkflow(lengths, shape, hw, layout, chunk_size, num_kept)
     layouts = [layout] if layout else candidate_layouts(shape, hw, num_gpus, allow_cp=True)
     candidates = [(lay, c, kk) for lay in layouts
                   for c, kk in (chunking_candidates(lengths, seq_length, lay.chunk_multiple)
-                                if auto_chunking else [(chunk_size, k)]
+                                if auto_chunking else [(chunk_size, num_kept)]
                                 if chunk_size % lay.chunk_multiple == 0 else [])]
     chunkings, work = {}, {}  # (chunk size, DP, K, padding) -> chunks; (.., CP) -> work items
     floors = _Floors(shape, hw)

@@ -45,10 +45,10 @@ def plan_step(sequences: Sequence[TokenSequence], chunkflow: ChunkFlowConfig,
     """This DP rank's step of the global batch `sequences` (the same on every rank) for the
     layout `parallel`; under context parallelism (parallel.cp > 1) this CP rank's share of it."""
     batch = build_chunks(batch_lengths(sequences), chunkflow.chunk_size, ranks.dp,
-                         chunkflow.k, shape, segment_multiple=parallel.segment_multiple)
+                         chunkflow.num_kept, shape, segment_multiple=parallel.segment_multiple)
     chunks = batch.chunks_for_rank(ranks.dp_rank)
     costs = OpCosts.from_model(chunks, shape, parallel.pp)
-    plan = state_aware_plan(chunks, parallel.pp, chunkflow.k, costs)
+    plan = state_aware_plan(chunks, parallel.pp, chunkflow.num_kept, costs)
     step = build_step(plan, sequences, chunkflow.chunk_size, device=device,
                       pad_multiple=parallel.pad_multiple, batch=batch, costs=costs,
                       cp_size=parallel.cp, cp_rank=ranks.cp_rank)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_chunkflow.core.costs import OpCosts
-from megatron_chunkflow.core.types import ChunkBatch, DataChunk, StagePlan
+from megatron_chunkflow.core.types import ChunkBatch, DataChunk, PipelinePlan
 from megatron_chunkflow.data.sequence import TokenSequence
 from megatron_chunkflow.runtime.state import ChunkMeta
 
@@ -47,7 +47,7 @@ class ChunkInput:
 class ChunkedStep:
     """What ChunkFlow's forward_backward function consumes for one step on one DP rank."""
 
-    plan: StagePlan
+    plan: PipelinePlan
     metas: dict[int, ChunkMeta]
     inputs: dict[int, ChunkInput]
     forward_only: frozenset[int] = frozenset()  # SpaCO: chunks without backward (sparse.py)
@@ -124,7 +124,7 @@ def _pad(tokens: list, labels: list, mask: list, n: int) -> None:
         mask.append(torch.zeros(n, dtype=mask[0].dtype))
 
 
-def build_step(plan: StagePlan, sequences: Sequence[TokenSequence], chunk_size: int,
+def build_step(plan: PipelinePlan, sequences: Sequence[TokenSequence], chunk_size: int,
                device=None, pad_multiple: int = 1, batch: ChunkBatch | None = None,
                costs: OpCosts | None = None, cp_size: int = 1, cp_rank: int = 0) -> ChunkedStep:
     """The ChunkedStep of `plan` (one DP rank's chunks) over `sequences` (the global batch), this

@@ -110,15 +110,14 @@ def global_loss(reports) -> tuple[float, float]:
 
     A collective over all ranks: every rank must call it, those without reports add nothing.
     """
-    from megatron.core import parallel_state
-
     from megatron_chunkflow.runtime.p2p import comm_device
+    from megatron_chunkflow.runtime.ranks import Ranks
 
     device = comm_device()
     total = sum((r["lm loss"].double().to(device) for r in reports),
                 torch.zeros(2, dtype=torch.float64, device=device))
     dist.all_reduce(total)
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp = Ranks.current().tp
     return float(total[0]) / tp, float(total[1]) / tp  # every TP rank reports the same
 
 

@@ -37,11 +37,3 @@ class Ranks:
                    pp=ps.get_pipeline_model_parallel_world_size(),
                    pp_rank=ps.get_pipeline_model_parallel_rank(),
                    dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank())
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1

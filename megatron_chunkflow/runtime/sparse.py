@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatron_chunkflow.core.types import StagePlan
+from megatron_chunkflow.core.types import PipelinePlan
 from megatron_chunkflow.runtime.inputs import ChunkedStep
 
 
@@ -109,8 +109,9 @@ def sparsify(step: ChunkedStep, t: int, seed: int = 0, step_index: int = 0,
         for cid in ids:
             metas[cid] = dataclasses.replace(metas[cid], grad_weight=1.0 / p, dropped=dropped)
         forward_only.update(ids[i] for i in dropped)
-    plan = StagePlan(tuple(tuple(op for op in ops if op.kind == "F" or op.chunk not in forward_only)
-                           for ops in step.plan.stages), step.plan.chunks)
+    stages = tuple(tuple(op for op in ops if op.kind == "F" or op.chunk not in forward_only)
+                   for ops in step.plan.stages)
+    plan = PipelinePlan(stages, step.plan.chunks)
     return dataclasses.replace(step, plan=plan, metas=metas, forward_only=frozenset(forward_only))
 
 

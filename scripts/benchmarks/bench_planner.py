@@ -41,7 +41,7 @@ def main() -> int:
     ap.add_argument("--profile", default="B")
     ap.add_argument("--global-batch-size", type=int, default=100_000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--chunkflow-k", type=int, default=1, dest="k")
+    ap.add_argument("--chunkflow-k", type=int, default=1, dest="num_kept")
     ap.add_argument("--model", default="qwen2.5-7b")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", action="store_true")
@@ -51,12 +51,12 @@ def main() -> int:
     rows = []
     for chunk_size, pp, dp in [(8192, 1, 1), (8192, 4, 1), (8192, 4, 8), (32768, 4, 8)]:
         t_pack, batch = best_of(args.repeats,
-                                lambda: build_chunks(lengths, chunk_size, dp, args.k, shape))
+                                lambda: build_chunks(lengths, chunk_size, dp, args.num_kept, shape))
         chunks = batch.chunks_for_rank(0)
 
         def plan_rank():
             costs = OpCosts.from_model(chunks, shape, pp)
-            plan = state_aware_plan(chunks, pp, args.k, costs)
+            plan = state_aware_plan(chunks, pp, args.num_kept, costs)
             return simulate(plan, costs)
 
         t_plan, sim = best_of(args.repeats, plan_rank)
@@ -68,7 +68,7 @@ def main() -> int:
             "total_s": t_pack + t_plan,
         })
     header = (f"{args.global_batch_size} sequences of profile {args.profile} (seed {args.seed}), "
-              f"{sum(lengths):,} tokens, longest {max(lengths):,}; K={args.k}, {args.model}")
+              f"{sum(lengths):,} tokens, longest {max(lengths):,}; K={args.num_kept}, {args.model}")
     lines = [header, "",
              "| C | PP | DP | chunks | standalone / bound | padding | bubble (rank 0) "
              "| pack+distribute s | plan+simulate rank 0 s | total s |",

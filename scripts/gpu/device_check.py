@@ -208,9 +208,9 @@ def step_bench(out: Path, dry_run: bool) -> dict:
         # the search's smallest chunk (2K) exceeds the dry run's 512-token context
         chunk_size = min(plan.chunk_size or seq_length, seq_length)
         if name == "chunkflow":
-            row.update(chunk_size=chunk_size, k=plan.k)
+            row.update(chunk_size=chunk_size, k=plan.num_kept)
         try:
-            chunkflow = ChunkFlowConfig(chunk_size, plan.k or 1, backend)
+            chunkflow = ChunkFlowConfig(chunk_size, plan.num_kept or 1, backend)
             s = TrainSettings(shape=shape, model_name=model, system=name, dtype=dtype,
                               seq_length=seq_length, global_batch_size=gbs, train_iters=steps,
                               chunkflow=chunkflow, optimizer=OptimizerConfig(lr_warmup_iters=0),

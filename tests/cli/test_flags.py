@@ -23,7 +23,7 @@ def test_every_subcommand_is_covered():
 @pytest.mark.parametrize("command", CHUNKING)
 def test_chunk_size_and_k_are_spelled_the_same_everywhere(command):
     args = parse([command, "--chunk-size", "512", "--chunkflow-k", "2"])
-    assert (args.chunk_size, args.k) == (512, 2)
+    assert (args.chunk_size, args.num_kept) == (512, 2)
 
 
 @pytest.mark.parametrize("command", ["verify", "train", "bench"])
@@ -36,7 +36,7 @@ def test_attention_backend_and_parallel_flags(command):
 
 
 @pytest.mark.parametrize("command,old,new,dest,value", [
-    ("plan", "--k", "--chunkflow-k", "k", 3),
+    ("plan", "--k", "--chunkflow-k", "num_kept", 3),
     ("bench", "--backend", "--attention-backend", "attention_backend", "torch"),
     ("verify", "--num-sequences", "--global-batch-size", "global_batch_size", 7),
     ("verify", "--sparse-backward", "--chunkflow-sparse-backward", "sparse_backward", 2),
@@ -56,6 +56,6 @@ def test_launcher_flags_live_in_the_chunkflow_namespace():
     args = parser.parse_args(["--chunkflow", "--chunk-size", "4096", "--chunkflow-k", "2",
                               "--chunkflow-attention-backend", "torch"])
     cfg = chunkflow_config(args)
-    assert (cfg.chunk_size, cfg.k, cfg.attention_backend) == (4096, 2, "torch")
+    assert (cfg.chunk_size, cfg.num_kept, cfg.attention_backend) == (4096, 2, "torch")
     with pytest.raises(SystemExit):
         parser.parse_args(["--k", "2"])  # no deprecated spellings in Megatron's namespace

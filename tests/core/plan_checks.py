@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from megatron_chunkflow.core.types import ChunkBatch, StagePlan
+from megatron_chunkflow.core.types import ChunkBatch, PipelinePlan
 
 
 def check_batch(batch: ChunkBatch) -> None:
@@ -37,7 +37,7 @@ def check_batch(batch: ChunkBatch) -> None:
             assert len(chunks) == 1 and not chunks[0].is_dependent
 
 
-def check_plan(plan: StagePlan, k: int) -> None:
+def check_plan(plan: PipelinePlan, k: int) -> None:
     """Op counts, per-sequence order, the K window, one forward and one backward order for all
     stages (so point-to-point messages between neighbours arrive in the order they are sent)."""
     chunks = {c.id: c for c in plan.chunks}

@@ -68,7 +68,7 @@ def test_dp_balance_within_lpt_bound(lengths, dp):
 def test_attention_cost_counts_prefix():
     """A late dependent chunk costs more than an early one of the same size (C*prefix term)."""
     batch = build_chunks([4 * 8192], 8192, 1, 1, Q7B)
-    costs = [unit_cost([c], Q7B, k=1) for c in batch.chunks]
+    costs = [unit_cost([c], Q7B, num_kept=1) for c in batch.chunks]
     assert costs == sorted(costs) and costs[-1] > costs[0] * 1.2
 
 
@@ -87,10 +87,11 @@ def test_bad_lengths(bad, match):
         build_chunks(bad, 16, 1, 1, Q7B)
 
 
-@pytest.mark.parametrize("kw,match", [({"chunk_size": 0}, "chunk size"), ({"k": 0}, "K must"),
+@pytest.mark.parametrize("kw,match", [({"chunk_size": 0}, "chunk size"),
+                                      ({"num_kept": 0}, "K must"),
                                       ({"num_dp_ranks": 0}, "data-parallel")])
 def test_bad_settings(kw, match):
-    args = {"chunk_size": 16, "num_dp_ranks": 1, "k": 1, "shape": Q7B, **kw}
+    args = {"chunk_size": 16, "num_dp_ranks": 1, "num_kept": 1, "shape": Q7B, **kw}
     with pytest.raises(ValueError, match=match):
         build_chunks([10, 20], **args)
 

@@ -76,9 +76,10 @@ def test_rebuild_per_rank_is_identical():
         check_plan(again.plans[rank], 2)
 
 
-@pytest.mark.parametrize("bad,match", [({"num_stages": 0}, "pipeline"), ({"k": 0}, "K must")])
+@pytest.mark.parametrize("bad,match", [({"num_stages": 0}, "pipeline"),
+                                       ({"num_kept": 0}, "K must")])
 def test_bad_settings(bad, match):
     chunks = build_chunks([10], 10, 1, 1, TINY).chunks
-    args = {"num_stages": 2, "k": 1, **bad}
+    args = {"num_stages": 2, "num_kept": 1, **bad}
     with pytest.raises(ValueError, match=match):
         state_aware_plan(chunks, costs=OpCosts.uniform([0], 2), **args)

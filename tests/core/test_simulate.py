@@ -9,7 +9,7 @@ from megatron_chunkflow.core.models import get_model_shape
 from megatron_chunkflow.core.packer import build_chunks
 from megatron_chunkflow.core.schedule import megatron_1f1b_plan, state_aware_plan
 from megatron_chunkflow.core.simulate import PlanDeadlock, simulate
-from megatron_chunkflow.core.types import Op, StagePlan
+from megatron_chunkflow.core.types import Op, PipelinePlan
 
 TINY = get_model_shape("tiny")
 
@@ -45,6 +45,6 @@ def test_comm_latency_delays_cross_stage_ops():
 
 def test_deadlock_is_reported():
     chunks = build_chunks([10], 10, 1, 1, TINY).chunks
-    plan = StagePlan(((Op("B", 0), Op("F", 0)), (Op("F", 0), Op("B", 0))), chunks)
+    plan = PipelinePlan(((Op("B", 0), Op("F", 0)), (Op("F", 0), Op("B", 0))), chunks)
     with pytest.raises(PlanDeadlock, match="deadlock"):
         simulate(plan, OpCosts.uniform([0], 2))

@@ -1,5 +1,5 @@
 """Tiny random Hugging Face Qwen2 checkpoints, built with transformers and saved with
-save_pretrained (nothing is downloaded); shared by tests/training/test_hf_interop.py and
+save_pretrained (nothing is downloaded); shared by tests/mcore/test_hf_interop.py and
 tests/checks/test_hf_verify.py (each has a module-scoped `checkpoints` fixture calling
 build_checkpoints)."""
 

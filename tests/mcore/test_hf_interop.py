@@ -1,6 +1,6 @@
 """Hugging Face Qwen2 <-> megatron-core GPTModel weights (mcore/hf.py), on CPU with gloo.
 
-    python -m pytest tests/training/test_hf_interop.py -q
+    python -m pytest tests/mcore/test_hf_interop.py -q
 
 Tiny random Qwen2ForCausalLM checkpoints (tests/mcore/hf_checkpoints.py) are built and saved
 with save_pretrained (nothing is downloaded). Each layout (TP=1, TP=2, PP=2) imports them in one set

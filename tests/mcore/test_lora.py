@@ -1,6 +1,6 @@
 """LoRA on megatron-core (float64, CPU, gloo): chunked == unchunked, TP-invariant, merge, training.
 
-    python -m pytest tests/training/test_lora.py -q
+    python -m pytest tests/mcore/test_lora.py -q
 
 - run_verify with adapters (B drawn at random so A's gradient is not zero): ChunkFlow's adapter
   gradients equal stock Megatron's to 1e-10, at PP = 1 (K = 1, 2, a subset of targets, Megatron's

@@ -13,7 +13,7 @@ from megatron_chunkflow.perfmodel.budget import (
     choose_recompute,
     chunk_size_candidates,
     chunkflow_peak,
-    k_candidates,
+    num_kept_candidates,
     state_bound,
 )
 
@@ -113,8 +113,8 @@ def test_choose_chunking_takes_the_fastest_that_fits():
     assert chosen.peak_bytes <= budget
     assert chosen.predicted_s == min(x.predicted_s for x in fitting)  # no ties here
     assert any(x.chunk_size > chosen.chunk_size for x in chosen.candidates)  # too big to fit
-    assert chosen.peak_bytes == chunkflow_peak(LENGTHS, chosen.chunk_size, chosen.k, 1, SHAPE,
-                                               RATES)
+    assert chosen.peak_bytes == chunkflow_peak(LENGTHS, chosen.chunk_size, chosen.num_kept, 1,
+                                               SHAPE, RATES)
     # a peak grows with C at fixed K
     peaks = [chunkflow_peak(LENGTHS, c, 1, 1, SHAPE, RATES) for c in (1024, 2048, 4096)]
     assert peaks == sorted(peaks)
@@ -124,12 +124,12 @@ def test_choose_chunking_near_ties_go_to_the_smaller_peak():
     """Predictions within 3% of the fastest are a tie: the smallest modelled peak wins."""
     budget = 2**40
     times = {1024: 1.02, 2048: 1.0, 4096: 1.05, 8192: 1.2, 16384: 1.3, 32768: 1.4}
-    chosen = choose_chunking(LENGTHS, 32768, 1, SHAPE, RATES, budget, ks=(1,),
+    chosen = choose_chunking(LENGTHS, 32768, 1, SHAPE, RATES, budget, num_kepts=(1,),
                              predict_s=lambda c, k, o: times[c])
-    assert (chosen.chunk_size, chosen.k) == (1024, 1)
-    chosen = choose_chunking(LENGTHS, 32768, 1, SHAPE, RATES, budget, ks=(1,), tie=0.01,
+    assert (chosen.chunk_size, chosen.num_kept) == (1024, 1)
+    chosen = choose_chunking(LENGTHS, 32768, 1, SHAPE, RATES, budget, num_kepts=(1,), tie=0.01,
                              predict_s=lambda c, k, o: times[c])
-    assert (chosen.chunk_size, chosen.k) == (2048, 1)
+    assert (chosen.chunk_size, chosen.num_kept) == (2048, 1)
 
 
 def test_choose_chunking_nothing_fits_names_the_budget():
@@ -147,7 +147,7 @@ def test_choose_chunking_searches_the_recompute_menu_inside_chunks():
     budget = (peaks[(2048, "full")] + min(peaks[(2048, "none")], peaks[(1024, "none")])) / 2
     budget = min(budget, peaks[(2048, "none")] - 1)
     chosen = choose_chunking(LENGTHS, 32768, 1, SHAPE, RATES, budget, sizes=[1024, 2048],
-                             ks=(1,), options=options,
+                             num_kepts=(1,), options=options,
                              predict_s=lambda c, k, o: (2.0 if c == 1024 else 1.0)
                              + (0.5 if o.kind == "full" else 0.0))
     assert chosen.peak_bytes <= budget
@@ -157,9 +157,9 @@ def test_choose_chunking_searches_the_recompute_menu_inside_chunks():
 
 
 def test_k_candidates_end_with_no_reforward():
-    assert k_candidates(1) == [1]
-    assert k_candidates(4) == [1, 2, 4]
-    assert k_candidates(5) == [1, 2, 4, 5]
+    assert num_kept_candidates(1) == [1]
+    assert num_kept_candidates(4) == [1, 2, 4]
+    assert num_kept_candidates(5) == [1, 2, 4, 5]
     # K = n re-forwards nothing: its peak holds every chunk's activations, no kept stage inputs
     c = 1024
     n = -(-max(LENGTHS) // c)

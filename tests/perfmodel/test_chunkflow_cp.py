@@ -203,7 +203,7 @@ def test_search_picks_cp_and_is_exact():
     layouts = candidate_layouts(shape, H100, 4, allow_cp=True)
     brute = fastest_fitting(predict_chunkflow(CP_LENGTHS, shape, H100, lay, 8192, 1)
                             for lay in layouts if 8192 % lay.chunk_multiple == 0)
-    found = best_chunkflow(CP_LENGTHS, shape, H100, 4, SEQ, chunk_size=8192, k=1)
+    found = best_chunkflow(CP_LENGTHS, shape, H100, 4, SEQ, chunk_size=8192, num_kept=1)
     assert found.fits and (found.layout.tp, found.layout.cp) == (2, 2)
     assert found.step_s == pytest.approx(brute.step_s, rel=1e-12)
     no_cp = fastest_fitting(predict_chunkflow(CP_LENGTHS, shape, H100, lay, 8192, 1)

@@ -130,7 +130,7 @@ def test_chunkflow_search_is_exact():
     layouts = candidate_layouts(SHAPE, CF_HW, 2, allow_cp=True)
     brute = fastest_fitting(predict_chunkflow(LENGTHS, SHAPE, CF_HW, lay, 16384, 1)
                             for lay in layouts)
-    found = best_chunkflow(LENGTHS, SHAPE, CF_HW, 2, SEQ, chunk_size=16384, k=1)
+    found = best_chunkflow(LENGTHS, SHAPE, CF_HW, 2, SEQ, chunk_size=16384, num_kept=1)
     assert found.fits and found.step_s == pytest.approx(brute.step_s, rel=1e-12)
     assert found.layout.cp == 1 and found.layout.recompute.kind != "none"
 
