@@ -67,3 +67,42 @@ def test_every_field_documented(cls):
 def test_validation_names_flag(kw, flag):
     with pytest.raises(ValueError, match=flag):
         ChunkFlowConfig(**kw)
+
+
+def test_a_simulated_layout_runs_sequence_parallel_whenever_tp_splits():
+    """ParallelConfig.layout is how the simulator and bench describe a layout (Megatron-LM users
+    run TP with sequence parallelism); `parse` reads the TP,CP,PP,RECOMPUTE text."""
+    from megatron_chunkflow.core.models import get_model_shape
+
+    assert ParallelConfig.layout(tp=2).sequence_parallel
+    assert not ParallelConfig.layout().sequence_parallel
+    lay = ParallelConfig.parse("2,2,2,block:3", 32, get_model_shape("qwen2.5-7b"), "--flag")
+    assert (lay.tp, lay.cp, lay.pp, lay.dp, str(lay.recompute)) == (2, 2, 2, 4, "block:3")
+    assert lay.degrees == ParallelConfig.layout(tp=2, cp=2, pp=2, dp=4)
+    assert (lay.span("tp"), lay.span("cp"), lay.span("dp"), lay.span("pp")) == (2, 4, 16, 32)
+    assert lay.chunk_multiple == lay.segment_multiple == 8
+    assert ParallelConfig(recompute="full").recompute.kind == "full"  # text accepted
+    with pytest.raises(ValueError, match=r"--flag 2,1,1,block:29: RECOMPUTE block:29: a pipeline "
+                                         r"stage has only 28 layers"):
+        ParallelConfig.parse("2,1,1,block:29", 8, get_model_shape("qwen2.5-7b"), "--flag")
+
+
+@pytest.mark.parametrize("naming,expected", [
+    ("flags", "--chunk-size 100 is not a multiple of 2 x --context-parallel-size (--cp) 2 x "
+              "--tensor-model-parallel-size (--tp) 2 (--sequence-parallel) = 8"),
+    ("megatron-lm", "--chunk-size 100 is not a multiple of 2 x --context-parallel-size 2 x "
+                    "--tensor-model-parallel-size 2 (--sequence-parallel) = 8"),
+    ("axes", "--chunk-size 100 is not a multiple of 2 x CP 2 x TP 2 (sequence parallelism) = 8"),
+])
+def test_the_chunk_size_rule_is_one_rule_named_for_its_caller(naming, expected):
+    """train and verify name the flags with their aliases, the Megatron-LM launcher its own
+    flags, simulate the layout text's axes: one rule, one message."""
+    layout = ParallelConfig(tp=2, cp=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match=re.escape(expected + ": context parallelism cuts every "
+                                                   "chunk into 2 x CP equal pieces; give "
+                                                   "--chunk-size 96")):
+        layout.check_chunk_size(100, naming=naming)
+    layout.check_chunk_size(104)
+    with pytest.raises(ValueError, match="which --sequence-parallel requires"):
+        ParallelConfig(tp=4, sequence_parallel=True).check_chunk_size(130)
+    ParallelConfig(tp=4).check_chunk_size(130)  # without sequence parallelism nothing splits

@@ -138,3 +138,44 @@ def test_tests_mirror_the_package():
     for folder in tests:
         assert (TESTS / folder / "__init__.py").is_file(), f"tests/{folder}/ has no __init__.py"
         assert list((TESTS / folder).glob("test_*.py")), f"tests/{folder}/ holds no test module"
+
+
+def _classes_with_fields(names: set[str]) -> set[str]:
+    """Classes of the package whose annotated fields include all of `names`."""
+    out = set()
+    for path in MODULES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                fields = {s.target.id for s in node.body
+                          if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+                if names <= fields:
+                    out.add(node.name)
+    return out
+
+
+def test_one_layout_type():
+    """ParallelConfig (config.py) is the one description of a layout: degrees of parallelism,
+    sequence parallelism, recompute. Ranks (runtime/ranks.py) is this process's place in a job
+    and holds no rule. No other class carries TP, PP and CP."""
+    assert _classes_with_fields({"tp", "pp", "cp"}) == {"ParallelConfig", "Ranks"}
+    assert not [p for p in MODULES if re.search(r"^class \w*Layout\b", p.read_text(), re.M)]
+
+
+def test_cli_modules_import_no_other_cli_module():
+    """Each subcommand is argparse and printing; what two of them share lives in a room below."""
+    for path in (PKG / "cli").glob("*.py"):
+        others = [m for m in imports_of(path) if m.startswith("megatron_chunkflow.cli")]
+        assert not others, f"cli/{path.name} imports {others}"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PKG)))
+def test_only_cli_imports_checks_and_bench(path):
+    """checks/ and bench/ are what `chunkflow verify` and `bench` run; no other room (bench
+    included for checks/, and the reverse) builds on them."""
+    mine = room(path)
+    if mine in ("cli", *TOP_LEVEL):
+        return
+    for module in imports_of(path):
+        parts = module.split(".")
+        if parts[0] == "megatron_chunkflow" and len(parts) > 1 and parts[1] in ("checks", "bench"):
+            assert parts[1] == mine, f"{path.relative_to(PKG)} ({mine}/) imports {module}"

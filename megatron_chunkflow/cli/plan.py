@@ -33,7 +33,7 @@ from megatron_chunkflow.core.types import PipelinePlan
 from megatron_chunkflow.flags import add_config_arguments, check_output_file, config_from_args
 from megatron_chunkflow.perfmodel.footprint import memory_hooks
 
-SCENARIO = dict(global_batch_size=2000)  # the embedded scenario (README, "Defaults")
+SCENARIO = dict(model="qwen2.5-7b", global_batch_size=2000)  # README, "Defaults"
 GIB = 2.0**30
 BF16_BYTES = 2  # the printed memory model's element size
 STRONGEST = "megatron-packed"  # the JSON's "baseline" (kept for compatibility)
@@ -81,8 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seq-length", type=int, default=None,
                    help="the baseline's micro-batch length (default: the longest sequence, "
                         "padded to a multiple of 2 x CP)")
-    g.add_argument("--model", default="qwen2.5-7b", choices=sorted(MODEL_SHAPES),
-                   help="shape used by the cost model (default: qwen2.5-7b)")
+    g.add_argument("--model", default=SCENARIO["model"], choices=sorted(MODEL_SHAPES),
+                   help=f"shape used by the cost model (default: {SCENARIO['model']})")
     g = parser.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     g.add_argument("--png", metavar="PATH", help="draw both plans' per-stage timelines")

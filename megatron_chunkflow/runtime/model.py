@@ -28,7 +28,7 @@ import torch
 from contextlib import contextmanager
 
 from megatron_chunkflow.attention import chunk_attention
-from megatron_chunkflow.runtime.cp import attention_layout, cp_attention
+from megatron_chunkflow.runtime.cp import key_selection, cp_attention
 from megatron_chunkflow.runtime.state import ChunkMeta, KVStateStore
 
 
@@ -77,8 +77,8 @@ class ChunkCoreAttention(torch.nn.Module):
         t = query.size(0)
         if meta.dependent:
             key, value = self.store.kv_with_state(self.layer_number, key, value)
-        layout = self.store.cp_layout
-        if layout is None:  # the chunk's first layer on this stage: check, then build once
+        keys = self.store.cp_keys
+        if keys is None:  # the chunk's first layer on this stage: check, then build once
             import torch.distributed as dist
 
             size, rank = _cp_size(self.cp_group), dist.get_rank(self.cp_group)
@@ -86,11 +86,11 @@ class ChunkCoreAttention(torch.nn.Module):
                 raise RuntimeError(f"the chunk was planned for CP rank {meta.cp_rank} of "
                                    f"{meta.cp_size}, but this is rank {rank} of the model's "
                                    f"{size}-rank context-parallel group (plan_step's cp_rank)")
-            layout = attention_layout(meta.cu_seqlens, meta.index if meta.dependent else 0,
-                                      meta.chunk_size, meta.cp_size, meta.cp_rank)
-            layout = layout._replace(index=layout.index.to(query.device))
-            self.store.cp_layout = layout
-        out = cp_attention(query, key, value, layout, self.cp_group, self.softmax_scale,
+            keys = key_selection(meta.cu_seqlens, meta.index if meta.dependent else 0,
+                                 meta.chunk_size, meta.cp_size, meta.cp_rank)
+            keys = keys._replace(index=keys.index.to(query.device))
+            self.store.cp_keys = keys
+        out = cp_attention(query, key, value, keys, self.cp_group, self.softmax_scale,
                            self.backend, self.store.cp_traffic)
         return out.reshape(t, -1)
 

@@ -11,7 +11,9 @@ step (point-to-point waits are outside every context, so they count as idle time
   included); `keeps_graph` says whether autograd keeps its graph for a later B;
 - `backward(op)`: a context around one B (Megatron's backward_step);
 - `input_kept(chunk, tensor)` / `input_released(chunk)`: a stage input kept after a forward
-  without graph (stages after the first) until the chunk's re-forward takes it.
+  without graph (stages after the first) until the chunk's re-forward takes it;
+- `communicate(what, op)`: a context around one point-to-point exchange with a neighbouring
+  stage (recv_forward, send_forward, recv_backward, send_backward) for op's chunk.
 `observing_megatron` drives the same hooks from Megatron's own schedule (the stock baselines), so
 both systems are measured by the same observers.
 """
@@ -48,6 +50,11 @@ class StepObserver:
 
     def input_released(self, chunk: int) -> None:
         """The kept stage input of `chunk`, taken by its re-forward."""
+
+    @contextlib.contextmanager
+    def communicate(self, what: str, op: Op):
+        """Around one send or receive of op's chunk with a neighbouring stage."""
+        yield
 
     def step_ended(self) -> None:
         """After the stage's last op and the completion of its sends."""

@@ -71,7 +71,8 @@ class StageRun:
         output, num_tokens = self._run_forward(i, op, input_tensor, keep, record=(
             keep or self.forward_only or dropped))
         if op.kind == "F" and not self.is_last:
-            self.link.send_forward(output)
+            with observing(self.observers, "communicate", "send_forward", op):
+                self.link.send_forward(output)
         if keep:
             self.total_num_tokens += num_tokens
             if not self.is_last:
@@ -90,7 +91,8 @@ class StageRun:
             for observer in self.observers:
                 observer.input_released(op.chunk)
             return self.saved_inputs.pop(op.chunk).requires_grad_()
-        tensor = self.link.recv_forward(self.shapes[op.chunk])
+        with observing(self.observers, "communicate", "recv_forward", op):
+            tensor = self.link.recv_forward(self.shapes[op.chunk])
         if op.chunk in self.recomputed and not self.forward_only:
             self.saved_inputs[op.chunk] = tensor.detach()
             for observer in self.observers:
@@ -119,7 +121,10 @@ class StageRun:
     def _backward(self, i: int, op) -> None:
         from megatron.core.pipeline_parallel.schedules import backward_step
 
-        grad = None if self.is_last else self.link.recv_backward(self.shapes[op.chunk])
+        grad = None
+        if not self.is_last:
+            with observing(self.observers, "communicate", "recv_backward", op):
+                grad = self.link.recv_backward(self.shapes[op.chunk])
         input_tensor, output = self.held.pop(op.chunk)
         no_sync = self.config.no_sync_func or contextlib.nullcontext
         # Megatron's activation recompute (full or selective) re-runs attention inside the
@@ -133,7 +138,8 @@ class StageRun:
         finally:
             self.store.end()
         if not self.is_first:
-            self.link.send_backward(input_grad)
+            with observing(self.observers, "communicate", "send_backward", op):
+                self.link.send_backward(input_grad)
 
 
 def _weighted_loss(forward_step_func, weight: float):

@@ -84,8 +84,8 @@ class KVStateStore:
         self._kv: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._grad: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.prefix_copies: set[int] = set()  # storages of cat(prefix, own) made in this forward
-        self.cp_traffic = Traffic()
-        self.cp_layout = None  # context parallelism: bytes this rank's K/V collectives move
+        self.cp_traffic = Traffic()  # context parallelism: bytes this rank's K/V collectives move
+        self.cp_keys = None  # runtime/cp.py's key selection of the chunk being run
 
     # ---- chunk context (set by the schedule around each forward) --------------------------------
     def begin(self, meta: ChunkMeta, reforward: bool = False) -> None:
@@ -94,7 +94,7 @@ class KVStateStore:
         self.current = meta
         self.reforward = reforward
         self.prefix_copies.clear()
-        self.cp_layout = None  # runtime/cp.py's layout of this chunk, built by its first layer
+        self.cp_keys = None  # runtime/cp.py's key selection of this chunk, built by its first layer
 
     def end(self) -> None:
         self.current = None

@@ -59,3 +59,119 @@ def test_launcher_flags_live_in_the_chunkflow_namespace():
     assert (cfg.chunk_size, cfg.num_kept, cfg.attention_backend) == (4096, 2, "torch")
     with pytest.raises(SystemExit):
         parser.parse_args(["--k", "2"])  # no deprecated spellings in Megatron's namespace
+
+
+@pytest.mark.parametrize("command", ["plan", "simulate", "verify", "bench"])
+def test_length_flags_and_seed_are_one_config(command):
+    """--profile, --lengths-file, --global-batch-size, --seed, --step, --scale come from one
+    dataclass (core/lengths.py) in every command that draws lengths, with one help text."""
+    from megatron_chunkflow.core.lengths import LengthsConfig
+    from megatron_chunkflow.flags import config_from_args
+
+    args = parse([command, "--profile", "A", "--global-batch-size", "9", "--seed", "3",
+                  "--step", "2", "--scale", "0.5"])
+    cfg = config_from_args(LengthsConfig, args)
+    assert (cfg.profile, cfg.global_batch_size, cfg.seed, cfg.step, cfg.scale) == \
+        ("A", 9, 3, 2, 0.5)
+    sub = next(a for a in build_parser()._subparsers._actions
+               if isinstance(a, argparse._SubParsersAction)).choices[command]
+    seed_help = next(a.help for a in sub._actions if "--seed" in a.option_strings)
+    assert seed_help.startswith("Seed of everything the command draws at random")
+
+
+def test_train_seed_has_the_same_meaning_and_megatron_lms_default():
+    args = parse(["train"])
+    assert args.seed == 1234  # Megatron-LM's default (the embedded scenario, README "Defaults")
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--bf16"], "bfloat16"), (["--fp64"], "float64"), (["--dtype", "float64"], "float64"),
+])
+def test_precision_is_one_flag(capsys, argv, expected):
+    assert parse(["train", *argv]).dtype == expected
+    if argv[0] != "--dtype":
+        assert f"{argv[0]} is deprecated; use --dtype {expected}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--recompute", "block:2"], "block:2"),
+    (["--recompute-granularity", "full", "--recompute-method", "block",
+      "--recompute-num-layers", "2"], "block:2"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "mlp", "layernorm"],
+     "selective:mlp+layernorm"),
+    (["--recompute-granularity", "full"], "full"),
+])
+def test_recompute_is_one_flag_megatrons_spelling_still_works(capsys, argv, expected):
+    from megatron_chunkflow.cli.train import settings_from_args
+
+    assert str(settings_from_args(parse(["train", *argv])).parallel.recompute) == expected
+    if argv[0] != "--recompute":
+        assert "--recompute-granularity is deprecated; use --recompute OPTION" in \
+            capsys.readouterr().err
+
+
+def test_recompute_spelled_both_ways_is_refused():
+    from megatron_chunkflow.cli.train import settings_from_args
+
+    with pytest.raises(ValueError, match="--recompute and Megatron-LM's --recompute-\\* flags"):
+        settings_from_args(parse(["train", "--recompute", "full",
+                                  "--recompute-granularity", "full"]))
+
+
+def test_bad_recompute_text_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse(["verify", "--recompute", "sometimes"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--recompute" in err and "expected none, full, block:N" in err
+
+
+def test_data_flags_are_one_config_in_train_and_the_launcher():
+    """--overlong and --skip-bad-records: DataConfig's fields (data/config.py) in `chunkflow
+    train` and in Megatron-LM's parser, with the same help."""
+    from megatron_chunkflow.megatron_lm.args import add_chunkflow_arguments
+
+    launcher = add_chunkflow_arguments(argparse.ArgumentParser())
+    train = next(a for a in build_parser()._subparsers._actions
+                 if isinstance(a, argparse._SubParsersAction)).choices["train"]
+    for flag in ("--overlong", "--skip-bad-records"):
+        helps = [next(a.help for a in p._actions if flag in a.option_strings)
+                 for p in (launcher, train)]
+        assert helps[0] == helps[1], flag
+    args = launcher.parse_args(["--overlong", "split", "--skip-bad-records"])
+    assert (args.overlong, args.skip_bad_records) == ("split", True)
+
+
+def _readme_defaults() -> dict[str, list[str]]:
+    """README's "Defaults" table: subcommand -> the flags and values of its embedded scenario."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = text[text.index("### Defaults"):].split("\n\n")[2]
+    rows = re.findall(r"^\| `(\w+)` \| [^|]+ \| `([^`]+)`", table, re.M)
+    return {command: flags.split() for command, flags in rows}
+
+
+@pytest.mark.parametrize("command", CHUNKING)
+def test_every_embedded_scenario_default_is_documented_and_applied(command):
+    """One default per knob, its field's, unless a subcommand's embedded scenario sets one: then
+    README's table says so, and the parser applies it."""
+    import importlib
+
+    scenario = importlib.import_module(f"megatron_chunkflow.cli.{command}").SCENARIO
+    documented = _readme_defaults()[command]
+    flags = dict(zip(documented[::2], documented[1::2]))
+    args = parse([command])
+    for key, value in scenario.items():
+        flag = "--" + key.replace("_", "-")
+        assert flag in flags, f"README's Defaults table lacks {command} {flag}"
+        assert float(flags[flag]) == value if isinstance(value, (int, float)) else \
+            flags[flag] == value, (command, flag)
+        if getattr(args, key) is None:  # drawn by the command at its scenario's size
+            sub = next(a for a in build_parser()._subparsers._actions
+                       if isinstance(a, argparse._SubParsersAction)).choices[command]
+            text = next(a.help for a in sub._actions if flag in a.option_strings)
+            assert f"{value}" in text.split("(default:")[-1], (command, flag, text)
+        else:
+            assert getattr(args, key) == value, (command, key)
+    assert set(flags) == {"--" + k.replace("_", "-") for k in scenario}, command

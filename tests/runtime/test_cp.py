@@ -11,7 +11,7 @@ import torch
 from megatron_chunkflow.attention import chunk_attention
 from megatron_chunkflow.core.models import get_model_shape
 from megatron_chunkflow.core.packer import build_chunks
-from megatron_chunkflow.runtime.cp import attention_layout, local_index, shard_ranges
+from megatron_chunkflow.runtime.cp import key_selection, local_index, shard_ranges
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
@@ -44,7 +44,7 @@ def _attention_by_rank(q, k, v, cu, prefix_chunks, chunk_size, cp):
     prefix = prefix_chunks * chunk_size
     outs = []
     for r in range(cp):
-        layout = attention_layout(cu, prefix_chunks, chunk_size, cp, r)
+        layout = key_selection(cu, prefix_chunks, chunk_size, cp, r)
         q_local = q[prefix + local_index(cu, cp, r)]
         outs.append(chunk_attention(q_local, k_gathered[layout.index], v_gathered[layout.index],
                                     layout.cu_q, layout.cu_kv, backend="sdpa"))

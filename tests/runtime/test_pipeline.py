@@ -108,3 +108,43 @@ def _diverging_plans():
 def test_ranks_with_different_plans_are_refused(gloo):
     with pytest.raises(RuntimeError, match="different ChunkFlow plans"):
         gloo.run(_diverging_plans, 2, timeout=120)
+
+
+def _traced_step():
+    """PP=2, CHUNKFLOW_TRACE=1: one ChunkFlow step."""
+    import os
+
+    from megatron_chunkflow.config import ChunkFlowConfig
+    from megatron_chunkflow.core.models import get_model_shape
+    from megatron_chunkflow.data.synthetic import make_sequences
+    from megatron_chunkflow.mcore.build import build_chunkflow_model
+    from megatron_chunkflow.mcore.dist import init_distributed
+    from megatron_chunkflow.runtime.execute import execute_step, plan_step
+    from megatron_chunkflow.runtime.loss import forward_step
+
+    os.environ["CHUNKFLOW_TRACE"] = "1"
+    parallel = ParallelConfig(pp=2)
+    ranks = init_distributed(parallel)
+    shape = get_model_shape("tiny")
+    cm = build_chunkflow_model(shape, parallel=parallel, attention_backend="torch")
+    step = plan_step(make_sequences(LENGTHS, shape.vocab_size, 0), ChunkFlowConfig(C, 1),
+                     parallel, shape, ranks)
+    execute_step(step, cm.ddp, forward_step)
+    return [(op.kind, op.chunk) for op in step.plan.stages[ranks.pp_rank]]
+
+
+def test_trace_names_every_op_and_exchange_in_order(gloo, capfd):
+    """CHUNKFLOW_TRACE=1: each rank prints every op of its plan and every send and receive, in
+    the order it runs them, so a hang's last unmatched begin says where a rank waits."""
+    import re
+
+    plans = gloo.run(_traced_step, 2)
+    err = capfd.readouterr().err
+    for rank, plan in enumerate(plans):
+        begun = re.findall(rf"\[chunkflow trace\] rank {rank} stage {rank} \+\S+ begin (\w+) "
+                           r"chunk (\d+)", err)
+        ops = [(kind, int(chunk)) for kind, chunk in begun if kind in ("F", "R", "B")]
+        assert ops == plan
+        exchanges = {kind for kind, _ in begun} - {"F", "R", "B"}
+        assert exchanges == ({"send_forward", "recv_backward"} if rank == 0
+                             else {"recv_forward", "send_backward"})
