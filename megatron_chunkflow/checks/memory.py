@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+from megatron_chunkflow.config import NO_RECOMPUTE, ChunkFlowConfig, ParallelConfig, Recompute
 from megatron_chunkflow.runtime.meter import ActivationMeter
 from megatron_chunkflow.runtime.ranks import Ranks
 
@@ -47,17 +47,18 @@ class MemoryRow:
 
 
 def measure_one_sequence(shape, length: int, chunkflow: ChunkFlowConfig, dtype, seed: int = 0,
-                         lora=None, cp: int = 1) -> MemoryRow:
+                         lora=None, cp: int = 1, recompute: Recompute = NO_RECOMPUTE) -> MemoryRow:
     """One training step of one sequence through ChunkFlow's schedule, metered (PP=1), on this
     rank; with `lora` (mcore/lora.py LoRAConfig) the base is frozen and only adapters train. With
-    `cp` > 1 the process groups must have that CP size: this CP rank's share is measured."""
+    `cp` > 1 the process groups must have that CP size: this CP rank's share is measured; with
+    `recompute`, Megatron's recompute inside each chunk."""
     from megatron_chunkflow.data.synthetic import make_sequences
     from megatron_chunkflow.mcore.build import build_chunkflow_model
     from megatron_chunkflow.perfmodel.footprint import kv_state_bytes_per_token
     from megatron_chunkflow.runtime.execute import execute_step, plan_step
     from megatron_chunkflow.runtime.loss import make_forward_step
 
-    parallel, ranks = ParallelConfig(cp=cp), Ranks.current()
+    parallel, ranks = ParallelConfig(cp=cp, recompute=recompute), Ranks.current()
     alone = Ranks(tp=ranks.tp, tp_rank=ranks.tp_rank, cp=ranks.cp, cp_rank=ranks.cp_rank)
     cm = build_chunkflow_model(shape, dtype, parallel, lora=lora, lora_seed=seed,
                                attention_backend=chunkflow.attention_backend)

@@ -25,7 +25,7 @@ import argparse
 
 from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
 from megatron_chunkflow.console import Output
-from megatron_chunkflow.core.lengths import LengthsConfig
+from megatron_chunkflow.core.lengths import AS_DRAWN, LengthsConfig
 from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape
 from megatron_chunkflow.core.simulate import SimResult
 from megatron_chunkflow.core.step import BASELINES, plan_baseline, plan_chunkflow
@@ -70,7 +70,7 @@ def _baseline_summary(rp, dp_rank: int) -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sequence lengths")
-    add_config_arguments(g, LengthsConfig, default_help={
+    add_config_arguments(g, LengthsConfig, fields=AS_DRAWN, default_help={
         "profile": "B", "global_batch_size": SCENARIO["global_batch_size"]})
     g = parser.add_argument_group("chunkflow")
     add_config_arguments(g, ChunkFlowConfig, fields=("chunk_size", "num_kept"))

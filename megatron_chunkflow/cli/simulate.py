@@ -29,7 +29,7 @@ import argparse
 import dataclasses
 
 from megatron_chunkflow.console import Output
-from megatron_chunkflow.core.lengths import LengthsConfig
+from megatron_chunkflow.core.lengths import AS_DRAWN, LengthsConfig
 from megatron_chunkflow.config import ChunkFlowConfig
 from megatron_chunkflow.flags import add_config_arguments, config_from_args
 from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape
@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--calibration", metavar="FILE",
                    help="efficiencies measured by scripts/benchmarks/gpu_calibrate.py")
     g = parser.add_argument_group("sequence lengths")
-    add_config_arguments(g, LengthsConfig, default_help={
+    add_config_arguments(g, LengthsConfig, fields=AS_DRAWN, default_help={
         "profile": "B", "global_batch_size": SCENARIO["global_batch_size"]})
     g = parser.add_argument_group("stock Megatron and layouts")
     g.add_argument("--baseline", choices=[*BASELINES, "all"], default="all",

@@ -207,16 +207,18 @@ def _run_memory(s: VerifySettings, as_json: bool) -> int:
     from megatron_chunkflow.checks.memory import measure_one_sequence
 
     cfg, shape, dtype, lora = s.chunkflow, s.shape, DTYPES[s.dtype], s.lora
+    rc = s.parallel.recompute
     rows = []
     out = Output(as_json, quiet=not _is_main())
     out.say(f"one sequence per length; C={cfg.chunk_size}, K={cfg.num_kept}, {s.dtype}, "
             f"attention {_backend(cfg)}; bytes saved for backward (no weights) and K/V state"
-            + (f"; LoRA rank {lora.rank} on {lora.targets}, base frozen" if lora else ""))
+            + (f"; LoRA rank {lora.rank} on {lora.targets}, base frozen" if lora else "")
+            + _recompute_note(rc))
     out.say(f"{'length':>8} {'chunked':>14} {'unchunked':>14} {'state':>14} {'state formula':>14}")
     for n in s.memory_lengths:
-        chunked = measure_one_sequence(shape, n, cfg, dtype, lora=lora)
+        chunked = measure_one_sequence(shape, n, cfg, dtype, lora=lora, recompute=rc)
         whole = dataclasses.replace(cfg, chunk_size=n, num_kept=1)
-        unchunked = measure_one_sequence(shape, n, whole, dtype, lora=lora)
+        unchunked = measure_one_sequence(shape, n, whole, dtype, lora=lora, recompute=rc)
         row = {"length": n, "chunked_bytes": chunked.activation, "unchunked_bytes":
                unchunked.activation + unchunked.state, "state_bytes": chunked.state,
                "state_formula_bytes": chunked.state_formula}
@@ -226,8 +228,17 @@ def _run_memory(s: VerifySettings, as_json: bool) -> int:
         out.say(f"{n:>8} {row['chunked_bytes']:>14,} {row['unchunked_bytes']:>14,} "
                 f"{row['state_bytes']:>14,} {formula:>14}")
     out.result({"chunk_size": cfg.chunk_size, "k": cfg.num_kept, "dtype": s.dtype,
-                "lora": _lora_json(lora), "rows": rows})
+                "lora": _lora_json(lora), **_recompute_json(rc), "rows": rows})
     return 0
+
+
+def _recompute_note(recompute) -> str:
+    return "" if recompute.kind == "none" else f"; Megatron's recompute {recompute} in each chunk"
+
+
+def _recompute_json(recompute) -> dict:
+    """{"recompute": its text form} unless none (the memory JSON had no such key before)."""
+    return {} if recompute.kind == "none" else {"recompute": str(recompute)}
 
 
 def _run_memory_cp(s: VerifySettings, as_json: bool) -> int:
@@ -246,7 +257,7 @@ def _run_memory_cp(s: VerifySettings, as_json: bool) -> int:
     out = Output(as_json, quiet=not _is_main())
     out.say(f"one sequence per length; C={cfg.chunk_size}, K={cfg.num_kept}, {s.dtype}, attention "
             f"{_backend(cfg)}; peak bytes saved for backward (no weights) plus K/V state, the "
-            f"largest rank's")
+            f"largest rank's" + _recompute_note(s.parallel.recompute))
     out.say(f"{'length':>8} {'CP=1':>14} {f'CP={cp}':>14} {'ratio':>7} {'state CP=1':>14} "
             f"{f'state CP={cp}':>14} {'gathered':>14} {'reduce-scat.':>14}")
     rows = []
@@ -254,7 +265,8 @@ def _run_memory_cp(s: VerifySettings, as_json: bool) -> int:
         measured = []
         for size in (1, cp):
             init_distributed(ParallelConfig(cp=size), seed)
-            row = measure_one_sequence(shape, n, cfg, dtype, seed=seed, cp=size)
+            row = measure_one_sequence(shape, n, cfg, dtype, seed=seed, cp=size,
+                                       recompute=s.parallel.recompute)
             peaks = torch.tensor([row.total, row.state, row.cp_gathered,
                                   row.cp_reduce_scattered], dtype=torch.float64,
                                  device=comm_device())
@@ -270,7 +282,7 @@ def _run_memory_cp(s: VerifySettings, as_json: bool) -> int:
     out.say(f"gathered / reduce-scat.: bytes one CP={cp} rank received in the step's K/V "
             "all-gathers and dK/dV reduce-scatters (every layer, forwards and backwards)")
     out.result({"chunk_size": cfg.chunk_size, "k": cfg.num_kept, "dtype": s.dtype, "cp": cp,
-                "rows": rows})
+                **_recompute_json(s.parallel.recompute), "rows": rows})
     return 0
 
 

@@ -18,6 +18,8 @@ from megatron_chunkflow.core.profiles import PROFILES, ensure_long, sample_lengt
 ProfileName = Literal["A", "B", "C", "dcp"]  # core/profiles.py PROFILES
 MAX_LENGTH = 1 << 24  # tokens in one sequence: 16M, 64x a 256K context; planning stays bounded
 DEFAULT_PROFILE = "B"
+# the flags of a command that takes lengths as drawn (plan, simulate): all but --min-long
+AS_DRAWN = ("profile", "lengths_file", "global_batch_size", "seed", "step", "scale")
 
 
 @dataclass(frozen=True)

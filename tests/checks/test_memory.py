@@ -53,3 +53,17 @@ def test_memory_cp2_halves_bytes_per_rank(gloo):
     received = [t * kv_bytes // 2 for t in gathered]  # (CP - 1) / CP at CP 2
     assert row["cp_reduce_scattered_bytes"] == sum(received)
     assert row["cp_gathered_bytes"] == sum(3 * r for r in received[:-1]) + 2 * received[-1]
+
+
+def test_memory_follows_the_recompute_option(gloo):
+    """`verify --memory --recompute full`: each chunk keeps only its layers' inputs (no prefix
+    copies either), so fewer bytes are held than without recompute; the JSON names the option."""
+    rows = {}
+    for option in ("none", "full"):
+        code, out, err = gloo.cli(1, "verify", "--memory", "--lengths", 4 * C, "--chunk-size", C,
+                                  "--recompute", option, "--json")
+        assert code == 0, err[-3000:]
+        result = json.loads(out)
+        assert result.get("recompute", "none") == option
+        (rows[option],) = result["rows"]
+    assert rows["full"]["chunked_bytes"] < rows["none"]["chunked_bytes"]
