@@ -32,30 +32,24 @@ from megatron_chunkflow.runtime.meter import ActivationMeter
 from megatron_chunkflow.runtime.observe import StageTimeline
 from megatron_chunkflow.runtime.ranks import Ranks
 from megatron_chunkflow.mcore.settings import OptimizerConfig, TrainSettings
-from megatron_chunkflow.mcore.step import build_training, forward_backward, training_step
+from megatron_chunkflow.mcore.step import (
+    Training,
+    build_training,
+    forward_backward,
+    training_step,
+)
 
 PROBE_TOKENS = 1024
 
 
 @dataclass
 class System:
-    """One trained system: its settings and Megatron's model, DDP, optimizer and scheduler."""
+    """One trained system: its name and settings, and what mcore/step.py's build_training made
+    of them (model, DDP, optimizer, scheduler)."""
 
     name: str  # "chunkflow" or a baseline's name
     settings: TrainSettings
-    training: object  # mcore/step.py Training
-
-    @property
-    def model(self):
-        return self.training.model
-
-    @property
-    def store(self):
-        return self.training.store
-
-    @property
-    def ddp(self):
-        return self.training.ddp
+    training: Training
 
 
 def build_system(name: str, ts: TrainSettings) -> System:
@@ -96,7 +90,8 @@ def timed_step(system: System, sequences, trim: bool = True) -> list[dict]:
     """One step of `system`, measured on every rank; every rank's record. `trim`: return freed
     heap to the OS first, so the step's peak RSS is its own (and its pages fault in again)."""
     ranks = Ranks.current()
-    meter, timeline = ActivationMeter(system.model, system.store), StageTimeline()
+    tr = system.training
+    meter, timeline = ActivationMeter(tr.model, tr.store), StageTimeline()
     gc.collect()
     reset_peak_rss(trim)
     dist.barrier()
@@ -141,7 +136,7 @@ def probe_rates(system: System, s: BenchSettings,
             peak[r["stage"]] = max(peak[r["stage"]], r["peak"])
         measured[str(option)] = OptionRates(tuple(held), tuple(peak))
         del tr
-    elem = torch.finfo(system.model.config.params_dtype).bits // 8
+    elem = torch.finfo(system.training.model.config.params_dtype).bits // 8
     layers = layers_per_stage(s.shape.num_layers, pp)
 
     def kv(n, nbytes):  # K and V of n layers, `nbytes` per element, this TP rank's heads
@@ -171,11 +166,12 @@ def probe_step_times(system: System, s: BenchSettings, repeats: int = 3) -> dict
         times = []
         for _ in range(repeats + 1):
             timeline = StageTimeline()
-            forward_backward(ts, system.training, batch,
-                             observers=[ActivationMeter(system.model, system.store), timeline])
+            tr = system.training
+            forward_backward(ts, tr, batch, observers=[ActivationMeter(tr.model, tr.store),
+                                                       timeline])
             times.append(sum(end - start for _, _, start, end in timeline.ops))
         mine = torch.tensor([statistics.median(times[1:])], dtype=torch.float64)
         dist.all_reduce(mine)
         out[tokens] = float(mine) / dist.get_world_size()
-    system.ddp.zero_grad_buffer()
+    system.training.ddp.zero_grad_buffer()
     return out

@@ -264,6 +264,21 @@ def import_hf_weights(model, hf_dir_or_state_dict, config, shape: ModelShape) ->
             param.copy_(local)
 
 
+def gather_tensor_parallel(t: torch.Tensor, param, glu: bool, tp: int, group) -> torch.Tensor:
+    """The whole tensor of `t`, this TP rank's shard of `param` (its weight, or its gradient),
+    all-gathered over the TP `group` along the partition dim; a SwiGLU linear_fc1 (`glu`) holds
+    cat(gate_r, up_r) on rank r and becomes cat(gate, up). Unsharded parameters are returned as
+    they are. Collective over the TP group."""
+    if not getattr(param, "tensor_model_parallel", False) or tp == 1:
+        return t
+    shards = [torch.empty_like(t) for _ in range(tp)]
+    dist.all_gather(shards, t.contiguous(), group=group)
+    if glu:
+        halves = [s.chunk(2) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    return torch.cat(shards, dim=param.partition_dim)
+
+
 def export_hf_weights(model, config, shape: ModelShape) -> dict[str, torch.Tensor]:
     """The full HF state dict (CPU tensors) on every rank: TP shards and PP stages gathered.
 
@@ -280,15 +295,8 @@ def export_hf_weights(model, config, shape: ModelShape) -> dict[str, torch.Tenso
                          "(mcore/lora.py merge_lora), or they would be left out")
     mine = {}
     for name, param in _unwrap(model).named_parameters():
-        t = param.detach()
-        if getattr(param, "tensor_model_parallel", False) and tp > 1:
-            shards = [torch.empty_like(t) for _ in range(tp)]
-            dist.all_gather(shards, t.contiguous(), group=tp_group)
-            if name.endswith("mlp.linear_fc1.weight"):
-                halves = [s.chunk(2) for s in shards]
-                t = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
-            else:
-                t = torch.cat(shards, dim=param.partition_dim)
+        t = gather_tensor_parallel(param.detach(), param, name.endswith("mlp.linear_fc1.weight"),
+                                   tp, tp_group)
         mine[local_spec_name(full_model_name(name, config, shape.tie_embeddings))] = t.to(
             "cpu", copy=True)  # a copy even on CPU: the export must not alias live weights
     stages = [mine]

@@ -113,7 +113,7 @@ def _peaks(lengths_list):
         sequences = make_sequences(lengths, 1000, seed=0)
         row = []
         for system in systems:
-            meter = ActivationMeter(system.model, system.store)
+            meter = ActivationMeter(system.training.model, system.training.store)
             step_system(system, sequences, [StageTimeline(), meter])
             row.append((meter.peak_activation, meter.peak_state))
         out.append(row)

@@ -99,9 +99,9 @@ def test_lora_chunked_equals_unchunked_layout(gloo, name):
 
 def _full_grads(model):
     """Adapter gradients gathered over TP into their TP = 1 layout (fc1's B by gate/up halves)."""
-    import torch
-    import torch.distributed as dist
     from megatron.core import parallel_state
+
+    from megatron_chunkflow.mcore.hf import gather_tensor_parallel
 
     group = parallel_state.get_tensor_model_parallel_group()
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -109,16 +109,8 @@ def _full_grads(model):
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        g = p.main_grad.detach().clone()
-        if getattr(p, "tensor_model_parallel", False) and tp > 1:
-            shards = [torch.empty_like(g) for _ in range(tp)]
-            dist.all_gather(shards, g.contiguous(), group=group)
-            if name.endswith("linear_fc1.lora_b"):
-                halves = [s.chunk(2) for s in shards]
-                g = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
-            else:
-                g = torch.cat(shards, dim=p.partition_dim)
-        out[name] = g
+        out[name] = gather_tensor_parallel(p.main_grad.detach().clone(), p,
+                                           name.endswith("linear_fc1.lora_b"), tp, group)
     return out
 
 
