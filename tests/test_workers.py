@@ -73,3 +73,20 @@ def test_bad_input_keeps_the_job_a_crash_ends_it(gloo):
     with pytest.raises(RuntimeError, match="rank 1 failed(.|\n)*rank 1 breaks"):
         gloo.run(_crash, 2, timeout=60)
     assert set(p for p, *_ in gloo.run(_state, 2)).isdisjoint(pids)  # a new job
+
+
+def _hang():
+    if os.environ["RANK"] == "0":
+        import torch
+        import torch.distributed as dist
+
+        print("rank 0 waits for a partner that never comes", flush=True)
+        dist.all_reduce(torch.ones(1))
+    return "done"
+
+
+def test_a_hung_rank_ends_its_job_and_its_output_is_kept(gloo, capfd):
+    with pytest.raises(TimeoutError, match="did not finish in 5 s"):
+        gloo.run(_hang, 2, timeout=5)
+    assert "rank 0 waits for a partner that never comes" in capfd.readouterr().err
+    assert gloo.run(_state, 2)  # a new job answers

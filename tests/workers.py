@@ -2,16 +2,18 @@
 
     def test_x(gloo):                        # the session fixture (tests/conftest.py)
         results = gloo.run(fn, 2, arg)       # fn(arg) on every rank of a 2-process job
+        code, out, err = gloo.cli(2, "verify", "--cp", 2, "--json")   # chunkflow's main
 
 Starting a job (spawning Python, importing torch and megatron-core, the gloo rendezvous) costs
 more than many of the tests that run in it, so the tests of one world size share a job. Each rank
 runs one call at a time: the call's function builds Megatron's process groups for its layout
 (mcore/dist.init_distributed joins the job's default group, and its shutdown leaves that group to
 the job), and after every call the worker tears down what the call built (Megatron's groups and
-their gloo subgroups) and restores the process (default dtype, threads, environment). A call that
-fails or hangs on any rank ends its job, since a collective may be left half done; the next call
-starts a new one. What the ranks print is captured per call and written to the test's stderr, so
-capfd and capsys see it.
+their gloo subgroups) and restores the process (default dtype, grad mode, threads, environment,
+working directory, freed heap). A call that fails or hangs on any rank ends its job, since a
+collective may be left half done; the next call starts a new one. What the ranks print goes to one
+file per rank and call, written to the test's stderr afterwards (capfd and capsys see it), also
+for a rank that never reported: a hang's last lines (CHUNKFLOW_TRACE) are not lost.
 
 Each rank uses cores / world_size threads: on 2 cores, a 4-process job would otherwise run 8
 threads.
@@ -21,16 +23,18 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import sys
 import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import torch.multiprocessing as mp
 
 from megatron_chunkflow.mcore.dist import free_port
 
-FAILURE_GRACE_S = 2.0  # after one rank fails, how long the others get to report
+FAILURE_GRACE_S = 5.0  # after one rank fails, how long the others get to report
 
 
 def _serve(rank: int, world_size: int, port: int, tasks, results) -> None:
@@ -48,15 +52,17 @@ def _serve(rank: int, world_size: int, port: int, tasks, results) -> None:
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
     torch.set_num_threads(threads)
     start_job()
-    environ = dict(os.environ)
+    environ, cwd = dict(os.environ), os.getcwd()
     while (task := tasks.get()) is not None:
-        fn, args = task
-        with tempfile.TemporaryFile() as out:
+        fn, args, log = task
+        with open(log, "wb") as out:
             status, value = _call(fn, args, out.fileno())
-            out.seek(0)
-            printed = out.read().decode("utf-8", "replace")
-        _reset(environ, threads)
-        results.put((status, rank, value, printed))
+        results.put((status, rank, value))
+        try:
+            _reset(environ, cwd, threads)
+        except BaseException:  # noqa: BLE001  a process that cannot be reset serves no more
+            traceback.print_exc()
+            return
 
 
 def _call(fn, args, fd: int) -> tuple[str, object]:
@@ -77,9 +83,10 @@ def _call(fn, args, fd: int) -> tuple[str, object]:
             os.close(f)
 
 
-def _reset(environ: dict, threads: int) -> None:
-    """Leave the process as the next call expects it: no Megatron groups, float32 by default, the
-    job's threads and environment."""
+def _reset(environ: dict, cwd: str, threads: int) -> None:
+    """Leave the process as the next call expects it: no Megatron groups, float32 by default,
+    grad on, the job's threads, environment and working directory, freed heap returned."""
+    import ctypes
     import gc
 
     import torch
@@ -88,27 +95,16 @@ def _reset(environ: dict, threads: int) -> None:
 
     shutdown()
     torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
     torch.set_num_threads(threads)
     os.environ.clear()
     os.environ.update(environ)
+    os.chdir(cwd)
     gc.collect()
-
-
-def cli(argv: list[str]) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of `chunkflow ARGV` run in this process, as every rank of a job
-    runs it under torchrun (GlooJobs.cli)."""
-    import contextlib
-    import io
-
-    from megatron_chunkflow.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(argv))
-        except SystemExit as e:  # argparse's usage errors
-            code = e.code if isinstance(e.code, int) else 1
-    return code, out.getvalue(), err.getvalue()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class _Job:
@@ -119,6 +115,8 @@ class _Job:
         self.world_size = world_size
         self.results = ctx.SimpleQueue()
         self.tasks = [ctx.SimpleQueue() for _ in range(world_size)]
+        self.logs = Path(tempfile.mkdtemp(prefix=f"gloo{world_size}_"))
+        self.calls = 0
         port = free_port()
         # not daemons: a call may start processes of its own (dist_checkpointing's writer)
         self.procs = [ctx.Process(target=_serve,
@@ -130,15 +128,17 @@ class _Job:
 
     def run(self, fn, args, timeout: float) -> list:
         """Every rank's fn(*args); raises as GlooJobs.run says."""
-        for q in self.tasks:
-            q.put((fn, args))
-        done: dict[int, tuple[str, object, str]] = {}
+        self.calls += 1
+        logs = [self.logs / f"call{self.calls}.rank{r}.log" for r in range(self.world_size)]
+        for q, log in zip(self.tasks, logs):
+            q.put((fn, args, str(log)))
+        done: dict[int, tuple[str, object]] = {}
         deadline, failed_at = time.monotonic() + timeout, None
         try:
             while len(done) < self.world_size:
                 if not self.results.empty():
-                    status, rank, value, printed = self.results.get()
-                    done[rank] = (status, value, printed)
+                    status, rank, value = self.results.get()
+                    done[rank] = (status, value)
                     if status != "ok" and failed_at is None:
                         failed_at = time.monotonic()
                     continue
@@ -152,12 +152,13 @@ class _Job:
                 if now > deadline:
                     raise TimeoutError(f"the job did not finish in {timeout:.0f} s")
                 time.sleep(0.01)
-        finally:
-            for rank in sorted(done):
-                if done[rank][2]:
-                    sys.stderr.write(done[rank][2])
+        finally:  # what every rank printed, the ones that never reported included
+            for log in logs:
+                if log.exists():
+                    sys.stderr.write(log.read_bytes().decode("utf-8", "replace"))
+                    log.unlink()
             sys.stderr.flush()
-        failed = sorted((r, s, v) for r, (s, v, _) in done.items() if s != "ok")
+        failed = sorted((r, s, v) for r, (s, v) in done.items() if s != "ok")
         if failed:
             rank, status, value = failed[0]
             if status == "value":
@@ -176,6 +177,24 @@ class _Job:
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=10)
+        shutil.rmtree(self.logs, ignore_errors=True)
+
+
+def cli(argv: list[str]) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `chunkflow ARGV` run in this process, as every rank of a job
+    runs it under torchrun (GlooJobs.cli)."""
+    import contextlib
+    import io
+
+    from megatron_chunkflow.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(argv))
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code if isinstance(e.code, int) else 1
+    return code, out.getvalue(), err.getvalue()
 
 
 class _BadInput(ValueError):
@@ -208,7 +227,7 @@ class GlooJobs:
             job.close(graceful=False)
             raise
 
-    def cli(self, world_size: int, *argv: str, timeout: float = 600) -> tuple[int, str, str]:
+    def cli(self, world_size: int, *argv, timeout: float = 600) -> tuple[int, str, str]:
         """`chunkflow ARGV` on every rank of the `world_size` job, as torchrun would run it: rank
         0's (exit code, stdout, stderr)."""
         return self.run(cli, world_size, [str(a) for a in argv], timeout=timeout)[0]

@@ -1,6 +1,6 @@
 """SpaCO against the exact gradient: the mean of many sparse gradients, and its expected error.
 
-    chunkflow verify --sparse-backward 2 --draws 64       # CLI (cli/verify.py)
+    chunkflow verify --chunkflow-sparse-backward 2 --draws 64       # CLI (cli/verify.py)
 
 The exact gradient g is stock Megatron's (checks/verify.py's reference, PP = 1); then one
 ChunkFlow model with the same weights runs the same batch `draws` times, each time with a fresh

@@ -64,7 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "max_samples": f"all; {SCENARIO['max_samples']} of the embedded ShareGPT"})
     g = p.add_argument_group("training (Megatron-LM flags)")
     add_config_arguments(g, ParallelConfig, fields=("tp", "pp", "cp", "sequence_parallel",
-                                                    "recompute"))
+                                                    "recompute"),
+                         defaults={"recompute": None}, default_help={"recompute": "none"})
     _megatron_recompute_arguments(g)
     for flag, default, text in [
         ("--global-batch-size", SCENARIO["global_batch_size"], "sequences per step"),
@@ -110,16 +111,19 @@ def _megatron_recompute_arguments(g) -> None:
 def settings_from_args(args) -> TrainSettings:
     """The run's settings from the parsed flags (each config checks its own; TrainSettings how
     they combine: ValueError naming the flags)."""
-    parallel = config_from_args(ParallelConfig, args)
-    megatron_recompute = recompute_from_megatron_flags(args)
-    if megatron_recompute is not None:
-        if parallel.recompute != Recompute():
-            raise ValueError("--recompute and Megatron-LM's --recompute-* flags both given; "
-                             "give --recompute")
-        parallel = dataclasses.replace(parallel, recompute=megatron_recompute)
+    recompute = args.recompute or Recompute()  # None: not typed
+    parallel = config_from_args(ParallelConfig, args, recompute=recompute)
     checkpoint = config_from_args(CheckpointConfig, args)
     shape, hf_shape, name = model_of(args.model, args.model_config, checkpoint.load_hf,
                                      parallel.tp)
+    megatron_recompute = recompute_from_megatron_flags(args)
+    if megatron_recompute is not None:
+        if args.recompute is not None:
+            raise ValueError("--recompute and Megatron-LM's --recompute-* flags both given; "
+                             "give --recompute")
+        parallel.check_model(shape)  # PP divides the layers before N is checked against them
+        megatron_recompute.check_layers(shape.num_layers // parallel.pp, "--recompute-num-layers")
+        parallel = dataclasses.replace(parallel, recompute=megatron_recompute)
     return TrainSettings(
         shape=shape, model_name=name, system=TrainSettings.system_of(args.chunkflow, args.baseline),
         chunkflow=config_from_args(ChunkFlowConfig, args), parallel=parallel,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 
 import torch
 
@@ -37,7 +38,8 @@ from megatron_chunkflow.runtime.sparse import SparseConfig
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 # the embedded scenario (README, "Defaults"): a tiny model, 32 profile-B sequences scaled by 1/32
-SCENARIO = dict(model="tiny", global_batch_size=32, scale=1 / 32, min_long=1, chunk_size=256)
+SCENARIO = dict(model="tiny", global_batch_size=32, scale=1 / 32, min_long=1, chunk_size=256,
+                dtype="float64")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,8 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"model shape (default: {SCENARIO['model']}, Qwen2.5-shaped)")
     g.add_argument("--model-config", metavar="FILE",
                    help="JSON with ModelShape fields, or a Hugging Face Qwen2 config.json")
-    g.add_argument("--dtype", choices=sorted(DTYPES), default="float64",
-                   help="precision of both runs (default: float64)")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default=SCENARIO["dtype"],
+                   help=f"precision of both runs (default: {SCENARIO['dtype']})")
     g.add_argument("--hf-reference", metavar="DIR",
                    help="compare with transformers' Qwen2ForCausalLM loaded from this Hugging Face "
                         "checkpoint (float64; needs transformers) instead of megatron-core")
@@ -115,8 +117,8 @@ def _run_check(s: VerifySettings, as_json: bool) -> int:
                   lora=lora)
     results = run_verify(shape, steps, cfg, parallel, **common)
     longest = max(max(lengths) for lengths in steps)
-    whole = dataclasses.replace(cfg, chunk_size=longest + (-longest % parallel.chunk_multiple),
-                                num_kept=1)
+    multiple = math.lcm(parallel.tp, parallel.chunk_multiple)  # one chunk per sequence
+    whole = dataclasses.replace(cfg, chunk_size=longest + (-longest % multiple), num_kept=1)
     unchunked = run_verify(shape, steps, whole, parallel, **common)
     bound = BOUNDS[DTYPES[s.dtype]]
     ok = all(r.max_rel_grad_err <= bound

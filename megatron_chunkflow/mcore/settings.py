@@ -93,7 +93,7 @@ class TrainSettings:
     global_batch_size: int = 16  # sequences per step
     seq_length: int = 32768  # the longest context; stock Megatron's micro-batch length
     seed: int = 1234
-    exit_interval: int | None = None  # stop after this many steps of this run (Megatron-LM's)
+    exit_interval: int | None = None  # stop after this many steps of this run (0, None: off)
     dtype: DType = "float32"
     hf_shape: ModelShape | None = None  # the --load-hf checkpoint's shape (unpadded vocabulary)
     lora: LoRAConfig | None = None  # adapters only, the base frozen
@@ -104,8 +104,8 @@ class TrainSettings:
                             ("--seq-length", self.seq_length), ("--train-iters", self.train_iters)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
-        if self.exit_interval is not None and self.exit_interval < 1:
-            raise ValueError(f"--exit-interval must be >= 1, got {self.exit_interval}")
+        if self.exit_interval is not None and self.exit_interval < 0:
+            raise ValueError(f"--exit-interval must be >= 0 (0: off), got {self.exit_interval}")
         if not 0 <= self.optimizer.lr_warmup_iters < self.train_iters:
             raise ValueError(f"--lr-warmup-iters {self.optimizer.lr_warmup_iters} must be in [0, "
                              f"--train-iters {self.train_iters})")

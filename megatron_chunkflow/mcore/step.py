@@ -127,7 +127,8 @@ def forward_backward(s: TrainSettings, tr: Training, sequences, step_index: int 
     mbs = baseline_microbatches(batch_lengths(sequences), s.seq_length, ranks.dp, s.system)
     mine = [c for c in mbs if c.dp_rank == ranks.dp_rank]
     if not mine:  # fewer micro-batches than DP ranks: idle, as ChunkFlow's idle ranks are
-        _idle_step(tr.ddp, config)
+        with observing_megatron(observers):
+            _idle_step(tr.ddp, config)
         return StepOutcome([], len(mbs), (0, 0))
     pad = s.parallel.pad_multiple
     inputs = [chunk_input(c, sequences, chunk_meta(c, s.seq_length, pad)) for c in mine]

@@ -2,7 +2,7 @@
 
 `ActivationMeter`, an observer of a step (runtime/observe.py), is the one meter: `chunkflow verify`
 (--memory, per-stage peaks; checks/memory.py) and `chunkflow bench` (on ChunkFlow's schedule and on
-Megatron's own, bench/instrument.py) use it.
+Megatron's own, through runtime/observe.py's observing_megatron) use it.
 
 - Saved tensors: the forward and the backward contexts both install saved-tensor hooks; pack hands
   autograd a holder whose __del__ uncounts it. A storage counts from its first save, in a forward

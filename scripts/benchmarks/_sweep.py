@@ -67,7 +67,8 @@ def run(args, configs: list[dict], name: str, title: str) -> tuple[list[dict], P
     seqs = lengths(args)
     settings = BenchSettings(
         shape=get_model_shape(args.model), model_name=args.model, lengths=seqs,
-        seq_length=max(seqs), budget_bytes=float("inf"),
+        seq_length=max(seqs + [c.get("chunk_size") or 0 for c in configs]),
+        budget_bytes=float("inf"),
         parallel=ParallelConfig(pp=args.pp, dp=1), warmup=args.warmup, repeats=args.repeats,
         attention_backend=args.attention_backend, seed=args.seed,
         threads=max(1, (os.cpu_count() or 1) // args.pp))

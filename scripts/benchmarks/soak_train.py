@@ -40,7 +40,7 @@ def main() -> int:
     dataset = make_sequences([max(n, 2) for n in lengths], 1000, seed=0)
     s = TrainSettings(shape=get_model_shape("tiny"), model_name="tiny", train_iters=args.steps,
                       global_batch_size=16, seq_length=max(lengths),
-                      system="chunkflow" if args.chunkflow else "megatron",
+                      system="chunkflow" if args.chunkflow else "megatron-packed",
                       chunkflow=ChunkFlowConfig(256), optimizer=OptimizerConfig(lr_warmup_iters=2))
     init_distributed(seed=s.seed)
     proc, rss = psutil.Process(), []

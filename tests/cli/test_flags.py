@@ -175,3 +175,23 @@ def test_every_embedded_scenario_default_is_documented_and_applied(command):
         else:
             assert getattr(args, key) == value, (command, key)
     assert set(flags) == {"--" + k.replace("_", "-") for k in scenario}, command
+
+
+def test_recompute_none_typed_with_megatrons_flags_is_refused_and_their_n_named():
+    from megatron_chunkflow.cli.train import settings_from_args
+
+    with pytest.raises(ValueError, match="--recompute and Megatron-LM's --recompute-\\* flags"):
+        settings_from_args(parse(["train", "--recompute", "none",
+                                  "--recompute-granularity", "full"]))
+    with pytest.raises(ValueError, match="--recompute-num-layers block:9: a pipeline stage has "
+                                         "only 4 layers"):
+        settings_from_args(parse(["train", "--recompute-granularity", "full",
+                                  "--recompute-method", "block", "--recompute-num-layers", "9"]))
+
+
+def test_exit_interval_zero_is_off_as_in_megatron_lm():
+    from megatron_chunkflow.cli.train import settings_from_args
+
+    assert settings_from_args(parse(["train", "--exit-interval", "0"])).exit_interval == 0
+    with pytest.raises(ValueError, match="--exit-interval must be >= 0"):
+        settings_from_args(parse(["train", "--exit-interval", "-1"]))
