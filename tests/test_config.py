@@ -8,6 +8,8 @@ import pytest
 
 from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
 from megatron_chunkflow.flags import add_config_arguments, config_from_args, field_docs
+
+
 def test_flags_derive_from_fields():
     parser = argparse.ArgumentParser()
     add_config_arguments(parser, ChunkFlowConfig)

@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from megatron_chunkflow.core.costs import attention_flops_per_pair_per_layer, attention_pairs
-from megatron_chunkflow.perfmodel.hardware import Hardware, hardware_from_measurements
 from megatron_chunkflow.core.models import ModelShape
+from megatron_chunkflow.perfmodel.hardware import Hardware, hardware_from_measurements
 from megatron_chunkflow.perfmodel.roofline import ATTN_BWD_FLOPS
 
 
@@ -181,8 +181,8 @@ def fit_model_costs(hw: Hardware, shape: ModelShape, num_stages: int,
     of small ops between them) and every op pays a fixed host cost: two probe sizes separate
     the two. The scale applies to GEMM and memory rates (attention is a few % of the probes)."""
     from megatron_chunkflow.config import ParallelConfig
-    from megatron_chunkflow.perfmodel.roofline import Roofline
     from megatron_chunkflow.core.types import DataChunk, Segment
+    from megatron_chunkflow.perfmodel.roofline import Roofline
 
     model = Roofline(shape, ParallelConfig.layout(pp=num_stages), hw)
 

@@ -13,11 +13,11 @@ Also here: the FLOPs each configuration re-runs in a step (recompute_flops), for
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatron_chunkflow.config import Recompute
+from megatron_chunkflow.config import ParallelConfig, Recompute
 from megatron_chunkflow.core.costs import (
     attention_flops_per_pair_per_layer,
     chunk_attention_pairs,
@@ -34,8 +34,8 @@ from megatron_chunkflow.perfmodel.budget import (
     choose_chunking,
     choose_recompute,
 )
-from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.perfmodel.predict import predict_chunkflow, predict_megatron
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -83,7 +83,7 @@ def choose_all(s, dp: int, rates: ActivationRates, hw) -> tuple[dict[str, Plan],
     out["chunkflow"] = Plan("chunkflow", choose_chunking(
         s.lengths, s.seq_length, dp, s.shape, rates, s.chunkflow_budget, predict_cf,
         sizes=[s.chunk_size] if s.chunk_size else None,
-        num_kepts=(s.num_kept,) if s.num_kept else None,
+        kept_counts=(s.num_kept,) if s.num_kept else None,
         options=menu(s, s.chunkflow_recompute)))
     return out, unfit
 

@@ -46,11 +46,10 @@ from megatron_chunkflow.bench.systems import (
     timed_step,
     train_settings,
 )
-from megatron_chunkflow.config import Recompute
+from megatron_chunkflow.config import ParallelConfig, Recompute
 from megatron_chunkflow.core.costs import sequence_model_flops
 from megatron_chunkflow.data.synthetic import make_sequences
 from megatron_chunkflow.perfmodel.budget import ActivationRates
-from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.perfmodel.predict import predict_chunkflow, predict_megatron
 from megatron_chunkflow.runtime.ranks import Ranks
 

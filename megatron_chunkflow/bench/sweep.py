@@ -17,8 +17,7 @@ import statistics
 
 import torch
 
-from megatron_chunkflow.config import Recompute
-from megatron_chunkflow.perfmodel.budget import chunkflow_peak
+from megatron_chunkflow.bench.instrument import cache_freed_memory
 from megatron_chunkflow.bench.settings import BenchSettings
 from megatron_chunkflow.bench.systems import (
     build_system,
@@ -26,7 +25,8 @@ from megatron_chunkflow.bench.systems import (
     timed_step,
     train_settings,
 )
-from megatron_chunkflow.bench.instrument import cache_freed_memory
+from megatron_chunkflow.config import Recompute
+from megatron_chunkflow.perfmodel.budget import chunkflow_peak
 
 MIB = 2.0**20
 

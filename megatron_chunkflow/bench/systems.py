@@ -26,11 +26,6 @@ from megatron_chunkflow.bench.settings import BenchSettings
 from megatron_chunkflow.config import ChunkFlowConfig, Recompute
 from megatron_chunkflow.core.costs import layers_per_stage
 from megatron_chunkflow.data.synthetic import make_sequences
-from megatron_chunkflow.perfmodel.budget import ActivationRates, OptionRates
-from megatron_chunkflow.perfmodel.footprint import kv_state_bytes_per_token
-from megatron_chunkflow.runtime.meter import ActivationMeter
-from megatron_chunkflow.runtime.observe import StageTimeline
-from megatron_chunkflow.runtime.ranks import Ranks
 from megatron_chunkflow.mcore.settings import OptimizerConfig, TrainSettings
 from megatron_chunkflow.mcore.step import (
     Training,
@@ -38,6 +33,11 @@ from megatron_chunkflow.mcore.step import (
     forward_backward,
     training_step,
 )
+from megatron_chunkflow.perfmodel.budget import ActivationRates, OptionRates
+from megatron_chunkflow.perfmodel.footprint import kv_state_bytes_per_token
+from megatron_chunkflow.runtime.meter import ActivationMeter
+from megatron_chunkflow.runtime.observe import StageTimeline
+from megatron_chunkflow.runtime.ranks import Ranks
 
 PROBE_TOKENS = 1024
 

@@ -28,19 +28,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
 from megatron_chunkflow.console import Output
 from megatron_chunkflow.core.lengths import AS_DRAWN, LengthsConfig
-from megatron_chunkflow.config import ChunkFlowConfig
-from megatron_chunkflow.flags import add_config_arguments, config_from_args
 from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape
 from megatron_chunkflow.core.step import BASELINES
+from megatron_chunkflow.flags import add_config_arguments, config_from_args
 from megatron_chunkflow.perfmodel.hardware import (
     GPUS,
     apply_calibration,
     get_gpu,
     with_overrides,
 )
-from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.perfmodel.predict import GIB, Prediction
 from megatron_chunkflow.perfmodel.search import best_chunkflow, best_megatron
 

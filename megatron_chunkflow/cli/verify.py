@@ -34,6 +34,7 @@ from megatron_chunkflow.core.lengths import LengthsConfig
 from megatron_chunkflow.core.models import MODEL_SHAPES, load_model_shape
 from megatron_chunkflow.flags import add_config_arguments, config_from_args
 from megatron_chunkflow.mcore.lora import LoRAConfig
+from megatron_chunkflow.runtime.ranks import Ranks
 from megatron_chunkflow.runtime.sparse import SparseConfig
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -109,7 +110,6 @@ def _is_main() -> bool:
 def _run_check(s: VerifySettings, as_json: bool) -> int:
     from megatron_chunkflow.checks.verify import BOUNDS, run_verify
     from megatron_chunkflow.runtime.meter import ActivationMeter
-    from megatron_chunkflow.runtime.ranks import Ranks
 
     cfg, parallel, lora, shape = s.chunkflow, s.parallel, s.lora, s.shape
     steps, source = s.step_lengths()
@@ -169,7 +169,6 @@ def _run_check(s: VerifySettings, as_json: bool) -> int:
 
 def _run_hf(s: VerifySettings, as_json: bool) -> int:
     from megatron_chunkflow.checks.hf_verify import run_hf_verify
-    from megatron_chunkflow.runtime.ranks import Ranks
 
     cfg, parallel = s.chunkflow, s.parallel
     steps, source = s.step_lengths()
@@ -309,7 +308,7 @@ def _run_sparse(s: VerifySettings, as_json: bool) -> int:
     bound = BOUNDS[dtype]
     loss_ok = abs(r.loss_sparse - r.loss_ref) <= bound * max(1.0, abs(r.loss_ref))
     ok = loss_ok and r.rel_err_of_mean <= FACTOR * r.expected_rel_err
-    dp = torch.distributed.get_world_size() // parallel.model_parallel_size
+    dp = Ranks.current().dp
     out = Output(as_json, quiet=not _is_main())
     out.say(f"APPROXIMATE (SpaCO): {len(lengths)} sequences ({source}), {sum(lengths):,} tokens; "
             f"C={cfg.chunk_size} K={cfg.num_kept}, {s.dtype}, TP={parallel.tp} PP={parallel.pp} "
@@ -329,9 +328,7 @@ def _run_sparse(s: VerifySettings, as_json: bool) -> int:
             f"{r.expected_rel_err:.4f}; bound {FACTOR:g} x expected: {'PASS' if ok else 'FAIL'}")
     out.result({
         "approximate": True, "dtype": s.dtype, "tp": parallel.tp, "pp": parallel.pp, "dp": dp,
-        "chunk_size": cfg.chunk_size, "k": cfg.num_kept,
-        "lora": None if lora is None else {"rank": lora.rank, "alpha": lora.alpha,
-                                           "targets": list(lora.target_names)},
+        "chunk_size": cfg.chunk_size, "k": cfg.num_kept, "lora": _lora_json(lora),
         "loss_ref": r.loss_ref, "loss_sparse": r.loss_sparse,
         "sparse": {"t": t, "draws": r.draws, "rel_err_of_mean": r.rel_err_of_mean,
                    "expected_rel_err": r.expected_rel_err, "rel_std_one_draw": r.rel_std,

@@ -81,7 +81,7 @@ class _Planner:
         # positions of siblings: next/previous (descending backward) and the one num_kept (K)
         # earlier, whose R waits for this chunk's B (the R window)
         self.next_sib, self.prev_sib = [-1] * m, [-1] * m
-        self.sib_window_before = [-1] * m
+        self.sib_num_kept_earlier = [-1] * m
         groups: dict[int, list[int]] = {}
         for i, c in enumerate(chunks):
             if c.is_dependent:
@@ -96,7 +96,7 @@ class _Planner:
                 if j > 0:
                     self.prev_sib[i] = members[j - 1]
                 if j >= num_kept:
-                    self.sib_window_before[i] = members[j - num_kept]
+                    self.sib_num_kept_earlier[i] = members[j - num_kept]
         # first stage's forward queues: longest sequence first, then standalone in id order
         order = sorted(groups.values(), key=lambda g: (-sum(chunks[i].num_tokens for i in g),
                                                         chunks[g[0]].parent))
@@ -210,8 +210,8 @@ class _Planner:
                 self._dec_b(i, s - 1)
             if self.prev_sib[i] >= 0:
                 self._dec_b(self.prev_sib[i], s)
-            if self.sib_window_before[i] >= 0:
-                self._dec_r(self.sib_window_before[i], s)
+            if self.sib_num_kept_earlier[i] >= 0:
+                self._dec_r(self.sib_num_kept_earlier[i], s)
             if s == 0 and self.dep[i] and self.prev_sib[i] < 0:
                 self.open_seq = None  # the sequence's first chunk is done: its state is freed
 

@@ -38,7 +38,7 @@ from megatron_chunkflow.core.packer import (
 )
 from megatron_chunkflow.core.schedule import megatron_1f1b_plan, state_aware_plan
 from megatron_chunkflow.core.simulate import SimResult, simulate
-from megatron_chunkflow.core.types import ChunkBatch, DataChunk, Segment, PipelinePlan
+from megatron_chunkflow.core.types import ChunkBatch, DataChunk, PipelinePlan, Segment
 
 Baseline = Literal["megatron-sft", "megatron-packed", "megatron-unpacked"]
 BASELINES: tuple[str, ...] = typing.get_args(Baseline)

@@ -96,8 +96,8 @@ def build_gpt_model(shape: ModelShape, config, max_seq_length: int = 1 << 20):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_chunkflow.runtime.model import building_core_attention_without_cp
     from megatron_chunkflow.mcore.cpu import fix_checkpoint_without_output, has_real_cuda
+    from megatron_chunkflow.runtime.model import building_core_attention_without_cp
 
     fix_checkpoint_without_output()  # selective layernorm recompute without Transformer Engine
     with building_core_attention_without_cp(config.context_parallel_size):  # under CP, ChunkFlow's replaces it

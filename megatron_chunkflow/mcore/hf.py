@@ -236,7 +236,6 @@ def import_hf_weights(model, hf_dir_or_state_dict, config, shape: ModelShape) ->
     missing, unexpected or wrongly shaped HF tensor raises the same ValueError everywhere. With
     tied embeddings an lm_head.weight (HF's state_dict() has the tied copy) is ignored, as in HF.
     """
-
     from megatron_chunkflow.mcore.build import full_model_name
 
     src = _HFSource(hf_dir_or_state_dict)

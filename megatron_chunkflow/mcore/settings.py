@@ -17,8 +17,8 @@ from typing import Literal
 from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.flags import check_output_dir
-from megatron_chunkflow.runtime.sparse import SparseConfig
 from megatron_chunkflow.mcore.lora import LoRAConfig
+from megatron_chunkflow.runtime.sparse import SparseConfig
 
 DType = Literal["float32", "float64", "bfloat16"]
 # ChunkFlow, or one of the stock baselines (core/step.py: BASELINES)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 
 from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
-from megatron_chunkflow.flags import add_config_arguments, config_from_args
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.profiles import PROFILES
 from megatron_chunkflow.data.config import DataConfig
+from megatron_chunkflow.flags import add_config_arguments, config_from_args
 
 TESTED_VERSION = "0.16.1"
 # Megatron-LM has its own --attention-backend: ours lives in the chunkflow namespace, as every

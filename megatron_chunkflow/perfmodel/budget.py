@@ -239,17 +239,17 @@ def num_kept_candidates(num_chunks: int) -> list[int]:
 def choose_chunking(lengths: Sequence[int], seq_length: int, num_dp_ranks: int,
                     shape: ModelShape, rates: ActivationRates, budget: float,
                     predict_s: Callable[[int, int, Recompute], float],
-                    sizes: Sequence[int] | None = None, num_kepts: Sequence[int] | None = None,
+                    sizes: Sequence[int] | None = None, kept_counts: Sequence[int] | None = None,
                     options: Sequence[Recompute] = (Recompute(),),
                     tie: float = TIE) -> Choice:
     """ChunkFlow's (C, K, recompute): the fastest by `predict_s(C, K, option)` whose modelled
-    peak fits in `budget` bytes (near ties to the smaller peak). K from `num_kepts`, by default
+    peak fits in `budget` bytes (near ties to the smaller peak). K from `kept_counts`, by default
     num_kept_candidates of the longest sequence's chunk count at each C. ValueError when nothing
     fits, naming the smallest peak found."""
     longest = max(lengths)
     candidates = []
     for c in sizes or chunk_size_candidates(seq_length):
-        for num_kept in num_kepts or num_kept_candidates(math.ceil(longest / c)):
+        for num_kept in kept_counts or num_kept_candidates(math.ceil(longest / c)):
             for option in options:
                 peak = chunkflow_peak(lengths, c, num_kept, num_dp_ranks, shape, rates, option)
                 candidates.append(Candidate(option, peak, predict_s(c, num_kept, option)

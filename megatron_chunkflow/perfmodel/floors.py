@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.core.costs import layers_per_stage
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.schedule import is_reforwarded
@@ -46,7 +47,6 @@ from megatron_chunkflow.perfmodel.footprint import (
     transient_bytes,
 )
 from megatron_chunkflow.perfmodel.layer import Work, chunk_work
-from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.perfmodel.roofline import Roofline
 
 MODULES = ("core_attn", "mlp", "layernorm")

@@ -76,12 +76,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from megatron_chunkflow.config import Recompute
+from megatron_chunkflow.config import NO_RECOMPUTE, ParallelConfig, Recompute
 from megatron_chunkflow.core.costs import layers_per_stage, linear_weights_per_layer
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.types import DataChunk
 from megatron_chunkflow.perfmodel.layer import gather_extent
-from megatron_chunkflow.config import NO_RECOMPUTE, ParallelConfig
 
 
 def layer_params(shape: ModelShape) -> int:

@@ -88,6 +88,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
+from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.core.costs import (
     attention_flops_per_pair_per_layer,
     attention_pairs,
@@ -95,7 +96,6 @@ from megatron_chunkflow.core.costs import (
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.types import DataChunk
 from megatron_chunkflow.perfmodel.hardware import Hardware
-from megatron_chunkflow.config import ParallelConfig
 
 GEMM_TILES = ((128, 256), (256, 128), (128, 128), (64, 128), (128, 64))
 SPLIT_K = (1, 2, 4, 8, 16)

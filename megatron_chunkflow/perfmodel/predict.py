@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.core.costs import layers_per_stage, sequence_model_flops
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.step import (
@@ -46,7 +47,6 @@ from megatron_chunkflow.perfmodel.footprint import (
     transient_bytes,
 )
 from megatron_chunkflow.perfmodel.hardware import Hardware
-from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.perfmodel.roofline import Roofline
 
 GIB = 2.0**30

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.core.costs import layers_per_stage
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.types import DataChunk
@@ -51,7 +52,6 @@ from megatron_chunkflow.perfmodel.layer import (  # noqa: F401  (re-exported: ol
     layer_model,
     ring_time,
 )
-from megatron_chunkflow.config import ParallelConfig
 
 SENDS = ("async", "fixed", "variable")  # ChunkFlow's; megatron-sft's; megatron-packed/-unpacked's
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from megatron_chunkflow.config import Recompute
+from megatron_chunkflow.config import ParallelConfig, Recompute
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.packer import build_chunks
 from megatron_chunkflow.core.step import Baseline, baseline_microbatches
@@ -36,7 +36,6 @@ from megatron_chunkflow.perfmodel.floors import (
     time_floor,
 )
 from megatron_chunkflow.perfmodel.hardware import Hardware
-from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.perfmodel.predict import (
     Prediction,
     predict_chunkflow,

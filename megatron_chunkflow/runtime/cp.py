@@ -68,7 +68,7 @@ class KeySelection(NamedTuple):
 
 @lru_cache(maxsize=8)  # host memory: a late chunk's index lists its whole prefix twice
 def key_selection(cu_seqlens: tuple[int, ...], prefix_chunks: int, chunk_size: int, cp: int,
-                     rank: int) -> KeySelection:
+                  rank: int) -> KeySelection:
     """The key selection for a chunk with segment boundaries `cu_seqlens` after `prefix_chunks`
     earlier chunks of `chunk_size` tokens (a dependent chunk: one segment), on CP rank `rank`, on
     the host (runtime/model.py keeps the device copy for one forward).
@@ -139,7 +139,7 @@ class _RecomputedAttention(torch.autograd.Function):
 
 def _attend(q, k, v, selection, group, softmax_scale, backend, traffic=None):
     kv = _GatherKV.apply(torch.stack([k, v], dim=1), group, traffic)  # [cp * s, 2, ng, hn]
-    # contiguous, as kernels like
+    # index_select copies: the kernels take contiguous K and V
     k, v = (kv[:, i].index_select(0, selection.index) for i in (0, 1))
     return chunk_attention(q, k, v, selection.cu_q, selection.cu_kv, softmax_scale=softmax_scale,
                            backend=backend)

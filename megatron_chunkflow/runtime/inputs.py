@@ -13,7 +13,6 @@ PackedSeqParams keep the whole chunk's boundaries, as Megatron's THD RoPE expect
 
 from __future__ import annotations
 
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 

@@ -22,13 +22,12 @@ Shapes: Megatron letters; THD core-attention inputs q [t, np, hn], k/v [t, ng, h
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 
-from contextlib import contextmanager
-
 from megatron_chunkflow.attention import chunk_attention
-from megatron_chunkflow.runtime.cp import key_selection, cp_attention
+from megatron_chunkflow.runtime.cp import cp_attention, key_selection
 from megatron_chunkflow.runtime.state import ChunkMeta, KVStateStore
 
 

@@ -32,7 +32,6 @@ import numpy as np
 from megatron_chunkflow.core.types import PipelinePlan
 from megatron_chunkflow.runtime.inputs import ChunkedStep
 
-
 FLAG = "--chunkflow-sparse-backward"
 
 

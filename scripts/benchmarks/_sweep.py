@@ -45,8 +45,8 @@ def _job(settings, configs):
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
     import torch.distributed as dist
 
-    from megatron_chunkflow.mcore.dist import init_distributed, shutdown
     from megatron_chunkflow.bench.sweep import sweep
+    from megatron_chunkflow.mcore.dist import init_distributed, shutdown
 
     init_distributed(settings.parallel, settings.seed)
     rank0 = dist.get_rank() == 0

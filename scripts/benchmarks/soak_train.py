@@ -33,8 +33,8 @@ def main() -> int:
     from megatron_chunkflow.core.profiles import ensure_long, sample_lengths
     from megatron_chunkflow.data.synthetic import make_sequences
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
-    from megatron_chunkflow.training.loop import train
     from megatron_chunkflow.mcore.settings import OptimizerConfig, TrainSettings
+    from megatron_chunkflow.training.loop import train
 
     lengths = ensure_long(sample_lengths("B", 256, seed=0, scale=1 / 16), "B", 256, 8, 0, 1 / 16)
     dataset = make_sequences([max(n, 2) for n in lengths], 1000, seed=0)

@@ -176,12 +176,12 @@ def step_bench(out: Path, dry_run: bool) -> dict:
     from megatron_chunkflow.core.profiles import ensure_long, sample_lengths
     from megatron_chunkflow.core.step import BASELINES
     from megatron_chunkflow.data.synthetic import make_sequences
+    from megatron_chunkflow.mcore.dist import init_distributed
+    from megatron_chunkflow.mcore.settings import OptimizerConfig, TrainSettings
+    from megatron_chunkflow.mcore.step import build_training
     from megatron_chunkflow.perfmodel.hardware import get_gpu
     from megatron_chunkflow.perfmodel.search import best_chunkflow, best_megatron
-    from megatron_chunkflow.mcore.dist import init_distributed
-    from megatron_chunkflow.mcore.step import build_training
     from megatron_chunkflow.training.loop import train_step
-    from megatron_chunkflow.mcore.settings import OptimizerConfig, TrainSettings
 
     exactness = out / "exactness.json"
     backend = (json.loads(exactness.read_text()).get("fastest_exact_backend")

@@ -95,13 +95,13 @@ def test_fixed_choices_and_a_baseline_that_does_not_fit(capsys):
 def _peaks(lengths_list):
     """Per batch: (stock Megatron's and ChunkFlow's peak activation bytes without state, and
     ChunkFlow's peak state) on this stage, no recompute, C = 64, K = 1."""
-    from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.bench.settings import BenchSettings
     from megatron_chunkflow.bench.systems import build_system, step_system, train_settings
+    from megatron_chunkflow.core.models import get_model_shape
+    from megatron_chunkflow.data.synthetic import make_sequences
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
     from megatron_chunkflow.runtime.meter import ActivationMeter
     from megatron_chunkflow.runtime.observe import StageTimeline
-    from megatron_chunkflow.data.synthetic import make_sequences
 
     init_distributed(ParallelConfig(pp=2))
     s = BenchSettings(shape=get_model_shape("tiny"), model_name="tiny", lengths=[1],

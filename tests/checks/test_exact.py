@@ -10,7 +10,6 @@ chunk counts differ; the tests then assert on the results.
 import pytest
 import torch
 
-
 pytestmark = pytest.mark.slow
 
 C = 16

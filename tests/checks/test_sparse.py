@@ -17,7 +17,6 @@ import math
 
 import pytest
 
-
 pytestmark = pytest.mark.slow
 
 LENGTHS = [48, 20, 9, 5]  # 3 and 2 dependent chunks, 1 standalone chunk

@@ -3,6 +3,7 @@ memory hooks (perfmodel/footprint.py's model)."""
 
 import pytest
 
+from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.core.models import get_model_shape
 from megatron_chunkflow.core.step import plan_baseline, plan_chunkflow
 from megatron_chunkflow.perfmodel.footprint import (
@@ -10,7 +11,6 @@ from megatron_chunkflow.perfmodel.footprint import (
     memory_hooks,
     per_token_bytes,
 )
-from megatron_chunkflow.config import ParallelConfig
 
 SHAPE = get_model_shape("qwen2.5-7b")
 

@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
-from tests.mcore.hf_checkpoints import CASES, build_checkpoints
 from megatron_chunkflow.config import ParallelConfig
+from tests.mcore.hf_checkpoints import CASES, build_checkpoints
 
 pytest.importorskip("transformers", reason="HF interop tests need transformers")
 pytest.importorskip("safetensors", reason="HF interop tests need safetensors")

@@ -117,17 +117,16 @@ def _full_grads(model):
 def _tp_invariance():
     import torch
 
-    from megatron_chunkflow.core.models import get_model_shape
-    from megatron_chunkflow.mcore.build import build_gpt_model, transformer_config, wrap_ddp
     from megatron_chunkflow.config import ChunkFlowConfig
-    from megatron_chunkflow.runtime.execute import execute_step, plan_step
+    from megatron_chunkflow.core.models import get_model_shape
+    from megatron_chunkflow.data.synthetic import make_sequences
+    from megatron_chunkflow.mcore.build import build_gpt_model, transformer_config, wrap_ddp
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
     from megatron_chunkflow.mcore.hf import export_hf_weights, import_hf_weights
     from megatron_chunkflow.mcore.lora import LoRAConfig, apply_lora, merge_lora
-    from megatron_chunkflow.runtime.loss import global_loss
+    from megatron_chunkflow.runtime.execute import execute_step, plan_step
+    from megatron_chunkflow.runtime.loss import global_loss, make_forward_step
     from megatron_chunkflow.runtime.model import apply_chunkflow
-    from megatron_chunkflow.data.synthetic import make_sequences
-    from megatron_chunkflow.runtime.loss import make_forward_step
 
     shape = get_model_shape("tiny")
     sequences = make_sequences(MIXED, shape.vocab_size, seed=4)
@@ -200,8 +199,8 @@ def _train(ckpt, hf_dir):
     import torch
 
     from megatron_chunkflow.data.synthetic import make_sequences
-    from megatron_chunkflow.mcore.settings import CheckpointConfig
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
+    from megatron_chunkflow.mcore.settings import CheckpointConfig
     from megatron_chunkflow.mcore.step import build_training, forward_backward
     from megatron_chunkflow.training.loop import train
 
@@ -258,9 +257,9 @@ def test_lora_training(gloo, tmp_path):
 
 def _resume_tp2(ckpt):
     from megatron_chunkflow.data.synthetic import make_sequences
-    from megatron_chunkflow.runtime.sparse import SparseConfig
-    from megatron_chunkflow.mcore.settings import CheckpointConfig
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
+    from megatron_chunkflow.mcore.settings import CheckpointConfig
+    from megatron_chunkflow.runtime.sparse import SparseConfig
     from megatron_chunkflow.training.loop import train
 
     dataset = make_sequences(TRAIN_LENGTHS[:12], 1000, seed=3)

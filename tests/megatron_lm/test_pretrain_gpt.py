@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from megatron_chunkflow.mcore.dist import free_port as _free_port
-from megatron_chunkflow.megatron_lm.plugin import check_versions, checkout_version
 from megatron_chunkflow.megatron_lm.args import LaunchError
+from megatron_chunkflow.megatron_lm.plugin import check_versions, checkout_version
 
 ROOT = Path(__file__).resolve().parents[2]
 MEGATRON_LM = Path(os.environ.get("MEGATRON_LM_DIR", ROOT / "third_party" / "Megatron-LM"))

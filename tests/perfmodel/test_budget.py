@@ -124,10 +124,10 @@ def test_choose_chunking_near_ties_go_to_the_smaller_peak():
     """Predictions within 3% of the fastest are a tie: the smallest modelled peak wins."""
     budget = 2**40
     times = {1024: 1.02, 2048: 1.0, 4096: 1.05, 8192: 1.2, 16384: 1.3, 32768: 1.4}
-    chosen = choose_chunking(LENGTHS, 32768, 1, SHAPE, RATES, budget, num_kepts=(1,),
+    chosen = choose_chunking(LENGTHS, 32768, 1, SHAPE, RATES, budget, kept_counts=(1,),
                              predict_s=lambda c, k, o: times[c])
     assert (chosen.chunk_size, chosen.num_kept) == (1024, 1)
-    chosen = choose_chunking(LENGTHS, 32768, 1, SHAPE, RATES, budget, num_kepts=(1,), tie=0.01,
+    chosen = choose_chunking(LENGTHS, 32768, 1, SHAPE, RATES, budget, kept_counts=(1,), tie=0.01,
                              predict_s=lambda c, k, o: times[c])
     assert (chosen.chunk_size, chosen.num_kept) == (2048, 1)
 
@@ -147,7 +147,7 @@ def test_choose_chunking_searches_the_recompute_menu_inside_chunks():
     budget = (peaks[(2048, "full")] + min(peaks[(2048, "none")], peaks[(1024, "none")])) / 2
     budget = min(budget, peaks[(2048, "none")] - 1)
     chosen = choose_chunking(LENGTHS, 32768, 1, SHAPE, RATES, budget, sizes=[1024, 2048],
-                             num_kepts=(1,), options=options,
+                             kept_counts=(1,), options=options,
                              predict_s=lambda c, k, o: (2.0 if c == 1024 else 1.0)
                              + (0.5 if o.kind == "full" else 0.0))
     assert chosen.peak_bytes <= budget
@@ -174,9 +174,9 @@ def test_chunk_size_candidates():
 def test_cpu_device_host_time_per_op():
     """The CPU device's host time per op adds once to every F/R and B of every stage (twice to
     a B that re-runs the forward under full recompute), and nothing on GPUs (default 0)."""
+    from megatron_chunkflow.config import ParallelConfig
     from megatron_chunkflow.core.types import DataChunk, Segment
     from megatron_chunkflow.perfmodel.hardware import hardware_from_measurements
-    from megatron_chunkflow.config import ParallelConfig
     from megatron_chunkflow.perfmodel.roofline import Roofline
 
     kw = dict(gemm_flops=1e11, attn_fwd_flops=5e10, attn_bwd_flops=5e10, memory_bytes=1e10,

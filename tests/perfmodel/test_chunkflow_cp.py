@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.core.costs import attention_pairs
 from megatron_chunkflow.core.models import ModelShape, get_model_shape
 from megatron_chunkflow.core.packer import build_chunks
@@ -31,7 +32,6 @@ from megatron_chunkflow.perfmodel.layer import (
     layer_model,
     zigzag_pairs,
 )
-from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.perfmodel.predict import (
     cp_padded_lengths,
     predict_chunkflow,

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.core.models import get_model_shape
 from megatron_chunkflow.core.packer import split_long
 from megatron_chunkflow.core.profiles import sample_lengths
@@ -24,7 +25,6 @@ from megatron_chunkflow.perfmodel.layer import (
     chunk_work,
     layer_model,
 )
-from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.perfmodel.predict import predict_megatron, roofline
 
 P = ParallelConfig.layout  # a layout as the simulator models it (SP when TP > 1)

@@ -3,7 +3,7 @@ roofline.py): what each option keeps and re-runs, and the orders that implies.""
 
 import pytest
 
-from megatron_chunkflow.config import Recompute
+from megatron_chunkflow.config import ParallelConfig, Recompute
 from megatron_chunkflow.core.models import get_model_shape
 from megatron_chunkflow.core.profiles import sample_lengths
 from megatron_chunkflow.perfmodel.footprint import (
@@ -17,7 +17,6 @@ from megatron_chunkflow.perfmodel.footprint import (
     transient_bytes,
 )
 from megatron_chunkflow.perfmodel.hardware import get_gpu
-from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.perfmodel.predict import predict_chunkflow, predict_megatron
 
 P = ParallelConfig.layout  # a layout as the simulator models it (SP when TP > 1)

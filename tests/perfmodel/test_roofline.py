@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.core.costs import attention_pairs
 from megatron_chunkflow.core.models import get_model_shape
 from megatron_chunkflow.core.profiles import sample_lengths
@@ -28,7 +29,6 @@ from megatron_chunkflow.perfmodel.hardware import (
     hardware_from_measurements,
     with_overrides,
 )
-from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.perfmodel.predict import predict_chunkflow, predict_megatron
 from megatron_chunkflow.perfmodel.roofline import (
     attention_tiles,

@@ -5,7 +5,7 @@ options at PP 1) and brute force small."""
 
 import pytest
 
-from megatron_chunkflow.config import Recompute
+from megatron_chunkflow.config import ParallelConfig, Recompute
 from megatron_chunkflow.core.models import ModelShape, get_model_shape
 from megatron_chunkflow.core.packer import build_chunks
 from megatron_chunkflow.core.profiles import sample_lengths
@@ -19,7 +19,6 @@ from megatron_chunkflow.perfmodel.floors import (
     time_floor,
 )
 from megatron_chunkflow.perfmodel.hardware import get_gpu, with_overrides
-from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.perfmodel.predict import (
     predict_chunkflow,
     predict_megatron,

@@ -15,8 +15,8 @@ def _losses(tp: int, dtype_name: str):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_chunkflow.runtime.loss import token_loss_sum
     from megatron_chunkflow.mcore.dist import init_distributed
+    from megatron_chunkflow.runtime.loss import token_loss_sum
 
     init_distributed(ParallelConfig(tp=tp))
     dtype = getattr(torch, dtype_name)

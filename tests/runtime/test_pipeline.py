@@ -13,11 +13,11 @@ LENGTHS = [70, 5, 33, 100, 12, 64, 1, 16, 48, 9, 130]
 
 
 def _memory(pp, k):
-    from megatron_chunkflow.runtime.meter import ActivationMeter
     from megatron_chunkflow.checks.verify import run_verify
     from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.mcore.dist import shutdown
+    from megatron_chunkflow.runtime.meter import ActivationMeter
 
     (r,) = run_verify(get_model_shape("tiny"), [LENGTHS], ChunkFlowConfig(C, k, "torch"),
                       ParallelConfig(pp=pp), meter_cls=ActivationMeter)
@@ -46,13 +46,13 @@ def _failing_step():
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.core.packer import build_chunks
     from megatron_chunkflow.core.schedule import state_aware_plan
+    from megatron_chunkflow.data.synthetic import make_sequences
     from megatron_chunkflow.mcore.build import build_gpt_model, transformer_config, wrap_ddp
-    from megatron_chunkflow.runtime.inputs import build_step
     from megatron_chunkflow.mcore.dist import init_distributed
+    from megatron_chunkflow.runtime.inputs import build_step
+    from megatron_chunkflow.runtime.loss import forward_step
     from megatron_chunkflow.runtime.model import apply_chunkflow
     from megatron_chunkflow.runtime.schedules import forward_backward_chunkflow
-    from megatron_chunkflow.data.synthetic import make_sequences
-    from megatron_chunkflow.runtime.loss import forward_step
 
     init_distributed(ParallelConfig(pp=2))
     shape = get_model_shape("tiny")
@@ -85,13 +85,13 @@ def _diverging_plans():
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.core.packer import build_chunks
     from megatron_chunkflow.core.schedule import state_aware_plan
+    from megatron_chunkflow.data.synthetic import make_sequences
     from megatron_chunkflow.mcore.build import build_gpt_model, transformer_config
-    from megatron_chunkflow.runtime.inputs import build_step
     from megatron_chunkflow.mcore.dist import init_distributed
+    from megatron_chunkflow.runtime.inputs import build_step
+    from megatron_chunkflow.runtime.loss import forward_step
     from megatron_chunkflow.runtime.model import apply_chunkflow
     from megatron_chunkflow.runtime.schedules import forward_backward_chunkflow
-    from megatron_chunkflow.data.synthetic import make_sequences
-    from megatron_chunkflow.runtime.loss import forward_step
 
     init_distributed(ParallelConfig(pp=2))
     shape = get_model_shape("tiny")

@@ -8,8 +8,8 @@ import pytest
 
 from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.core.models import get_model_shape
-from megatron_chunkflow.training.checkpoint import compare_settings
 from megatron_chunkflow.mcore.settings import OptimizerConfig, TrainSettings
+from megatron_chunkflow.training.checkpoint import compare_settings
 
 
 def _settings(**kw) -> dict:

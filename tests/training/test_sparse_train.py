@@ -8,7 +8,6 @@ SpaCO's gradients themselves are checked in tests/checks/test_sparse.py.
 
 import pytest
 
-
 pytestmark = pytest.mark.slow
 
 C = 16
@@ -18,11 +17,10 @@ def _train(ckpt):
     from megatron_chunkflow.config import ChunkFlowConfig
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.data.synthetic import make_sequences
-    from megatron_chunkflow.runtime.sparse import SparseConfig
-    from megatron_chunkflow.mcore.settings import CheckpointConfig
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
+    from megatron_chunkflow.mcore.settings import CheckpointConfig, OptimizerConfig, TrainSettings
+    from megatron_chunkflow.runtime.sparse import SparseConfig
     from megatron_chunkflow.training.loop import train
-    from megatron_chunkflow.mcore.settings import OptimizerConfig, TrainSettings
 
     dataset = make_sequences([70, 5, 33, 100, 12, 64, 2, 16, 48, 9, 130, 21], 1000, seed=3)
     base = dict(shape=get_model_shape("tiny"), model_name="tiny", train_iters=4,

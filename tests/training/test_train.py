@@ -2,7 +2,6 @@
 
 import pytest
 
-
 pytestmark = pytest.mark.slow
 
 LENGTHS = [70, 5, 33, 100, 12, 64, 1, 16, 48, 9, 130, 21, 7, 90, 3, 40, 55, 11]
@@ -163,10 +162,9 @@ def test_stock_runs_steps_with_fewer_microbatches_than_dp_ranks(gloo):
 def _lrs(ckpt):
     """Learning rates applied: an unbroken run of the new schedule, and runs saved at step 10 of
     the old one and resumed with the new one, without and with --override-lr-schedule."""
-    from megatron_chunkflow.mcore.settings import CheckpointConfig
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
+    from megatron_chunkflow.mcore.settings import CheckpointConfig, OptimizerConfig
     from megatron_chunkflow.training.loop import train
-    from megatron_chunkflow.mcore.settings import OptimizerConfig
 
     new = dict(optimizer=OptimizerConfig(lr=1e-3, min_lr=1e-5, lr_warmup_iters=2), train_iters=14)
 
