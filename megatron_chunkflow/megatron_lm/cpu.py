@@ -89,10 +89,34 @@ def install_megatron_lm_cpu_shims() -> bool:
 
         stub.enable_batch_invariant_mode = enable_batch_invariant_mode
         sys.modules[stub.__name__] = stub
+    _parameters_name_cuda_types()
     from megatron.core.datasets import utils as dataset_utils
 
     dataset_utils.compile_helpers = lambda: None  # the wheel ships helpers_cpp; no Makefile
     return True
+
+
+_CUDA_TYPE_NAMES = {f"torch.{kind}Tensor": f"torch.cuda.{kind}Tensor"
+                    for kind in ("Float", "Half", "BFloat16")}
+
+
+def _parameters_name_cuda_types() -> None:
+    """Megatron's mixed-precision and distributed optimizers sort parameters by `param.type()`
+    ('torch.cuda.FloatTensor', ...) and refuse any other name: a CPU parameter answers with the
+    CUDA name of its dtype (a conversion, `param.type(dtype)`, is untouched)."""
+    parameter = torch.nn.Parameter
+    if getattr(parameter.type, "_chunkflow", False):
+        return
+    tensor_type = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = tensor_type(self)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        return tensor_type(self, dtype, non_blocking, **kwargs)
+
+    type_._chunkflow = True
+    parameter.type = type_
 
 
 def spawn_children_from(module: str) -> bool:

@@ -162,12 +162,15 @@ def _args():
     return get_args()
 
 
-def _get_model(original, *args, **kwargs):
+def _get_model(original, model_provider_func, *args, **kwargs):
     from megatron_chunkflow.runtime.model import building_core_attention_without_cp
 
     a = _args()
+    if a.chunkflow:  # before Megatron wraps the model: DDP registers hooks per module
+        model_provider_func = partial(_chunkflow_provider, model_provider_func,
+                                      resolve_backend(a))
     with building_core_attention_without_cp(a.context_parallel_size if a.chunkflow else 1):
-        model = original(*args, **kwargs)
+        model = original(model_provider_func, *args, **kwargs)
     if a.chunkflow_load_hf:
         from megatron.core.utils import get_model_config
 
@@ -179,12 +182,17 @@ def _get_model(original, *args, **kwargs):
                 import_hf_weights(chunk, a.chunkflow_load_hf, get_model_config(chunk), hf_shape)
         except ValueError as e:  # a tensor missing or of another shape than the flags build
             raise LaunchError(f"--chunkflow-load-hf {a.chunkflow_load_hf}: {e}") from None
-    if a.chunkflow:
-        from megatron_chunkflow.runtime.model import apply_chunkflow
+    return model
 
-        backend = resolve_backend(a)
-        for chunk in model:
-            apply_chunkflow(chunk, backend=backend)
+
+def _chunkflow_provider(provider, backend: str, *args, **kwargs):
+    """pretrain_gpt.py's model provider, then chunk attention swapped in: before get_model wraps
+    the model in Float16Module and DDP, whose forward pre-hooks (--overlap-param-gather) and
+    gradient hooks are registered per module and parameter of the finished model."""
+    from megatron_chunkflow.runtime.model import apply_chunkflow
+
+    model = provider(*args, **kwargs)
+    apply_chunkflow(model, backend=backend)
     return model
 
 
