@@ -34,11 +34,12 @@ class ChunkFlowConfig:
 
     attention_backend: AttentionBackend = field(default="auto",
                                                 metadata={"deprecated": ("--backend",)})
-    """Chunk attention kernel: auto = the fastest installed kernel verified on this device type
-    (cpu_flash, ATen's fused CPU kernel, on CPU; on a GPU, torch until a GPU check verifies
-    flash-attn, Transformer Engine or flex: attention/backends.py VERIFIED); torch is exact
-    attention in plain torch (any device, saves only q, k, v, out and the log-sum-exp); sdpa the
-    reference (a loop of F.scaled_dot_product_attention); flex torch's flex_attention; varlen
+    """Chunk attention kernel: auto = the fastest installed kernel for this device and dtype
+    (cpu_flash, ATen's fused CPU kernel, on CPU; on a GPU flash-attn's varlen kernel, else
+    PyTorch's own varlen flash kernel, for bf16/fp16, and the tiled torch backend for fp32/fp64:
+    attention/backends.py AUTO); torch is exact attention in plain torch, tiled (any device, saves
+    only q, k, v, out and the log-sum-exp); sdpa the reference (a loop of
+    F.scaled_dot_product_attention, materialises the scores); flex torch's flex_attention; varlen
     torch's own varlen flash kernel (CUDA)."""
 
     def __post_init__(self):

@@ -259,27 +259,77 @@ def available_backends() -> list[str]:
     return [name for name, module in _REQUIRES.items() if _installed(module)]
 
 
-# Backends whose exactness a test has checked on each device type, fastest first: `auto` picks
-# only from these. CUDA's list holds the kernels a GPU run has verified (none yet: flash, te and
-# compiled flex have never run on a GPU); `torch` is plain tensor operations, the same code the
-# CPU tests check, so it is the CUDA fallback (exact, memory-efficient, not fast).
-VERIFIED: dict[str, tuple[str, ...]] = {
-    "cpu": ("cpu_flash", "torch", "sdpa"),
-    "cuda": (),
+# `auto` on each device type, fastest first: the first installed backend that takes the dtype.
+# On CUDA the fused varlen kernels (flash-attn's, else PyTorch's own, which needs no extra
+# package) for fp16/bf16, and the tiled plain-torch backend for fp32/fp64: never a kernel whose
+# memory grows with chunk x prefix (sdpa, and flex on CPU, materialise the scores).
+AUTO: dict[str, tuple[str, ...]] = {
+    "cpu": ("cpu_flash", "torch"),
+    "cuda": ("flash", "varlen", "torch"),
 }
-FALLBACK = {"cpu": "cpu_flash", "cuda": "torch"}
+HALF_ONLY = ("flash", "varlen")  # fp16/bf16 kernels
+CUDA_ONLY = ("flash", "varlen", "te")
+# Backends that hold a chunk's whole [queries x keys] score block (and sdpa its mask) at once.
+MATERIALISING = {"cpu": ("sdpa", "flex"), "cuda": ("sdpa",)}
 
 
-def resolve_backend(name: str, device_type: str) -> str:
-    """The backend `name` stands for on a device of `device_type` ("cuda" or "cpu"): "auto" is
-    the first installed backend of VERIFIED[device_type], else FALLBACK's; never a kernel that
-    has not been verified on that device type. Any other name is itself."""
+def resolve_backend(name: str, device_type: str, dtype: torch.dtype | None = None) -> str:
+    """The backend `name` stands for on a device of `device_type` ("cuda" or "cpu") for inputs of
+    `dtype` (None: any): "auto" is the first installed backend of AUTO[device_type] that takes
+    the dtype, "torch" when none does. Any other name is itself."""
     if name != "auto":
         return name
-    for backend in VERIFIED.get(device_type, ()):
+    half = dtype in (torch.float16, torch.bfloat16)
+    for backend in AUTO.get(device_type, ()):
+        if backend in HALF_ONLY and dtype is not None and not half:
+            continue
         if _installed(_REQUIRES[backend]):
             return backend
-    return FALLBACK.get(device_type, "torch")
+    return "torch"
+
+
+def check_trainable(name: str, device_type: str, dtype: torch.dtype, flag: str, *,
+                    heads: int, chunk: int, keys: int, memory_bytes: int | None) -> str:
+    """The backend `name` resolves to, after checking, before any model is built, that it can
+    train a chunk of `chunk` queries over up to `keys` keys with `heads` query heads per rank:
+    installed, on its device and dtype, with a backward, and (for a backend that materialises the
+    scores) fitting `memory_bytes`. ValueError naming `flag` otherwise."""
+    backend = resolve_backend(name, device_type, dtype)
+    shown = name if name == backend else f"{name} ({backend})"
+    if backend not in BACKENDS:
+        raise ValueError(f"{flag} {name}: unknown; choose from {', '.join(sorted(BACKENDS))} "
+                         "or auto")
+    if backend in CUDA_ONLY and device_type != "cuda":
+        raise ValueError(f"{flag} {shown} needs a CUDA GPU; this run is on {device_type} (use "
+                         "auto)")
+    if backend in HALF_ONLY and dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"{flag} {shown} runs fp16/bf16 only; this run is {dtype} (use auto)")
+    if not _installed(_REQUIRES[backend]):
+        raise ValueError(f"{flag} {shown}: {_REQUIRES[backend]} is not installed here")
+    if backend == "flex" and device_type == "cpu":
+        raise ValueError(f"{flag} {shown} has no CPU backward (torch {torch.__version__}); "
+                         "use auto")
+    if backend in MATERIALISING.get(device_type, ()) and memory_bytes:
+        need = heads * chunk * keys * 4 + chunk * keys  # float32 scores and a boolean mask
+        if need > memory_bytes:
+            raise ValueError(
+                f"{flag} {shown} materialises each chunk's [queries x keys] scores: {heads} "
+                f"heads x {chunk} x {keys} keys = {need / 2**30:.1f} GiB for one layer, more "
+                f"than this {device_type}'s {memory_bytes / 2**30:.1f} GiB; use auto (fused or "
+                "tiled kernels hold O(chunk x head dim))")
+    return backend
+
+
+def device_memory_bytes(device_type: str) -> int | None:
+    """Total memory of the device this process trains on (CUDA device 0's, or the host's)."""
+    import os
+
+    if device_type == "cuda":
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 # Context parallelism (runtime/cp.py) runs a backend on gathered K/V with lk >= lq segments, and
@@ -295,7 +345,7 @@ def check_context_parallel(name: str, device_type: str, flag: str = "--attention
         raise ValueError(f"{flag} {name}: context parallelism recomputes attention in the "
                          f"backward, and {backend} has no backward on {device_type} (torch "
                          f"{torch.__version__}); choose one of "
-                         f"{', '.join(VERIFIED.get(device_type, ()))} or auto")
+                         f"{', '.join(AUTO.get(device_type, ()))} or auto")
 
 
 def get_backend(name: str) -> Callable[..., torch.Tensor]:

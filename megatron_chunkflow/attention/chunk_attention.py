@@ -49,7 +49,7 @@ def chunk_attention(
         softmax_scale: float, the scaling of QK^T before the softmax; default 1 / sqrt(hd).
         backend: one of BACKENDS: "sdpa" (reference, any device and dtype), "torch" and
             "cpu_flash" (memory-efficient; cpu_flash: CPU only, fast), "flex", "flash",
-            "te"; or "auto", resolved by q's device (resolve_backend). See backends.py for what
+            "te"; or "auto", resolved by q's device and dtype (resolve_backend). See backends.py for what
             each needs.
 
     The causal mask is aligned to the bottom-right corner of each segment's [lq, lk] block, as in
@@ -64,7 +64,7 @@ def chunk_attention(
     Return:
         out: (Tq, nh, hd), same dtype and device as q.
     """
-    attend = get_backend(resolve_backend(backend, q.device.type))
+    attend = get_backend(resolve_backend(backend, q.device.type, q.dtype))
     cu_q, cu_kv = _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_kv)
     if q.shape[0] == 0:
         return q.clone()  # no queries: an empty output that still carries autograd

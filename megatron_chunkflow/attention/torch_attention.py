@@ -2,8 +2,8 @@
 
 Like flash-attention it saves only q, k, v, the output and the log-sum-exp (float32 for half
 precision inputs, which compute in float32) for backward, and
-recomputes the probabilities there; the [lq, lk] scores and the mask exist only while one segment is
-being computed. F.scaled_dot_product_attention on CPU saves an [lq, lk] mask for backward whenever
+recomputes the probabilities there; scores and masks exist one tile (TILE_QUERIES x TILE_KEYS) at a
+time, forward and backward, so its memory follows the chunk and not the prefix. F.scaled_dot_product_attention on CPU saves an [lq, lk] mask for backward whenever
 lk != lq, which grows with a dependent chunk's prefix (its memory would not follow the chunk size),
 so this backend is the CPU default for training. `sdpa` stays the reference it is tested against.
 
@@ -25,44 +25,94 @@ def _compute(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
-def _scores(q_QNH, k_KGH, scale):
-    lq, nh, hd = q_QNH.shape
-    lk, ng, _ = k_KGH.shape
-    q_GRQH = q_QNH.view(lq, ng, nh // ng, hd).permute(1, 2, 0, 3)
+# Tiles: a segment is computed in blocks of at most TILE_QUERIES queries x TILE_KEYS keys (flash
+# attention's online softmax over key blocks), so the scores that exist at once are
+# heads x TILE_QUERIES x TILE_KEYS, whatever the prefix: a 32K chunk over a 256K prefix holds
+# O(chunk x head dim) for its output and log-sum-exp plus one tile, never chunk x prefix.
+TILE_QUERIES = 1024
+TILE_KEYS = 4096
+
+
+def _scores(q_GRQH, k_KGH, scale, q_pos: int, k_pos: int, lk: int, lq: int):
+    """Scores of a tile: queries q_pos.. of the segment, keys k_pos.. (bottom-right causal: query i
+    sees keys 0 .. lk - lq + i); masked entries are -inf."""
     s_GRQK = torch.einsum("grqh,kgh->grqk", q_GRQH, k_KGH) * scale
-    if lq > 1:  # bottom-right causal: query i sees keys 0 .. lk - lq + i
-        masked_QK = torch.ones(lq, lk, dtype=torch.bool, device=q_QNH.device).triu(lk - lq + 1)
+    nq, nk = q_GRQH.shape[2], k_KGH.shape[0]
+    diagonal = lk - lq + q_pos - k_pos + 1  # the first masked key of the tile's first query
+    if diagonal < nk:  # the tile crosses the causal edge
+        masked_QK = torch.ones(nq, nk, dtype=torch.bool, device=q_GRQH.device).triu(diagonal)
         s_GRQK = s_GRQK.masked_fill(masked_QK, float("-inf"))
     return s_GRQK
 
 
+def _key_end(q_end: int, lk: int, lq: int) -> int:
+    """One past the last key that the queries before q_end may see."""
+    return min(lk, lk - lq + q_end)
+
+
+def _group(t_QNH: torch.Tensor, ng: int) -> torch.Tensor:
+    q, nh, hd = t_QNH.shape
+    return t_QNH.view(q, ng, nh // ng, hd).permute(1, 2, 0, 3)
+
+
+def _ungroup(t_GRQH: torch.Tensor) -> torch.Tensor:
+    g, r, q, hd = t_GRQH.shape
+    return t_GRQH.permute(2, 0, 1, 3).reshape(q, g * r, hd)
+
+
 def _fwd(q_QNH, k_KGH, v_KGH, scale):
-    """One segment: (out_QNH, lse_GRQ)."""
+    """One segment, tile by tile: (out_QNH, lse_GRQ)."""
     q_QNH, k_KGH, v_KGH = _compute(q_QNH), _compute(k_KGH), _compute(v_KGH)
-    lq, nh, hd = q_QNH.shape
-    s_GRQK = _scores(q_QNH, k_KGH, scale)
-    lse_GRQ = torch.logsumexp(s_GRQK, dim=-1)
-    p_GRQK = torch.exp(s_GRQK - lse_GRQ.unsqueeze(-1))
-    o_GRQH = torch.einsum("grqk,kgh->grqh", p_GRQK, v_KGH)
-    return o_GRQH.permute(2, 0, 1, 3).reshape(lq, nh, hd), lse_GRQ
+    lq, lk, ng = q_QNH.shape[0], k_KGH.shape[0], k_KGH.shape[1]
+    out_QNH = torch.empty_like(q_QNH)
+    lses = []
+    for q0 in range(0, lq, TILE_QUERIES):
+        q1 = min(lq, q0 + TILE_QUERIES)
+        q_GRQH = _group(q_QNH[q0:q1], ng)
+        acc_GRQH = lse_GRQ = None
+        for k0 in range(0, _key_end(q1, lk, lq), TILE_KEYS):
+            k1 = min(lk, k0 + TILE_KEYS)
+            s_GRQK = _scores(q_GRQH, k_KGH[k0:k1], scale, q0, k0, lk, lq)
+            tile_lse = torch.logsumexp(s_GRQK, dim=-1)  # -inf where a query sees no key here
+            finite = tile_lse.masked_fill(tile_lse == float("-inf"), 0).unsqueeze(-1)
+            tile_GRQH = torch.einsum("grqk,kgh->grqh", torch.exp(s_GRQK - finite), v_KGH[k0:k1])
+            if acc_GRQH is None:
+                acc_GRQH, lse_GRQ = tile_GRQH, tile_lse
+                continue
+            # merge two softmax-normalised partial outputs by their log-sum-exp (the first
+            # tile holds key 0, which every query sees, so lse_GRQ is finite)
+            new_lse = torch.logaddexp(lse_GRQ, tile_lse)
+            acc_GRQH = (acc_GRQH * torch.exp(lse_GRQ - new_lse).unsqueeze(-1)
+                        + tile_GRQH * torch.exp(tile_lse - new_lse).unsqueeze(-1))
+            lse_GRQ = new_lse
+        out_QNH[q0:q1] = _ungroup(acc_GRQH)
+        lses.append(lse_GRQ)
+    return out_QNH, torch.cat(lses, dim=-1)
 
 
 def _bwd(dout_QNH, q_QNH, k_KGH, v_KGH, out_QNH, lse_GRQ, scale):
-    """One segment: (dq_QNH, dk_KGH, dv_KGH)."""
+    """One segment, tile by tile: (dq_QNH, dk_KGH, dv_KGH)."""
     dout_QNH, q_QNH, k_KGH, v_KGH, out_QNH = (_compute(t) for t in
                                               (dout_QNH, q_QNH, k_KGH, v_KGH, out_QNH))
-    lq, nh, hd = q_QNH.shape
-    ng = k_KGH.shape[1]
-    to_GRQH = lambda t: t.view(lq, ng, nh // ng, hd).permute(1, 2, 0, 3)  # noqa: E731
-    p_GRQK = torch.exp(_scores(q_QNH, k_KGH, scale) - lse_GRQ.unsqueeze(-1))
-    do_GRQH, o_GRQH, q_GRQH = to_GRQH(dout_QNH), to_GRQH(out_QNH), to_GRQH(q_QNH)
-    dv_KGH = torch.einsum("grqk,grqh->kgh", p_GRQK, do_GRQH)
-    dp_GRQK = torch.einsum("grqh,kgh->grqk", do_GRQH, v_KGH)
-    delta_GRQ = (do_GRQH * o_GRQH).sum(-1, keepdim=True)
-    ds_GRQK = p_GRQK * (dp_GRQK - delta_GRQ) * scale
-    dq_GRQH = torch.einsum("grqk,kgh->grqh", ds_GRQK, k_KGH)
-    dk_KGH = torch.einsum("grqk,grqh->kgh", ds_GRQK, q_GRQH)
-    return dq_GRQH.permute(2, 0, 1, 3).reshape(lq, nh, hd), dk_KGH, dv_KGH
+    lq, lk, ng = q_QNH.shape[0], k_KGH.shape[0], k_KGH.shape[1]
+    dq_QNH = torch.empty_like(q_QNH)
+    dk_KGH, dv_KGH = torch.zeros_like(k_KGH), torch.zeros_like(v_KGH)
+    for q0 in range(0, lq, TILE_QUERIES):
+        q1 = min(lq, q0 + TILE_QUERIES)
+        q_GRQH, do_GRQH = _group(q_QNH[q0:q1], ng), _group(dout_QNH[q0:q1], ng)
+        lse = lse_GRQ[..., q0:q1].unsqueeze(-1)
+        delta_GRQ = (do_GRQH * _group(out_QNH[q0:q1], ng)).sum(-1, keepdim=True)
+        dq_GRQH = torch.zeros_like(q_GRQH)
+        for k0 in range(0, _key_end(q1, lk, lq), TILE_KEYS):
+            k1 = min(lk, k0 + TILE_KEYS)
+            p_GRQK = torch.exp(_scores(q_GRQH, k_KGH[k0:k1], scale, q0, k0, lk, lq) - lse)
+            dv_KGH[k0:k1] += torch.einsum("grqk,grqh->kgh", p_GRQK, do_GRQH)
+            dp_GRQK = torch.einsum("grqh,kgh->grqk", do_GRQH, v_KGH[k0:k1])
+            ds_GRQK = p_GRQK * (dp_GRQK - delta_GRQ) * scale
+            dq_GRQH += torch.einsum("grqk,kgh->grqh", ds_GRQK, k_KGH[k0:k1])
+            dk_KGH[k0:k1] += torch.einsum("grqk,grqh->kgh", ds_GRQK, q_GRQH)
+        dq_QNH[q0:q1] = _ungroup(dq_GRQH)
+    return dq_QNH, dk_KGH, dv_KGH
 
 
 class TorchChunkAttention(torch.autograd.Function):

@@ -125,6 +125,20 @@ class TrainSettings:
         if self.dtype == "bfloat16" and not has_real_cuda():
             raise ValueError("--dtype bfloat16 needs a GPU; CPU runs train in float32 (or "
                              "--dtype float64)")
+        if self.uses_chunkflow:
+            self._check_attention_backend("cuda" if has_real_cuda() else "cpu")
+
+    def _check_attention_backend(self, device: str) -> None:
+        """The chunk attention kernel can train these chunks here (attention/backends.py)."""
+        import torch
+
+        from megatron_chunkflow.attention.backends import check_trainable, device_memory_bytes
+
+        check_trainable(self.chunkflow.attention_backend, device, getattr(torch, self.dtype),
+                        "--attention-backend",
+                        heads=self.shape.num_attention_heads // self.parallel.tp,
+                        chunk=self.chunkflow.chunk_size // self.parallel.cp,
+                        keys=self.seq_length, memory_bytes=device_memory_bytes(device))
 
     def _check_context_parallel(self) -> None:
         cp = f"--context-parallel-size {self.parallel.cp}"

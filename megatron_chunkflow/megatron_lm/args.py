@@ -54,6 +54,8 @@ def check_chunkflow_args(args, given_dataloader: str | None = None) -> None:
     `given_dataloader`: --dataloader-type as typed (Megatron's validate_args fills in single)."""
     if not args.chunkflow:
         return
+    notes = []
+    mapped = _megatron_attention_backend(args)
     refuse = chunkflow_refusals(args, given_dataloader)
     if refuse:
         raise LaunchError("--chunkflow cannot run with " + "; ".join(refuse))
@@ -62,7 +64,13 @@ def check_chunkflow_args(args, given_dataloader: str | None = None) -> None:
     except ValueError as e:
         raise LaunchError(str(e).replace("--attention-backend", FLAGS["attention_backend"])) \
             from None
-    notes = []
+    try:
+        _check_attention_backend(args)
+    except LaunchError as e:
+        raise LaunchError(f"{e} (carried over from {mapped})" if mapped else str(e)) from None
+    if mapped:
+        notes.append(f"{FLAGS['attention_backend']} {args.chunkflow_attention_backend} (from "
+                     f"{mapped}: chunk attention replaces Megatron's core attention)")
     if args.dataloader_type != "external":
         args.dataloader_type = "external"
         notes.append("--dataloader-type external (the chunk iterator)")
@@ -76,6 +84,54 @@ def check_chunkflow_args(args, given_dataloader: str | None = None) -> None:
         notes.append(f"no validation (--eval-iters {args.eval_iters} is ignored)")
     if notes and args.rank == 0:
         print("[chunkflow] set: " + "; ".join(notes), flush=True)
+
+
+# Megatron's own attention flags, as the chunk attention backend they stand for.
+MEGATRON_ATTENTION = {"flash": "flash", "fused": "te", "unfused": "torch", "local": "torch",
+                      "auto": "auto"}
+
+
+def _megatron_attention_backend(args) -> str | None:
+    """Megatron-LM's --attention-backend / --use-flash-attn, as typed, carried over to
+    --chunkflow-attention-backend, or refused naming both flags where they disagree with it or
+    each other. Returns the Megatron flags carried over, None when nothing was."""
+    ours = FLAGS["attention_backend"]
+    given = []
+    if _given("--attention-backend"):
+        name = getattr(args.attention_backend, "name", str(args.attention_backend))
+        given.append((f"--attention-backend {name}", MEGATRON_ATTENTION.get(name, name)))
+    if getattr(args, "use_flash_attn", False):
+        given.append(("--use-flash-attn", "flash"))
+    if not given:
+        return None
+    wanted = {backend for _, backend in given if backend != "auto"}
+    flags = " and ".join(flag for flag, _ in given)
+    if _given(ours):
+        wanted.add(args.chunkflow_attention_backend)
+        flags += f" and {ours} {args.chunkflow_attention_backend}"
+    if len(wanted) > 1:
+        raise LaunchError(f"--chunkflow: {flags} ask for different attention kernels; with "
+                          f"--chunkflow, {ours} chooses the chunk attention kernel: give one")
+    if not wanted or _given(ours):
+        return None
+    args.chunkflow_attention_backend = wanted.pop()
+    return flags
+
+
+def _check_attention_backend(args) -> None:
+    """The chunk attention kernel can train this run's chunks on this machine (before any model
+    is built): installed, on its device and dtype, and, for a kernel that materialises the
+    scores, a chunk over the longest prefix fits the device's memory."""
+    from megatron_chunkflow.attention.backends import check_trainable, device_memory_bytes
+
+    device, dtype = _device_and_dtype(args)
+    try:
+        check_trainable(args.chunkflow_attention_backend, device, dtype, FLAGS["attention_backend"],
+                        heads=args.num_attention_heads // args.tensor_model_parallel_size,
+                        chunk=args.chunkflow_chunk_size // args.context_parallel_size,
+                        keys=args.seq_length, memory_bytes=device_memory_bytes(device))
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
 
 
 def chunkflow_refusals(args, given_dataloader: str | None = None) -> list[str]:
@@ -94,6 +150,11 @@ def chunkflow_refusals(args, given_dataloader: str | None = None) -> list[str]:
                       "offset per sequence; chunks need per-token positions)")
     if getattr(args, "multi_latent_attention", False):
         refuse.append("--multi-latent-attention")
+    if getattr(args, "num_experts", None):
+        refuse.append(f"--num-experts {args.num_experts}: Megatron's router adds its "
+                      "load-balancing loss per micro-batch, which under ChunkFlow is a data chunk, "
+                      "not the packed sequences of a stock micro-batch, so losses and gradients "
+                      "would not be those of ordinary training (MoE is not supported yet)")
     dropout = [f"{flag} {p:g}" for flag, p in (("--hidden-dropout", args.hidden_dropout),
                                                ("--attention-dropout", args.attention_dropout))
                if p]
@@ -169,11 +230,22 @@ def chunkflow_config(args) -> ChunkFlowConfig:
 
 
 def resolve_backend(args) -> str:
-    """The attention kernel --chunkflow-attention-backend stands for on this machine."""
+    """The attention kernel --chunkflow-attention-backend stands for on this machine and in this
+    run's precision."""
     from megatron_chunkflow.attention import resolve_backend as resolve
+
+    device, dtype = _device_and_dtype(args)
+    return resolve(args.chunkflow_attention_backend, device, dtype)
+
+
+def _device_and_dtype(args):
+    """("cuda" or "cpu", the activations' torch dtype) of this run."""
+    import torch
+
     from megatron_chunkflow.mcore.cpu import has_real_cuda
 
-    return resolve(args.chunkflow_attention_backend, "cuda" if has_real_cuda() else "cpu")
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    return "cuda" if has_real_cuda() else "cpu", dtype
 
 
 def shape_from_args(args) -> ModelShape:

@@ -322,19 +322,40 @@ def test_varlen_refuses_cpu_tensors_naming_what_it_needs():
         chunk_attention(q, k, v, [0, 5], [0, 9], backend="varlen")
 
 
-def test_auto_never_picks_an_unverified_backend(monkeypatch):
-    """`auto` resolves to a backend verified on the device type: with flash-attn and Transformer
-    Engine installed but never run on a GPU, a GPU gets plain-torch attention; once a backend is
-    listed as verified there, auto picks it."""
+def test_auto_picks_a_fused_or_tiled_kernel(monkeypatch):
+    """`auto` on a GPU: flash-attn's varlen kernel, else PyTorch's own, for half precision; the
+    tiled torch backend for fp32/fp64; never a backend that materialises the scores."""
     from megatron_chunkflow.attention import backends
 
     monkeypatch.setattr(backends, "_installed", lambda module: True)
     assert backends.resolve_backend("auto", "cpu") == "cpu_flash"
-    assert backends.resolve_backend("auto", "cuda") == "torch"
-    for device, names in backends.VERIFIED.items():
-        assert backends.resolve_backend("auto", device) in (*names, backends.FALLBACK[device])
-    monkeypatch.setitem(backends.VERIFIED, "cuda", ("flash", "flex"))
-    assert backends.resolve_backend("auto", "cuda") == "flash"
+    assert backends.resolve_backend("auto", "cuda", torch.bfloat16) == "flash"
+    assert backends.resolve_backend("auto", "cuda", torch.float32) == "torch"
+    assert backends.resolve_backend("auto", "cuda", torch.float64) == "torch"
     monkeypatch.setattr(backends, "_installed", lambda module: module != "flash_attn")
-    assert backends.resolve_backend("auto", "cuda") == "flex"
+    assert backends.resolve_backend("auto", "cuda", torch.float16) == "varlen"
+    for device, dtype in itertools.product(("cpu", "cuda"), (torch.bfloat16, torch.float32)):
+        assert backends.resolve_backend("auto", device, dtype) not in \
+            backends.MATERIALISING[device]
     assert backends.resolve_backend("te", "cuda") == "te"  # named: the user's choice
+
+
+@pytest.mark.parametrize(("name", "device", "dtype", "needle"), [
+    ("flash", "cpu", torch.float32, "needs a CUDA GPU"),
+    ("varlen", "cuda", torch.float32, "runs fp16/bf16 only"),
+    ("flex", "cpu", torch.float32, "no CPU backward"),
+    ("sdpa", "cuda", torch.bfloat16, "materialises each chunk's [queries x keys] scores: 7 heads "
+                                     "x 16384 x 262144 keys = 116.0 GiB"),
+    ("nope", "cpu", torch.float32, "unknown"),
+])
+def test_untrainable_backend_is_refused_naming_the_flag(monkeypatch, name, device, dtype, needle):
+    from megatron_chunkflow.attention import backends
+
+    monkeypatch.setattr(backends, "_installed", lambda module: True)
+    with pytest.raises(ValueError, match=re.escape(f"--flag {name}")) as e:
+        backends.check_trainable(name, device, dtype, "--flag", heads=7, chunk=16384, keys=262144,
+                                 memory_bytes=80 * 2**30)
+    assert needle in str(e.value)
+    assert backends.check_trainable("auto", device, torch.bfloat16, "--flag", heads=7,
+                                    chunk=16384, keys=262144, memory_bytes=80 * 2**30) in \
+        ("cpu_flash", "flash")
