@@ -61,6 +61,12 @@ def shape_from_hf_dir(path) -> ModelShape:
     if d.get("hidden_act", "silu") != "silu" or d.get("use_sliding_window", False):
         raise ValueError(f"{file}: hidden_act must be 'silu' and use_sliding_window false, got "
                          f"{d.get('hidden_act')!r} and {d.get('use_sliding_window')!r}")
+    dropout = d.get("attention_dropout", 0.0)
+    if not isinstance(dropout, (int, float)) or dropout != 0:
+        raise ValueError(f"{file}: attention_dropout {dropout!r}: training here runs without "
+                         "dropout (a re-forwarded chunk would draw a new mask, so its gradients "
+                         "would not be exact), and the model would train unlike its config says; "
+                         "set it to 0.0 in config.json (Qwen2.5's released checkpoints have 0.0)")
     d = {**d, "rope_theta": d.get("rope_theta", rope.get("rope_theta", 10000.0))}
     shape = model_shape_from_dict(d, source=str(file))
     if d.get("head_dim", shape.head_dim) != shape.head_dim:

@@ -209,6 +209,13 @@ def test_shape_and_padding(checkpoints, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="config.json: model_type 'llama'"):
         shape_from_hf_dir(tmp_path)
+    # a dropout the run would not train is refused, not silently dropped
+    (tmp_path / "config.json").write_text(json.dumps({**qwen25_05b, "attention_dropout": 0.1}))
+    with pytest.raises(ValueError, match=r"config.json: attention_dropout 0.1: training here runs "
+                                         "without dropout"):
+        shape_from_hf_dir(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**qwen25_05b, "attention_dropout": 0.0}))
+    assert shape_from_hf_dir(tmp_path) == get_model_shape("qwen2.5-0.5b")
 
 
 @pytest.mark.slow
