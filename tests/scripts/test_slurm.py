@@ -225,3 +225,20 @@ def test_submit_all_dry_run(submit_env):
         rc = run_config(REPO / "configs" / "runs" / f"h100_{context}_{system}.sh", model)
         assert words[:3] == ["sbatch", "--nodes", str(rc["nodes"])]
         assert words[-3:] == ["--time", "04:00:00", str(SBATCH)]
+
+
+def test_sbatch_header_names_the_jobs_own_data_parallel_size(tmp_path):
+    """A job of another node count than its layout was sized for: the header says the DP that
+    torchrun will run, and a count TP x PP x CP does not divide stops before anything runs."""
+    kw = dict(MODEL="qwen2.5-7b", CONTEXT="32k", SYSTEM="chunkflow", TOKENIZER="/ckpt/hf")
+    rc = run_config(REPO / "configs" / "runs" / "h100_32k_chunkflow.sh", "qwen2.5-7b")
+    sized = dry_run(tmp_path, **kw)
+    assert f"DP={rc['dp']}," in sized.stdout.splitlines()[0]
+    doubled = dry_run(tmp_path, **kw, SLURM_NNODES=str(2 * rc["nodes"]))
+    assert doubled.returncode == 0, doubled.stderr
+    assert f"DP={2 * rc['dp']}," in doubled.stdout.splitlines()[0]
+    assert "the data-parallel size" in doubled.stderr
+    odd = dry_run(tmp_path, MODEL="qwen2.5-72b", CONTEXT="256k", SYSTEM="chunkflow",
+                  TOKENIZER="/ckpt/hf", SLURM_NNODES="3")
+    assert odd.returncode == 2 and "3 nodes x 8 GPUs is not a multiple of TP x PP x CP" in \
+        odd.stderr
