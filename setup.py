@@ -25,7 +25,8 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6", "transformers", "safetensors",
-                 "six"],  # six: Megatron-LM's megatron/training imports it
+                 "six",  # six: Megatron-LM's megatron/training imports it
+                 "tensorboard"],  # the launcher's metrics reach Megatron-LM's writer
         "gpu": ["flash-attn", "transformer-engine[pytorch]"],
         "hf": ["tokenizers", "safetensors"],  # --tokenizer DIR; mcore/hf.py checkpoints
         "parquet": ["pyarrow"],  # --data-path *.parquet

@@ -335,26 +335,52 @@ def _training_log(original, *args, **kwargs):
     iteration = args[3] if len(args) > 3 else kwargs["iteration"]
     first = kwargs.get("is_first_iteration", False)
     if (iteration % a.log_interval == 0 or first) and _HOOKS.interval_steps:
-        _print_last(_log_line(a, iteration))
+        metrics = _interval_metrics(a)
+        _print_last(_log_line(iteration, metrics))
+        from megatron.training import get_tensorboard_writer, get_wandb_writer
+
+        write_metrics(get_tensorboard_writer(), get_wandb_writer(), metrics, iteration)
         if not first:
             _HOOKS.interval_flops = _HOOKS.interval_tokens = _HOOKS.interval_time = 0.0
             _HOOKS.interval_steps = 0
     return out
 
 
-def _log_line(a, iteration: int) -> str:
-    from megatron_chunkflow.mcore.cpu import has_real_cuda
+def _interval_metrics(a) -> dict[str, float]:
+    """The log interval's ChunkFlow metrics, keyed as TensorBoard and W&B get them."""
     from megatron_chunkflow.mcore.step import peak_memory_bytes
 
     h, last = _HOOKS, _HOOKS.iterator.last
     per_step = h.interval_time / h.interval_steps
     tokens = h.interval_tokens / h.interval_steps
+    return {"chunkflow/tokens": tokens,
+            "chunkflow/tokens_per_sec_per_gpu": tokens / per_step / a.world_size,
+            "chunkflow/model_tflops_per_gpu":
+                h.interval_flops / h.interval_steps / per_step / a.world_size / 1e12,
+            "chunkflow/chunks": float(last.chunks),
+            "chunkflow/reforwarded_fraction": float(last.reforwarded),
+            "chunkflow/peak_memory_gib": peak_memory_bytes() / 2**30}
+
+
+def _log_line(iteration: int, m: dict[str, float]) -> str:
+    from megatron_chunkflow.mcore.cpu import has_real_cuda
+
     memory = "peak allocated GiB" if has_real_cuda() else "peak RSS GiB"
-    return (f"[chunkflow] iteration {iteration} | tokens {int(tokens)} | tokens/s/GPU "
-            f"{tokens / per_step / a.world_size:.1f} | model TFLOP/s/GPU "
-            f"{h.interval_flops / h.interval_steps / per_step / a.world_size / 1e12:.3f} | "
-            f"chunks {last.chunks} | recompute {last.reforwarded:.2f} | {memory} "
-            f"{peak_memory_bytes() / 2**30:.2f}")
+    return (f"[chunkflow] iteration {iteration} | tokens {int(m['chunkflow/tokens'])} | "
+            f"tokens/s/GPU {m['chunkflow/tokens_per_sec_per_gpu']:.1f} | model TFLOP/s/GPU "
+            f"{m['chunkflow/model_tflops_per_gpu']:.3f} | chunks {int(m['chunkflow/chunks'])} | "
+            f"recompute {m['chunkflow/reforwarded_fraction']:.2f} | {memory} "
+            f"{m['chunkflow/peak_memory_gib']:.2f}")
+
+
+def write_metrics(tensorboard, wandb, metrics: dict[str, float], iteration: int) -> None:
+    """The [chunkflow] line's metrics to Megatron-LM's TensorBoard and W&B writers (each exists
+    on the last rank when --tensorboard-dir / --wandb-project was given; None elsewhere)."""
+    if tensorboard is not None:
+        for key, value in metrics.items():
+            tensorboard.add_scalar(key, value, iteration)
+    if wandb is not None:
+        wandb.log(metrics, iteration)
 
 
 def _print_last(line: str) -> None:

@@ -125,6 +125,63 @@ def test_pretrain_gpt_chunkflow_matches_chunkflow_train(gloo, workdir, layout):
     assert "--dataloader-type external" in mlm.stdout  # the settings ChunkFlow made are announced
 
 
+def _shipped_training_args(iters: int) -> list[str]:
+    """configs/runs/common.sh's COMMON_TRAINING_ARGS (every shipped SLURM job's optimizer,
+    precision and overlap flags) as the file sets them."""
+    out = subprocess.run(["bash", "-c", 'source "$0"; printf "%s\\n" "${COMMON_TRAINING_ARGS[@]}"',
+                          str(ROOT / "configs" / "runs" / "common.sh")], capture_output=True,
+                         text=True, check=True, env={**os.environ, "TRAIN_ITERS": str(iters)})
+    return out.stdout.splitlines()
+
+
+def _grad_norms(log: str) -> list[float]:
+    return [float(x) for x in re.findall(r"\| grad norm: ([0-9.E+-]+) \|", log)]
+
+
+@needs_megatron_lm
+@pytest.mark.slow
+def test_shipped_run_flags_train_under_chunkflow(workdir):
+    """The shipped jobs' flags (bf16, --use-distributed-optimizer, --overlap-grad-reduce,
+    --overlap-param-gather, per-token loss, clipping) with --chunkflow at DP 2: the same losses and
+    grad norms as with Megatron's plain DDP and optimizer (whose losses the test above ties to
+    `chunkflow train`); stock Megatron-LM runs the same flags on the same corpus."""
+    shipped = _shipped_training_args(iters=3)
+    for flag in ("--use-distributed-optimizer", "--overlap-param-gather", "--bf16"):
+        assert flag in shipped
+    cpu = [x for x in CPU if x not in ("--eval-iters", "0", "--log-interval", "1")]
+    base = ["megatron_chunkflow.launch", str(MEGATRON_LM / "pretrain_gpt.py"), *MODEL, *cpu,
+            "--seq-length", str(SEQ), "--global-batch-size", "8", "--seed", "1234",
+            "--data-path", "corpus", "--split", "100,0,0"]
+    chunkflow = ["--chunkflow", "--chunk-size", str(C), "--chunkflow-k", "1"]
+    overlap = ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather")
+    tensorboard = workdir / "tensorboard_shipped"
+    runs = {"shipped": _torchrun(2, [*base, *shipped, *chunkflow, "--tensorboard-dir",
+                                     str(tensorboard)], workdir),
+            "plain": _torchrun(2, [*base, *(f for f in shipped if f not in overlap), *chunkflow],
+                               workdir),
+            "stock": _torchrun(2, [*base, *shipped], workdir)}
+    for name, run in runs.items():
+        assert run.returncode == 0, name + ": " + run.stdout[-3000:] + run.stderr[-3000:]
+        assert len(_megatron_losses(run.stdout)) == 3 and len(_grad_norms(run.stdout)) == 3, name
+    shipped_log, plain_log = runs["shipped"].stdout, runs["plain"].stdout
+    assert _megatron_losses(shipped_log) == _megatron_losses(plain_log)
+    assert _grad_norms(shipped_log) == _grad_norms(plain_log)
+    assert "[chunkflow] iteration 3" in shipped_log and "[chunkflow]" not in runs["stock"].stdout
+    # the [chunkflow] line's metrics also reach Megatron-LM's TensorBoard writer
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tensorboard))
+    events.Reload()
+    tags = [t for t in events.Tags()["scalars"] if t.startswith("chunkflow/")]
+    assert {"chunkflow/tokens_per_sec_per_gpu", "chunkflow/model_tflops_per_gpu",
+            "chunkflow/peak_memory_gib", "chunkflow/reforwarded_fraction"} <= set(tags)
+    tokens = [int(t) for t in re.findall(r"\[chunkflow\] iteration \d+ \| tokens (\d+) ",
+                                          shipped_log)]
+    logged = events.Scalars("chunkflow/tokens")
+    assert [e.step for e in logged] == [1, 2, 3]
+    assert [int(e.value) for e in logged] == tokens
+
+
 @needs_megatron_lm
 @pytest.mark.slow
 def test_stock_path_is_untouched(workdir):
@@ -376,6 +433,11 @@ def test_single_process_refusal_comes_before_megatrons_assertion(workdir, extra,
     (["--chunkflow", "--context-parallel-size", "2", "--seq-length", "510"],
      "--chunkflow cannot run with --seq-length 510, not a multiple of 2 x "
      "--context-parallel-size 2"),
+    (["--chunkflow", "--num-experts", "4"],
+     "--chunkflow cannot run with --num-experts 4: Megatron's router adds its load-balancing"),
+    (["--chunkflow", "--attention-backend", "flash"],
+     "--chunkflow-attention-backend flash needs a CUDA GPU; this run is on cpu (use auto) "
+     "(carried over from --attention-backend flash)"),
 ])
 def test_launcher_bad_input_exits_2_without_a_traceback(workdir, extra, needle):
     (workdir / "not_json").mkdir(exist_ok=True)
