@@ -90,3 +90,31 @@ def test_flex_refuses_float64_on_cuda():
     q, k, v, _ = make_inputs([4], [6], 2, 1, 8, torch.float64, device="cuda")
     with pytest.raises(ValueError, match="use 'sdpa' for fp64"):
         chunk_attention(q, k, v, [0, 4], [0, 6], backend="flex")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_auto_holds_a_chunk_not_its_prefix(dtype):
+    """`auto` on this GPU, the last 32K chunk of a 256K sequence at Qwen2.5-7B TP 4 (7 query heads,
+    1 K/V head, head dim 128): forward and backward allocate O(chunk x head dim) beyond the inputs
+    and their gradients (flash/varlen: none of the scores; tiled torch: one tile), where the
+    [chunk x prefix] scores would be 224 GiB."""
+    from megatron_chunkflow.attention import resolve_backend, torch_attention
+    from megatron_chunkflow.attention.backends import MATERIALISING
+
+    backend = resolve_backend("auto", "cuda", dtype)
+    assert backend not in MATERIALISING["cuda"]
+    nh, ng, hd, lq, lk = 7, 1, 128, 32768, 262144
+    q = torch.randn(lq, nh, hd, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(lk, ng, hd, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(lk, ng, hd, device="cuda", dtype=dtype, requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = chunk_attention(q, k, v, [0, lq], [0, lk], backend="auto")
+    out.backward(torch.ones_like(out))
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    tile = nh * torch_attention.TILE_QUERIES * torch_attention.TILE_KEYS * 4
+    bound = 4 * 4 * (lq * nh * hd + 2 * lk * ng * hd) + 8 * tile  # float32 copies, grads, tiles
+    assert extra <= bound, (backend, extra / 2**30, bound / 2**30)
+    assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
