@@ -80,8 +80,6 @@ def check_chunkflow_args(args, given_dataloader: str | None = None) -> None:
                      "of the global batch)")
     if args.sft:
         notes.append(_sft_note(args))
-    if args.eval_iters and args.eval_interval:
-        notes.append(f"no validation (--eval-iters {args.eval_iters} is ignored)")
     if notes and args.rank == 0:
         print("[chunkflow] set: " + "; ".join(notes), flush=True)
 

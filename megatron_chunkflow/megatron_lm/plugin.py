@@ -8,7 +8,8 @@ runs (no Megatron file is edited); each patch delegates to Megatron's original u
 - initialize.validate_args: after Megatron's checks, the plugin's (check_chunkflow_args);
 - training.get_model: swap core attention and RoPE for chunk attention (apply_chunkflow), and
   --chunkflow-load-hf (also without --chunkflow, so both systems can start from the same weights);
-- training.build_train_valid_test_data_iterators: ChunkFlow's step iterator (megatron_lm/data.py);
+- training.build_train_valid_test_data_iterators: ChunkFlow's step iterators, training and
+  validation (--split of --data-path, or mock data), in megatron_lm/data.py;
 - training.get_forward_backward_func: forward_backward_chunkflow with the plugin's forward step;
 - training.num_floating_point_operations / train_step / training_log: FLOPs of the step's actual
   sequence lengths, and one `[chunkflow]` line (tokens, tokens/s/GPU, model TFLOP/s/GPU, chunks,
@@ -203,63 +204,38 @@ def _build_iterators(original, provider):
     from megatron.core.rerun_state_machine import RerunDataIterator
 
     from megatron_chunkflow.config import ParallelConfig
-    from megatron_chunkflow.megatron_lm.data import ChunkFlowStepIterator
+    from megatron_chunkflow.megatron_lm.data import ChunkFlowStepIterator, open_datasets
     from megatron_chunkflow.runtime.ranks import Ranks
 
-    dataset = _open_dataset(a)
+    train, valid, split = open_datasets(a)
     chunkflow = chunkflow_config(a)
     ranks = Ranks.current()
     parallel = ParallelConfig(tp=ranks.tp, pp=ranks.pp, cp=ranks.cp, dp=ranks.dp,
                               sequence_parallel=a.sequence_parallel)
-    _HOOKS.iterator = ChunkFlowStepIterator(
-        dataset=dataset, global_batch_size=a.global_batch_size, seed=a.seed,
-        chunkflow=chunkflow, parallel=parallel, ranks=ranks, shape=shape_from_args(a),
-        consumed=a.consumed_train_samples)
-    a.do_train, a.do_valid, a.do_test = a.train_iters > 0, False, False
-    _print_last(f"[chunkflow] data: {getattr(dataset, 'description', '')}; {len(dataset)} "
-                f"sequences; global batch {a.global_batch_size} sequences, chunk size "
-                f"{chunkflow.chunk_size}, K {chunkflow.num_kept}, attention {resolve_backend(a)}")
-    return RerunDataIterator(_HOOKS.iterator), None, None
 
+    def steps(dataset, consumed):
+        return ChunkFlowStepIterator(
+            dataset=dataset, global_batch_size=a.global_batch_size, seed=a.seed,
+            chunkflow=chunkflow, parallel=parallel, ranks=ranks, shape=shape_from_args(a),
+            consumed=consumed)
 
-def _open_dataset(a):
-    from megatron_chunkflow.megatron_lm.args import data_tokenizer
-
-    if a.mock_data:
-        from megatron_chunkflow.data.synthetic import MockSFTDataset
-
-        num = max(a.global_batch_size * max(a.train_iters, 1), a.global_batch_size)
-        return MockSFTDataset(a.chunkflow_mock_profile, num, a.seq_length,
-                              _true_vocab_size(a), a.seed)
-    from megatron_chunkflow.data.dataset import open_sft_dataset
-
-    try:
-        tokenizer = data_tokenizer(a, _true_vocab_size(a), _megatron_tokenizer())
-        return open_sft_dataset(a.data_path[0], tokenizer, seq_length=a.seq_length,
-                                overlong=a.overlong, skip_bad_records=a.skip_bad_records)
-    except ValueError as e:
-        raise LaunchError(str(e)) from None
-
-
-def _megatron_tokenizer():
-    """The tokenizer Megatron built from --tokenizer-type (its chat template, if it has one, is
-    what --data-path conversations go through); None where it built none."""
-    from megatron.training import get_tokenizer
-
-    try:
-        return get_tokenizer()
-    except Exception:  # noqa: BLE001  Megatron asserts the global was initialized
-        return None
-
-
-def _true_vocab_size(a) -> int:
-    """Ids the data may use: the tokenizer's vocabulary (Megatron pads the model's beyond it)."""
-    from megatron.training import get_tokenizer
-
-    try:
-        return int(get_tokenizer().vocab_size)
-    except Exception:  # noqa: BLE001  tokenizers without vocab_size: the model's rows
-        return int(a.padded_vocab_size)
+    _HOOKS.iterator = steps(train, a.consumed_train_samples)
+    evaluating = bool(a.eval_iters and a.eval_interval and valid is not None and len(valid))
+    valid_steps = steps(valid, a.consumed_valid_samples) if evaluating else None
+    a.do_train, a.do_valid, a.do_test = a.train_iters > 0, evaluating, False
+    if evaluating:
+        validation = (f"validation: {len(valid)} sequences{split}, {a.eval_iters} global "
+                      f"batches every {a.eval_interval} iterations, chunked as in training")
+    elif a.eval_iters and a.eval_interval:
+        validation = f"no validation: the validation split is empty{split}"
+    else:
+        validation = "no validation (--eval-iters 0)"
+    _print_last(f"[chunkflow] data: {getattr(train, 'description', '')}; {len(train)} "
+                f"training sequences{split}; {validation}; global batch {a.global_batch_size} "
+                f"sequences, chunk size {chunkflow.chunk_size}, K {chunkflow.num_kept}, "
+                f"attention {resolve_backend(a)}")
+    return (RerunDataIterator(_HOOKS.iterator),
+            RerunDataIterator(valid_steps) if valid_steps is not None else None, None)
 
 
 def _loss_vocab_size(a) -> int:
@@ -270,7 +246,9 @@ def _loss_vocab_size(a) -> int:
         from megatron_chunkflow.mcore.hf import shape_from_hf_dir
 
         return shape_from_hf_dir(a.chunkflow_load_hf).vocab_size
-    return _true_vocab_size(a)
+    from megatron_chunkflow.megatron_lm.data import true_vocab_size
+
+    return true_vocab_size(a)
 
 
 def _get_fb_func(original, *args, **kwargs):

@@ -182,6 +182,47 @@ def test_shipped_run_flags_train_under_chunkflow(workdir):
     assert [int(e.value) for e in logged] == tokens
 
 
+def _hf_loss(workdir, documents) -> float:
+    """transformers' per-token loss (float64) of the Hugging Face checkpoint over `documents` of
+    the indexed corpus: every next-token target of every document counts once."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from transformers import Qwen2ForCausalLM
+
+    corpus = IndexedDataset(str(workdir / "corpus"))
+    model = Qwen2ForCausalLM.from_pretrained(workdir / "hf", dtype=torch.float64).eval()
+    total = targets = 0
+    with torch.no_grad():
+        for i in documents:
+            ids = torch.tensor(corpus[i], dtype=torch.long)[None]
+            logits = model(ids).logits[0, :-1]
+            total += torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
+            targets += ids.shape[1] - 1
+    return total / targets
+
+
+@needs_megatron_lm
+@pytest.mark.slow
+def test_validation_runs_chunked_on_the_split(workdir):
+    """--eval-iters/--eval-interval under --chunkflow: --split 50,50,0 holds out documents 8-15
+    (as Megatron-LM splits documents), validation runs them in dependent chunks forward-only, and
+    at a learning rate of 0 with the whole split in one global batch both losses are
+    transformers' on those documents."""
+    cpu = [x for x in CPU if x not in ("--eval-iters", "0", "--eval-interval", "1000")]
+    sched = {**SCHEDULE, "--train-iters": 2, "--global-batch-size": 8, "--lr": "0",
+             "--min-lr": "0", "--lr-warmup-iters": 0}
+    run = _torchrun(2, ["megatron_chunkflow.launch", str(MEGATRON_LM / "pretrain_gpt.py"), *MODEL,
+                        *cpu, *_flags(sched), "--micro-batch-size", "1", "--data-path", "corpus",
+                        "--split", "50,50,0", "--eval-iters", "1", "--eval-interval", "2",
+                        "--chunkflow", "--chunkflow-load-hf", "hf"], workdir)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "8 training sequences (--split 50,50,0 of 16); validation: 8 sequences" in run.stdout
+    valid = [float(x) for x in re.findall(r"validation loss at iteration 2 \| lm loss value: "
+                                          r"([0-9.E+-]+)", run.stdout)]
+    assert valid == pytest.approx([_hf_loss(workdir, range(8, 16))], rel=1e-5)
+    assert _megatron_losses(run.stdout) == pytest.approx([_hf_loss(workdir, range(8))] * 2,
+                                                         rel=1e-5)
+
+
 @needs_megatron_lm
 @pytest.mark.slow
 def test_stock_path_is_untouched(workdir):
