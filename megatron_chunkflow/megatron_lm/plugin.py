@@ -104,7 +104,7 @@ def install(megatron_lm_dir: str | Path, allow_untested: bool | None = None) -> 
         return
     original_add = arguments.add_megatron_arguments
     arguments.add_megatron_arguments = lambda parser: add_chunkflow_arguments(original_add(parser))
-    original_validate = initialize.validate_args
+    original_validate = arguments.validate_args
 
     def validate_args(args, defaults=None):
         given_dataloader = args.dataloader_type  # Megatron's validate_args defaults it to single
@@ -117,9 +117,13 @@ def install(megatron_lm_dir: str | Path, allow_untested: bool | None = None) -> 
             raise
         check_chunkflow_args(args, given_dataloader)
         check_load_hf(args)
+        args.chunkflow_checked = True
         return out
 
-    initialize.validate_args = validate_args
+    # core_v0.16.1 calls it as initialize.validate_args; later tags from arguments itself
+    arguments.validate_args = validate_args
+    if hasattr(initialize, "validate_args"):
+        initialize.validate_args = validate_args
     training.get_model = partial(_get_model, training.get_model)
     training.build_train_valid_test_data_iterators = partial(
         _build_iterators, training.build_train_valid_test_data_iterators)
@@ -167,6 +171,10 @@ def _get_model(original, model_provider_func, *args, **kwargs):
     from megatron_chunkflow.runtime.model import building_core_attention_without_cp
 
     a = _args()
+    if (a.chunkflow or a.chunkflow_load_hf) and not getattr(a, "chunkflow_checked", False):
+        raise LaunchError(f"this Megatron-LM did not run the plugin's argument checks (they are "
+                          f"installed on its validate_args); megatron_chunkflow supports "
+                          f"core_v{TESTED_VERSION} only")
     if a.chunkflow:  # before Megatron wraps the model: DDP registers hooks per module
         model_provider_func = partial(_chunkflow_provider, model_provider_func,
                                       resolve_backend(a))

@@ -300,6 +300,34 @@ def test_version_check_names_both_versions(tmp_path, monkeypatch):
         checkout_version(tmp_path / "elsewhere")
 
 
+@needs_megatron_lm
+@pytest.mark.slow
+def test_a_megatron_that_skips_the_plugins_checks_stops(workdir, tmp_path):
+    """A Megatron-LM whose training loop validates its arguments through a function the plugin did
+    not patch (as core_v0.18 and later do) stops before building a model, naming the supported
+    version, instead of training with --chunkflow unchecked."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(f"""
+import sys
+from megatron_chunkflow.megatron_lm import launcher, plugin
+plugin.install({str(MEGATRON_LM)!r})
+from megatron.training import arguments, initialize
+original = next(c.cell_contents for c in arguments.validate_args.__closure__
+                if getattr(c.cell_contents, "__module__", "") == "megatron.training.arguments")
+arguments.validate_args = initialize.validate_args = original
+sys.exit(launcher.launch(sys.argv[1:], "driver", "driver"))
+""")
+    args = [*MODEL, *CPU, *_flags({**SCHEDULE, "--train-iters": 1}), "--micro-batch-size", "1",
+            "--mock-data", "--chunkflow"]
+    run = subprocess.run([sys.executable, str(driver), str(MEGATRON_LM / "pretrain_gpt.py"),
+                          *args], cwd=workdir, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "did not run the plugin's argument checks" in run.stderr
+    assert "supports core_v0.16.1 only" in run.stderr
+
+
 def test_launcher_usage_errors(tmp_path):
     run = subprocess.run([sys.executable, "-m", "megatron_chunkflow.launch",
                           str(tmp_path / "pretrain_gpt.py")], capture_output=True, text=True)
