@@ -58,6 +58,10 @@ run_config() {
                               --recompute-num-layers 1) ;;
         block:*) recompute_args=(--recompute-granularity full --recompute-method block
                                  --recompute-num-layers "${RECOMPUTE#block:}") ;;
+        selective:*) local modules=${RECOMPUTE#selective:}
+                     # shellcheck disable=SC2206  # M1+M2 -> two words
+                     recompute_args=(--recompute-granularity selective
+                                     --recompute-modules ${modules//+/ }) ;;
         *) echo "configs/runs/${RUN_NAME}.sh: bad recompute '$RECOMPUTE' for $model" >&2
            return 1 ;;
     esac

@@ -1,6 +1,7 @@
 # ChunkFlow, SFT at 256K context, on nodes of 8x H100 80GB (fits H200 141GB unchanged).
-# CP = 1; a 256K sequence becomes 16-32 dependent chunks whose K/V state stays on the GPU, which is
-# why TP (and PP for 32B/72B) is higher than at 32K (configs/README.md, "ChunkFlow at 256K").
+# A 256K sequence becomes dependent chunks whose K/V state stays on the GPU. LAYOUT is generated
+# by scripts/slurm/layouts.py: the simulator's fastest layout, chunk size and K that fit on the
+# run's nodes (the same nodes as h100_256k_stock.sh).
 #
 #   source configs/runs/h100_256k_chunkflow.sh && run_config qwen2.5-7b
 
@@ -16,10 +17,10 @@ RUN_TRAINING_ARGS=(
     --max-position-embeddings "$SEQ_LENGTH"  # see h100_256k_stock.sh
 )
 
-#                      nodes  TP  PP  CP  recompute  chunk  K
+#                      nodes  TP  PP  CP  recompute              chunk   K
 declare -gA LAYOUT=(
-    [qwen2.5-7b]="         2   4   1   1  none       16384  1"
-    [qwen2.5-14b]="        4   8   1   1  none       16384  1"
-    [qwen2.5-32b]="        8   8   2   1  none        8192  2"
-    [qwen2.5-72b]="       16   8   4   1  none        8192  2"
+    [qwen2.5-7b]="         2   4   2   1  none                    8192   8"
+    [qwen2.5-14b]="        4   4   4   1  selective:layernorm     8192   8"
+    [qwen2.5-32b]="        8   4   4   1  none                    4096   4"
+    [qwen2.5-72b]="       16   8   4   1  none                    4096   8"
 )

@@ -297,8 +297,16 @@ def test_run_config_layout_is_consistent(run_file, model):
         assert c["--chunkflow-attention-backend"] in BACKENDS
     else:
         assert rc["chunkflow_args"] == [] and "--chunkflow" not in f
-        if rc["seq"] > 32768:
-            assert cp > 1 and rc["recompute"] == "full"
+    kind, _, arg = rc["recompute"].partition(":")
+    expected = {"none": [],
+                "full": ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                         "--recompute-num-layers", "1"],
+                "block": ["--recompute-granularity", "full", "--recompute-method", "block",
+                          "--recompute-num-layers", arg],
+                "selective": ["--recompute-granularity", "selective", "--recompute-modules",
+                              *arg.split("+")]}[kind]
+    given = [a for a in rc["parallel_args"][6:] if a != "--sequence-parallel"]
+    assert given == expected  # after TP, PP and CP: Megatron's flags for the row's recompute
 
 
 @pytest.mark.parametrize("context", ["32k", "256k"])
