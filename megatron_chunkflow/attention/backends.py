@@ -6,7 +6,9 @@ returns out_TNH. Each computes bottom-right causal attention within segments; au
 the library (torch autograd for sdpa and flex, flash-attn's and TE's own autograd Functions).
 
 - torch: exact and memory-efficient in plain torch (torch_attention.py): saves only q, k, v, out and
-  the log-sum-exp, like flash-attention; any device and dtype. The CPU default for training.
+  the log-sum-exp, like flash-attention, and computes in tiles, so a chunk over a long prefix
+  never holds its [queries x keys] scores; any device and dtype. auto's choice for fp32/fp64 on
+  a GPU.
 - cpu_flash: ATen's fused CPU flash kernel (cpu_flash.py), prefix and own keys merged by
   log-sum-exp; CPU only, saves q, k, v, out and the log-sum-exp; 20-40x faster than torch.
 - sdpa: the reference. A loop over segments of F.scaled_dot_product_attention; any device, any
