@@ -49,6 +49,9 @@ def test_empty_dataset(capsys, tmp_path):
     (["--cp", "2", "--no-chunkflow"], "--context-parallel-size 2 with --no-chunkflow"),
     (["--cp", "0"], "--context-parallel-size (--cp) must be >= 1"),
     (["--cp", "2", "--lora-rank", "4"], "--lora-rank is not checked with --context-parallel-size 2"),
+    (["--attention-backend", "flash"], "--attention-backend flash needs a CUDA GPU; this run is "
+                                       "on cpu"),
+    (["--attention-backend", "flex"], "--attention-backend flex has no CPU backward"),
 ])
 def test_bad_flags(capsys, argv, message):
     rc, err = run_train(capsys, *argv)
@@ -77,6 +80,8 @@ def test_output_paths_checked_before_training(capsys, tmp_path, flag, make, mess
     (b'{"model_type": "qwen2",\n "hidden_size": }', "config.json:2: not valid JSON"),
     (b"[]", "config.json: expected a JSON object, got list"),
     (b"\x80", "config.json: not UTF-8 text (byte 0)"),
+    (b'{"model_type": "qwen2", "attention_dropout": 0.1}', "config.json: attention_dropout 0.1: "
+                                                           "training here runs without dropout"),
 ])
 def test_bad_hf_config_names_the_file(capsys, tmp_path, content, message):
     (tmp_path / "config.json").write_bytes(content)
