@@ -182,6 +182,61 @@ def test_shipped_run_flags_train_under_chunkflow(workdir):
     assert [int(e.value) for e in logged] == tokens
 
 
+def _write_corpus(prefix, documents) -> None:
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32)
+    for ids in documents:
+        builder.add_item(torch.as_tensor(ids))
+        builder.end_document()
+    builder.finalize(f"{prefix}.idx")
+
+
+@needs_megatron_lm
+@pytest.mark.slow
+def test_shipped_flags_step_one_equals_stock(workdir):
+    """Stock Megatron-LM and --chunkflow with the shipped jobs' optimizer flags (distributed
+    optimizer, overlapped reduce and gather; float32 here) see the same sequences: 9 documents of
+    exactly --seq-length tokens ending in EOD, so stock's rows are whole documents (the extra token
+    a row reads is the next document's first, its loss masked by --eod-mask-loss), and ChunkFlow
+    gets the 8 that stock's first epoch holds (read from stock's own document index) as one global
+    batch, cut into dependent chunks. Step 1's loss and grad norm (forward, backward, the DP
+    reduction of the distributed optimizer) are stock's."""
+    import glob
+
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    seq, g = 256, torch.Generator().manual_seed(3)
+    documents = [torch.randint(0, 999, (seq,), generator=g) for _ in range(9)]
+    for ids in documents:
+        ids[-1] = 999  # NullTokenizer(999)'s EOD
+    _write_corpus(workdir / "rows9", documents)
+    shipped = [f for f in _shipped_training_args(iters=1) if f != "--bf16"]
+    cpu = [x for x in CPU if x not in ("--eval-iters", "0", "--log-interval", "1")]
+    base = ["megatron_chunkflow.launch", str(MEGATRON_LM / "pretrain_gpt.py"), *MODEL, *cpu,
+            *shipped, "--seq-length", str(seq), "--global-batch-size", "8", "--seed", "1234",
+            "--split", "100,0,0", "--make-vocab-size-divisible-by", "8",  # 1000 rows, no padding
+            "--chunkflow-load-hf", "hf"]
+    stock = _torchrun(2, [*base, "--data-path", "rows9", "--eod-mask-loss"], workdir)
+    assert stock.returncode == 0, stock.stdout[-3000:] + stock.stderr[-3000:]
+    index = glob.glob(str(workdir / "rows9" / "cache" / "**" / "*train-document_index.npy"),
+                      recursive=True)
+    assert len(index) == 1, index
+    order = np.load(index[0])
+    assert sorted(order) == list(range(9))  # one epoch: 8 rows, the last document unread
+    corpus = IndexedDataset(str(workdir / "rows9"))
+    _write_corpus(workdir / "rows8", [corpus[int(d)] for d in order[:8]])
+    chunkflow = _torchrun(2, [*base, "--data-path", "rows8", "--chunkflow", "--chunk-size", "128",
+                              "--no-rope-fusion"], workdir)
+    assert chunkflow.returncode == 0, chunkflow.stdout[-3000:] + chunkflow.stderr[-3000:]
+    assert "chunks 16 |" in chunkflow.stdout  # every document in two dependent chunks
+    assert _megatron_losses(chunkflow.stdout) == _megatron_losses(stock.stdout)
+    assert _grad_norms(chunkflow.stdout) == _grad_norms(stock.stdout)
+    assert len(_megatron_losses(stock.stdout)) == 1
+
+
 def _hf_loss(workdir, documents) -> float:
     """transformers' per-token loss (float64) of the Hugging Face checkpoint over `documents` of
     the indexed corpus: every next-token target of every document counts once."""
