@@ -168,6 +168,11 @@ def varlen_attention_backend(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, softmax_scale):
     varlen = _import_or_explain("torch.nn.attention.varlen", "varlen",
                                 "upgrade PyTorch to 2.10 or newer")
     _require_cuda_half("varlen", q_TNH)
+    if _varlen_uses_cudnn(varlen):
+        raise ValueError(f"backend 'varlen': torch {torch.__version__} runs varlen_attn through "
+                         "cuDNN on this GPU, whose causal mask and GQA support differ from the "
+                         "flash kernel's bottom-right mask that chunks over a prefix need; use "
+                         "backend 'flash' or 'torch'")
     params = inspect.signature(varlen.varlen_attn).parameters
     kwargs = {"scale": softmax_scale}
     if "window_size" in params:
@@ -183,6 +188,18 @@ def varlen_attention_backend(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, softmax_scale):
             v_TGH = v_TGH.repeat_interleave(nh // ng, dim=1)
     cu_q_t, cu_kv_t, max_q, max_kv = _cu_on_device(cu_q, cu_kv, q_TNH.device)
     return varlen.varlen_attn(q_TNH, k_TGH, v_TGH, cu_q_t, cu_kv_t, max_q, max_kv, **kwargs)
+
+
+def _varlen_uses_cudnn(varlen=None) -> bool:
+    """Whether PyTorch's varlen_attn would take its cuDNN path on the current CUDA device (some
+    torch versions choose it by device capability) instead of the flash kernel."""
+    if varlen is None:
+        try:
+            varlen = importlib.import_module("torch.nn.attention.varlen")
+        except ImportError:
+            return False
+    choose = getattr(varlen, "_should_use_cudnn", None)
+    return bool(choose and torch.cuda.is_available() and choose(torch.cuda.current_device()))
 
 
 _TE_MODULES: dict[tuple[int, int, int, float], torch.nn.Module] = {}
@@ -284,6 +301,8 @@ def resolve_backend(name: str, device_type: str, dtype: torch.dtype | None = Non
     half = dtype in (torch.float16, torch.bfloat16)
     for backend in AUTO.get(device_type, ()):
         if backend in HALF_ONLY and dtype is not None and not half:
+            continue
+        if backend == "varlen" and device_type == "cuda" and _varlen_uses_cudnn():
             continue
         if _installed(_REQUIRES[backend]):
             return backend

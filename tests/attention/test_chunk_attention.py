@@ -334,6 +334,11 @@ def test_auto_picks_a_fused_or_tiled_kernel(monkeypatch):
     assert backends.resolve_backend("auto", "cuda", torch.float64) == "torch"
     monkeypatch.setattr(backends, "_installed", lambda module: module != "flash_attn")
     assert backends.resolve_backend("auto", "cuda", torch.float16) == "varlen"
+    # a torch whose varlen_attn takes cuDNN on this GPU (another causal mask): the tiled backend
+    monkeypatch.setattr(backends, "_varlen_uses_cudnn", lambda varlen=None: True)
+    assert backends.resolve_backend("auto", "cuda", torch.float16) == "torch"
+    monkeypatch.undo()
+    monkeypatch.setattr(backends, "_installed", lambda module: True)
     for device, dtype in itertools.product(("cpu", "cuda"), (torch.bfloat16, torch.float32)):
         assert backends.resolve_backend("auto", device, dtype) not in \
             backends.MATERIALISING[device]
