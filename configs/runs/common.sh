@@ -58,6 +58,7 @@ run_config() {
                               --recompute-num-layers 1) ;;
         block:*) recompute_args=(--recompute-granularity full --recompute-method block
                                  --recompute-num-layers "${RECOMPUTE#block:}") ;;
+        selective) recompute_args=(--recompute-granularity selective) ;;  # core_attn
         selective:*) local modules=${RECOMPUTE#selective:}
                      # shellcheck disable=SC2206  # M1+M2 -> two words
                      recompute_args=(--recompute-granularity selective

@@ -323,6 +323,11 @@ def check_trainable(name: str, device_type: str, dtype: torch.dtype, flag: str, 
     if backend in CUDA_ONLY and device_type != "cuda":
         raise ValueError(f"{flag} {shown} needs a CUDA GPU; this run is on {device_type} (use "
                          "auto)")
+    if backend == "cpu_flash" and device_type != "cpu":
+        raise ValueError(f"{flag} {shown} is ATen's CPU kernel; this run is on {device_type} "
+                         "(use auto)")
+    if backend == "flex" and device_type == "cuda" and dtype == torch.float64:
+        raise ValueError(f"{flag} {shown} takes fp16, bf16 and fp32 on CUDA (use auto)")
     if backend in HALF_ONLY and dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"{flag} {shown} runs fp16/bf16 only; this run is {dtype} (use auto)")
     if not _installed(_REQUIRES[backend]):

@@ -80,6 +80,15 @@ def check_chunkflow_args(args, given_dataloader: str | None = None) -> None:
                      "of the global batch)")
     if args.sft:
         notes.append(_sft_note(args))
+        if args.eval_iters and args.eval_interval:
+            why = ("Megatron-LM's --sft validation averages each micro-batch's mean loss, and "
+                   "under --chunkflow a micro-batch is one data chunk, which may hold no target "
+                   "token")
+            if _given("--eval-iters"):
+                raise LaunchError(f"--chunkflow cannot run with --sft and --eval-iters "
+                                  f"{args.eval_iters}: {why}; give --eval-iters 0")
+            args.eval_iters = 0
+            notes.append(f"--eval-iters 0 (Megatron's default is 100, but {why})")
     if notes and args.rank == 0:
         print("[chunkflow] set: " + "; ".join(notes), flush=True)
 

@@ -352,6 +352,8 @@ def test_auto_picks_a_fused_or_tiled_kernel(monkeypatch):
     ("sdpa", "cuda", torch.bfloat16, "materialises each chunk's [queries x keys] scores: 7 heads "
                                      "x 16384 x 262144 keys = 116.0 GiB"),
     ("nope", "cpu", torch.float32, "unknown"),
+    ("cpu_flash", "cuda", torch.bfloat16, "is ATen's CPU kernel"),
+    ("flex", "cuda", torch.float64, "takes fp16, bf16 and fp32 on CUDA"),
 ])
 def test_untrainable_backend_is_refused_naming_the_flag(monkeypatch, name, device, dtype, needle):
     from megatron_chunkflow.attention import backends

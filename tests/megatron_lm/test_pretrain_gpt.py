@@ -557,6 +557,8 @@ def test_single_process_refusal_comes_before_megatrons_assertion(workdir, extra,
     (["--chunkflow", "--context-parallel-size", "2", "--seq-length", "510"],
      "--chunkflow cannot run with --seq-length 510, not a multiple of 2 x "
      "--context-parallel-size 2"),
+    (["--chunkflow", "--sft", "--eval-iters", "2"],
+     "--chunkflow cannot run with --sft and --eval-iters 2: Megatron-LM's --sft validation"),
     (["--chunkflow", "--num-experts", "4"],
      "--chunkflow cannot run with --num-experts 4: Megatron's router adds its load-balancing"),
     (["--chunkflow", "--attention-backend", "flash"],

@@ -303,8 +303,8 @@ def test_run_config_layout_is_consistent(run_file, model):
                          "--recompute-num-layers", "1"],
                 "block": ["--recompute-granularity", "full", "--recompute-method", "block",
                           "--recompute-num-layers", arg],
-                "selective": ["--recompute-granularity", "selective", "--recompute-modules",
-                              *arg.split("+")]}[kind]
+                "selective": ["--recompute-granularity", "selective",
+                              *(["--recompute-modules", *arg.split("+")] if arg else [])]}[kind]
     given = [a for a in rc["parallel_args"][6:] if a != "--sequence-parallel"]
     assert given == expected  # after TP, PP and CP: Megatron's flags for the row's recompute
 
