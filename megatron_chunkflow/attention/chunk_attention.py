@@ -49,8 +49,8 @@ def chunk_attention(
         softmax_scale: float, the scaling of QK^T before the softmax; default 1 / sqrt(hd).
         backend: one of BACKENDS: "sdpa" (reference, any device and dtype), "torch" and
             "cpu_flash" (memory-efficient; cpu_flash: CPU only, fast), "flex", "flash",
-            "te"; or "auto", resolved by q's device and dtype (resolve_backend). See backends.py for what
-            each needs.
+            "te"; or "auto", resolved by q's device and dtype (resolve_backend). See backends.py
+            for what each needs.
 
     The causal mask is aligned to the bottom-right corner of each segment's [lq, lk] block, as in
     flash_attn_varlen_func(causal=True): query j (0-based) attends to keys 0 .. lk - lq + j. The

@@ -1,11 +1,12 @@
 """The `torch` backend: exact, memory-efficient chunk attention in plain torch (any device, any dtype).
 
 Like flash-attention it saves only q, k, v, the output and the log-sum-exp (float32 for half
-precision inputs, which compute in float32) for backward, and
-recomputes the probabilities there; scores and masks exist one tile (TILE_QUERIES x TILE_KEYS) at a
-time, forward and backward, so its memory follows the chunk and not the prefix. F.scaled_dot_product_attention on CPU saves an [lq, lk] mask for backward whenever
-lk != lq, which grows with a dependent chunk's prefix (its memory would not follow the chunk size),
-so this backend is the CPU default for training. `sdpa` stays the reference it is tested against.
+precision inputs, which compute in float32) for backward, and recomputes the probabilities there;
+scores and masks exist one tile (TILE_QUERIES x TILE_KEYS) at a time, forward and backward, so its
+memory follows the chunk and not the prefix. F.scaled_dot_product_attention on CPU saves an
+[lq, lk] mask for backward whenever lk != lq, which grows with a dependent chunk's prefix (its
+memory would not follow the chunk size). `sdpa` stays the reference this backend is tested
+against.
 
 Layers (flash-attention's): _fwd / _bwd on one segment, then TorchChunkAttention (autograd.Function)
 over all segments, called by backends.torch_attention_backend.

@@ -132,7 +132,7 @@ class TrainSettings:
         """The chunk attention kernel can train these chunks here (attention/backends.py)."""
         import torch
 
-        from megatron_chunkflow.attention.backends import check_trainable, device_memory_bytes
+        from megatron_chunkflow.attention.trainable import check_trainable, device_memory_bytes
 
         check_trainable(self.chunkflow.attention_backend, device, getattr(torch, self.dtype),
                         "--attention-backend",

@@ -129,7 +129,7 @@ def _check_attention_backend(args) -> None:
     """The chunk attention kernel can train this run's chunks on this machine (before any model
     is built): installed, on its device and dtype, and, for a kernel that materialises the
     scores, a chunk over the longest prefix fits the device's memory."""
-    from megatron_chunkflow.attention.backends import check_trainable, device_memory_bytes
+    from megatron_chunkflow.attention.trainable import check_trainable, device_memory_bytes
 
     device, dtype = _device_and_dtype(args)
     try:

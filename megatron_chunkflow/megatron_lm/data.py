@@ -68,7 +68,8 @@ class StepStats:
 
 @dataclass
 class ChunkFlowStepIterator:
-    """Yields one ChunkedStep per training iteration for this rank's (DP rank, CP rank, pipeline)."""
+    """Yields one ChunkedStep per iteration (training, or validation) for this rank's DP rank, CP
+    rank and pipeline."""
 
     dataset: object
     global_batch_size: int

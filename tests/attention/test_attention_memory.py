@@ -12,8 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from megatron_chunkflow.attention import chunk_attention
-from megatron_chunkflow.attention import torch_attention
+from megatron_chunkflow.attention import chunk_attention, torch_attention
 from tests.attention.test_chunk_attention import (
     CASES,
     cumsum,

@@ -356,13 +356,13 @@ def test_auto_picks_a_fused_or_tiled_kernel(monkeypatch):
     ("flex", "cuda", torch.float64, "takes fp16, bf16 and fp32 on CUDA"),
 ])
 def test_untrainable_backend_is_refused_naming_the_flag(monkeypatch, name, device, dtype, needle):
-    from megatron_chunkflow.attention import backends
+    from megatron_chunkflow.attention import backends, trainable
 
     monkeypatch.setattr(backends, "_installed", lambda module: True)
     with pytest.raises(ValueError, match=re.escape(f"--flag {name}")) as e:
-        backends.check_trainable(name, device, dtype, "--flag", heads=7, chunk=16384, keys=262144,
+        trainable.check_trainable(name, device, dtype, "--flag", heads=7, chunk=16384, keys=262144,
                                  memory_bytes=80 * 2**30)
     assert needle in str(e.value)
-    assert backends.check_trainable("auto", device, torch.bfloat16, "--flag", heads=7,
+    assert trainable.check_trainable("auto", device, torch.bfloat16, "--flag", heads=7,
                                     chunk=16384, keys=262144, memory_bytes=80 * 2**30) in \
         ("cpu_flash", "flash")

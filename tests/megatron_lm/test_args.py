@@ -59,7 +59,7 @@ def test_disagreeing_attention_flags_are_refused(monkeypatch, argv, given, needl
 
 def test_a_materialising_backend_that_cannot_fit_is_refused(monkeypatch):
     """sdpa at the 7B/256K layout (7 heads per rank at TP 4, 16K chunks): the flag, the size."""
-    monkeypatch.setattr("megatron_chunkflow.attention.backends.device_memory_bytes",
+    monkeypatch.setattr("megatron_chunkflow.attention.trainable.device_memory_bytes",
                         lambda device: 80 * 2**30)
     with pytest.raises(LaunchError, match=r"--chunkflow-attention-backend sdpa materialises .* "
                                           r"7 heads x 16384 x 262144 keys = 116.0 GiB"):
