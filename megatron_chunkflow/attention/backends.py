@@ -202,6 +202,19 @@ def _varlen_uses_cudnn(varlen=None) -> bool:
     return bool(choose and torch.cuda.is_available() and choose(torch.cuda.current_device()))
 
 
+def _flash_attn_aligns_bottom_right() -> bool:
+    """Whether the installed flash-attn (>= 2.1) aligns its causal mask to the bottom-right corner,
+    read from the package metadata without importing its CUDA extension."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("flash-attn")
+    except metadata.PackageNotFoundError:
+        return _installed("flash_attn")  # installed without metadata: the backend checks it
+    major_minor = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
+    return major_minor >= (2, 1)
+
+
 _TE_MODULES: dict[tuple[int, int, int, float], torch.nn.Module] = {}
 
 
@@ -303,6 +316,8 @@ def resolve_backend(name: str, device_type: str, dtype: torch.dtype | None = Non
         if backend in HALF_ONLY and dtype is not None and not half:
             continue
         if backend == "varlen" and device_type == "cuda" and _varlen_uses_cudnn():
+            continue
+        if backend == "flash" and not _flash_attn_aligns_bottom_right():
             continue
         if _installed(_REQUIRES[backend]):
             return backend

@@ -330,6 +330,9 @@ def test_auto_picks_a_fused_or_tiled_kernel(monkeypatch):
     monkeypatch.setattr(backends, "_installed", lambda module: True)
     assert backends.resolve_backend("auto", "cpu") == "cpu_flash"
     assert backends.resolve_backend("auto", "cuda", torch.bfloat16) == "flash"
+    monkeypatch.setattr(backends, "_flash_attn_aligns_bottom_right", lambda: False)  # < 2.1
+    assert backends.resolve_backend("auto", "cuda", torch.bfloat16) == "varlen"
+    monkeypatch.setattr(backends, "_flash_attn_aligns_bottom_right", lambda: True)
     assert backends.resolve_backend("auto", "cuda", torch.float32) == "torch"
     assert backends.resolve_backend("auto", "cuda", torch.float64) == "torch"
     monkeypatch.setattr(backends, "_installed", lambda module: module != "flash_attn")
