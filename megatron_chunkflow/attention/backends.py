@@ -140,8 +140,7 @@ def _compiled_flex():
 def flash_attention_backend(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, softmax_scale):
     """flash_attn_varlen_func with causal=True (bottom-right aligned since flash-attn 2.1)."""
     flash_attn = _import_or_explain("flash_attn", "flash", "pip install flash-attn")
-    version = tuple(int(x) for x in flash_attn.__version__.split(".")[:2])
-    if version < (2, 1):
+    if _major_minor(flash_attn.__version__) < (2, 1):
         raise ImportError(
             f"backend 'flash' needs flash-attn >= 2.1 (bottom-right causal mask); found "
             f"{flash_attn.__version__}: pip install -U flash-attn"
@@ -211,8 +210,12 @@ def _flash_attn_aligns_bottom_right() -> bool:
         version = metadata.version("flash-attn")
     except metadata.PackageNotFoundError:
         return _installed("flash_attn")  # installed without metadata: the backend checks it
-    major_minor = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
-    return major_minor >= (2, 1)
+    return _major_minor(version) >= (2, 1)
+
+
+def _major_minor(version: str) -> tuple[int, ...]:
+    """(major, minor) of a version string such as "2.7.4.post1"."""
+    return tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
 
 
 _TE_MODULES: dict[tuple[int, int, int, float], torch.nn.Module] = {}
@@ -300,6 +303,7 @@ AUTO: dict[str, tuple[str, ...]] = {
     "cuda": ("flash", "varlen", "torch"),
 }
 HALF_ONLY = ("flash", "varlen")  # fp16/bf16 kernels
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 CUDA_ONLY = ("flash", "varlen", "te")
 # Backends that hold a chunk's whole [queries x keys] score block (and sdpa its mask) at once.
 MATERIALISING = {"cpu": ("sdpa", "flex"), "cuda": ("sdpa",)}
@@ -311,9 +315,8 @@ def resolve_backend(name: str, device_type: str, dtype: torch.dtype | None = Non
     the dtype, "torch" when none does. Any other name is itself."""
     if name != "auto":
         return name
-    half = dtype in (torch.float16, torch.bfloat16)
     for backend in AUTO.get(device_type, ()):
-        if backend in HALF_ONLY and dtype is not None and not half:
+        if backend in HALF_ONLY and dtype is not None and dtype not in HALF_DTYPES:
             continue
         if backend == "varlen" and device_type == "cuda" and _varlen_uses_cudnn():
             continue
@@ -365,7 +368,7 @@ def _import_or_explain(module: str, backend: str, install: str):
 
 
 def _require_cuda_half(backend: str, q_TNH: torch.Tensor) -> None:
-    if q_TNH.device.type != "cuda" or q_TNH.dtype not in (torch.float16, torch.bfloat16):
+    if q_TNH.device.type != "cuda" or q_TNH.dtype not in HALF_DTYPES:
         raise ValueError(
             f"backend {backend!r} needs CUDA fp16/bf16 tensors; got {q_TNH.dtype} on "
             f"{q_TNH.device} (use backend='sdpa' for other devices and dtypes)"

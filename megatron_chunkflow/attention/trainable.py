@@ -30,13 +30,13 @@ def check_trainable(name: str, device_type: str, dtype: torch.dtype, flag: str, 
                          "(use auto)")
     if backend == "flex" and device_type == "cuda" and dtype == torch.float64:
         raise ValueError(f"{flag} {shown} takes fp16, bf16 and fp32 on CUDA (use auto)")
-    if backend in backends.HALF_ONLY and dtype not in (torch.float16, torch.bfloat16):
+    if backend in backends.HALF_ONLY and dtype not in backends.HALF_DTYPES:
         raise ValueError(f"{flag} {shown} runs fp16/bf16 only; this run is {dtype} (use auto)")
     if not backends._installed(backends._REQUIRES[backend]):
         raise ValueError(f"{flag} {shown}: {backends._REQUIRES[backend]} is not installed here")
-    if backend == "flex" and device_type == "cpu":
-        raise ValueError(f"{flag} {shown} has no CPU backward (torch {torch.__version__}); "
-                         "use auto")
+    if backend in backends.NO_BACKWARD.get(device_type, ()):
+        raise ValueError(f"{flag} {shown} has no {device_type.upper()} backward (torch "
+                         f"{torch.__version__}); use auto")
     if backend in backends.MATERIALISING.get(device_type, ()) and memory_bytes:
         need = heads * chunk * keys * 4 + chunk * keys  # float32 scores and a boolean mask
         if need > memory_bytes:

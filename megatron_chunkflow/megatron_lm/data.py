@@ -106,11 +106,10 @@ def open_datasets(a):
     if a.mock_data:
         from megatron_chunkflow.data.synthetic import MockSFTDataset
 
-        num = max(a.global_batch_size * max(a.train_iters, 1), a.global_batch_size)
-        train = MockSFTDataset(a.chunkflow_mock_profile, num, a.seq_length,
-                               true_vocab_size(a), a.seed)
-        valid = MockSFTDataset(a.chunkflow_mock_profile, a.global_batch_size * max(a.eval_iters, 1),
-                               a.seq_length, true_vocab_size(a), a.seed + 1)
+        vocab = true_vocab_size(a)
+        train, valid = (MockSFTDataset(a.chunkflow_mock_profile, a.global_batch_size * max(n, 1),
+                                       a.seq_length, vocab, seed)
+                        for n, seed in ((a.train_iters, a.seed), (a.eval_iters, a.seed + 1)))
         return train, valid, ""
     from megatron.core.datasets.blended_megatron_dataset_config import (
         convert_split_vector_to_split_matrix,
