@@ -1,13 +1,15 @@
-"""Generate configs/models/qwen2.5-*.sh from megatron_chunkflow/core/models.py.
+"""Generate configs/models/*.sh (Qwen2.5, Qwen3, Llama 3.x, Mistral) from
+megatron_chunkflow/core/models.py.
 
     python scripts/gen_model_configs.py            # rewrite every model file (`make configs`)
     python scripts/gen_model_configs.py --check    # exit 1 naming each stale file, with a diff
 
 Each file is MODEL_ARGS for Megatron-LM's pretrain_gpt.py, rendered from two tables of
-core/models.py: QWEN25 (the ModelShape: layers, sizes, heads, KV groups, vocabulary rows, tied
-embeddings, RoPE base, RMSNorm epsilon) and HF_CARDS (what else its header transcribes from the
-Hugging Face config.json: maximum positions, activation, initializer, dropout, sliding window, the
-hub id that is also the default tokenizer). To change a model file, change those tables and run
+core/models.py: HF_MODELS (the ModelShape: layers, sizes, heads, KV groups, head dim, vocabulary
+rows, tied embeddings, Q/K/V bias, QK norm, RoPE base and scaling, RMSNorm epsilon) and HF_CARDS
+(what else its header transcribes from the Hugging Face config.json: model_type, maximum
+positions, activation, initializer, dropout, the tokenizer's size, the hub id that is also the
+default tokenizer). To change a model file, change those tables and run
 this script; tests/scripts/test_configs.py (test_model_configs_are_generated) fails while any
 file differs from what this script writes.
 
@@ -24,7 +26,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_chunkflow.core.models import HF_CARDS, QWEN25, HFCard, ModelShape  # noqa: E402
+from megatron_chunkflow.core.models import (  # noqa: E402
+    HF_CARDS,
+    HF_MODELS,
+    LLAMA3_ROPE_FIXED,
+    HFCard,
+    ModelShape,
+)
 
 MODELS_DIR = REPO / "configs" / "models"
 MEGATRON_LM_TAG = "core_v0.16.1"  # the Megatron-LM the flags were checked against
@@ -37,57 +45,48 @@ def _flag_number(x: float) -> str:
     return repr(float(x)).replace("e-0", "e-").replace("e+0", "e+")
 
 
+# what each family's layers are, for the header (core/hf_config.py: what is read and refused)
+LAYERS = {
+    "qwen2": "Qwen2 layers: bias on Q/K/V only, SwiGLU MLP, RMSNorm; use_sliding_window false.",
+    "qwen3": "Qwen3 layers: RMSNorm on each head's query and key (q_norm, k_norm), no bias, "
+             "SwiGLU MLP.",
+    "llama": "Llama layers: no bias, SwiGLU MLP, RMSNorm, RoPE scaled by the llama3 rule.",
+    "mistral": "Mistral layers: no bias, SwiGLU MLP, RMSNorm, sliding_window null.",
+}
+
+
 def _check_representable(name: str, shape: ModelShape, card: HFCard) -> None:
     """Refuse a model the template cannot express, rather than write wrong flags."""
     problems = []
     if card.hidden_act != "silu":
         problems.append(f"hidden_act {card.hidden_act!r} (the template writes --swiglu)")
-    if card.use_sliding_window:
-        problems.append("use_sliding_window true (Megatron-LM's GPT has no sliding window)")
-    if not shape.qkv_bias:
-        problems.append("no QKV bias (the template writes --add-qkv-bias)")
-    if card.tokenizer_size >= shape.vocab_size:
-        problems.append(f"tokenizer_size {card.tokenizer_size} >= vocab_size {shape.vocab_size} "
-                        "(the header says the tokenizer has fewer ids)")
+    if card.model_type not in LAYERS:
+        problems.append(f"model_type {card.model_type!r} (known: {', '.join(LAYERS)})")
+    elif shape.family != {"mistral": "llama"}.get(card.model_type, card.model_type):
+        problems.append(f"model_type {card.model_type!r} but the shape's switches are "
+                        f"{shape.family!r}'s")
+    if card.tokenizer_size > shape.vocab_size:
+        problems.append(f"tokenizer_size {card.tokenizer_size} > vocab_size {shape.vocab_size}")
     if problems:
         raise ValueError(f"{name}: cannot render: {'; '.join(problems)}")
 
 
-def render(name: str) -> str:
-    """The text of configs/models/{name}.sh for one key of QWEN25 / HF_CARDS."""
-    shape, card = QWEN25[name], HF_CARDS[name]
-    _check_representable(name, shape, card)
-    tied = str(shape.tie_embeddings).lower()
-    if shape.tie_embeddings:
-        tie_flag = "# tie_word_embeddings true: Megatron ties by default (no --untie-... flag)"
-    else:
-        tie_flag = "--untie-embeddings-and-output-weights  # tie_word_embeddings false"
-    header = [
-        f"# {card.name} architecture for Megatron-LM {MEGATRON_LM_TAG} (pretrain_gpt.py flags).",
-        "#",
-        f"#   source configs/models/{name}.sh && torchrun ... pretrain_gpt.py "
-        '"${MODEL_ARGS[@]}" ...',
-        "#",
-        f"# Transcribed from {card.config_url}",
-        f"#   num_hidden_layers {shape.num_layers}, hidden_size {shape.hidden_size}, "
-        f"intermediate_size {shape.ffn_hidden_size}, num_attention_heads "
-        f"{shape.num_attention_heads},",
-        f"#   num_key_value_heads {shape.num_query_groups} (head_dim {shape.head_dim}), "
-        f"hidden_act {card.hidden_act}, rms_norm_eps {shape.norm_eps!r},",
-        f"#   rope_theta {float(shape.rotary_base)!r}, max_position_embeddings "
-        f"{card.max_position_embeddings}, vocab_size {shape.vocab_size},",
-        f"#   tie_word_embeddings {tied}, attention_dropout {card.attention_dropout!r}, "
-        f"initializer_range {card.initializer_range!r},",
-        f"#   use_sliding_window {str(card.use_sliding_window).lower()}. "
-        "Qwen2 layers: bias on Q/K/V only, SwiGLU MLP, RMSNorm.",
-        f"# TOKENIZER: a Hugging Face model directory or hub id (default {card.hub_id}). "
-        "Its tokenizer has",
-        f"# fewer ids than the checkpoint's {shape.vocab_size} embedding rows, so the padded "
-        "vocabulary is given",
-        '# explicitly (configs/README.md, "Vocabulary").',
-    ]
-    # One flag per line, in the order Megatron-LM's arguments.py groups them.
-    flags = [
+def _family_flags(shape: ModelShape) -> list[str]:
+    flags = ["--add-qkv-bias"] if shape.qkv_bias else []
+    if shape.qk_norm:
+        flags.append("--qk-layernorm")
+    if shape.rope_scaling_factor is not None:
+        flags += ["--use-rope-scaling",
+                  f"--rope-scaling-factor {_flag_number(shape.rope_scaling_factor)}"]
+    return flags
+
+
+def model_flags(shape: ModelShape, card: HFCard) -> list[str]:
+    """MODEL_ARGS: one flag per line, in the order Megatron-LM's arguments.py groups them."""
+    tie_flag = ("--untie-embeddings-and-output-weights  # tie_word_embeddings false"
+                if not shape.tie_embeddings else
+                "# tie_word_embeddings true: Megatron ties by default (no --untie-... flag)")
+    return [
         f"--num-layers {shape.num_layers}",
         f"--hidden-size {shape.hidden_size}",
         f"--ffn-hidden-size {shape.ffn_hidden_size}",
@@ -103,34 +102,74 @@ def render(name: str) -> str:
         f"--norm-epsilon {_flag_number(shape.norm_eps)}",
         "--swiglu",
         "--disable-bias-linear",
-        "--add-qkv-bias",
+        *_family_flags(shape),
         tie_flag,
         f"--attention-dropout {card.attention_dropout!r}",
-        "--hidden-dropout 0.0",  # HF Qwen2 has no hidden dropout; Megatron's default is 0.1
+        "--hidden-dropout 0.0",  # HF has no hidden dropout; Megatron's default is 0.1
         "--attention-softmax-in-fp32",
         f"--init-method-std {card.initializer_range!r}",
         "--tokenizer-type HuggingFaceTokenizer",
         f'--tokenizer-model "${{TOKENIZER:-{card.hub_id}}}"',
         f"--padded-vocab-size {shape.vocab_size}",
     ]
-    body = ["", "MODEL_ARGS=(", *(f"    {f}" for f in flags), ")"]
+
+
+def render(name: str) -> str:
+    """The text of configs/models/{name}.sh for one key of HF_MODELS / HF_CARDS."""
+    shape, card = HF_MODELS[name], HF_CARDS[name]
+    _check_representable(name, shape, card)
+    tied = str(shape.tie_embeddings).lower()
+    shape_lines = [f"rms_norm_eps {shape.norm_eps!r}, rope_theta {float(shape.rotary_base)!r}, "
+                   f"max_position_embeddings {card.max_position_embeddings},"]
+    if shape.rope_scaling_factor is not None:
+        low, high, original = LLAMA3_ROPE_FIXED.values()
+        shape_lines += [f"rope_scaling llama3: factor {shape.rope_scaling_factor!r}, low_freq_factor "
+                        f"{low!r}, high_freq_factor {high!r},",
+                        f"original_max_position_embeddings {original},"]
+    vocab = [f"# TOKENIZER: a Hugging Face model directory or hub id (default {card.hub_id})."]
+    if card.tokenizer_size < shape.vocab_size:
+        vocab += [f"# Its tokenizer has fewer ids ({card.tokenizer_size}) than the checkpoint's "
+                  f"{shape.vocab_size} embedding rows, so the",
+                  '# padded vocabulary is given explicitly (configs/README.md, "Vocabulary").']
+    else:
+        vocab += [f"# Its tokenizer has exactly the checkpoint's {shape.vocab_size} embedding rows; "
+                  "--padded-vocab-size keeps",
+                  '# any TP size from padding it further (configs/README.md, "Vocabulary").']
+    header = [
+        f"# {card.name} architecture for Megatron-LM {MEGATRON_LM_TAG} (pretrain_gpt.py flags).",
+        "#",
+        f"#   source configs/models/{name}.sh && torchrun ... pretrain_gpt.py "
+        '"${MODEL_ARGS[@]}" ...',
+        "#",
+        f"# Transcribed from {card.config_url}",
+        f"#   model_type {card.model_type}, num_hidden_layers {shape.num_layers}, hidden_size "
+        f"{shape.hidden_size}, intermediate_size {shape.ffn_hidden_size},",
+        f"#   num_attention_heads {shape.num_attention_heads}, num_key_value_heads "
+        f"{shape.num_query_groups}, head_dim {shape.head_dim}, hidden_act {card.hidden_act},",
+        *(f"#   {line}" for line in shape_lines),
+        f"#   vocab_size {shape.vocab_size}, tie_word_embeddings {tied}, attention_dropout "
+        f"{card.attention_dropout!r}, initializer_range {card.initializer_range!r}.",
+        f"# {LAYERS[card.model_type]}",
+        *vocab,
+    ]
+    body = ["", "MODEL_ARGS=(", *(f"    {f}" for f in model_flags(shape, card)), ")"]
     return "\n".join(header + body) + "\n"
 
 
 def expected(models_dir: Path = MODELS_DIR) -> dict[Path, str]:
     """Every generated file's path and text."""
-    if sorted(QWEN25) != sorted(HF_CARDS):
-        raise ValueError(f"core/models.py: QWEN25 and HF_CARDS have different keys: "
-                         f"{sorted(set(QWEN25) ^ set(HF_CARDS))}")
-    return {models_dir / f"{name}.sh": render(name) for name in QWEN25}
+    if sorted(HF_MODELS) != sorted(HF_CARDS):
+        raise ValueError(f"core/models.py: HF_MODELS and HF_CARDS have different keys: "
+                         f"{sorted(set(HF_MODELS) ^ set(HF_CARDS))}")
+    return {models_dir / f"{name}.sh": render(name) for name in HF_MODELS}
 
 
 def stale(models_dir: Path = MODELS_DIR) -> list[tuple[Path, str]]:
     """(path, unified diff) for each file that differs from what `expected` writes, is missing, or
-    matches qwen2.5-*.sh without being generated (the diff then removes it)."""
+    is in the folder without being generated (the diff then removes it)."""
     want = expected(models_dir)
     out = []
-    for path in sorted(set(want) | set(models_dir.glob("qwen2.5-*.sh"))):
+    for path in sorted(set(want) | set(models_dir.glob("*.sh"))):
         have = path.read_text() if path.exists() else ""
         text = want.get(path, "")
         if have != text:

@@ -3,14 +3,14 @@
 #   source configs/models/qwen2.5-3b.sh && torchrun ... pretrain_gpt.py "${MODEL_ARGS[@]}" ...
 #
 # Transcribed from https://huggingface.co/Qwen/Qwen2.5-3B/blob/main/config.json
-#   num_hidden_layers 36, hidden_size 2048, intermediate_size 11008, num_attention_heads 16,
-#   num_key_value_heads 2 (head_dim 128), hidden_act silu, rms_norm_eps 1e-06,
-#   rope_theta 1000000.0, max_position_embeddings 32768, vocab_size 151936,
-#   tie_word_embeddings true, attention_dropout 0.0, initializer_range 0.02,
-#   use_sliding_window false. Qwen2 layers: bias on Q/K/V only, SwiGLU MLP, RMSNorm.
-# TOKENIZER: a Hugging Face model directory or hub id (default Qwen/Qwen2.5-3B). Its tokenizer has
-# fewer ids than the checkpoint's 151936 embedding rows, so the padded vocabulary is given
-# explicitly (configs/README.md, "Vocabulary").
+#   model_type qwen2, num_hidden_layers 36, hidden_size 2048, intermediate_size 11008,
+#   num_attention_heads 16, num_key_value_heads 2, head_dim 128, hidden_act silu,
+#   rms_norm_eps 1e-06, rope_theta 1000000.0, max_position_embeddings 32768,
+#   vocab_size 151936, tie_word_embeddings true, attention_dropout 0.0, initializer_range 0.02.
+# Qwen2 layers: bias on Q/K/V only, SwiGLU MLP, RMSNorm; use_sliding_window false.
+# TOKENIZER: a Hugging Face model directory or hub id (default Qwen/Qwen2.5-3B).
+# Its tokenizer has fewer ids (151665) than the checkpoint's 151936 embedding rows, so the
+# padded vocabulary is given explicitly (configs/README.md, "Vocabulary").
 
 MODEL_ARGS=(
     --num-layers 36

@@ -3,14 +3,14 @@
 #   source configs/models/qwen2.5-72b.sh && torchrun ... pretrain_gpt.py "${MODEL_ARGS[@]}" ...
 #
 # Transcribed from https://huggingface.co/Qwen/Qwen2.5-72B/blob/main/config.json
-#   num_hidden_layers 80, hidden_size 8192, intermediate_size 29568, num_attention_heads 64,
-#   num_key_value_heads 8 (head_dim 128), hidden_act silu, rms_norm_eps 1e-05,
-#   rope_theta 1000000.0, max_position_embeddings 131072, vocab_size 152064,
-#   tie_word_embeddings false, attention_dropout 0.0, initializer_range 0.02,
-#   use_sliding_window false. Qwen2 layers: bias on Q/K/V only, SwiGLU MLP, RMSNorm.
-# TOKENIZER: a Hugging Face model directory or hub id (default Qwen/Qwen2.5-72B). Its tokenizer has
-# fewer ids than the checkpoint's 152064 embedding rows, so the padded vocabulary is given
-# explicitly (configs/README.md, "Vocabulary").
+#   model_type qwen2, num_hidden_layers 80, hidden_size 8192, intermediate_size 29568,
+#   num_attention_heads 64, num_key_value_heads 8, head_dim 128, hidden_act silu,
+#   rms_norm_eps 1e-05, rope_theta 1000000.0, max_position_embeddings 131072,
+#   vocab_size 152064, tie_word_embeddings false, attention_dropout 0.0, initializer_range 0.02.
+# Qwen2 layers: bias on Q/K/V only, SwiGLU MLP, RMSNorm; use_sliding_window false.
+# TOKENIZER: a Hugging Face model directory or hub id (default Qwen/Qwen2.5-72B).
+# Its tokenizer has fewer ids (151665) than the checkpoint's 152064 embedding rows, so the
+# padded vocabulary is given explicitly (configs/README.md, "Vocabulary").
 
 MODEL_ARGS=(
     --num-layers 80

@@ -1,4 +1,5 @@
-"""ChunkFlow on megatron-core against transformers' Qwen2ForCausalLM, from one HF checkpoint.
+"""ChunkFlow on megatron-core against transformers' own model class for one HF checkpoint
+(Qwen2ForCausalLM, Qwen3ForCausalLM, LlamaForCausalLM, MistralForCausalLM: AutoModelForCausalLM).
 
     chunkflow verify --hf-reference DIR        # float64, the default batch
 
@@ -28,10 +29,10 @@ from megatron_chunkflow.data.synthetic import make_sequences
 def hf_reference(hf_dir: str, sequences, dtype=torch.float64):
     """(loss, {hf name: gradient}) of transformers' unchunked model on `sequences`."""
     try:
-        from transformers import Qwen2ForCausalLM
+        from transformers import AutoModelForCausalLM
     except ImportError:
         raise ValueError("--hf-reference needs transformers: pip install transformers") from None
-    model = Qwen2ForCausalLM.from_pretrained(hf_dir, torch_dtype=dtype, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, attn_implementation="sdpa")
     model.train()
     if dtype == torch.float64:
         _norms_in_float64(model)
@@ -54,20 +55,25 @@ def hf_reference(hf_dir: str, sequences, dtype=torch.float64):
 
 
 def _rms_norm_same_dtype(self, hidden_states):
-    """Qwen2RMSNorm.forward's formula without its cast to float32."""
+    """transformers' RMSNorm.forward formula (Qwen2, Qwen3, Llama, Mistral alike) without its
+    cast to float32."""
     variance = hidden_states.pow(2).mean(-1, keepdim=True)
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
 
 def _norms_in_float64(model) -> None:
-    """transformers' Qwen2RMSNorm computes in float32 whatever the model dtype, which caps any
-    float64 comparison at ~1e-7; run the same formula in the model's dtype. (RoPE frequencies are
-    float32 in both libraries, computed the same way.)"""
+    """transformers' RMSNorms (the layer norms and Qwen3's QK norms) compute in float32 whatever
+    the model dtype, which caps any float64 comparison at ~1e-7; run the same formula in the
+    model's dtype. (RoPE frequencies, Llama 3's scaling included, are float32 in both libraries,
+    computed the same way.)"""
     import types
 
-    for module in model.modules():
-        if type(module).__name__ == "Qwen2RMSNorm":
-            module.forward = types.MethodType(_rms_norm_same_dtype, module)
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    if not norms or not all(hasattr(m, "variance_epsilon") for m in norms):
+        raise RuntimeError(f"{type(model).__name__}: its RMSNorm modules are not the ones this "
+                           "check knows (a weight and variance_epsilon)")
+    for module in norms:
+        module.forward = types.MethodType(_rms_norm_same_dtype, module)
 
 
 def run_hf_verify(hf_dir: str, lengths: Sequence[int], chunkflow: ChunkFlowConfig,

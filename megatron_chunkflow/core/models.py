@@ -1,23 +1,31 @@
 """Transformer shapes the cost model needs (no weights, no megatron imports).
 
-Qwen2.5 shapes are transcribed from each model's Hugging Face config.json
-(https://huggingface.co/Qwen/Qwen2.5-<size>/blob/main/config.json): hidden_size,
-intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, vocab_size,
-tie_word_embeddings. The tiny shapes are ours, for CPU runs.
+Four families of dense decoder-only transformers, all GQA + SwiGLU + RMSNorm + RoPE, that differ in
+four switches: a bias on Q/K/V (Qwen2/2.5), an RMSNorm on each head's query and key before RoPE
+(Qwen3), a head dim that is not hidden / heads (Qwen3, Mistral Nemo), and Llama 3's RoPE frequency
+scaling. Each shape is transcribed from its Hugging Face config.json (HFCard.config_url):
+hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
+head_dim, vocab_size, tie_word_embeddings, rope_theta, rope_scaling, rms_norm_eps. The tiny shapes
+are ours, for CPU runs.
 
-HF_CARDS holds, per Qwen2.5 size, the config.json values that ModelShape does not (maximum
-positions, activation, initializer, dropout, sliding window) and the hub id. With QWEN25 they
-generate configs/models/qwen2.5-*.sh (scripts/gen_model_configs.py).
+HF_CARDS holds, per model, the config.json values that ModelShape does not (maximum positions,
+model_type, tokenizer size) and the hub id. With HF_MODELS they generate configs/models/*.sh
+(scripts/gen_model_configs.py). core/hf_config.py reads a config.json into a ModelShape.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Llama 3's RoPE scaling ("rope_type": "llama3") as megatron-core 0.16.1 applies it: only the factor
+# is a parameter; these three are fixed (RotaryEmbedding._apply_scaling's defaults).
+LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192}
+
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Dimensions of a decoder-only transformer with GQA and a SwiGLU MLP (Qwen2.5 family)."""
+    """Dimensions of a decoder-only transformer with GQA, a SwiGLU MLP, RMSNorm and RoPE."""
 
     num_layers: int
     hidden_size: int
@@ -26,35 +34,95 @@ class ModelShape:
     num_query_groups: int
     vocab_size: int
     tie_embeddings: bool = False
-    qkv_bias: bool = True  # Qwen2/2.5 have a bias on Q, K and V only
+    qkv_bias: bool = True  # Qwen2/2.5 have a bias on Q, K and V only; the others have none
     rotary_base: float = 1_000_000.0
     norm_eps: float = 1e-6
+    kv_channels: int | None = None  # the head dim where it is not hidden / heads
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's query and key, before RoPE
+    rope_scaling_factor: float | None = None  # Llama 3's RoPE scaling (LLAMA3_ROPE_FIXED)
+
+    def __post_init__(self):
+        # one spelling per shape: a head dim of hidden / heads is no override (shapes compare equal)
+        if self.kv_channels and self.kv_channels * self.num_attention_heads == self.hidden_size:
+            object.__setattr__(self, "kv_channels", None)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def kv_dim(self) -> int:
         """Width of K (and of V) per token per layer: num_query_groups * head_dim."""
         return self.num_query_groups * self.head_dim
 
+    @property
+    def family(self) -> str:
+        """The Hugging Face architecture that has these switches: its config.json model_type."""
+        if self.qk_norm:
+            return "qwen3"
+        return "qwen2" if self.qkv_bias else "llama"
+
+
+def _qwen25(*dims, tied=False, eps=1e-6):
+    return ModelShape(*dims, tie_embeddings=tied, norm_eps=eps)
+
+
+def _qwen3(layers, hidden, ffn, heads, tied=False):
+    return ModelShape(layers, hidden, ffn, heads, 8, 151936, tie_embeddings=tied, qkv_bias=False,
+                      kv_channels=128, qk_norm=True)
+
+
+def _llama3(layers, hidden, ffn, heads, tied=False, factor=8.0):
+    return ModelShape(layers, hidden, ffn, heads, 8, 128256, tie_embeddings=tied, qkv_bias=False,
+                      rotary_base=500_000.0, norm_eps=1e-5, rope_scaling_factor=factor)
+
 
 QWEN25 = {
-    "qwen2.5-0.5b": ModelShape(24, 896, 4864, 14, 2, 151936, tie_embeddings=True),
-    "qwen2.5-1.5b": ModelShape(28, 1536, 8960, 12, 2, 151936, tie_embeddings=True),
-    "qwen2.5-3b": ModelShape(36, 2048, 11008, 16, 2, 151936, tie_embeddings=True),
-    "qwen2.5-7b": ModelShape(28, 3584, 18944, 28, 4, 152064),
-    "qwen2.5-14b": ModelShape(48, 5120, 13824, 40, 8, 152064, norm_eps=1e-5),
-    "qwen2.5-32b": ModelShape(64, 5120, 27648, 40, 8, 152064, norm_eps=1e-5),
-    "qwen2.5-72b": ModelShape(80, 8192, 29568, 64, 8, 152064, norm_eps=1e-5),
+    "qwen2.5-0.5b": _qwen25(24, 896, 4864, 14, 2, 151936, tied=True),
+    "qwen2.5-1.5b": _qwen25(28, 1536, 8960, 12, 2, 151936, tied=True),
+    "qwen2.5-3b": _qwen25(36, 2048, 11008, 16, 2, 151936, tied=True),
+    "qwen2.5-7b": _qwen25(28, 3584, 18944, 28, 4, 152064),
+    "qwen2.5-14b": _qwen25(48, 5120, 13824, 40, 8, 152064, eps=1e-5),
+    "qwen2.5-32b": _qwen25(64, 5120, 27648, 40, 8, 152064, eps=1e-5),
+    "qwen2.5-72b": _qwen25(80, 8192, 29568, 64, 8, 152064, eps=1e-5),
 }
+
+QWEN3 = {  # dense Qwen3: head dim 128 whatever the width, 8 K/V heads, QK norm, no bias
+    "qwen3-0.6b": _qwen3(28, 1024, 3072, 16, tied=True),
+    "qwen3-1.7b": _qwen3(28, 2048, 6144, 16, tied=True),
+    "qwen3-4b": _qwen3(36, 2560, 9728, 32, tied=True),
+    "qwen3-8b": _qwen3(36, 4096, 12288, 32),
+    "qwen3-14b": _qwen3(40, 5120, 17408, 40),
+    "qwen3-32b": _qwen3(64, 5120, 25600, 64),
+}
+
+LLAMA3 = {  # Llama 3.x: 128,256 ids, RoPE base 500,000 scaled by the "llama3" rule
+    "llama3.2-1b": _llama3(16, 2048, 8192, 32, tied=True, factor=32.0),
+    "llama3.2-3b": _llama3(28, 3072, 8192, 24, tied=True, factor=32.0),
+    "llama3.1-8b": _llama3(32, 4096, 14336, 32),
+    "llama3.1-70b": _llama3(80, 8192, 28672, 64),
+    "llama3.3-70b": _llama3(80, 8192, 28672, 64),
+}
+
+MISTRAL = {  # plain RoPE with base 1e6, no bias, no sliding window (null in config.json)
+    "mistral-7b-v0.3": ModelShape(32, 4096, 14336, 32, 8, 32768, qkv_bias=False, norm_eps=1e-5),
+    "mistral-nemo-12b": ModelShape(40, 5120, 14336, 32, 8, 131072, qkv_bias=False,
+                                   norm_eps=1e-5, kv_channels=128),
+}
+
+HF_MODELS = {**QWEN25, **QWEN3, **LLAMA3, **MISTRAL}
 
 TINY = {
     # 4 layers so that PP=2 and PP=4 both split evenly; GQA 4:2 like the real family; a vocabulary
     # that is not a multiple of 128 (like the Qwen2.5 tokenizer's 151,665 ids before padding).
     "tiny": ModelShape(4, 64, 176, 4, 2, 1000, tie_embeddings=True),
     "tiny-untied": ModelShape(4, 64, 176, 4, 2, 1000),
+    # the other families' switches at the same size: Qwen3's QK norm with a head dim (24) that is
+    # not hidden / heads (16), Llama 3's scaled RoPE without biases
+    "tiny-qwen3": ModelShape(4, 64, 176, 4, 2, 1000, tie_embeddings=True, qkv_bias=False,
+                             kv_channels=24, qk_norm=True),
+    "tiny-llama3": ModelShape(4, 64, 176, 4, 2, 1000, qkv_bias=False, rotary_base=500_000.0,
+                              norm_eps=1e-5, rope_scaling_factor=8.0),
     # `chunkflow train`'s CPU default: the real Qwen2.5 vocabulary (151,936 padded ids), tiny body
     "qwen2.5-tiny": ModelShape(4, 64, 176, 4, 2, 151936, tie_embeddings=True),
     # `chunkflow bench`'s CPU default: head dim 64 (Qwen2.5's is 64-128) and GQA 2:1, an MLP of
@@ -67,18 +135,16 @@ TINY = {
 class HFCard:
     """What configs/models/ transcribes from a Hugging Face config.json beyond its ModelShape.
 
-    Family-wide Qwen2.5 values are the defaults; `hub_id` names the checkpoint, its config.json and
-    the default tokenizer.
-    """
+    `hub_id` names the checkpoint, its config.json and the default tokenizer; `tokenizer_size` is
+    len(tokenizer), which for Qwen is fewer than the checkpoint's embedding rows."""
 
     hub_id: str  # "Qwen/Qwen2.5-7B"
     max_position_embeddings: int
+    model_type: str = "qwen2"
+    tokenizer_size: int = 151_665  # Qwen2.5: 151,643 BPE tokens + 22 specials
     hidden_act: str = "silu"  # the SwiGLU gate's activation
     initializer_range: float = 0.02
     attention_dropout: float = 0.0
-    use_sliding_window: bool = False
-    # len(tokenizer): 151,643 BPE tokens + 22 specials, fewer than any checkpoint's embedding rows
-    tokenizer_size: int = 151_665
 
     @property
     def name(self) -> str:
@@ -90,17 +156,30 @@ class HFCard:
         return f"https://huggingface.co/{self.hub_id}/blob/main/config.json"
 
 
-HF_CARDS = {  # keyed like QWEN25
-    "qwen2.5-0.5b": HFCard("Qwen/Qwen2.5-0.5B", max_position_embeddings=32768),
-    "qwen2.5-1.5b": HFCard("Qwen/Qwen2.5-1.5B", max_position_embeddings=131072),
-    "qwen2.5-3b": HFCard("Qwen/Qwen2.5-3B", max_position_embeddings=32768),
-    "qwen2.5-7b": HFCard("Qwen/Qwen2.5-7B", max_position_embeddings=131072),
-    "qwen2.5-14b": HFCard("Qwen/Qwen2.5-14B", max_position_embeddings=131072),
-    "qwen2.5-32b": HFCard("Qwen/Qwen2.5-32B", max_position_embeddings=131072),
-    "qwen2.5-72b": HFCard("Qwen/Qwen2.5-72B", max_position_embeddings=131072),
+def _cards(org: str, names: dict[str, str], **kw) -> dict[str, HFCard]:
+    return {key: HFCard(f"{org}/{name}", **kw) for key, name in names.items()}
+
+
+HF_CARDS = {  # keyed like HF_MODELS
+    **{k: HFCard(f"Qwen/Qwen2.5-{k.split('-')[1].upper()}", max_position_embeddings=m)
+       for k, m in [("qwen2.5-0.5b", 32768), ("qwen2.5-1.5b", 131072), ("qwen2.5-3b", 32768),
+                    ("qwen2.5-7b", 131072), ("qwen2.5-14b", 131072), ("qwen2.5-32b", 131072),
+                    ("qwen2.5-72b", 131072)]},
+    # Qwen3: 32K native positions (+8K for generation); longer needs YaRN, which is not supported
+    **{k: HFCard(f"Qwen/Qwen3-{k.split('-')[1].upper()}", max_position_embeddings=40960,
+                 model_type="qwen3", tokenizer_size=151_669) for k in QWEN3},
+    **_cards("meta-llama", {"llama3.2-1b": "Llama-3.2-1B", "llama3.2-3b": "Llama-3.2-3B",
+                            "llama3.1-8b": "Llama-3.1-8B", "llama3.1-70b": "Llama-3.1-70B",
+                            "llama3.3-70b": "Llama-3.3-70B-Instruct"},
+             max_position_embeddings=131072, model_type="llama", tokenizer_size=128256),
+    "mistral-7b-v0.3": HFCard("mistralai/Mistral-7B-v0.3", max_position_embeddings=32768,
+                              model_type="mistral", tokenizer_size=32768),
+    "mistral-nemo-12b": HFCard("mistralai/Mistral-Nemo-Base-2407",
+                               max_position_embeddings=1024000, model_type="mistral",
+                               tokenizer_size=131072),
 }
 
-MODEL_SHAPES = {**QWEN25, **TINY}
+MODEL_SHAPES = {**HF_MODELS, **TINY}
 
 
 def get_model_shape(name: str) -> ModelShape:
@@ -113,35 +192,34 @@ def get_model_shape(name: str) -> ModelShape:
         ) from None
 
 
-# Hugging Face config.json keys -> ModelShape fields (Qwen2 / Qwen2.5)
-HF_KEYS = {
-    "num_hidden_layers": "num_layers",
-    "hidden_size": "hidden_size",
-    "intermediate_size": "ffn_hidden_size",
-    "num_attention_heads": "num_attention_heads",
-    "num_key_value_heads": "num_query_groups",
-    "vocab_size": "vocab_size",
-    "tie_word_embeddings": "tie_embeddings",
-    "rope_theta": "rotary_base",
-    "rms_norm_eps": "norm_eps",
-}
-
-
 def model_shape_from_dict(d: dict, source: str = "model config") -> ModelShape:
-    """Our field names or a Hugging Face Qwen2 config.json; unknown keys are ignored."""
+    """Our field names, or a Hugging Face config.json (it has a model_type: core/hf_config.py
+    reads and checks it); unknown keys of our format are ignored."""
     import dataclasses
 
     if not isinstance(d, dict):
         raise ValueError(f"{source}: expected a JSON object with the model's fields, got "
                          f"{type(d).__name__}")
+    from megatron_chunkflow.core.hf_config import HF_SHAPE_KEYS, shape_from_hf_config
+
+    if "model_type" in d:
+        return shape_from_hf_config(d, source)
     fields = {f.name: f for f in dataclasses.fields(ModelShape)}
-    kw = {HF_KEYS.get(k, k): v for k, v in d.items() if HF_KEYS.get(k, k) in fields}
+    hf_only = set(d) & (set(HF_SHAPE_KEYS) - set(fields))
+    if hf_only:
+        raise ValueError(f"{source}: has Hugging Face config.json keys "
+                         f"({', '.join(sorted(hf_only))}) but no model_type; "
+                         "give the checkpoint's whole config.json, or ModelShape's field names")
+    fields = {f.name: f for f in dataclasses.fields(ModelShape)}
+    kw = {k: v for k, v in d.items() if k in fields}
     missing = [f.name for f in fields.values()
                if f.default is dataclasses.MISSING and f.name not in kw]
     if missing:
         raise ValueError(f"{source}: missing {', '.join(missing)}")
     for name, value in kw.items():
-        kind = fields[name].type
+        kind = fields[name].type.removesuffix(" | None")
+        if value is None and fields[name].type.endswith("| None"):
+            continue
         if kind == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{source}: {name} must be a positive integer, got {value!r}")
         if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -149,19 +227,25 @@ def model_shape_from_dict(d: dict, source: str = "model config") -> ModelShape:
             raise ValueError(f"{source}: {name} must be a positive number, got {value!r}")
         if kind == "bool" and not isinstance(value, bool):
             raise ValueError(f"{source}: {name} must be true or false, got {value!r}")
-    shape = ModelShape(**kw)
-    if shape.hidden_size % shape.num_attention_heads:
+    return check_shape(ModelShape(**kw), source)
+
+
+def check_shape(shape: ModelShape, source: str) -> ModelShape:
+    """The divisibility every family has; ValueError naming `source` and the fields."""
+    if shape.kv_channels is None and shape.hidden_size % shape.num_attention_heads:
         raise ValueError(f"{source}: hidden_size {shape.hidden_size} is not a multiple of "
-                         f"num_attention_heads {shape.num_attention_heads}")
+                         f"num_attention_heads {shape.num_attention_heads} (give the head dim)")
     if shape.num_attention_heads % shape.num_query_groups:
         raise ValueError(f"{source}: num_attention_heads {shape.num_attention_heads} is not a "
                          f"multiple of num_query_groups {shape.num_query_groups}")
+    if shape.head_dim % 2:
+        raise ValueError(f"{source}: the head dim {shape.head_dim} is odd (RoPE rotates pairs)")
     return shape
 
 
 def load_model_shape(name: str, config_path: str | None = None) -> ModelShape:
-    """The shape --model-config FILE describes (our field names or a Hugging Face Qwen2
-    config.json), else the --model preset `name`; ValueErrors name the flag and file."""
+    """The shape --model-config FILE describes (our field names or a Hugging Face config.json),
+    else the --model preset `name`; ValueErrors name the flag and file."""
     if not config_path:
         return get_model_shape(name)
     from megatron_chunkflow.flags import read_json_file

@@ -1,11 +1,12 @@
-"""Build a Qwen2.5-architecture megatron-core GPTModel from a core.models.ModelShape, and the one
-ChunkFlow model every entry point trains (`build_chunkflow_model`).
+"""Build a megatron-core GPTModel from a core.models.ModelShape (Qwen2/2.5, Qwen3, Llama 3.x,
+Mistral), and the one ChunkFlow model every entry point trains (`build_chunkflow_model`).
 
     cm = build_chunkflow_model(shape, torch.float64, ParallelConfig(pp=2))  # after init_distributed
     execute_step(step, cm.ddp, make_forward_step())      # cm.model, cm.store, cm.config
 
-Qwen2.5 features: GQA (num_query_groups), bias on QKV only, RMSNorm, SwiGLU MLP, RoPE with base 1e6,
-tied or untied embeddings. The local layer spec on CPU; Transformer Engine's when it is installed and
+Every family: GQA (num_query_groups), RMSNorm, SwiGLU MLP, RoPE, tied or untied embeddings; the
+shape's switches add Qwen2's bias on QKV, Qwen3's QK norm (qk_layernorm) and head dim
+(kv_channels), Llama 3's RoPE scaling (GPTModel's rope_scaling / rope_scaling_factor). The local layer spec on CPU; Transformer Engine's when it is installed and
 CUDA is present. Fusions that need CUDA kernels are off on CPU.
 """
 
@@ -34,6 +35,7 @@ def transformer_config(shape: ModelShape, dtype: torch.dtype = torch.float32, **
         num_query_groups=shape.num_query_groups,
         kv_channels=shape.head_dim,
         add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm,
         add_bias_linear=False,
         normalization="RMSNorm",
         layernorm_epsilon=shape.norm_eps,
@@ -73,7 +75,8 @@ class TorchRMSNorm(torch.nn.RMSNorm):
 
 
 def local_layer_spec(config):
-    """The local GPT layer spec; with sequence parallelism, every norm is a TorchRMSNorm."""
+    """The local GPT layer spec (with QK norms where config.qk_layernorm); with sequence
+    parallelism, every norm is a TorchRMSNorm."""
     import dataclasses
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -82,11 +85,16 @@ def local_layer_spec(config):
         get_num_layers_to_build,
     )
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
     if not config.sequence_parallel:
         return spec
+    attention = spec.submodules.self_attention
+    if config.qk_layernorm:  # per head, on each TP rank's heads; gradients summed over TP
+        attention = dataclasses.replace(attention, submodules=dataclasses.replace(
+            attention.submodules, q_layernorm=TorchRMSNorm, k_layernorm=TorchRMSNorm))
     layer = dataclasses.replace(spec, submodules=dataclasses.replace(
-        spec.submodules, input_layernorm=TorchRMSNorm, pre_mlp_layernorm=TorchRMSNorm))
+        spec.submodules, input_layernorm=TorchRMSNorm, pre_mlp_layernorm=TorchRMSNorm,
+        self_attention=attention))
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
                                       layer_norm=TorchRMSNorm)
 
@@ -111,6 +119,8 @@ def build_gpt_model(shape: ModelShape, config, max_seq_length: int = 1 << 20):
             share_embeddings_and_output_weights=shape.tie_embeddings,
             position_embedding_type="rope",
             rotary_base=int(shape.rotary_base),
+            rope_scaling=shape.rope_scaling_factor is not None,
+            rope_scaling_factor=shape.rope_scaling_factor or 8.0,
         )
     # megatron-core builds linears and embeddings on the GPU but the local spec's norms on the
     # CPU; Megatron-LM's get_model moves the whole model, as this does

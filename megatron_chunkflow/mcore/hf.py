@@ -1,4 +1,5 @@
-"""Hugging Face Qwen2 / Qwen2.5 checkpoints <-> the megatron-core GPTModel of mcore/build.py.
+"""Hugging Face checkpoints (Qwen2/2.5, Qwen3, Llama 3.x, Mistral) <-> the megatron-core GPTModel
+of mcore/build.py.
 
     shape = shape_from_hf_dir(hf_dir)                          # the checkpoint's vocabulary
     padded = dataclasses.replace(shape, vocab_size=padded_vocab_size(shape.vocab_size, tp))
@@ -16,6 +17,11 @@ SelfAttention.get_query_key_value_tensors, transformer/mlp.py glu):
   in both cases.
 - linear_fc1 [2f, h] is cat(gate, up) at TP = 1; TP rank r holds cat(gate_r, up_r), because glu
   chunks the rank's local output into act(first half) * second half.
+- Qwen3's q_norm / k_norm [hd] are self_attention.q_layernorm / k_layernorm, whole on every TP
+  rank (each rank normalises its own heads; finalize_model_grads sums their gradients over TP).
+- The four families name their tensors alike (Llama's HF checkpoints are already in the
+  rotate-half RoPE layout Megatron uses, rotary_interleaved=False); Qwen2 adds Q/K/V biases, Qwen3
+  the QK norms.
 - Vocabulary rows are padded to a multiple of 128 * tp (Megatron-LM's rule); padding rows are zero
   on import and dropped on export. `shape` is always the checkpoint's (unpadded) shape.
 
@@ -36,14 +42,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_chunkflow.core.models import ModelShape, model_shape_from_dict
+from megatron_chunkflow.core.hf_config import hf_config_dict, shape_from_hf_config
+from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.runtime.ranks import Ranks
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers that old transformers versions saved
 
 
 def shape_from_hf_dir(path) -> ModelShape:
-    """The ModelShape of a Qwen2 / Qwen2.5 checkpoint directory, from its config.json."""
+    """The ModelShape of a checkpoint directory, from its config.json (core/hf_config.py: the
+    families supported and what is refused)."""
     file = Path(path) / "config.json"
     if not file.is_file():
         raise ValueError(f"{file}: no such file (expected a Hugging Face checkpoint directory)")
@@ -52,27 +60,7 @@ def shape_from_hf_dir(path) -> ModelShape:
     d = read_json_file(file, str(file))
     if not isinstance(d, dict):
         raise ValueError(f"{file}: expected a JSON object, got {type(d).__name__}")
-    if d.get("model_type") not in {"qwen2"}:
-        raise ValueError(f"{file}: model_type {d.get('model_type')!r} is not supported "
-                         "(supported: 'qwen2', which covers Qwen2 and Qwen2.5)")
-    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}  # transformers >= 5 / < 5
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"{file}: rope scaling {rope!r} is not supported (only plain RoPE)")
-    if d.get("hidden_act", "silu") != "silu" or d.get("use_sliding_window", False):
-        raise ValueError(f"{file}: hidden_act must be 'silu' and use_sliding_window false, got "
-                         f"{d.get('hidden_act')!r} and {d.get('use_sliding_window')!r}")
-    dropout = d.get("attention_dropout", 0.0)
-    if not isinstance(dropout, (int, float)) or dropout != 0:
-        raise ValueError(f"{file}: attention_dropout {dropout!r}: training here runs without "
-                         "dropout (a re-forwarded chunk would draw a new mask, so its gradients "
-                         "would not be exact), and the model would train unlike its config says; "
-                         "set it to 0.0 in config.json (Qwen2.5's released checkpoints have 0.0)")
-    d = {**d, "rope_theta": d.get("rope_theta", rope.get("rope_theta", 10000.0))}
-    shape = model_shape_from_dict(d, source=str(file))
-    if d.get("head_dim", shape.head_dim) != shape.head_dim:
-        raise ValueError(f"{file}: head_dim {d['head_dim']} is not hidden_size / "
-                         f"num_attention_heads = {shape.head_dim}")
-    return shape
+    return shape_from_hf_config(d, str(file))
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
@@ -82,7 +70,7 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
 
 
 def hf_tensor_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the Hugging Face Qwen2ForCausalLM checkpoint, with its shape."""
+    """Every tensor of the Hugging Face checkpoint of `shape`'s family, with its shape."""
     h, f, v, q, kv = (shape.hidden_size, shape.ffn_hidden_size, shape.vocab_size,
                       shape.num_attention_heads * shape.head_dim, shape.kv_dim)
     out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
@@ -92,14 +80,18 @@ def hf_tensor_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{g}."
         out.update({
             p + "input_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.q_proj.bias": (q,),
-            p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.k_proj.bias": (kv,),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.v_proj.bias": (kv,),
-            p + "self_attn.o_proj.weight": (h, q),
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
             p + "post_attention_layernorm.weight": (h,),
             p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
             p + "mlp.down_proj.weight": (h, f),
         })
+        if shape.qkv_bias:
+            out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                        p + "self_attn.v_proj.bias": (kv,)})
+        if shape.qk_norm:  # one weight per head dim, shared by every head
+            out.update({p + "self_attn.q_norm.weight": (shape.head_dim,),
+                        p + "self_attn.k_norm.weight": (shape.head_dim,)})
     return out
 
 
@@ -153,7 +145,7 @@ class _HFSource:
             if names:
                 more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
                 raise ValueError(f"{self.where}: {kind} tensor {names[0]}{more} for a "
-                                 f"{shape.num_layers}-layer Qwen2 with "
+                                 f"{shape.num_layers}-layer {shape.family} model with "
                                  f"tie_word_embeddings={shape.tie_embeddings}")
         for k, want in expected.items():
             if self.shapes[k] != want:
@@ -196,6 +188,8 @@ def _megatron_from_hf(name: str, src: _HFSource, shape: ModelShape) -> torch.Ten
         return torch.cat([src.get(p + "mlp.gate_proj.weight"), src.get(p + "mlp.up_proj.weight")])
     hf = {"input_layernorm.weight": "input_layernorm.weight",
           "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+          "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+          "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
           "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
           "mlp.linear_fc2.weight": "mlp.down_proj.weight"}
     return src.get(p + hf[rest])
@@ -210,7 +204,7 @@ def _hf_from_megatron(full: dict[str, torch.Tensor], shape: ModelShape) -> dict[
         out["lm_head.weight"] = full["output_layer.weight"][:v]
     for g in range(shape.num_layers):
         m, p = f"decoder.layers.{g}.", f"model.layers.{g}."
-        for suffix in ("weight", "bias"):
+        for suffix in ("weight", "bias") if shape.qkv_bias else ("weight",):
             qkv = full[f"{m}self_attention.linear_qkv.{suffix}"]
             qkv = qkv.reshape(ng, -1, hd, *qkv.shape[1:])  # [ng, nh/ng + 2, hd, (h)]
             tail = qkv.shape[3:]
@@ -225,6 +219,9 @@ def _hf_from_megatron(full: dict[str, torch.Tensor], shape: ModelShape) -> dict[
             p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
             p + "mlp.down_proj.weight": full[m + "mlp.linear_fc2.weight"],
         })
+        if shape.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = full[m + "self_attention.q_layernorm.weight"]
+            out[p + "self_attn.k_norm.weight"] = full[m + "self_attention.k_layernorm.weight"]
     return {k: t.contiguous() for k, t in out.items()}
 
 
@@ -235,7 +232,7 @@ def _unwrap(model):
 
 
 def import_hf_weights(model, hf_dir_or_state_dict, config, shape: ModelShape) -> None:
-    """Copy a HF Qwen2 checkpoint into this rank's TP / PP slice of a built GPTModel.
+    """Copy a HF checkpoint into this rank's TP / PP slice of a built GPTModel.
 
     `shape` is the checkpoint's (unpadded vocabulary); the model may have more vocabulary rows
     (padded_vocab_size), which are zero-filled. Every rank checks the whole checkpoint, so a
@@ -330,18 +327,6 @@ def save_hf_checkpoint(model, config, shape: ModelShape, out_dir, source_config_
         if source_config_json is not None:
             shutil.copyfile(source_config_json, out / "config.json")
         else:
-            (out / "config.json").write_text(json.dumps(_hf_config(shape, config), indent=2))
+            dtype = str(config.params_dtype).removeprefix("torch.")
+            (out / "config.json").write_text(json.dumps(hf_config_dict(shape, dtype), indent=2))
     dist.barrier()
-
-
-def _hf_config(shape: ModelShape, config) -> dict:
-    """A minimal Qwen2 config.json for `shape`."""
-    return {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
-        "hidden_size": shape.hidden_size, "intermediate_size": shape.ffn_hidden_size,
-        "num_hidden_layers": shape.num_layers, "num_attention_heads": shape.num_attention_heads,
-        "num_key_value_heads": shape.num_query_groups, "vocab_size": shape.vocab_size,
-        "tie_word_embeddings": shape.tie_embeddings, "rope_theta": shape.rotary_base,
-        "rms_norm_eps": shape.norm_eps, "attention_dropout": 0.0, "use_sliding_window": False,
-        "torch_dtype": str(config.params_dtype).removeprefix("torch."),
-    }

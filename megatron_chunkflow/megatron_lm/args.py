@@ -264,7 +264,21 @@ def shape_from_args(args) -> ModelShape:
         num_query_groups=groups, vocab_size=args.padded_vocab_size,
         tie_embeddings=not args.untie_embeddings_and_output_weights,
         qkv_bias=bool(args.add_qkv_bias or args.add_bias_linear),
-        rotary_base=float(args.rotary_base), norm_eps=float(args.layernorm_epsilon))
+        rotary_base=float(args.rotary_base), norm_eps=float(args.layernorm_epsilon),
+        kv_channels=args.kv_channels, qk_norm=bool(args.qk_layernorm),
+        rope_scaling_factor=float(args.rope_scaling_factor) if args.use_rope_scaling else None)
+
+
+# ModelShape fields -> the Megatron-LM flags that set them (check_load_hf names them)
+SHAPE_FLAGS = {
+    "num_layers": "--num-layers", "hidden_size": "--hidden-size",
+    "ffn_hidden_size": "--ffn-hidden-size", "num_attention_heads": "--num-attention-heads",
+    "num_query_groups": "--num-query-groups (with --group-query-attention)",
+    "tie_embeddings": "--untie-embeddings-and-output-weights (absent: tied)",
+    "qkv_bias": "--add-qkv-bias", "rotary_base": "--rotary-base", "norm_eps": "--norm-epsilon",
+    "kv_channels": "--kv-channels", "qk_norm": "--qk-layernorm",
+    "rope_scaling_factor": "--use-rope-scaling / --rope-scaling-factor",
+}
 
 
 def _sft_note(args) -> str:

@@ -7,7 +7,8 @@ runs (no Megatron file is edited); each patch delegates to Megatron's original u
 - arguments.add_megatron_arguments: the plugin's flags (add_chunkflow_arguments);
 - initialize.validate_args: after Megatron's checks, the plugin's (check_chunkflow_args);
 - training.get_model: swap core attention and RoPE for chunk attention (apply_chunkflow), and
-  --chunkflow-load-hf (also without --chunkflow, so both systems can start from the same weights);
+  --chunkflow-load-hf (also without --chunkflow, so both systems can start from the same weights),
+  and --rope-scaling-factor honoured (weights.py);
 - training.build_train_valid_test_data_iterators: ChunkFlow's step iterators, training and
   validation (--split of --data-path, or mock data), in megatron_lm/data.py;
 - training.get_forward_backward_func: forward_backward_chunkflow with the plugin's forward step;
@@ -35,6 +36,7 @@ from megatron_chunkflow.megatron_lm.args import (
     resolve_backend,
     shape_from_args,
 )
+from megatron_chunkflow.megatron_lm.weights import check_load_hf, load_hf, rope_factor_provider
 
 
 def checkout_version(megatron_lm_dir: Path) -> str:
@@ -135,32 +137,6 @@ def install(megatron_lm_dir: str | Path, allow_untested: bool | None = None) -> 
     training._chunkflow_installed = True
 
 
-def check_load_hf(args) -> None:
-    """--chunkflow-load-hf (with or without --chunkflow) names a readable Qwen2 config.json,
-    checked before any model is built."""
-    if not args.chunkflow_load_hf:
-        return
-    from megatron_chunkflow.mcore.hf import shape_from_hf_dir
-
-    try:
-        hf = shape_from_hf_dir(args.chunkflow_load_hf)
-    except ValueError as e:
-        raise LaunchError(f"--chunkflow-load-hf {args.chunkflow_load_hf}: {e}") from None
-    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
-    given = {"--num-layers": (args.num_layers, hf.num_layers),
-             "--hidden-size": (args.hidden_size, hf.hidden_size),
-             "--ffn-hidden-size": (args.ffn_hidden_size, hf.ffn_hidden_size),
-             "--num-attention-heads": (args.num_attention_heads, hf.num_attention_heads),
-             "--num-query-groups (with --group-query-attention)": (groups, hf.num_query_groups),
-             "--untie-embeddings-and-output-weights": (args.untie_embeddings_and_output_weights,
-                                                       not hf.tie_embeddings)}
-    wrong = [f"{flag} {mine} (config.json: {theirs})" for flag, (mine, theirs) in given.items()
-             if mine != theirs]
-    if wrong:
-        raise LaunchError(f"--chunkflow-load-hf {args.chunkflow_load_hf}: the model flags do not "
-                          "build this checkpoint's model: " + "; ".join(wrong))
-
-
 def _args():
     from megatron.training import get_args
 
@@ -175,22 +151,15 @@ def _get_model(original, model_provider_func, *args, **kwargs):
         raise LaunchError(f"this Megatron-LM did not run the plugin's argument checks (they are "
                           f"installed on its validate_args); megatron_chunkflow supports "
                           f"core_v{TESTED_VERSION} only")
+    # both systems: the RoPE frequencies --rope-scaling-factor asks for (weights.py)
+    model_provider_func = partial(rope_factor_provider, model_provider_func, a)
     if a.chunkflow:  # before Megatron wraps the model: DDP registers hooks per module
         model_provider_func = partial(_chunkflow_provider, model_provider_func,
                                       resolve_backend(a))
     with building_core_attention_without_cp(a.context_parallel_size if a.chunkflow else 1):
         model = original(model_provider_func, *args, **kwargs)
     if a.chunkflow_load_hf:
-        from megatron.core.utils import get_model_config
-
-        from megatron_chunkflow.mcore.hf import import_hf_weights, shape_from_hf_dir
-
-        hf_shape = shape_from_hf_dir(a.chunkflow_load_hf)
-        try:
-            for chunk in model:
-                import_hf_weights(chunk, a.chunkflow_load_hf, get_model_config(chunk), hf_shape)
-        except ValueError as e:  # a tensor missing or of another shape than the flags build
-            raise LaunchError(f"--chunkflow-load-hf {a.chunkflow_load_hf}: {e}") from None
+        load_hf(model, a.chunkflow_load_hf)
     return model
 
 

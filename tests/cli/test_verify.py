@@ -41,9 +41,12 @@ def test_model_config_file_errors(capsys, tmp_path):
     rc, err = run_verify(capsys, "--model-config", str(bad))
     assert rc == 2 and f"{bad}:2" in err
     partial = tmp_path / "partial.json"
-    partial.write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 2}))
+    partial.write_text(json.dumps({"hidden_size": 64, "num_layers": 2}))
     rc, err = run_verify(capsys, "--model-config", str(partial))
     assert rc == 2 and "missing ffn_hidden_size" in err
+    partial.write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    rc, err = run_verify(capsys, "--model-config", str(partial))
+    assert rc == 2 and "missing intermediate_size, num_attention_heads" in err
 
 
 @pytest.mark.parametrize("content,message", [

@@ -1,40 +1,59 @@
-"""Tiny random Hugging Face Qwen2 checkpoints, built with transformers and saved with
-save_pretrained (nothing is downloaded); shared by tests/mcore/test_hf_interop.py and
-tests/checks/test_hf_verify.py (each has a module-scoped `checkpoints` fixture calling
-build_checkpoints)."""
+"""Tiny random Hugging Face checkpoints of every supported family (Qwen2, Qwen3, Llama 3,
+Mistral), built with transformers and saved with save_pretrained (nothing is downloaded); shared
+by tests/mcore/test_hf_interop.py and tests/checks/test_hf_verify.py (each has a module-scoped
+`checkpoints` fixture calling build_checkpoints)."""
 
 import torch
 
 SEQ = 37
-# name -> (hidden, layers, heads, kv heads, tied, max shard size for save_pretrained)
+# name -> (model_type, hidden, layers, heads, kv heads, tied, max shard size, extra config)
 CASES = {
-    "gqa2_tied": (64, 2, 4, 2, True, None),
-    "gqa2_untied_sharded": (64, 2, 4, 2, False, "100KB"),
-    "gqa7_hidden56": (56, 2, 7, 1, False, None),
-    "gqa4_kv1": (64, 2, 4, 1, True, None),  # TP=2 > KV heads: a rank holds half a QKV group
+    "gqa2_tied": ("qwen2", 64, 2, 4, 2, True, None, {}),
+    "gqa2_untied_sharded": ("qwen2", 64, 2, 4, 2, False, "100KB", {}),
+    "gqa7_hidden56": ("qwen2", 56, 2, 7, 1, False, None, {}),
+    "gqa4_kv1": ("qwen2", 64, 2, 4, 1, True, None, {}),  # TP=2 > KV heads: half a QKV group
+    # Llama 3.2's factor (32): the scaling divides the low frequencies of head dim 16 by it
+    "llama3_scaled": ("llama", 64, 2, 4, 2, False, None, {
+        "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "rope_scaling": {
+            "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "max_position_embeddings": 131072}),
+    # QK norm, and a head dim (24) that is not hidden / heads (16)
+    "qwen3_hd24": ("qwen3", 64, 2, 4, 2, True, None, {"head_dim": 24}),
+    # Mistral Nemo's shape: head dim 32 over hidden / heads 16, no sliding window
+    "mistral_hd32": ("mistral", 64, 2, 4, 2, False, None, {"head_dim": 32,
+                                                          "sliding_window": None}),
 }
+FAMILY_CASES = ["llama3_scaled", "qwen3_hd24", "mistral_hd32"]
+
+
+def hf_config(name, vocab_size=1000):
+    from transformers import AutoConfig
+
+    kind, hidden, layers, heads, kv, tied, _, extra = CASES[name]
+    kw = dict(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=176,
+              num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab_size,
+              tie_word_embeddings=tied, rope_theta=1e6, rms_norm_eps=1e-6, attention_dropout=0.0,
+              dtype=torch.float32)
+    return AutoConfig.for_model(kind, **{**kw, **extra})
 
 
 def hf_model(name):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    hidden, layers, heads, kv, tied, _ = CASES[name]
-    config = Qwen2Config(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=176,
-                         num_attention_heads=heads, num_key_value_heads=kv, vocab_size=1000,
-                         tie_word_embeddings=tied, rope_theta=1e6, rms_norm_eps=1e-6,
-                         attention_dropout=0.0, dtype=torch.float32)
     torch.manual_seed(sum(map(ord, name)))
-    model = Qwen2ForCausalLM(config).eval()
+    model = AutoModelForCausalLM.from_config(hf_config(name)).eval()
     with torch.no_grad():  # biases start at zero and norms at one: randomise so layouts matter
         for n, p in model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in n else 0.05 * torch.randn_like(p))
     return model
 
 
-def build_checkpoints(tmp_path_factory):
+def build_checkpoints(tmp_path_factory, names=None):
     """name -> (directory, HF state dict, tokens [1, SEQ], HF logits [1, SEQ, 1000])."""
     out = {}
-    for name, (*_, shard) in CASES.items():
+    for name in names or CASES:
+        shard = CASES[name][6]
         model = hf_model(name)
         path = tmp_path_factory.mktemp(name)
         model.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))

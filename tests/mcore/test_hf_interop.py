@@ -1,8 +1,9 @@
-"""Hugging Face Qwen2 <-> megatron-core GPTModel weights (mcore/hf.py), on CPU with gloo.
+"""Hugging Face checkpoints <-> megatron-core GPTModel weights (mcore/hf.py), on CPU with gloo,
+for every supported family (Qwen2, Qwen3, Llama 3, Mistral).
 
     python -m pytest tests/mcore/test_hf_interop.py -q
 
-Tiny random Qwen2ForCausalLM checkpoints (tests/mcore/hf_checkpoints.py) are built and saved
+Tiny random checkpoints (tests/mcore/hf_checkpoints.py) are built and saved
 with save_pretrained (nothing is downloaded). Each layout (TP=1, TP=2, PP=2) imports them in one set
 of spawned processes, runs the megatron model (its own local attention, one sequence, no packing),
 exports, and sends back logits and tensors; the tests compare them with the HF model's.
@@ -15,15 +16,16 @@ import pytest
 import torch
 
 from megatron_chunkflow.config import ParallelConfig
-from tests.mcore.hf_checkpoints import CASES, build_checkpoints
+from tests.mcore.hf_checkpoints import CASES, FAMILY_CASES, build_checkpoints
 
 pytest.importorskip("transformers", reason="HF interop tests need transformers")
 pytest.importorskip("safetensors", reason="HF interop tests need safetensors")
 
 LAYOUTS = {  # name -> (TP, PP, cases)
-    "tp1": (1, 1, ["gqa2_tied", "gqa7_hidden56", "gqa2_untied_sharded"]),  # last: error checks
-    "tp2": (2, 1, ["gqa2_tied", "gqa2_untied_sharded", "gqa4_kv1"]),
-    "pp2": (1, 2, ["gqa2_tied", "gqa2_untied_sharded"]),
+    "tp1": (1, 1, ["gqa2_tied", "gqa7_hidden56", *FAMILY_CASES,
+                   "gqa2_untied_sharded"]),  # the last: error checks
+    "tp2": (2, 1, ["gqa2_tied", "gqa2_untied_sharded", "gqa4_kv1", *FAMILY_CASES]),
+    "pp2": (1, 2, ["gqa2_tied", "gqa2_untied_sharded", *FAMILY_CASES]),
 }
 
 
@@ -137,7 +139,7 @@ def test_export_round_trip_is_bitwise(checkpoints, layout_results, layout):
 
     per_rank, out_root = layout_results(layout)
     for name in LAYOUTS[layout][2]:
-        want = _hf_tensors(checkpoints[name][1], CASES[name][4])
+        want = _hf_tensors(checkpoints[name][1], CASES[name][5])
         got = {k: torch.from_numpy(v) for k, v in per_rank[0][name][1].items()}
         saved = load_file(out_root / f"{layout}_{name}" / "model.safetensors")
         for tensors in (got, saved):
@@ -148,14 +150,17 @@ def test_export_round_trip_is_bitwise(checkpoints, layout_results, layout):
 
 @pytest.mark.slow
 def test_saved_checkpoint_loads_in_transformers(checkpoints, layout_results):
-    """pp2 wrote its own config.json: transformers loads the export and gives the same logits."""
-    from transformers import Qwen2ForCausalLM
+    """pp2 wrote its own config.json: transformers loads the export and gives the same logits
+    (a Mistral shape is written as Llama: the same architecture, with no sliding window)."""
+    from transformers import AutoModelForCausalLM
 
     _, out_root = layout_results("pp2")
+    family = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama", "mistral": "llama"}
     for name in LAYOUTS["pp2"][2]:
         path = out_root / f"pp2_{name}"
-        assert json.loads((path / "config.json").read_text())["model_type"] == "qwen2"
-        model = Qwen2ForCausalLM.from_pretrained(path).eval()
+        config = json.loads((path / "config.json").read_text())
+        assert config["model_type"] == family[CASES[name][0]], name
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
         _, _, tokens, hf_logits = checkpoints[name]
         with torch.no_grad():
             assert torch.equal(model(tokens).logits, hf_logits), name
@@ -206,8 +211,8 @@ def test_shape_and_padding(checkpoints, tmp_path):
                   "use_sliding_window": False, "sliding_window": 32768}
     (tmp_path / "config.json").write_text(json.dumps(qwen25_05b))
     assert shape_from_hf_dir(tmp_path) == get_model_shape("qwen2.5-0.5b")
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(ValueError, match="config.json: model_type 'llama'"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="config.json: model_type 'gpt2' is not supported"):
         shape_from_hf_dir(tmp_path)
     # a dropout the run would not train is refused, not silently dropped
     (tmp_path / "config.json").write_text(json.dumps({**qwen25_05b, "attention_dropout": 0.1}))
@@ -248,20 +253,20 @@ def test_train_from_and_to_hf_checkpoint(gloo, checkpoints, tmp_path):
 
 
 @pytest.mark.slow
-def test_step1_loss_is_hugging_faces_at_tp1_and_tp2(gloo, tmp_path):
-    """A vocab-300 checkpoint: Megatron pads the vocabulary to 384 rows at TP 1 and 512 at TP 2;
-    `train` leaves the padded rows out of the softmax, so step 1's loss (before any update) is the
-    Hugging Face model's on the same tokens, on both systems and at both TP sizes."""
+@pytest.mark.parametrize("family", ["gqa2_untied_sharded", *FAMILY_CASES])
+def test_step1_loss_is_hugging_faces_at_tp1_and_tp2(gloo, tmp_path, family):
+    """A vocab-300 checkpoint of each family: Megatron pads the vocabulary to 384 rows at TP 1 and
+    512 at TP 2; `train` leaves the padded rows out of the softmax, so step 1's loss (before any
+    update) is the Hugging Face model's on the same tokens, at both TP sizes (and, for Qwen2, for
+    the stock baseline too)."""
     import numpy as np
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = Qwen2Config(hidden_size=64, num_hidden_layers=2, intermediate_size=176,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
-                         tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6,
-                         attention_dropout=0.0, dtype=torch.float32)
+    from tests.mcore.hf_checkpoints import hf_config
+
     torch.manual_seed(5)
-    model = Qwen2ForCausalLM(config).eval()
+    model = AutoModelForCausalLM.from_config(hf_config(family, vocab_size=300)).eval()
     model.save_pretrained(tmp_path / "hf")
     prefix = str(tmp_path / "corpus")
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
@@ -279,7 +284,10 @@ def test_step1_loss_is_hugging_faces_at_tp1_and_tp2(gloo, tmp_path):
             count += doc.numel() - 1
     hf_loss = total / count
     losses = {}
-    for tp, system in ((1, []), (2, []), (2, ["--no-chunkflow", "--baseline", "megatron-packed"])):
+    runs = [(1, []), (2, [])]
+    if family == "gqa2_untied_sharded":
+        runs.append((2, ["--no-chunkflow", "--baseline", "megatron-packed"]))
+    for tp, system in runs:
         log = tmp_path / f"tp{tp}{len(system)}.jsonl"
         code, _, stderr = gloo.cli(
             tp, "train", "--load-hf", tmp_path / "hf", "--data-path", prefix, "--seq-length", 256,

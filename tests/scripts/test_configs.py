@@ -2,12 +2,13 @@
 
     .venv/bin/python -m pytest tests/scripts/test_configs.py -q
 
-Every configs/models/qwen2.5-*.sh must be exactly what scripts/gen_model_configs.py writes from
-core/models.py (`make configs` regenerates them). Each is also parsed by bash and checked against
-core/models.QWEN25 (the Hugging Face shapes), then built at 2 layers as a real megatron-core
+Every configs/models/*.sh (Qwen2.5, Qwen3, Llama 3.x, Mistral) must be exactly what
+scripts/gen_model_configs.py writes from core/models.py (`make configs` regenerates them). Each is
+also parsed by bash and checked against core/models.HF_MODELS (the Hugging Face shapes), then built
+at 2 layers as a real megatron-core
 GPTModel on the meta device (no memory: the 72B embedding alone is 1.2B parameters). With a
 Megatron-LM checkout (MEGATRON_LM_DIR, or third_party/Megatron-LM) its own parser, validate_args
-and gpt_builder also read every model and run config.
+and gpt_builder also read every model and run config, and its RoPE frequencies are transformers'.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ from pathlib import Path
 import pytest
 
 from megatron_chunkflow.config import AttentionBackend
-from megatron_chunkflow.core.models import QWEN25, ModelShape
+from megatron_chunkflow.core.models import HF_CARDS, HF_MODELS, ModelShape
 from megatron_chunkflow.mcore.dist import run_processes
 
 REPO = Path(__file__).resolve().parents[2]
-MODEL_FILES = {p.stem: p for p in sorted((REPO / "configs" / "models").glob("qwen2.5-*.sh"))}
+MODEL_FILES = {p.stem: p for p in sorted((REPO / "configs" / "models").glob("*.sh"))}
 RUN_FILES = sorted((REPO / "configs" / "runs").glob("h100_*.sh"))
 RUN_MODELS = ["qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b"]
 SBATCH = REPO / "scripts" / "slurm" / "train.sbatch"
@@ -82,7 +83,9 @@ def shape_from_flags(f: dict) -> ModelShape:
         num_query_groups=int(f["--num-query-groups"]), vocab_size=int(f["--padded-vocab-size"]),
         tie_embeddings="--untie-embeddings-and-output-weights" not in f,
         qkv_bias="--add-qkv-bias" in f, rotary_base=float(f["--rotary-base"]),
-        norm_eps=float(f["--norm-epsilon"]))
+        norm_eps=float(f["--norm-epsilon"]), kv_channels=int(f["--kv-channels"]),
+        qk_norm="--qk-layernorm" in f,
+        rope_scaling_factor=float(f["--rope-scaling-factor"]) if "--use-rope-scaling" in f else None)
 
 
 # ---- shell syntax -------------------------------------------------------------------------------
@@ -97,18 +100,22 @@ def test_bash_syntax(path):
 # ---- model configs ------------------------------------------------------------------------------
 
 
-def test_every_qwen25_size_has_a_model_config():
-    assert sorted(MODEL_FILES) == sorted(QWEN25)
+def test_every_model_has_a_model_config():
+    assert sorted(MODEL_FILES) == sorted(HF_MODELS)
 
 
-@pytest.mark.parametrize("name", sorted(QWEN25))
+@pytest.mark.parametrize("name", sorted(HF_MODELS))
 def test_model_config_matches_hf_shape(name):
-    shape = QWEN25[name]
+    shape = HF_MODELS[name]
     f = flags(model_args(name))
-    assert shape_from_flags(f) == shape  # layers, sizes, heads, groups, tie, bias, eps, base
+    # layers, sizes, heads, groups, head dim, tie, bias, QK norm, eps, base, RoPE scaling
+    assert shape_from_flags(f) == shape
     assert int(f["--kv-channels"]) == shape.head_dim
     assert f["--group-query-attention"] is True and f["--swiglu"] is True
-    assert f["--disable-bias-linear"] is True and f["--add-qkv-bias"] is True
+    assert f["--disable-bias-linear"] is True
+    assert ("--add-qkv-bias" in f) == (HF_CARDS[name].model_type == "qwen2")
+    assert ("--qk-layernorm" in f) == (HF_CARDS[name].model_type == "qwen3")
+    assert ("--use-rope-scaling" in f) == (HF_CARDS[name].model_type == "llama")
     assert f["--normalization"] == "RMSNorm" and f["--position-embedding-type"] == "rope"
     assert float(f["--attention-dropout"]) == 0.0 and float(f["--hidden-dropout"]) == 0.0
     assert f["--tokenizer-type"] == "HuggingFaceTokenizer"
@@ -116,16 +123,15 @@ def test_model_config_matches_hf_shape(name):
     assert int(f["--padded-vocab-size"]) == shape.vocab_size and shape.vocab_size % 8 == 0
 
 
-@pytest.mark.parametrize("name", sorted(QWEN25))
+@pytest.mark.parametrize("name", sorted(HF_MODELS))
 def test_model_config_header_cites_its_hf_config(name):
     text = MODEL_FILES[name].read_text()
-    size = name.split("-")[1].upper()
-    assert f"https://huggingface.co/Qwen/Qwen2.5-{size}/blob/main/config.json" in text
-    shape = QWEN25[name]
+    assert HF_CARDS[name].config_url in text
+    shape = HF_MODELS[name]
     for key, value in [("num_hidden_layers", shape.num_layers), ("hidden_size", shape.hidden_size),
                        ("intermediate_size", shape.ffn_hidden_size),
                        ("num_key_value_heads", shape.num_query_groups),
-                       ("vocab_size", shape.vocab_size)]:
+                       ("head_dim", shape.head_dim), ("vocab_size", shape.vocab_size)]:
         assert re.search(rf"\b{key} {value}\b", text), f"{key} {value} not in the header"
     assert f"tie_word_embeddings {str(shape.tie_embeddings).lower()}" in text
 
@@ -226,12 +232,17 @@ def child_results():
 
 
 def check_parameter_shapes(params: dict, shape: ModelShape) -> None:
-    """QKV, MLP, embedding and output rows of a Qwen2.5 GPTModel (TP = 1)."""
+    """QKV (with Qwen2's bias, Qwen3's QK norms), MLP, embedding and output rows of a GPTModel
+    (TP = 1)."""
     h, hd, f = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size
     qkv_rows = (shape.num_attention_heads + 2 * shape.num_query_groups) * hd
     layer = "decoder.layers.0."
     assert params[layer + "self_attention.linear_qkv.weight"] == (qkv_rows, h)
-    assert params[layer + "self_attention.linear_qkv.bias"] == (qkv_rows,)
+    assert params.get(layer + "self_attention.linear_qkv.bias") == (
+        (qkv_rows,) if shape.qkv_bias else None)
+    for norm in ("q_layernorm", "k_layernorm"):
+        assert params.get(f"{layer}self_attention.{norm}.weight") == (
+            (hd,) if shape.qk_norm else None)
     proj = params[layer + "self_attention.linear_proj.weight"]
     assert proj == (h, shape.num_attention_heads * hd)
     assert layer + "self_attention.linear_proj.bias" not in params  # --disable-bias-linear
@@ -246,11 +257,11 @@ def check_parameter_shapes(params: dict, shape: ModelShape) -> None:
 
 @pytest.mark.megatron
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(QWEN25))
+@pytest.mark.parametrize("name", sorted(HF_MODELS))
 def test_model_config_builds_at_reduced_depth(name, child_results):
     built = child_results["core"][name]
     assert {device for _, device in built.values()} == {"meta"}
-    check_parameter_shapes({k: s for k, (s, _) in built.items()}, QWEN25[name])
+    check_parameter_shapes({k: s for k, (s, _) in built.items()}, HF_MODELS[name])
 
 
 # ---- run configs --------------------------------------------------------------------------------
@@ -273,7 +284,7 @@ def run_config(run_file: Path, model: str) -> dict:
 @pytest.mark.parametrize("run_file", RUN_FILES, ids=lambda p: p.stem)
 def test_run_config_layout_is_consistent(run_file, model):
     rc = run_config(run_file, model)
-    shape = QWEN25[model]
+    shape = HF_MODELS[model]
     tp, pp, cp, world = rc["tp"], rc["pp"], rc["cp"], rc["nodes"] * rc["gpus"]
     assert tp * pp * cp * rc["dp"] == world
     assert rc["gbs"] % rc["dp"] == 0  # micro-batch size 1
@@ -372,6 +383,7 @@ def _megatron_lm_parse(megatron_lm_dir, model_argvs, run_argvs, has_cuda):
         add_chunkflow_arguments,
         check_chunkflow_args,
     )
+    from megatron_chunkflow.megatron_lm.weights import rope_factor_provider
 
     if not has_cuda:
         arguments.get_device_arch_version = lambda: 9  # the configs' target: Hopper
@@ -393,9 +405,11 @@ def _megatron_lm_parse(megatron_lm_dir, model_argvs, run_argvs, has_cuda):
                      + CPU_FLAGS, 1)
         global_vars.set_args(args)
         with torch.device("meta"), contextlib.redirect_stdout(io.StringIO()):
-            model = gpt_builders.gpt_builder(args, True, True)
+            # the launcher's provider: gpt_builder, then --rope-scaling-factor honoured
+            model = rope_factor_provider(gpt_builders.gpt_builder, args, args, True, True)
         global_vars.set_args(None)
         models[name] = {"params": {k: tuple(p.shape) for k, p in model.named_parameters()},
+                        "inv_freq": model.rotary_pos_emb.inv_freq.tolist(),
                         "padded_vocab_size": args.padded_vocab_size,
                         "layernorm_epsilon": args.layernorm_epsilon}
     runs = {}
@@ -411,13 +425,27 @@ def _megatron_lm_parse(megatron_lm_dir, model_argvs, run_argvs, has_cuda):
 @pytest.mark.megatron
 @pytest.mark.slow
 @needs_megatron_lm
-@pytest.mark.parametrize("name", sorted(QWEN25))
+@pytest.mark.parametrize("name", sorted(HF_MODELS))
 def test_megatron_lm_builds_each_model_config(name, child_results):
     built = child_results["models"][name]
-    shape = QWEN25[name]
+    shape = HF_MODELS[name]
     assert built["padded_vocab_size"] == shape.vocab_size  # --padded-vocab-size is honoured
     assert built["layernorm_epsilon"] == shape.norm_eps
     check_parameter_shapes(built["params"], shape)
+    # RoPE frequencies bit for bit transformers' for the model's config.json (Llama 3's scaling
+    # with its factor: core_v0.16.1's gpt_builder alone would build Llama 3.2 with factor 8)
+    assert built["inv_freq"] == hf_inv_freq(shape)
+
+
+def hf_inv_freq(shape: ModelShape) -> list[float]:
+    """transformers' RoPE frequencies for the config.json of `shape` (float32)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from megatron_chunkflow.core.hf_config import hf_config_dict
+
+    config = transformers.AutoConfig.for_model(**{**hf_config_dict(shape), "model_type": "llama"})
+    return LlamaRotaryEmbedding(config).inv_freq.tolist()
 
 
 @pytest.mark.megatron

@@ -1,0 +1,39 @@
+# Mistral-7B-v0.3 architecture for Megatron-LM core_v0.16.1 (pretrain_gpt.py flags).
+#
+#   source configs/models/mistral-7b-v0.3.sh && torchrun ... pretrain_gpt.py "${MODEL_ARGS[@]}" ...
+#
+# Transcribed from https://huggingface.co/mistralai/Mistral-7B-v0.3/blob/main/config.json
+#   model_type mistral, num_hidden_layers 32, hidden_size 4096, intermediate_size 14336,
+#   num_attention_heads 32, num_key_value_heads 8, head_dim 128, hidden_act silu,
+#   rms_norm_eps 1e-05, rope_theta 1000000.0, max_position_embeddings 32768,
+#   vocab_size 32768, tie_word_embeddings false, attention_dropout 0.0, initializer_range 0.02.
+# Mistral layers: no bias, SwiGLU MLP, RMSNorm, sliding_window null.
+# TOKENIZER: a Hugging Face model directory or hub id (default mistralai/Mistral-7B-v0.3).
+# Its tokenizer has exactly the checkpoint's 32768 embedding rows; --padded-vocab-size keeps
+# any TP size from padding it further (configs/README.md, "Vocabulary").
+
+MODEL_ARGS=(
+    --num-layers 32
+    --hidden-size 4096
+    --ffn-hidden-size 14336
+    --num-attention-heads 32
+    --group-query-attention
+    --num-query-groups 8
+    --kv-channels 128
+    --position-embedding-type rope
+    --rotary-base 1000000
+    --rotary-percent 1.0
+    --max-position-embeddings 32768
+    --normalization RMSNorm
+    --norm-epsilon 1e-5
+    --swiglu
+    --disable-bias-linear
+    --untie-embeddings-and-output-weights  # tie_word_embeddings false
+    --attention-dropout 0.0
+    --hidden-dropout 0.0
+    --attention-softmax-in-fp32
+    --init-method-std 0.02
+    --tokenizer-type HuggingFaceTokenizer
+    --tokenizer-model "${TOKENIZER:-mistralai/Mistral-7B-v0.3}"
+    --padded-vocab-size 32768
+)

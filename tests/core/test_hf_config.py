@@ -1,0 +1,88 @@
+"""config.json -> ModelShape for each supported family (core/hf_config.py), and what is refused.
+
+    .venv/bin/python -m pytest tests/core/test_hf_config.py -q
+
+The dicts are the released checkpoints' config.json values (transformers 4 layout: rope_theta and
+rope_scaling at the top level), so each must give the preset of core/models.py exactly.
+"""
+
+import pytest
+
+from megatron_chunkflow.core.hf_config import hf_config_dict, shape_from_hf_config
+from megatron_chunkflow.core.models import HF_MODELS, get_model_shape, model_shape_from_dict
+
+LLAMA31_8B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
+              "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+              "rope_theta": 500000.0, "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
+              "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+              "max_position_embeddings": 131072, "head_dim": 128,
+              "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192,
+                               "rope_type": "llama3"}}
+QWEN3_8B = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_act": "silu",
+            "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+            "vocab_size": 151936, "rope_theta": 1000000, "rms_norm_eps": 1e-06,
+            "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0,
+            "max_position_embeddings": 40960, "rope_scaling": None, "use_sliding_window": False,
+            "sliding_window": None, "max_window_layers": 36}
+NEMO = {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "hidden_act": "silu",
+        "hidden_size": 5120, "intermediate_size": 14336, "num_hidden_layers": 40,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "vocab_size": 131072, "rope_theta": 1000000.0, "rms_norm_eps": 1e-05,
+        "tie_word_embeddings": False, "sliding_window": None, "attention_dropout": 0.0,
+        "max_position_embeddings": 1024000}
+
+
+@pytest.mark.parametrize("config,preset", [(LLAMA31_8B, "llama3.1-8b"), (QWEN3_8B, "qwen3-8b"),
+                                           (NEMO, "mistral-nemo-12b")])
+def test_released_configs_give_the_presets(config, preset):
+    shape = shape_from_hf_config(config, "config.json")
+    assert shape == get_model_shape(preset)
+    assert model_shape_from_dict(config, "f") == shape  # --model-config reads it the same way
+
+
+def test_transformers5_layout_is_read_the_same():
+    v5 = {k: v for k, v in LLAMA31_8B.items() if k not in ("rope_theta", "rope_scaling")}
+    v5["rope_parameters"] = {**LLAMA31_8B["rope_scaling"], "rope_theta": 500000.0}
+    assert shape_from_hf_config(v5, "c") == get_model_shape("llama3.1-8b")
+
+
+@pytest.mark.parametrize("name", sorted(HF_MODELS))
+def test_every_preset_round_trips_through_its_config(name):
+    shape = HF_MODELS[name]
+    assert shape_from_hf_config(hf_config_dict(shape), name) == shape
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"model_type": "qwen3_moe"}, "mixture-of-experts model, which is not supported"),
+    ({"model_type": "mixtral"}, "router's load-balancing loss would be computed per chunk"),
+    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported (supported: 'qwen2'"),
+    ({"attention_bias": True}, "attention_bias True is not supported: only Qwen2's bias"),
+    ({"mlp_bias": True}, "mlp_bias True is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"attention_dropout": 0.1}, "attention_dropout 0.1: training here runs without dropout"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling {'rope_type': 'yarn'"),
+    ({"rope_scaling": {**LLAMA31_8B["rope_scaling"], "low_freq_factor": 2.0}},
+     "megatron-core 0.16.1 fixes these"),
+    ({"head_dim": 0}, "head_dim 0 is not supported: it must be a positive integer"),
+    ({"num_key_value_heads": 5}, "num_attention_heads 32 is not a multiple of num_query_groups 5"),
+    ({"vocab_size": -1}, "vocab_size -1 is not supported: it must be a positive integer"),
+])
+def test_llama_config_refusals_name_the_key(change, message):
+    with pytest.raises(ValueError, match="^config.json: ") as e:
+        shape_from_hf_config({**LLAMA31_8B, **change}, "config.json")
+    assert message in str(e.value)
+
+
+def test_sliding_windows_are_refused():
+    with pytest.raises(ValueError, match="sliding_window 4096 is not supported"):
+        shape_from_hf_config({**NEMO, "sliding_window": 4096}, "config.json")
+    with pytest.raises(ValueError, match="use_sliding_window True is not supported"):
+        shape_from_hf_config({**QWEN3_8B, "use_sliding_window": True}, "config.json")
+
+
+def test_hf_keys_without_model_type_are_named():
+    with pytest.raises(ValueError, match="has Hugging Face config.json keys .* but no model_type"):
+        model_shape_from_dict({"hidden_size": 64, "num_hidden_layers": 2}, "--model-config f")
