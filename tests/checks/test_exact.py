@@ -34,6 +34,9 @@ SINGLE = {
     "sdpa_backend": ("tiny", [MIXED], 1, torch.float64, "sdpa", ()),
     "auto_backend": ("tiny", [MIXED, DEPENDENT], 2, torch.float64, "auto", ()),  # cpu_flash
     "float32": ("tiny", [MIXED], 1, torch.float32, "torch", ()),
+    # the other families' switches: Qwen3's QK norm and head dim, Llama 3's scaled RoPE
+    "qwen3_k2_cpu_flash": ("tiny-qwen3", [MIXED, DEPENDENT], 2, torch.float64, "auto", ()),
+    "llama3_k1": ("tiny-llama3", STEPS, 1, torch.float64, "torch", ()),
 }
 # several processes: name -> (world, TP, PP, sequence parallel, K values, steps[, CP, recompute,
 # backend])
@@ -52,7 +55,10 @@ LAYOUTS = {
     "cp2_pp2": (4, 1, 2, False, (1, 2), [MIXED, DEPENDENT], 2),
     "tp2_cp2_sequence_parallel": (4, 2, 1, True, (1, 2), [MIXED, DEPENDENT], 2),
     "cp2_dp2": (4, 1, 1, False, (1,), [MIXED, DEPENDENT], 2),
+    "qwen3_tp2_cp2_sequence_parallel": (4, 2, 1, True, (1, 2), [MIXED, DEPENDENT], 2),
+    "llama3_cp2_pp2": (4, 1, 2, False, (1, 2), [MIXED, DEPENDENT], 2),
 }
+MODELS = {"qwen3_tp2_cp2_sequence_parallel": "tiny-qwen3", "llama3_cp2_pp2": "tiny-llama3"}
 BOUND = {torch.float64: 1e-10, torch.float32: 1e-4}
 MEDIUM = ("pp2", "cp2")  # `make test-medium`'s share of the layouts
 
@@ -87,8 +93,8 @@ def _run_layout(name):
     _, tp, pp, sp, ks, steps, *extra = LAYOUTS[name]
     cp, recompute, backend = (*extra, *(1, "none", "torch")[len(extra):])
     parallel = ParallelConfig(tp=tp, pp=pp, cp=cp, sequence_parallel=sp, recompute=recompute)
-    out = {k: _summary(run_verify(get_model_shape("tiny"), steps, ChunkFlowConfig(C, k, backend),
-                                  parallel, seed=2))
+    shape = get_model_shape(MODELS.get(name, "tiny"))
+    out = {k: _summary(run_verify(shape, steps, ChunkFlowConfig(C, k, backend), parallel, seed=2))
            for k in ks}
     shutdown()
     return out
