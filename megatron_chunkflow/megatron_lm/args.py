@@ -288,8 +288,9 @@ def _sft_note(args) -> str:
         how = ("conversations through SFTTokenizer's tokenize_conversation: the tokens and loss "
                "mask of Megatron's SFT dataset")
     elif args.tokenizer_type == "HuggingFaceTokenizer":
-        how = ("conversations in Qwen2.5's ChatML, loss on assistant tokens; --tokenizer-type "
-               "SFTTokenizer gives Megatron's SFT template instead")
+        how = ("conversations in ChatML, or the directory's own chat template where its tokenizer "
+               "has no ChatML tokens (Llama 3, Mistral), loss on assistant tokens; "
+               "--tokenizer-type SFTTokenizer gives Megatron's SFT template instead")
     else:
         how = f"--tokenizer-type {args.tokenizer_type} reads pre-tokenized data only"
     return (f"--sft: ChunkFlow reads --data-path itself ({how}), one sequence per conversation, "
@@ -301,8 +302,9 @@ def data_tokenizer(args, vocab_size: int, megatron_tokenizer=None):
     - one with a chat template of its own (`megatron_tokenizer`, e.g. --tokenizer-type
       SFTTokenizer): conversations through it, with the tokens and loss mask of Megatron's SFT
       dataset (sft.py);
-    - --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR, a local directory with the
-      ChatML special tokens: Qwen2.5's ChatML, as `chunkflow train` reads the same directory;
+    - --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR, a local directory: ChatML where
+      it has the ChatML special tokens, else its own chat template, as `chunkflow train` reads
+      the same directory (data/tokenizer.py);
     - any other: token ids only.
     Pre-tokenized data (a Megatron indexed dataset) is never encoded, so every tokenizer reads it,
     as in stock Megatron-LM (ids checked against `vocab_size`); text or conversations that the
@@ -330,7 +332,8 @@ def _tokenizer_flags(args) -> str:
 
 def _chatml_tokenizer(args):
     """(Tokenizer, None) for --tokenizer-type HuggingFaceTokenizer with a local directory that has
-    the ChatML special tokens; else (None, why not, or None when another type was given)."""
+    the ChatML special tokens or a chat template; else (None, why not, or None when another type
+    was given)."""
     from pathlib import Path
 
     from megatron_chunkflow.data.tokenizer import load_tokenizer
@@ -357,7 +360,7 @@ def _ids_only_tokenizer(data_path: str, name: str, vocab_size: int, why: str | N
             f"--data-path {data_path} holds text or conversations, which {name} cannot "
             f"tokenize{because}. Give --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR "
             "(a local directory whose tokenizer.json has <|endoftext|>, <|im_start|>, "
-            "<|im_end|>: Qwen2.5's ChatML), --tokenizer-type SFTTokenizer --tokenizer-model DIR "
+            "<|im_end|>: ChatML, or with a chat template of its own), --tokenizer-type SFTTokenizer --tokenizer-model DIR "
             "--sft-tokenizer-prompt-format FORMAT (Megatron's SFT template; conversations only), "
             "or pre-tokenized data (a Megatron indexed dataset prefix)")
 
