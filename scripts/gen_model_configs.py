@@ -123,8 +123,9 @@ def render(name: str) -> str:
                    f"max_position_embeddings {card.max_position_embeddings},"]
     if shape.rope_scaling_factor is not None:
         low, high, original = LLAMA3_ROPE_FIXED.values()
-        shape_lines += [f"rope_scaling llama3: factor {shape.rope_scaling_factor!r}, low_freq_factor "
-                        f"{low!r}, high_freq_factor {high!r},",
+        factor = shape.rope_scaling_factor
+        shape_lines += [f"rope_scaling llama3: factor {factor!r}, low_freq_factor {low!r}, "
+                        f"high_freq_factor {high!r},",
                         f"original_max_position_embeddings {original},"]
     vocab = [f"# TOKENIZER: a Hugging Face model directory or hub id (default {card.hub_id})."]
     if card.tokenizer_size < shape.vocab_size:
@@ -132,8 +133,8 @@ def render(name: str) -> str:
                   f"{shape.vocab_size} embedding rows, so the",
                   '# padded vocabulary is given explicitly (configs/README.md, "Vocabulary").']
     else:
-        vocab += [f"# Its tokenizer has exactly the checkpoint's {shape.vocab_size} embedding rows; "
-                  "--padded-vocab-size keeps",
+        vocab += [f"# Its tokenizer has exactly the checkpoint's {shape.vocab_size} embedding "
+                  "rows; --padded-vocab-size keeps",
                   '# any TP size from padding it further (configs/README.md, "Vocabulary").']
     header = [
         f"# {card.name} architecture for Megatron-LM {MEGATRON_LM_TAG} (pretrain_gpt.py flags).",

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from pathlib import Path
 from functools import partial
+from pathlib import Path
 from typing import Callable
 
 IM_START = "<|im_start|>"

@@ -360,7 +360,8 @@ def _ids_only_tokenizer(data_path: str, name: str, vocab_size: int, why: str | N
             f"--data-path {data_path} holds text or conversations, which {name} cannot "
             f"tokenize{because}. Give --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR "
             "(a local directory whose tokenizer.json has <|endoftext|>, <|im_start|>, "
-            "<|im_end|>: ChatML, or with a chat template of its own), --tokenizer-type SFTTokenizer --tokenizer-model DIR "
+            "<|im_end|>: ChatML, or with a chat template of its own), --tokenizer-type "
+            "SFTTokenizer --tokenizer-model DIR "
             "--sft-tokenizer-prompt-format FORMAT (Megatron's SFT template; conversations only), "
             "or pre-tokenized data (a Megatron indexed dataset prefix)")
 
