@@ -23,4 +23,10 @@ declare -gA LAYOUT=(
     [qwen2.5-14b]="        2   2   2   1  none                    8192   2"
     [qwen2.5-32b]="        4   4   2   1  none                    8192   1"
     [qwen2.5-72b]="        8   4   4   1  none                    4096   1"
+    [qwen3-8b]="           2   1   2   1  none                    2048   4"
+    [qwen3-14b]="          2   2   2   1  selective:layernorm     4096   4"
+    [qwen3-32b]="          4   4   2   1  selective:layernorm     8192   2"
+    [llama3.1-8b]="        2   1   2   1  none                    2048   4"
+    [mistral-nemo-12b]="   2   2   2   1  none                    4096   4"
+    [llama3.1-70b]="       8   4   4   1  none                    4096   1"
 )

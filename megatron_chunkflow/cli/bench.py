@@ -50,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=SCENARIO["model"], choices=sorted(MODEL_SHAPES),
                    help=f"model shape (default: {SCENARIO['model']})")
     g.add_argument("--model-config", metavar="FILE",
-                   help="JSON with ModelShape fields, or a Hugging Face Qwen2 config.json")
+                   help="JSON with ModelShape fields, or a Hugging Face config.json (Qwen2/2.5, "
+                        "Qwen3, Llama 3.x, Mistral)")
     add_config_arguments(g, ParallelConfig, fields=("tp", "pp"), defaults={"pp": SCENARIO["pp"]})
     g.add_argument("--nproc", type=int, default=SCENARIO["nproc"], metavar="N",
                    help="processes to spawn when not under torchrun; DP = N / (TP x PP) "

@@ -1,4 +1,5 @@
-"""`chunkflow train`: fine-tune a Qwen2.5-architecture model with ChunkFlow, or with stock Megatron.
+"""`chunkflow train`: fine-tune a Qwen2.5 / Qwen3 / Llama 3 / Mistral model with ChunkFlow, or with
+stock Megatron.
 
     chunkflow train                                    # the embedded default: tiny model, ShareGPT, CPU
     chunkflow train --no-chunkflow                     # the same run on stock Megatron's path
@@ -53,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=SCENARIO["model"], choices=sorted(MODEL_SHAPES),
                    help=f"preset (default: {SCENARIO['model']}, Qwen2.5 vocabulary, CPU-sized)")
     g.add_argument("--model-config", metavar="FILE",
-                   help="JSON with ModelShape fields, or a Hugging Face Qwen2 config.json")
+                   help="JSON with ModelShape fields, or a Hugging Face config.json (Qwen2/2.5, "
+                        "Qwen3, Llama 3.x, Mistral)")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float64"), default="float32",
                    help="training precision: bfloat16 on a GPU, float64 for exactness checks "
                         "(default: float32)")

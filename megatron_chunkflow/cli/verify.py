@@ -54,11 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=SCENARIO["model"], choices=sorted(MODEL_SHAPES),
                    help=f"model shape (default: {SCENARIO['model']}, Qwen2.5-shaped)")
     g.add_argument("--model-config", metavar="FILE",
-                   help="JSON with ModelShape fields, or a Hugging Face Qwen2 config.json")
+                   help="JSON with ModelShape fields, or a Hugging Face config.json (Qwen2/2.5, "
+                        "Qwen3, Llama 3.x, Mistral)")
     g.add_argument("--dtype", choices=sorted(DTYPES), default=SCENARIO["dtype"],
                    help=f"precision of both runs (default: {SCENARIO['dtype']})")
     g.add_argument("--hf-reference", metavar="DIR",
-                   help="compare with transformers' Qwen2ForCausalLM loaded from this Hugging Face "
+                   help="compare with transformers' own model class loaded from this Hugging Face "
                         "checkpoint (float64; needs transformers) instead of megatron-core")
     add_config_arguments(g, ParallelConfig, fields=("tp", "pp", "cp", "sequence_parallel",
                                                     "recompute"))
@@ -176,7 +177,7 @@ def _run_hf(s: VerifySettings, as_json: bool) -> int:
     ok = r.max_rel_grad_err <= 1e-10
     out = Output(as_json, quiet=not _is_main())
     out.say(f"{len(steps[0])} sequences ({source}); C={cfg.chunk_size} K={cfg.num_kept}, float64, "
-            f"TP={parallel.tp} PP={parallel.pp}; reference: transformers Qwen2ForCausalLM from "
+            f"TP={parallel.tp} PP={parallel.pp}; reference: transformers' model from "
             f"{s.hf_reference}, unchunked")
     for name, err in r.param_errors:
         out.say(f"{name:<58} {err:.2e}")

@@ -59,8 +59,8 @@ class CheckpointConfig:
     """Save every N steps (and at the end)."""
 
     load_hf: str | None = None
-    """Start from a Hugging Face Qwen2/Qwen2.5 checkpoint directory (its config.json sets the
-    model; overrides --model)."""
+    """Start from a Hugging Face checkpoint directory: Qwen2/2.5, Qwen3, Llama 3.x, Mistral (its
+    config.json sets the model; overrides --model)."""
 
     save_hf: str | None = None
     """Write the trained model as a Hugging Face checkpoint (safetensors) here."""

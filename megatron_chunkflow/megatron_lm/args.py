@@ -41,7 +41,9 @@ def add_chunkflow_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
                         "longest sequence is --seq-length (default: B)")
     add_config_arguments(g, DataConfig, fields=("overlong", "skip_bad_records"), aliases=False)
     g.add_argument("--chunkflow-load-hf", metavar="DIR",
-                   help="initialise from a Hugging Face Qwen2/Qwen2.5 checkpoint directory (works "
+                   help="initialise from a Hugging Face checkpoint directory (Qwen2/2.5, Qwen3, "
+                        "Llama 3.x, Mistral; its config.json is checked against the model "
+                        "flags; works "
                         "with and without --chunkflow, so both systems can start from the same "
                         "weights); a later --load checkpoint still takes precedence")
     g.add_argument("--chunkflow-allow-untested-megatron", action="store_true",

@@ -84,11 +84,13 @@ from megatron_chunkflow.perfmodel.layer import gather_extent
 
 
 def layer_params(shape: ModelShape) -> int:
-    """Parameters of one transformer layer: matmul weights, QKV bias, two RMSNorm weights."""
+    """Parameters of one transformer layer: matmul weights, QKV bias, two RMSNorm weights (and
+    Qwen3's two QK norms of one head dim each)."""
     h, kv = shape.hidden_size, shape.kv_dim
     attn = shape.num_attention_heads * shape.head_dim
     bias = (attn + 2 * kv) if shape.qkv_bias else 0
-    return linear_weights_per_layer(shape) + bias + 2 * h
+    qk_norm = 2 * shape.head_dim if shape.qk_norm else 0
+    return linear_weights_per_layer(shape) + bias + 2 * h + qk_norm
 
 
 def stage_params(shape: ModelShape, pp: int) -> list[int]:

@@ -138,8 +138,8 @@ def _check_config(config) -> None:
         raise ValueError(" ".join(f"{flag} {p:g}" for flag, p in dropout.items()) + ": ChunkFlow "
                          "re-forwards chunks, which would draw new dropout masks while later "
                          "chunks keep the first forward's keys and values, so gradients would not "
-                         "be exact; give --hidden-dropout 0 --attention-dropout 0 (Qwen2.5's "
-                         "fine-tuning setting; Megatron-LM's defaults are 0.1)")
+                         "be exact; give --hidden-dropout 0 --attention-dropout 0 (the released "
+                         "checkpoints' setting; Megatron-LM's defaults are 0.1)")
 
 
 def apply_chunkflow(model, backend: str = "torch",

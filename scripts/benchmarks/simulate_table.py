@@ -1,7 +1,9 @@
-"""The simulator's prediction table in docs/benchmarks.md: every Qwen2.5 size at 32K and 256K,
-against each stock baseline.
+"""The simulator's prediction tables in docs/benchmarks.md: every Qwen2.5 size at 32K and 256K,
+and the other families (Qwen3, Llama 3.1, Mistral Nemo) at 32K and, where the model's positions
+reach it, 128K, against each stock baseline.
 
     python scripts/benchmarks/simulate_table.py                 # markdown on stdout
+    python scripts/benchmarks/simulate_table.py --families      # the other families' table
     python scripts/benchmarks/simulate_table.py --gpu h200 --json
     python scripts/benchmarks/simulate_table.py --models qwen2.5-7b --seq-lengths 32768
 
@@ -31,8 +33,15 @@ from megatron_chunkflow.perfmodel.hardware import GPUS, get_gpu  # noqa: E402
 from megatron_chunkflow.perfmodel.predict import GIB  # noqa: E402
 
 GPUS_PER_MODEL = {"qwen2.5-0.5b": 8, "qwen2.5-1.5b": 8, "qwen2.5-3b": 8, "qwen2.5-7b": 32,
-                  "qwen2.5-14b": 32, "qwen2.5-32b": 64, "qwen2.5-72b": 128}
+                  "qwen2.5-14b": 32, "qwen2.5-32b": 64, "qwen2.5-72b": 128,
+                  "qwen3-8b": 32, "qwen3-14b": 32, "qwen3-32b": 64, "llama3.1-8b": 32,
+                  "mistral-nemo-12b": 32, "llama3.1-70b": 128}
 SEQ_LENGTHS = (32768, 262144)
+# (model, context): Qwen3's positions stop at 40K (YaRN is not supported); Llama 3.1's and
+# Mistral Nemo's reach 128K
+FAMILY_ROWS = [("qwen3-8b", 32768), ("qwen3-14b", 32768), ("qwen3-32b", 32768),
+               ("llama3.1-8b", 32768), ("llama3.1-8b", 131072), ("mistral-nemo-12b", 32768),
+               ("mistral-nemo-12b", 131072), ("llama3.1-70b", 32768), ("llama3.1-70b", 131072)]
 
 
 def batch_size(gpus: int) -> int:
@@ -108,7 +117,9 @@ def markdown(rows: list[dict], gpu: str) -> None:
         first = i == 1 or (rows[i - 2]["model"], rows[i - 2]["seq_length"]) != \
             (r["model"], r["seq_length"])
         fits = "" if mg["fits"] else " (does not fit)"
-        cells = [str(i), r["model"].removeprefix("qwen2.5-").upper() if first else "",
+        name = r["model"]
+        name = name.removeprefix("qwen2.5-").upper() if name.startswith("qwen2.5-") else name
+        cells = [str(i), name if first else "",
                  f"{r['seq_length'] // 1024}K" if first else "", str(r["gpus"]) if first else "",
                  f"{r['tokens'] / 1e6:.2f}M ({r['longest'] // 1024}K)" if first else "",
                  r["baseline"].removeprefix("megatron-"), layout_cell(mg), f"{mg['step_s']:.2f}",
@@ -136,16 +147,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gpu", choices=sorted(GPUS), default="h100")
     ap.add_argument("--models", nargs="+", choices=sorted(GPUS_PER_MODEL),
-                    default=list(GPUS_PER_MODEL))
+                    default=[m for m in GPUS_PER_MODEL if m.startswith("qwen2.5-")])
     ap.add_argument("--seq-lengths", nargs="+", type=int, default=list(SEQ_LENGTHS))
+    ap.add_argument("--families", action="store_true",
+                    help="the other families' (model, context) pairs instead of --models")
     ap.add_argument("--json", action="store_true", help="rows as JSON instead of markdown")
     args = ap.parse_args()
     rows = []
-    for model in args.models:
-        for seq in args.seq_lengths:
-            t = time.perf_counter()
-            rows += rows_for(model, seq, GPUS_PER_MODEL[model], args.gpu)
-            print(f"{model} {seq}: {time.perf_counter() - t:.0f}s", file=sys.stderr, flush=True)
+    pairs = FAMILY_ROWS if args.families else [(m, s) for m in args.models
+                                                 for s in args.seq_lengths]
+    for model, seq in pairs:
+        t = time.perf_counter()
+        rows += rows_for(model, seq, GPUS_PER_MODEL[model], args.gpu)
+        print(f"{model} {seq}: {time.perf_counter() - t:.0f}s", file=sys.stderr, flush=True)
     if args.json:
         json.dump(rows, sys.stdout, indent=1)
         print()

@@ -30,7 +30,7 @@ RUNS = REPO / "configs" / "runs"
 GPUS_PER_NODE = 8
 # context: (profile, ChunkFlow's global batch in sequences): the run files' MOCK_PROFILE and
 # GLOBAL_BATCH_SIZE (tests/scripts/test_layouts.py checks they agree)
-CONTEXTS = {"32k": ("A", 1024), "256k": ("B", 2048)}
+CONTEXTS = {"32k": ("A", 1024), "128k": ("C", 2048), "256k": ("B", 2048)}
 ROW = re.compile(r'^(\s*\[(?P<model>[\w.\-]+)\]=")(?P<row>[^"]*)(".*)$')
 
 

@@ -1,13 +1,14 @@
 #!/bin/bash
-# Submit Qwen2.5 SFT runs of scripts/slurm/train.sbatch, with --nodes taken from the run config.
+# Submit SFT runs of scripts/slurm/train.sbatch, with --nodes taken from the run config.
 #
 #   scripts/slurm/submit.sh MODEL CONTEXT SYSTEM [sbatch options...]
 #   scripts/slurm/submit.sh qwen2.5-7b 32k chunkflow
 #   scripts/slurm/submit.sh qwen2.5-72b 256k both --time 06:00:00   # stock and ChunkFlow
-#   scripts/slurm/submit.sh all all both                             # the 16 runs of the README
+#   scripts/slurm/submit.sh all all both                             # every run config's rows
 #   DRY_RUN=1 scripts/slurm/submit.sh all all both                   # check, print the sbatch lines
 #
-# MODEL: qwen2.5-7b|qwen2.5-14b|qwen2.5-32b|qwen2.5-72b or all; CONTEXT: 32k|256k|all;
+# MODEL: a configs/models name (qwen2.5-7b, llama3.1-8b, ...) or all (every model with a row in
+# the context's run config); CONTEXT: 32k|128k|256k|all;
 # SYSTEM: chunkflow|stock|both. The environment (MEGATRON_LM_DIR, OUT, DATA, CHECKPOINT,
 # TOKENIZER, ...) is passed to the job; scripts/slurm/README.md lists it. Every input is checked
 # before anything is submitted: a bad one stops with a message naming it and exit status 2.
@@ -28,9 +29,10 @@ HW=${HW:-h100}
 
 # ---- arguments ----------------------------------------------------------------------------------
 [[ -n $models ]] || die "MODEL is empty: give a configs/models name or all"
-[[ -n $contexts ]] || die "CONTEXT is empty: give 32k, 256k or all"
-[[ $models == all ]] && models="qwen2.5-7b qwen2.5-14b qwen2.5-32b qwen2.5-72b"
-[[ $contexts == all ]] && contexts="32k 256k"
+known_contexts=$(cd "$REPO_DIR/configs/runs" && { ls -- "${HW}"_*_chunkflow.sh 2>/dev/null || :; } |
+                 sed "s/^${HW}_//; s/_chunkflow\.sh$//" | sort -n | xargs)
+[[ -n $contexts ]] || die "CONTEXT is empty: give ${known_contexts// /, } or all"
+[[ $contexts == all ]] && contexts=$known_contexts
 case $systems in
     both) systems="stock chunkflow" ;;
     stock|chunkflow) ;;
@@ -38,14 +40,14 @@ case $systems in
 esac
 known_models=$(cd "$REPO_DIR/configs/models" && ls -- *.sh | sed 's/\.sh$//' | xargs)
 for model in $models; do
-    [[ -f $REPO_DIR/configs/models/$model.sh ]] ||
+    [[ $model == all || -f $REPO_DIR/configs/models/$model.sh ]] ||
         die "MODEL '$model': no configs/models/$model.sh (known: $known_models, all)"
 done
 for context in $contexts; do
     for system in $systems; do
         [[ -f $REPO_DIR/configs/runs/${HW}_${context}_${system}.sh ]] ||
             die "CONTEXT '$context': no run config configs/runs/${HW}_${context}_${system}.sh" \
-                "(HW=$HW; contexts: 32k, 256k, all)"
+                "(HW=$HW; contexts: ${known_contexts// /, }, all)"
     done
 done
 
@@ -117,8 +119,13 @@ fi
 
 # ---- one sbatch command per run, each checked by the job script's own dry run -------------------
 commands=()
-for model in $models; do
-    for context in $contexts; do
+layout_models() {  # the models with a row in a context's ChunkFlow run config, in its order
+    sed -n 's/^[[:space:]]*\[\([^]]*\)\]=".*/\1/p' "$REPO_DIR/configs/runs/${HW}_$1_chunkflow.sh"
+}
+for context in $contexts; do
+    context_models=$models
+    [[ $models == all ]] && context_models=$(layout_models "$context" | xargs)
+    for model in $context_models; do
         for system in $systems; do
             run_file=$REPO_DIR/configs/runs/${HW}_${context}_${system}.sh
             if ! nodes=$(

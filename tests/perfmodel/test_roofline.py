@@ -45,12 +45,18 @@ Q05B = get_model_shape("qwen2.5-0.5b")
 LENGTHS = sample_lengths("B", 300, seed=1)
 
 
-def test_qwen_parameter_counts():
-    """Published sizes: Qwen2.5-7B 7.61B, 0.5B 0.49B, 72B 72.7B parameters."""
+def test_parameter_counts():
+    """Published sizes: Qwen2.5-7B 7.61B, 0.5B 0.49B, 72B 72.7B parameters, and each other
+    family's (a transcribed shape that is off by a dimension is off by far more than 0.01B)."""
     assert total_params(Q7B) / 1e9 == pytest.approx(7.61, abs=0.01)
     assert total_params(Q05B) / 1e9 == pytest.approx(0.49, abs=0.01)
     assert total_params(get_model_shape("qwen2.5-72b")) / 1e9 == pytest.approx(72.7, abs=0.1)
     assert sum(stage_params(Q7B, 4)) == total_params(Q7B)  # untied: no copy
+    # the other families, against their model cards' counts
+    for name, billions in [("llama3.1-8b", 8.03), ("llama3.1-70b", 70.55), ("qwen3-8b", 8.19),
+                           ("qwen3-32b", 32.76), ("qwen3-0.6b", 0.60), ("mistral-nemo-12b", 12.25),
+                           ("mistral-7b-v0.3", 7.25), ("llama3.2-1b", 1.24)]:
+        assert total_params(get_model_shape(name)) / 1e9 == pytest.approx(billions, abs=0.01), name
 
 
 def test_gemm_efficiency_bounds_and_quantization():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 import re
 import subprocess
@@ -31,12 +32,23 @@ from megatron_chunkflow.mcore.dist import run_processes
 REPO = Path(__file__).resolve().parents[2]
 MODEL_FILES = {p.stem: p for p in sorted((REPO / "configs" / "models").glob("*.sh"))}
 RUN_FILES = sorted((REPO / "configs" / "runs").glob("h100_*.sh"))
-RUN_MODELS = ["qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b"]
+CONTEXTS = {"32k": 32768, "128k": 131072, "256k": 262144}  # configs/runs/h100_{context}_*.sh
+
+
+def run_models(context: str) -> list[str]:
+    """The models of a context's LAYOUT tables (the ChunkFlow file's, in its order)."""
+    text = (REPO / "configs" / "runs" / f"h100_{context}_chunkflow.sh").read_text()
+    return re.findall(r'^\s*\[([\w.\-]+)\]="', text, re.M)
+
+
+RUNS = {c: run_models(c) for c in CONTEXTS}
+RUN_CASES = [(run_file, model) for run_file in sorted(
+    (REPO / "configs" / "runs").glob("h100_*.sh")) for model in RUNS[run_file.stem.split("_")[1]]]
 SBATCH = REPO / "scripts" / "slurm" / "train.sbatch"
 SUBMIT = REPO / "scripts" / "slurm" / "submit.sh"
 SHELL_FILES = [*MODEL_FILES.values(), REPO / "configs" / "runs" / "common.sh", *RUN_FILES,
                SBATCH, SUBMIT]
-SYSTEMS_CONTEXTS = [(c, s) for c in ("32k", "256k") for s in ("stock", "chunkflow")]
+SYSTEMS_CONTEXTS = [(c, s) for c in CONTEXTS for s in ("stock", "chunkflow")]
 BACKENDS = typing.get_args(AttentionBackend)  # --chunkflow-attention-backend's choices
 
 
@@ -218,15 +230,14 @@ def child_results():
     model_argvs, run_argvs = {}, {}
     if MEGATRON_LM_OK:
         model_argvs = {name: model_args(name) for name in MODEL_FILES}
-        for run_file in RUN_FILES:
-            for model in RUN_MODELS:
-                rc = run_config(run_file, model)
-                # what train.sbatch passes, data flags aside (mock data here)
-                run_argvs[(run_file.stem, model)] = (
-                    rc["model_args"] + rc["parallel_args"] + rc["training_args"]
-                    + rc["chunkflow_args"] + (["--dataloader-type", "external"]
-                                              if rc["chunkflow_args"] else []),
-                    rc["nodes"] * rc["gpus"])
+        for run_file, model in RUN_CASES:
+            rc = run_config(run_file, model)
+            # what train.sbatch passes, data flags aside (mock data here)
+            run_argvs[(run_file.stem, model)] = (
+                rc["model_args"] + rc["parallel_args"] + rc["training_args"]
+                + rc["chunkflow_args"] + (["--dataloader-type", "external"]
+                                          if rc["chunkflow_args"] else []),
+                rc["nodes"] * rc["gpus"])
     megatron_lm = MEGATRON_LM if MEGATRON_LM_OK else None
     return run_processes(_child, 1, shapes, megatron_lm, model_argvs, run_argvs, timeout=300)[0]
 
@@ -262,6 +273,11 @@ def test_model_config_builds_at_reduced_depth(name, child_results):
     built = child_results["core"][name]
     assert {device for _, device in built.values()} == {"meta"}
     check_parameter_shapes({k: s for k, (s, _) in built.items()}, HF_MODELS[name])
+    # the cost model's parameter count (perfmodel/footprint.py) is the built model's
+    from megatron_chunkflow.perfmodel.footprint import total_params
+
+    count = sum(math.prod(s) for s, _ in built.values())
+    assert count == total_params(dataclasses.replace(HF_MODELS[name], num_layers=2))
 
 
 # ---- run configs --------------------------------------------------------------------------------
@@ -280,8 +296,7 @@ def run_config(run_file: Path, model: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("model", RUN_MODELS)
-@pytest.mark.parametrize("run_file", RUN_FILES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("run_file,model", RUN_CASES, ids=lambda x: getattr(x, "stem", x))
 def test_run_config_layout_is_consistent(run_file, model):
     rc = run_config(run_file, model)
     shape = HF_MODELS[model]
@@ -292,8 +307,7 @@ def test_run_config_layout_is_consistent(run_file, model):
     assert shape.num_query_groups % tp == 0 and shape.num_attention_heads % tp == 0
     assert shape.vocab_size % tp == 0
     f = flags(rc["model_args"] + rc["parallel_args"] + rc["training_args"])
-    assert int(f["--seq-length"]) == rc["seq"] == {"32k": 32768, "256k": 262144}[
-        run_file.stem.split("_")[1]]
+    assert int(f["--seq-length"]) == rc["seq"] == CONTEXTS[run_file.stem.split("_")[1]]
     assert int(f["--max-position-embeddings"]) >= rc["seq"]  # Megatron asserts it
     assert int(f["--tensor-model-parallel-size"]) == tp
     assert int(f["--context-parallel-size"]) == cp
@@ -320,8 +334,7 @@ def test_run_config_layout_is_consistent(run_file, model):
     assert given == expected  # after TP, PP and CP: Megatron's flags for the row's recompute
 
 
-@pytest.mark.parametrize("context", ["32k", "256k"])
-@pytest.mark.parametrize("model", RUN_MODELS)
+@pytest.mark.parametrize("context,model", [(c, m) for c in CONTEXTS for m in RUNS[c]])
 def test_stock_and_chunkflow_runs_get_the_same_nodes(context, model):
     runs = REPO / "configs" / "runs"
     stock = run_config(runs / f"h100_{context}_stock.sh", model)
@@ -330,7 +343,8 @@ def test_stock_and_chunkflow_runs_get_the_same_nodes(context, model):
 
 
 def test_run_config_names_an_unknown_model():
-    result = bash(f"source {RUN_FILES[0]}; run_config qwen2.5-3b", check=False)
+    result = bash(f"source {REPO / 'configs/runs/h100_32k_chunkflow.sh'}; run_config qwen2.5-3b",
+                  check=False)
     assert result.returncode != 0
     assert "no layout for model 'qwen2.5-3b'" in result.stderr and "qwen2.5-7b" in result.stderr
 
@@ -451,8 +465,7 @@ def hf_inv_freq(shape: ModelShape) -> list[float]:
 @pytest.mark.megatron
 @pytest.mark.slow
 @needs_megatron_lm
-@pytest.mark.parametrize("model", RUN_MODELS)
-@pytest.mark.parametrize("run_file", RUN_FILES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("run_file,model", RUN_CASES, ids=lambda x: getattr(x, "stem", x))
 def test_megatron_lm_validates_each_run_config(run_file, model, child_results):
     rc = run_config(run_file, model)
     got = child_results["runs"][(run_file.stem, model)]

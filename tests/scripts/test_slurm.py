@@ -15,7 +15,7 @@ import pytest
 
 from tests.scripts.test_configs import (
     REPO,
-    RUN_MODELS,
+    RUNS,
     SBATCH,
     SUBMIT,
     SYSTEMS_CONTEXTS,
@@ -31,8 +31,8 @@ def dry_run(tmp_path, **env) -> subprocess.CompletedProcess:
                           env={**os.environ, **base, **env})
 
 
-@pytest.mark.parametrize("model", RUN_MODELS)
-@pytest.mark.parametrize("context,system", SYSTEMS_CONTEXTS)
+@pytest.mark.parametrize("context,system,model", [(c, s, m) for c, s in SYSTEMS_CONTEXTS
+                                                  for m in RUNS[c]])
 def test_sbatch_dry_run_command(tmp_path, context, system, model):
     result = dry_run(tmp_path, MODEL=model, CONTEXT=context, SYSTEM=system,
                      CHECKPOINT="/ckpt/megatron", TOKENIZER="/ckpt/hf")
@@ -219,7 +219,7 @@ def test_submit_all_dry_run(submit_env):
     assert result.returncode == 0, result.stderr
     assert calls == []
     lines = [shlex.split(line) for line in result.stdout.splitlines()]
-    assert len(lines) == 16
+    assert len(lines) == 2 * sum(len(models) for models in RUNS.values())  # every row, both
     for words in lines:
         model, context, system = words[words.index("--job-name") + 1].split("_")
         rc = run_config(REPO / "configs" / "runs" / f"h100_{context}_{system}.sh", model)
