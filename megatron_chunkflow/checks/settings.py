@@ -66,8 +66,7 @@ class VerifySettings:
         from megatron_chunkflow.attention.backends import check_context_parallel
 
         check_context_parallel(self.chunkflow.attention_backend, "cpu")  # verify runs on the CPU
-        for flag, given in (("--hf-reference", self.hf_reference),
-                            ("--lora-rank", self.lora is not None),
+        for flag, given in (("--lora-rank", self.lora is not None),
                             ("--chunkflow-sparse-backward", self.sparse.enabled)):
             if given:
                 raise ValueError(f"{flag} is not checked with --context-parallel-size "

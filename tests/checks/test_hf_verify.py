@@ -23,29 +23,32 @@ def checkpoints(tmp_path_factory):
     return build_checkpoints(tmp_path_factory)
 
 
-def _hf_verify(path, tp, pp, sp=False):
+def _hf_verify(path, tp, pp, sp=False, cp=1):
     from megatron_chunkflow.checks.hf_verify import run_hf_verify
     from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
     from megatron_chunkflow.mcore.dist import shutdown
 
     r = run_hf_verify(str(path), [70, 5, 33, 100, 12, 64, 1, 16, 48],
                       ChunkFlowConfig(16, 1, "torch"),
-                      ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp), seed=1)
+                      ParallelConfig(tp=tp, pp=pp, cp=cp, sequence_parallel=sp), seed=1)
     shutdown()
     return r.max_rel_grad_err, r.worst_param, r.loss_ref, r.loss_chunked
 
 
-@pytest.mark.parametrize("case,tp,pp,sp", [
-    ("gqa2_tied", 1, 1, False), ("gqa2_untied_sharded", 1, 1, False), ("gqa2_tied", 1, 2, False),
+@pytest.mark.parametrize("case,tp,pp,sp,cp", [
+    ("gqa2_tied", 1, 1, False, 1), ("gqa2_untied_sharded", 1, 1, False, 1),
+    ("gqa2_tied", 1, 2, False, 1),
     # the other families, chunked (the 100-token sequence in 7 dependent chunks) at TP 1 and 2;
-    # Qwen3's QK norms under sequence parallelism are their own modules (mcore/build.py)
-    *[(case, tp, 1, False) for case in FAMILY_CASES for tp in (1, 2)],
-    ("qwen3_hd24", 2, 1, True)])
-def test_verify_against_transformers_float64(gloo, checkpoints, case, tp, pp, sp):
+    # Qwen3's QK norms under sequence parallelism are their own modules (mcore/build.py); under
+    # CP the scaled RoPE and the QK norms see zigzag shards of each chunk
+    *[(case, tp, 1, False, 1) for case in FAMILY_CASES for tp in (1, 2)],
+    ("qwen3_hd24", 2, 1, True, 1), ("llama3_scaled", 1, 1, False, 2),
+    ("qwen3_hd24", 2, 1, True, 2), ("gqa2_untied_sharded", 1, 1, False, 2)])
+def test_verify_against_transformers_float64(gloo, checkpoints, case, tp, pp, sp, cp):
     """ChunkFlow on megatron-core vs transformers' unchunked model of the checkpoint's family:
     float64 gradients (mapped back to HF names) within 1e-10, and the same loss."""
-    for err, worst, loss_ref, loss_cf in gloo.run(_hf_verify, tp * pp, checkpoints[case][0],
-                                                       tp, pp, sp, timeout=600):
+    for err, worst, loss_ref, loss_cf in gloo.run(_hf_verify, tp * pp * cp, checkpoints[case][0],
+                                                       tp, pp, sp, cp, timeout=600):
         assert err <= 1e-10, (f"max relative grad error {err:.2e} at {worst}; "
                               f"loss {loss_ref} vs {loss_cf}")
         assert loss_cf == pytest.approx(loss_ref, rel=1e-12)
