@@ -124,3 +124,21 @@ def test_chatml_directories_take_the_default_system_from_their_template(tmp_path
     n3 = len(encode_conversation(user, qwen3).tokens)
     n25 = len(encode_conversation(user, qwen25).tokens)
     assert n25 - n3 == len(qwen25.encode("system\n" + qwen25.default_system)) + 3
+
+
+def test_megatron_lm_launcher_reads_the_same_template(tmp_path):
+    """pretrain_gpt.py's --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR: ChunkFlow's
+    data reader renders conversations with the directory's template, as `chunkflow train` does."""
+    import types
+
+    from megatron_chunkflow.megatron_lm.args import data_tokenizer
+
+    directory = str(_directory(tmp_path / "llama", LLAMA3))
+    args = types.SimpleNamespace(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=directory,
+                                 data_path=["chat.jsonl"])
+    tok = data_tokenizer(args, 512)
+    assert tok.name == f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {directory}"
+    (got,) = encode_record_sequences({"messages": CHAT}, tok)
+    (want,) = load_tokenizer(directory).encode_chat(CHAT)
+    assert got.tokens.tolist() == want.tokens.tolist()
+    assert got.loss_mask.tolist() == want.loss_mask.tolist()
