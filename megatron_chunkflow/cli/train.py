@@ -177,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
     top = dataset.max_token_id
     if top >= s.shape.vocab_size:
         raise ValueError(f"token id {top} does not fit the model's vocabulary of "
-                         f"{s.shape.vocab_size} (--model {s.model_name})")
+                         f"{s.shape.vocab_size} (--model {s.model_name}); the data was tokenized "
+                         f"by {tokenizer.name}: give the model's own tokenizer (--tokenizer DIR)")
     ranks = init_distributed(s.parallel, s.seed)
     rank0 = torch.distributed.get_rank() == 0
     out = Output(args.json, quiet=not rank0)
