@@ -238,6 +238,9 @@ def check_shape(shape: ModelShape, source: str) -> ModelShape:
     if shape.num_attention_heads % shape.num_query_groups:
         raise ValueError(f"{source}: num_attention_heads {shape.num_attention_heads} is not a "
                          f"multiple of num_query_groups {shape.num_query_groups}")
+    if shape.qk_norm and shape.qkv_bias:
+        raise ValueError(f"{source}: qk_norm with qkv_bias: no supported family has both (Qwen3's "
+                         "QK norm comes without a Q/K/V bias); set qkv_bias false")
     if shape.head_dim % 2:
         raise ValueError(f"{source}: the head dim {shape.head_dim} is odd (RoPE rotates pairs)")
     return shape

@@ -86,3 +86,11 @@ def test_sliding_windows_are_refused():
 def test_hf_keys_without_model_type_are_named():
     with pytest.raises(ValueError, match="has Hugging Face config.json keys .* but no model_type"):
         model_shape_from_dict({"hidden_size": 64, "num_hidden_layers": 2}, "--model-config f")
+
+
+def test_our_field_names_refuse_a_shape_no_family_has():
+    fields = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
+              "num_attention_heads": 4, "num_query_groups": 2, "vocab_size": 100}
+    assert model_shape_from_dict({**fields, "qk_norm": True, "qkv_bias": False}, "f").qk_norm
+    with pytest.raises(ValueError, match="^f: qk_norm with qkv_bias: no supported family"):
+        model_shape_from_dict({**fields, "qk_norm": True}, "f")  # qkv_bias defaults to true
