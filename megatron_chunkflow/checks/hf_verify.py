@@ -32,7 +32,9 @@ def hf_reference(hf_dir: str, sequences, dtype=torch.float64):
         from transformers import AutoModelForCausalLM
     except ImportError:
         raise ValueError("--hf-reference needs transformers: pip install transformers") from None
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, attn_implementation="sdpa")
+    # cast after loading: exact (checkpoints hold fewer bits), and the same in every transformers
+    # (the keyword is torch_dtype before 4.56, dtype after)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="sdpa").to(dtype)
     model.train()
     if dtype == torch.float64:
         _norms_in_float64(model)

@@ -108,6 +108,8 @@ def shape_from_hf_config(d: dict, source: str) -> ModelShape:
             _refuse(source, isinstance(value, bool) or not isinstance(value, int) or value < 1,
                     _hf_key(field), value, "it must be a positive integer")
     head_dim = d.get("head_dim")
+    if head_dim is None and kind == "qwen3":
+        head_dim = 128  # transformers' Qwen3Config default, whatever hidden / heads
     if head_dim is not None:
         _refuse(source, isinstance(head_dim, bool) or not isinstance(head_dim, int)
                 or head_dim < 1, "head_dim", head_dim, "it must be a positive integer")
@@ -126,7 +128,15 @@ def _refuse(source: str, bad, key: str, value, why: str) -> None:
 
 
 def hf_config_dict(shape: ModelShape, dtype: str = "float32") -> dict:
-    """A config.json transformers loads as the model `shape` describes (its family's class)."""
+    """A config.json transformers loads as the model `shape` describes (its family's class);
+    max_position_embeddings is the preset's where `shape` is one (else what its RoPE was made
+    for: 131,072 with Llama 3's scaling, 32,768 without). Token ids (bos, eos) are the
+    tokenizer's business and are left out."""
+    from megatron_chunkflow.core.models import HF_CARDS, HF_MODELS
+
+    preset = next((HF_CARDS[k] for k, v in HF_MODELS.items() if v == shape), None)
+    positions = preset.max_position_embeddings if preset else (
+        131072 if shape.rope_scaling_factor is not None else 32768)
     arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
             "llama": "LlamaForCausalLM"}[shape.family]
     rope = {"rope_type": "default"}
@@ -140,7 +150,7 @@ def hf_config_dict(shape: ModelShape, dtype: str = "float32") -> dict:
         "vocab_size": shape.vocab_size, "tie_word_embeddings": shape.tie_embeddings,
         "rope_theta": shape.rotary_base, "rope_scaling": None if rope["rope_type"] == "default"
         else rope, "rms_norm_eps": shape.norm_eps, "attention_dropout": 0.0,
-        "torch_dtype": dtype,
+        "max_position_embeddings": positions, "torch_dtype": dtype,
     }
     if shape.family != "qwen2":
         out.update(attention_bias=False, mlp_bias=False)

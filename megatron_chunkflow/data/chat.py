@@ -82,10 +82,12 @@ def encode_conversation(messages, tokenizer: Tokenizer) -> TokenSequence:
 
 
 def encode_text(text, tokenizer: Tokenizer) -> TokenSequence:
-    """A plain-text record: its tokens then <|endoftext|>; every target counts."""
+    """A plain-text record: the tokenizer's BOS where it has one (Llama, Mistral), its tokens, then
+    the end of text (<|endoftext|>, the EOS); every target counts."""
     if not isinstance(text, str):
         raise BadRecord(f"text is {type(text).__name__}, not a string")
-    tokens = tokenizer.encode(text) + [tokenizer.eod_id]
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    tokens = bos + tokenizer.encode(text) + [tokenizer.eod_id]
     return counted_sequence(tokens, [True] * len(tokens))
 
 

@@ -3,8 +3,10 @@ without ChatML's special tokens), with an assistant-only loss mask.
 
 The template (tokenizer_config.json's "chat_template", or chat_template.jinja beside it) is
 rendered with jinja2 as transformers renders it (a sandbox, trim_blocks and lstrip_blocks, the
-loop-controls extension, `raise_exception`, `strftime_now`, bos_token / eos_token). Nothing is
-downloaded and transformers is not needed.
+loop-controls extension, `raise_exception`, `strftime_now`, bos_token / eos_token, tools and
+documents none, `{% generation %}` blocks rendered as they are). `strftime_now` gives the date the
+tokenizer was loaded, so a record renders the same every time within a run (Llama 3.2's template
+writes today's date into every system header). Nothing is downloaded; transformers is not needed.
 
 Where each assistant turn is: the template is rendered for the conversation up to the turn with
 the generation prompt (`prompt`), and up to and including the turn (`upto`); the turn is the text
@@ -36,7 +38,7 @@ def read_chat_template(directory: Path) -> str | None:
     jinja = directory / "chat_template.jinja"
     if jinja.is_file():
         return jinja.read_text(encoding="utf-8")
-    config = _tokenizer_config(directory)
+    config = _json_object(directory / "tokenizer_config.json")
     template = config.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -47,8 +49,7 @@ def read_chat_template(directory: Path) -> str | None:
     return template
 
 
-def _tokenizer_config(directory: Path) -> dict:
-    file = directory / "tokenizer_config.json"
+def _json_object(file: Path) -> dict:
     if not file.is_file():
         return {}
     try:
@@ -59,11 +60,33 @@ def _tokenizer_config(directory: Path) -> dict:
 
 
 def special_token_text(directory: Path, key: str) -> str | None:
-    """tokenizer_config.json's bos_token / eos_token as text (a string or {"content": ...})."""
-    value = _tokenizer_config(directory).get(key)
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
+    """The bos_token / eos_token as text (a string or {"content": ...}): tokenizer_config.json's,
+    else special_tokens_map.json's; None when neither names it."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        value = _json_object(directory / name).get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def _generation_blocks():
+    """{% generation %}...{% endgeneration %} (transformers' marks for its assistant mask): their
+    body is rendered as it is; the mask here comes from the prefix renders."""
+    from jinja2.ext import Extension
+
+    class GenerationBlocks(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            from jinja2 import nodes
+
+            return nodes.Scope(body, lineno=lineno)
+
+    return GenerationBlocks
 
 
 class TemplateChat:
@@ -79,22 +102,29 @@ class TemplateChat:
         def raise_exception(message):
             raise BadRecord(f"the chat template refused this conversation: {message}")
 
-        def strftime_now(fmt):
-            from datetime import datetime
+        from datetime import datetime
 
-            return datetime.now().strftime(fmt)
+        loaded = datetime.now()  # one date per run: every rendering of a record is the same
+
+        def strftime_now(fmt):
+            return loaded.strftime(fmt)
+
+        def tojson(x, indent=None, separators=None, sort_keys=False, ensure_ascii=False):
+            return json.dumps(x, indent=indent, separators=separators, sort_keys=sort_keys,
+                              ensure_ascii=ensure_ascii)
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[loopcontrols])
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, sort_keys=False: \
-            json.dumps(x, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+                                            extensions=[loopcontrols, _generation_blocks()])
+        env.filters["tojson"] = tojson
         env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
         try:
             self._template = env.from_string(template)
         except jinja2.TemplateError as e:
             raise ValueError(f"{where}: the chat template is not valid Jinja: {e}") from None
         self._hf, self._specials = hf_tokenizer, sorted(set(specials), key=len, reverse=True)
-        self._names = {"bos_token": bos or "", "eos_token": eos or ""}
+        # what transformers passes besides the messages (tools and documents: none)
+        self._names = {"bos_token": bos or "", "eos_token": eos or "", "tools": None,
+                       "documents": None}
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         import jinja2
@@ -104,8 +134,9 @@ class TemplateChat:
                                          add_generation_prompt, **self._names)
         except BadRecord:
             raise
-        except jinja2.TemplateError as e:
-            raise BadRecord(f"the chat template failed on this conversation: {e}") from None
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as e:
+            raise BadRecord(f"the chat template failed on this conversation: "
+                            f"{type(e).__name__}: {e}") from None
 
     def __call__(self, messages) -> list[TokenSequence]:
         return [self.encode(messages)]
@@ -136,7 +167,7 @@ class TemplateChat:
         counts = []
         for start, end in enc.offsets:
             span = next(((a, b) for a, b in spans if start < b and max(end, start + 1) > a), None)
-            if span is not None and not span[0] <= start and end <= span[1]:
+            if span is not None and not (span[0] <= start and end <= span[1]):
                 raise BadRecord(f"a token spans characters {start}-{end} of the rendered "
                                 f"conversation, across the edge of the assistant turn at "
                                 f"{span[0]}-{span[1]}: the loss mask cannot follow it")

@@ -36,7 +36,9 @@ class Tokenizer:
     tokenize_conversation, or a directory's Jinja template: template.py): a record's messages to
     its sequences (one or more conversations), used instead of the ChatML template of chat.py, so
     that the data matches what that tokenizer's own training pipeline would make.
-    `default_system`: the system message ChatML puts first when a conversation has none."""
+    `default_system`: the system message ChatML puts first when a conversation has none.
+    `bos_id`: the token a text record starts with (Llama 3's <|begin_of_text|>, Mistral's <s>;
+    none for Qwen), as the model saw it in pretraining."""
 
     name: str
     vocab_size: int
@@ -46,6 +48,7 @@ class Tokenizer:
     _encode: Callable[[str], list[int]] = field(repr=False, compare=False)
     encode_chat: Callable[[list], list] | None = field(default=None, repr=False, compare=False)
     default_system: str | None = QWEN25_SYSTEM_MESSAGE
+    bos_id: int | None = None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token strings inside it are encoded as plain text."""
@@ -127,11 +130,12 @@ def _hf_tokenizer(directory: str, flag: str) -> Tokenizer:
                              f"not a token of {file} (text records end with it)")
         parsing = tokenizers.Tokenizer.from_file(str(file))  # the template's specials parsed
         specials = [t.content for t in hf.get_added_tokens_decoder().values() if t.special]
-        chat = TemplateChat(template, parsing, specials, special_token_text(d, "bos_token"),
-                            eos, f"{flag} {directory}")
+        bos = special_token_text(d, "bos_token")
+        chat = TemplateChat(template, parsing, specials, bos, eos, f"{flag} {directory}")
         return Tokenizer(name=f"hf:{directory}", vocab_size=_vocab_size(hf), eod_id=eod,
                          im_start_id=-1, im_end_id=-1, _encode=partial(_encode, hf),
-                         encode_chat=chat, default_system=None)
+                         encode_chat=chat, default_system=None,
+                         bos_id=hf.token_to_id(bos) if bos else None)
     system = QWEN25_SYSTEM_MESSAGE if template is None or QWEN25_SYSTEM_MESSAGE in template \
         else None
     return Tokenizer(

@@ -168,13 +168,25 @@ def local_spec_name(name: str) -> str:
 
 
 def _megatron_from_hf(name: str, src: _HFSource, shape: ModelShape) -> torch.Tensor:
-    """The TP = 1 megatron tensor `name` (a PP = 1 name), unpadded vocabulary."""
+    """The TP = 1 megatron tensor `name` (a PP = 1 name), unpadded vocabulary; ValueError for a
+    parameter no Hugging Face tensor of the family maps to (a model built otherwise)."""
+    try:
+        return _megatron_tensor(name, src, shape)
+    except KeyError:
+        raise ValueError(f"model parameter {name} has no Hugging Face tensor in a "
+                         f"{shape.family} checkpoint (the model was built with something the "
+                         "family does not have: a bias, a LayerNorm, ...)") from None
+
+
+def _megatron_tensor(name: str, src: _HFSource, shape: ModelShape) -> torch.Tensor:
     if name == "embedding.word_embeddings.weight":
         return src.get("model.embed_tokens.weight")
     if name == "output_layer.weight":
         return src.get("lm_head.weight")
     if name == "decoder.final_layernorm.weight":
         return src.get("model.norm.weight")
+    if not name.startswith("decoder.layers."):
+        raise KeyError(name)
     _, _, g, rest = name.split(".", 3)
     p = f"model.layers.{g}."
     if rest.startswith("self_attention.linear_qkv."):

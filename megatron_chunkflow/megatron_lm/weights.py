@@ -25,6 +25,19 @@ def check_load_hf(args) -> None:
     mine = shape_from_args(args)
     wrong = [f"{flag} {_shown(getattr(mine, field))} (config.json: {_shown(getattr(hf, field))})"
              for field, flag in SHAPE_FLAGS.items() if getattr(mine, field) != getattr(hf, field)]
+    # what every supported family is, whatever its config.json says
+    wrong += [f"{flag} (every supported family: {need})" for flag, bad, need in (
+        (f"--normalization {args.normalization}", args.normalization != "RMSNorm", "RMSNorm"),
+        (f"--position-embedding-type {args.position_embedding_type}",
+         args.position_embedding_type != "rope", "rope"),
+        (f"--rotary-percent {args.rotary_percent}", args.rotary_percent != 1.0,
+         "1.0, RoPE on the whole head"),
+        ("--rotary-interleaved", args.rotary_interleaved, "the rotate-half layout"),
+        ("--layernorm-zero-centered-gamma",
+         getattr(args, "layernorm_zero_centered_gamma", False), "plain RMSNorm weights"),
+        ("no --swiglu", not args.swiglu, "a SwiGLU MLP"),
+        ("no --disable-bias-linear", args.add_bias_linear, "no bias on the output or MLP"),
+    ) if bad]
     if wrong:
         raise LaunchError(f"--chunkflow-load-hf {args.chunkflow_load_hf}: the model flags do not "
                           "build this checkpoint's model: " + "; ".join(wrong))

@@ -35,8 +35,23 @@ NEMO = {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "hidde
         "max_position_embeddings": 1024000}
 
 
-@pytest.mark.parametrize("config,preset", [(LLAMA31_8B, "llama3.1-8b"), (QWEN3_8B, "qwen3-8b"),
-                                           (NEMO, "mistral-nemo-12b")])
+LLAMA32_1B = {**LLAMA31_8B, "hidden_size": 2048, "intermediate_size": 8192,
+              "num_hidden_layers": 16, "num_attention_heads": 32, "head_dim": 64,
+              "tie_word_embeddings": True, "rope_scaling": {**LLAMA31_8B["rope_scaling"],
+                                                            "factor": 32.0}}
+QWEN3_06B = {**QWEN3_8B, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+             "num_attention_heads": 16, "tie_word_embeddings": True, "max_window_layers": 28}
+MISTRAL_7B = {"model_type": "mistral", "architectures": ["MistralForCausalLM"],
+              "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "vocab_size": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-05,
+              "tie_word_embeddings": False, "sliding_window": None, "attention_dropout": 0.0,
+              "max_position_embeddings": 32768}
+
+
+@pytest.mark.parametrize("config,preset", [
+    (LLAMA31_8B, "llama3.1-8b"), (LLAMA32_1B, "llama3.2-1b"), (QWEN3_8B, "qwen3-8b"),
+    (QWEN3_06B, "qwen3-0.6b"), (NEMO, "mistral-nemo-12b"), (MISTRAL_7B, "mistral-7b-v0.3")])
 def test_released_configs_give_the_presets(config, preset):
     shape = shape_from_hf_config(config, "config.json")
     assert shape == get_model_shape(preset)
@@ -94,3 +109,15 @@ def test_our_field_names_refuse_a_shape_no_family_has():
     assert model_shape_from_dict({**fields, "qk_norm": True, "qkv_bias": False}, "f").qk_norm
     with pytest.raises(ValueError, match="^f: qk_norm with qkv_bias: no supported family"):
         model_shape_from_dict({**fields, "qk_norm": True}, "f")  # qkv_bias defaults to true
+
+
+def test_qwen3_head_dim_defaults_to_transformers_128():
+    """Qwen3Config's head_dim defaults to 128, not hidden / heads (64 for Qwen3-0.6B)."""
+    no_head_dim = {k: v for k, v in QWEN3_06B.items() if k != "head_dim"}
+    assert shape_from_hf_config(no_head_dim, "c").head_dim == 128
+
+
+def test_exported_config_keeps_the_presets_positions():
+    assert hf_config_dict(get_model_shape("llama3.1-8b"))["max_position_embeddings"] == 131072
+    assert hf_config_dict(get_model_shape("qwen3-8b"))["max_position_embeddings"] == 40960
+    assert hf_config_dict(get_model_shape("tiny-llama3"))["max_position_embeddings"] == 131072

@@ -142,3 +142,42 @@ def test_megatron_lm_launcher_reads_the_same_template(tmp_path):
     (want,) = load_tokenizer(directory).encode_chat(CHAT)
     assert got.tokens.tolist() == want.tokens.tolist()
     assert got.loss_mask.tolist() == want.loss_mask.tolist()
+
+
+def test_generation_marks_render_and_text_records_start_with_bos(tmp_path):
+    """A template with transformers' {% generation %} marks renders as without them; a text
+    record starts with the tokenizer's BOS (Llama 3 saw <|begin_of_text|> first in pretraining)
+    and ends with its EOS."""
+    from megatron_chunkflow.data.chat import encode_text
+
+    plain = load_tokenizer(str(_directory(tmp_path / "plain", LLAMA3)))
+    marked = load_tokenizer(str(_directory(tmp_path / "marked", LLAMA3_GENERATION)))
+    assert (plain.encode_chat(CHAT)[0].tokens.tolist()
+            == marked.encode_chat(CHAT)[0].tokens.tolist())
+    seq = encode_text("the river", plain)
+    assert seq.tokens.tolist() == [plain.bos_id, *plain.encode("the river"), plain.eod_id]
+    assert plain.bos_id == 0 and plain.eod_id == 4  # <|begin_of_text|>, <|eot_id|>
+
+
+def test_a_token_across_a_turns_end_is_refused(tmp_path):
+    """A template that writes the next turn right after a reply ("...therEuser: ..."): a
+    whitespace-split word tokenizer makes one token of the reply's end and the next turn's start,
+    which the mask cannot follow; the record is refused, never half-trained."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["[UNK]", "user:", "assistant:", "hello", "there", "again"]
+    hf = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf.add_special_tokens(["</s>"])
+    (tmp_path / "tok").mkdir()
+    hf.save(str(tmp_path / "tok" / "tokenizer.json"))
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}assistant: {% endif %}")
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "</s>", "chat_template": template}))
+    tok = load_tokenizer(str(tmp_path / "tok"))
+    one_turn = [{"role": "user", "content": "hello "}, {"role": "assistant", "content": "there"}]
+    assert len(tok.encode_chat(one_turn)[0].tokens) == 4  # "user: hello assistant: there"
+    with pytest.raises(BadRecord, match="across the edge of the assistant turn"):
+        tok.encode_chat([*one_turn, {"role": "user", "content": "again"},
+                         {"role": "assistant", "content": "hello"}])

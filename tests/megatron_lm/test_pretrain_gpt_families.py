@@ -82,8 +82,11 @@ def family_checkpoints(workdir):
 def test_family_flags_train_like_chunkflow_train(gloo, family_checkpoints, case):
     workdir = family_checkpoints
     words = family_flags(workdir / case)
+    kind = CASES[case][0]
     assert {"llama": "--use-rope-scaling", "qwen3": "--qk-layernorm",
-            "mistral": "--kv-channels"}[CASES[case][0]] in words
+            "mistral": "--swiglu"}[kind] in words
+    if kind != "llama":  # the head dim that is not hidden / heads (16)
+        assert words[words.index("--kv-channels") + 1] == {"qwen3": "24", "mistral": "32"}[kind]
     sched = {**SCHEDULE, "--train-iters": 3}
     mlm = _torchrun(1, ["megatron_chunkflow.launch", str(MEGATRON_LM / "pretrain_gpt.py"), *words,
                         *CPU, *_flags(sched), "--micro-batch-size", "1", "--data-path", "corpus",
@@ -109,11 +112,13 @@ def test_flags_that_do_not_build_the_checkpoint_are_named(family_checkpoints):
     words[factor + 1] = "8"
     words.append("--qk-layernorm")
     words[words.index("--rotary-base") + 1] = "10000"
+    words[words.index("--rotary-percent") + 1] = "0.5"
     out = _launch_one(workdir, [*words, *CPU, *_flags(SCHEDULE), "--micro-batch-size", "1",
                                 "--mock-data", "--chunkflow", "--chunkflow-load-hf",
                                 "llama3_scaled"])
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     for needle in ("--rotary-base 10000.0 (config.json: 500000.0)",
                    "--qk-layernorm on (config.json: off)",
-                   "--use-rope-scaling / --rope-scaling-factor 8.0 (config.json: 32.0)"):
+                   "--use-rope-scaling / --rope-scaling-factor 8.0 (config.json: 32.0)",
+                   "--rotary-percent 0.5 (every supported family: 1.0, RoPE on the whole head)"):
         assert needle in out.stderr, out.stderr[-2000:]
