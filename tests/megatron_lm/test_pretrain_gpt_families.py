@@ -122,3 +122,48 @@ def test_flags_that_do_not_build_the_checkpoint_are_named(family_checkpoints):
                    "--use-rope-scaling / --rope-scaling-factor 8.0 (config.json: 32.0)",
                    "--rotary-percent 0.5 (every supported family: 1.0, RoPE on the whole head)"):
         assert needle in out.stderr, out.stderr[-2000:]
+
+
+@needs_megatron_lm
+@pytest.mark.slow
+def test_llama_conversations_through_their_own_template(gloo, workdir, tmp_path):
+    """SFT conversations for a Llama 3 checkpoint with a Llama-style tokenizer directory (no ChatML
+    tokens; its own Jinja template): pretrain_gpt.py --chunkflow with Megatron's
+    HuggingFaceTokenizer flags and `chunkflow train --tokenizer DIR` read the same tokens and
+    assistant targets and train to the same losses."""
+    import torch
+
+    from megatron_chunkflow.data import load_tokenizer
+    from tests.data.test_template import CHAT, LLAMA3, _directory
+    from tests.mcore.hf_checkpoints import hf_config
+
+    pytest.importorskip("tokenizers")
+    tok_dir = _directory(tmp_path / "tok", LLAMA3)
+    vocab = load_tokenizer(str(tok_dir)).vocab_size
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(3)
+    AutoModelForCausalLM.from_config(hf_config("llama3_scaled", vocab_size=vocab)).save_pretrained(
+        tmp_path / "hf")
+    with (tmp_path / "chat.jsonl").open("w") as f:
+        for i in range(12):  # one- and two-turn conversations, and one of 16 turns (> a chunk)
+            turns = [CHAT[0], *(CHAT[1:3] * 16)] if i == 4 else CHAT[:3] if i % 2 else CHAT
+            f.write(json.dumps({"messages": turns}) + "\n")
+    sched = {**SCHEDULE, "--train-iters": 3, "--seq-length": 2048, "--chunk-size": 64}
+    cpu = [x for x in CPU if x not in ("NullTokenizer", "--vocab-size", "999")]
+    at = cpu.index("--tokenizer-type") + 1
+    cpu[at:at] = ["HuggingFaceTokenizer", "--tokenizer-model", str(tok_dir)]
+    words = [*family_flags(tmp_path / "hf"), "--max-position-embeddings", "2048"]
+    mlm = _torchrun(1, ["megatron_chunkflow.launch", str(MEGATRON_LM / "pretrain_gpt.py"), *words,
+                        *cpu, *_flags(sched), "--micro-batch-size", "1", "--data-path",
+                        str(tmp_path / "chat.jsonl"), "--chunkflow", "--chunkflow-load-hf",
+                        str(tmp_path / "hf")], workdir)
+    assert mlm.returncode == 0, mlm.stdout[-3000:] + mlm.stderr[-3000:]
+    log = tmp_path / "train.jsonl"
+    code, _, err = gloo.cli(1, "train", "--load-hf", tmp_path / "hf", "--tokenizer", tok_dir,
+                            "--data-path", tmp_path / "chat.jsonl", *_flags(sched),
+                            "--log-json", log)
+    assert code == 0, err[-3000:]
+    expected = [json.loads(line)["loss"] for line in log.open()]
+    expected[1] = (expected[0] + expected[1]) / 2
+    assert _megatron_losses(mlm.stdout) == pytest.approx(expected, rel=1e-5)
