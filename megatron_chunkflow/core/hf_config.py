@@ -17,7 +17,12 @@ ChunkFlow would compute the router's load-balancing loss per data chunk, not per
 
 from __future__ import annotations
 
-from megatron_chunkflow.core.models import LLAMA3_ROPE_FIXED, ModelShape, check_shape
+from megatron_chunkflow.core.models import (
+    LLAMA3_ROPE_FIXED,
+    ModelShape,
+    check_shape,
+    field_problem,
+)
 
 FAMILIES = {"qwen2": "Qwen2 / Qwen2.5", "qwen3": "Qwen3 (dense)", "llama": "Llama 3.x",
             "mistral": "Mistral / Mistral Nemo"}
@@ -99,20 +104,14 @@ def shape_from_hf_config(d: dict, source: str) -> ModelShape:
     if missing:
         raise ValueError(f"{source}: missing {', '.join(missing)}")
     for field, value in kw.items():
-        if field in ("tie_embeddings", "qkv_bias", "qk_norm"):
-            _refuse(source, not isinstance(value, bool), field, value, "it must be true or false")
-        elif field in ("norm_eps", "rotary_base", "rope_scaling_factor"):
-            _refuse(source, value is not None and (isinstance(value, bool) or not isinstance(
-                value, (int, float)) or value <= 0), field, value, "it must be a positive number")
-        else:
-            _refuse(source, isinstance(value, bool) or not isinstance(value, int) or value < 1,
-                    _hf_key(field), value, "it must be a positive integer")
+        problem = field_problem(field, value)
+        _refuse(source, problem, _hf_key(field), value, f"it must be {problem}")
     head_dim = d.get("head_dim")
     if head_dim is None and kind == "qwen3":
         head_dim = 128  # transformers' Qwen3Config default, whatever hidden / heads
     if head_dim is not None:
-        _refuse(source, isinstance(head_dim, bool) or not isinstance(head_dim, int)
-                or head_dim < 1, "head_dim", head_dim, "it must be a positive integer")
+        problem = field_problem("kv_channels", head_dim)
+        _refuse(source, problem, "head_dim", head_dim, f"it must be {problem}")
         if head_dim * kw["num_attention_heads"] != kw["hidden_size"]:
             kw["kv_channels"] = head_dim
     return check_shape(ModelShape(**kw), source)

@@ -15,6 +15,7 @@ model_type, tokenizer size) and the hub id. With HF_MODELS they generate configs
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 # Llama 3's RoPE scaling ("rope_type": "llama3") as megatron-core 0.16.1 applies it: only the factor
@@ -195,8 +196,6 @@ def get_model_shape(name: str) -> ModelShape:
 def model_shape_from_dict(d: dict, source: str = "model config") -> ModelShape:
     """Our field names, or a Hugging Face config.json (it has a model_type: core/hf_config.py
     reads and checks it); unknown keys of our format are ignored."""
-    import dataclasses
-
     if not isinstance(d, dict):
         raise ValueError(f"{source}: expected a JSON object with the model's fields, got "
                          f"{type(d).__name__}")
@@ -210,24 +209,33 @@ def model_shape_from_dict(d: dict, source: str = "model config") -> ModelShape:
         raise ValueError(f"{source}: has Hugging Face config.json keys "
                          f"({', '.join(sorted(hf_only))}) but no model_type; "
                          "give the checkpoint's whole config.json, or ModelShape's field names")
-    fields = {f.name: f for f in dataclasses.fields(ModelShape)}
     kw = {k: v for k, v in d.items() if k in fields}
     missing = [f.name for f in fields.values()
                if f.default is dataclasses.MISSING and f.name not in kw]
     if missing:
         raise ValueError(f"{source}: missing {', '.join(missing)}")
     for name, value in kw.items():
-        kind = fields[name].type.removesuffix(" | None")
-        if value is None and fields[name].type.endswith("| None"):
-            continue
-        if kind == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{source}: {name} must be a positive integer, got {value!r}")
-        if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                or not value > 0):
-            raise ValueError(f"{source}: {name} must be a positive number, got {value!r}")
-        if kind == "bool" and not isinstance(value, bool):
-            raise ValueError(f"{source}: {name} must be true or false, got {value!r}")
+        problem = field_problem(name, value)
+        if problem:
+            raise ValueError(f"{source}: {name} must be {problem}, got {value!r}")
     return check_shape(ModelShape(**kw), source)
+
+
+def field_problem(name: str, value) -> str | None:
+    """What ModelShape field `name` needs that `value` is not ("a positive integer", "a positive
+    number", "true or false"), or None when it is fine; None passes where the field allows it."""
+    kind = next(f.type for f in dataclasses.fields(ModelShape) if f.name == name)
+    if value is None and kind.endswith("| None"):
+        return None
+    kind = kind.removesuffix(" | None")
+    if kind == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        return "a positive integer"
+    if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))
+                            or not value > 0):
+        return "a positive number"
+    if kind == "bool" and not isinstance(value, bool):
+        return "true or false"
+    return None
 
 
 def check_shape(shape: ModelShape, source: str) -> ModelShape:

@@ -6,8 +6,8 @@ Mistral), and the one ChunkFlow model every entry point trains (`build_chunkflow
 
 Every family: GQA (num_query_groups), RMSNorm, SwiGLU MLP, RoPE, tied or untied embeddings; the
 shape's switches add Qwen2's bias on QKV, Qwen3's QK norm (qk_layernorm) and head dim
-(kv_channels), Llama 3's RoPE scaling (GPTModel's rope_scaling / rope_scaling_factor). The local layer spec on CPU; Transformer Engine's when it is installed and
-CUDA is present. Fusions that need CUDA kernels are off on CPU.
+(kv_channels), Llama 3's RoPE scaling (GPTModel's rope_scaling / rope_scaling_factor). The local
+layer spec on CPU; Transformer Engine's when it is installed and CUDA is present. Fusions that need CUDA kernels are off on CPU.
 """
 
 from __future__ import annotations
