@@ -170,6 +170,11 @@ class ParallelConfig:
                                          "aliases": ("--pp",)})
     """Pipeline-parallel size (PP): the layers split into PP stages."""
 
+    vpp: int = field(default=1, metadata={"flag": "--num-virtual-stages-per-pipeline-rank",
+                                          "aliases": ("--vpp",)})
+    """Virtual pipeline stages (model chunks) per pipeline rank (V): the layers split into PP x V
+    stages, rank r holding stages r, r + PP, ...; the interleaved schedule (needs PP >= 2)."""
+
     cp: int = field(default=1, metadata={"flag": "--context-parallel-size", "aliases": ("--cp",)})
     """Context-parallel size (CP): every chunk's tokens split over CP ranks (2 x CP zigzag pieces
     per segment), a long sequence's K/V state sharded with them; attention all-gathers K/V."""
@@ -188,10 +193,13 @@ class ParallelConfig:
     first N layers of each pipeline stage)."""
 
     def __post_init__(self):
-        for name in ("tp", "pp", "cp", "dp"):
+        for name in ("tp", "pp", "vpp", "cp", "dp"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{_named(name)} must be >= 1, got {value}")
+        if self.vpp > 1 and self.pp < 2:
+            raise ValueError(f"{_named('vpp')} {self.vpp} needs {_named('pp')} >= 2 (virtual "
+                             "stages interleave a pipeline)")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError(f"--sequence-parallel needs {_named('tp')} > 1")
         if isinstance(self.recompute, str):
@@ -202,10 +210,11 @@ class ParallelConfig:
 
     @classmethod
     def layout(cls, *, tp: int = 1, cp: int = 1, pp: int = 1, dp: int = 1,
-               recompute: Recompute | str = NO_RECOMPUTE) -> ParallelConfig:
+               recompute: Recompute | str = NO_RECOMPUTE, vpp: int = 1) -> ParallelConfig:
         """A whole layout as Megatron-LM users run it and the simulator models it: every degree
         given, sequence parallelism whenever TP > 1."""
-        return cls(tp=tp, pp=pp, cp=cp, dp=dp, sequence_parallel=tp > 1, recompute=recompute)
+        return cls(tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, sequence_parallel=tp > 1,
+                   recompute=recompute)
 
     @classmethod
     def parse(cls, text: str, num_gpus: int, shape, flag: str) -> ParallelConfig:
@@ -327,8 +336,17 @@ class ParallelConfig:
         if shape.num_layers % self.pp:
             raise ValueError(f"{name('pp')} {self.pp} must divide the model's "
                              f"{shape.num_layers} layers, as Megatron-LM requires")
-        self.recompute.check_layers(shape.num_layers // self.pp,
+        if shape.num_layers % (self.pp * self.vpp):
+            raise ValueError(f"{name('vpp')} {self.vpp} must divide the model's "
+                             f"{shape.num_layers // self.pp} layers per pipeline stage (PP "
+                             f"{self.pp}), as Megatron requires")
+        self.recompute.check_layers(shape.num_layers // self.num_virtual_stages,
                                     f"{where}: RECOMPUTE" if where else "--recompute")
+
+    @property
+    def num_virtual_stages(self) -> int:
+        """PP x V: the stages a chunk's forward passes through (PP without virtual stages)."""
+        return self.pp * self.vpp
 
     def span(self, axis: str) -> int:
         """GPUs a group of this axis spans, in Megatron's rank order."""
@@ -337,7 +355,8 @@ class ParallelConfig:
 
     def describe(self) -> str:
         """e.g. "TP4 CP1 PP2 DP4 selective:mlp"."""
-        return f"TP{self.tp} CP{self.cp} PP{self.pp} DP{self.dp} {self.recompute}"
+        pp = f"PP{self.pp}" + (f"xV{self.vpp}" if self.vpp > 1 else "")
+        return f"TP{self.tp} CP{self.cp} {pp} DP{self.dp} {self.recompute}"
 
     def to_flag(self) -> str:
         """The TP,CP,PP,RECOMPUTE form `chunkflow simulate` takes."""
@@ -346,8 +365,11 @@ class ParallelConfig:
     def to_json(self) -> dict:
         """Degrees as numbers, recompute as its text form: the simulator's layout record
         (sequence parallelism is on whenever TP > 1 there)."""
-        return {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp,
-                "recompute": str(self.recompute)}
+        out = {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp,
+               "recompute": str(self.recompute)}
+        if self.vpp > 1:
+            out["vpp"] = self.vpp
+        return out
 
 
 def _flag(name: str) -> str:

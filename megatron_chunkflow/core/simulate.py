@@ -2,7 +2,9 @@
 
 Each stage runs its ops in plan order. F on stage s > 0 starts after F of the same chunk ended on
 stage s - 1 (plus `comm`); B on stage s < p - 1 starts after B of the same chunk ended on s + 1.
-R is stage-local. Sends are asynchronous, so a plan replays iff it cannot deadlock on hardware that
+R is stage-local. With virtual stages the same holds per virtual stage (model chunk x p + rank),
+each rank running its model chunks' ops one at a time; `costs` and `held_bytes` take the virtual
+stage, and the per-stage results (busy, peak held model-chunk activations, bytes) are per rank. Sends are asynchronous, so a plan replays iff it cannot deadlock on hardware that
 posts sends without waiting for the receiver.
 
 Bubble ratio = idle / (p * step_time), where a stage is idle whenever it is not running an op
@@ -52,12 +54,13 @@ class PlanDeadlock(RuntimeError):
 def simulate(plan: PipelinePlan, costs: OpCosts | Callable[[str, int, int], float],
              comm: float | None = None,
              held_bytes: Callable[[int, int], float] | None = None) -> SimResult:
-    """Replay `plan`. `held_bytes(chunk, stage)` gives the activation bytes a chunk holds."""
-    p = plan.num_stages
+    """Replay `plan`. `held_bytes(chunk, virtual stage)` gives the activation bytes a chunk
+    holds there."""
+    p, n = plan.num_stages, plan.num_virtual_stages
     if comm is None:
         comm = getattr(costs, "comm", 0.0)
-    f_end: list[dict[int, float]] = [{} for _ in range(p)]
-    b_end: list[dict[int, float]] = [{} for _ in range(p)]
+    f_end: list[dict[int, float]] = [{} for _ in range(n)]  # per virtual stage
+    b_end: list[dict[int, float]] = [{} for _ in range(n)]
     ptr, free = [0] * p, [0.0] * p
     timeline: list[list[TimedOp]] = [[] for _ in range(p)]
     busy = [0.0] * p
@@ -71,16 +74,17 @@ def simulate(plan: PipelinePlan, costs: OpCosts | Callable[[str, int, int], floa
             ops = plan.stages[s]
             while ptr[s] < len(ops):
                 op = ops[ptr[s]]
+                k = plan.virtual_stage(s, op)
                 ready = free[s]
-                if op.kind == "F" and s > 0:
-                    if op.chunk not in f_end[s - 1]:
+                if op.kind == "F" and k > 0:
+                    if op.chunk not in f_end[k - 1]:
                         break
-                    ready = max(ready, f_end[s - 1][op.chunk] + comm)
-                elif op.kind == "B" and s < p - 1:
-                    if op.chunk not in b_end[s + 1]:
+                    ready = max(ready, f_end[k - 1][op.chunk] + comm)
+                elif op.kind == "B" and k < n - 1:
+                    if op.chunk not in b_end[k + 1]:
                         break
-                    ready = max(ready, b_end[s + 1][op.chunk] + comm)
-                end = ready + costs(op.kind, op.chunk, s)
+                    ready = max(ready, b_end[k + 1][op.chunk] + comm)
+                end = ready + costs(op.kind, op.chunk, k)
                 timeline[s].append(TimedOp(op, ready, end))
                 busy[s] += end - ready
                 free[s] = end
@@ -88,11 +92,11 @@ def simulate(plan: PipelinePlan, costs: OpCosts | Callable[[str, int, int], floa
                 remaining -= 1
                 progress = True
                 holds = op.kind == "R" or (op.kind == "F" and op.chunk not in recomputed[s])
-                delta = (held_bytes(op.chunk, s) if held_bytes else 0.0)
+                delta = (held_bytes(op.chunk, k) if held_bytes else 0.0)
                 if op.kind == "F":
-                    f_end[s][op.chunk] = end
+                    f_end[k][op.chunk] = end
                 elif op.kind == "B":
-                    b_end[s][op.chunk] = end
+                    b_end[k][op.chunk] = end
                 if holds:
                     held[s] += 1
                     cur_bytes[s] += delta

@@ -36,7 +36,7 @@ from megatron_chunkflow.core.packer import (
     first_fit,
     validate_lengths,
 )
-from megatron_chunkflow.core.schedule import megatron_1f1b_plan, state_aware_plan
+from megatron_chunkflow.core.schedule import megatron_interleaved_plan, state_aware_plan
 from megatron_chunkflow.core.simulate import SimResult, simulate
 from megatron_chunkflow.core.types import ChunkBatch, DataChunk, PipelinePlan, Segment
 
@@ -89,18 +89,22 @@ def plan_chunkflow(seq_lengths: Sequence[int], chunk_size: int, num_kept: int, n
                    num_dp_ranks: int, shape: ModelShape, costs_for: CostHook | None = None,
                    held_bytes_for: CostHook | None = None,
                    state_bytes_for: StateHook | None = None,
-                   segment_multiple: int = 1) -> tuple[ChunkBatch, RankPlans]:
-    """ChunkFlow's step: chunks built, distributed and planned with state-aware 1F1B per DP rank,
-    each plan replayed; bytes only from the hooks (see CostHook). `segment_multiple`: context
-    parallelism's padding of every segment (core/packer.build_chunks)."""
+                   segment_multiple: int = 1,
+                   num_model_chunks: int = 1) -> tuple[ChunkBatch, RankPlans]:
+    """ChunkFlow's step: chunks built, distributed and planned with state-aware 1F1B per DP rank
+    (interleaved over `num_model_chunks` virtual stages per rank), each plan replayed; bytes
+    only from the hooks (see CostHook; costs and held bytes are asked for the PP x V virtual
+    stages). `segment_multiple`: context parallelism's padding of every segment
+    (core/packer.build_chunks)."""
     batch = build_chunks(seq_lengths, chunk_size, num_dp_ranks, num_kept, shape, segment_multiple)
     per_rank = tuple(tuple(batch.chunks_for_rank(r)) for r in range(num_dp_ranks))
     plans, sims, state = [], [], []
     for chunks in per_rank:
-        costs = (costs_for or _flop_costs(shape))(chunks, num_stages)
-        plan = state_aware_plan(chunks, num_stages, num_kept, costs)
+        virtual = num_stages * num_model_chunks
+        costs = (costs_for or _flop_costs(shape))(chunks, virtual)
+        plan = state_aware_plan(chunks, num_stages, num_kept, costs, num_model_chunks)
         plans.append(plan)
-        sims.append(_replay(chunks, plan, costs, held_bytes_for, num_stages))
+        sims.append(_replay(chunks, plan, costs, held_bytes_for, virtual))
         state.append(tuple(state_bytes_for(chunks, num_stages)) if state_bytes_for
                      else (0.0,) * num_stages)
     return batch, RankPlans(per_rank, tuple(plans), tuple(sims), tuple(state))
@@ -142,17 +146,20 @@ def baseline_microbatches(seq_lengths: Sequence[int], seq_length: int, num_dp_ra
 def plan_baseline(seq_lengths: Sequence[int], seq_length: int, num_stages: int,
                   num_dp_ranks: int, shape: ModelShape, costs_for: CostHook | None = None,
                   held_bytes_for: CostHook | None = None, baseline: Baseline = "megatron-packed",
-                  cp: int = 1) -> RankPlans:
-    """A stock baseline's step: baseline_microbatches run with 1F1B per DP rank, replayed. Whole
-    sequences keep no state between micro-batches, so state_bytes is zero."""
+                  cp: int = 1, num_model_chunks: int = 1) -> RankPlans:
+    """A stock baseline's step: baseline_microbatches run with 1F1B per DP rank (Megatron's
+    interleaved 1F1B with `num_model_chunks` virtual stages per rank; ValueError where Megatron
+    refuses the micro-batch count), replayed. Whole sequences keep no state between
+    micro-batches, so state_bytes is zero."""
     mbs = baseline_microbatches(seq_lengths, seq_length, num_dp_ranks, baseline, cp)
     per_rank = tuple(tuple(c for c in mbs if c.dp_rank == r) for r in range(num_dp_ranks))
     plans, sims = [], []
     for chunks in per_rank:
-        costs = (costs_for or _flop_costs(shape))(chunks, num_stages)
-        plan = megatron_1f1b_plan(chunks, num_stages)
+        virtual = num_stages * num_model_chunks
+        costs = (costs_for or _flop_costs(shape))(chunks, virtual)
+        plan = megatron_interleaved_plan(chunks, num_stages, num_model_chunks)
         plans.append(plan)
-        sims.append(_replay(chunks, plan, costs, held_bytes_for, num_stages))
+        sims.append(_replay(chunks, plan, costs, held_bytes_for, virtual))
     no_state = tuple((0.0,) * num_stages for _ in per_rank)
     return RankPlans(per_rank, tuple(plans), tuple(sims), no_state)
 

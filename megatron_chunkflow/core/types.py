@@ -140,26 +140,45 @@ class Op:
     """One step of a stage's plan.
 
     F: the chunk's first forward (without an autograd graph when the chunk is re-forwarded later);
-    R: its re-forward with grad; B: its backward.
+    R: its re-forward with grad; B: its backward. `model_chunk` is Megatron's model chunk (virtual
+    pipeline stage) of the rank the op runs on: model chunk v of pipeline rank r is virtual stage
+    v x PP + r; always 0 without virtual stages.
     """
 
     kind: OpKind
     chunk: int
+    model_chunk: int = 0
 
     def to_json(self) -> dict:
-        return {"op": self.kind, "chunk": self.chunk}
+        out = {"op": self.kind, "chunk": self.chunk}
+        if self.model_chunk:
+            out["model_chunk"] = self.model_chunk
+        return out
 
 
 @dataclass(frozen=True)
 class PipelinePlan:
-    """One DP rank's step for the whole pipeline: per stage, the ordered ops it executes."""
+    """One DP rank's step for the whole pipeline: per pipeline rank (stage), the ordered ops it
+    executes; with virtual stages (`num_model_chunks` V > 1) a rank's ops run on V model chunks
+    and a data chunk passes through the PP x V virtual stages in order (Op.model_chunk)."""
 
     stages: tuple[tuple[Op, ...], ...]
     chunks: tuple[DataChunk, ...]  # the chunks this plan runs (one DP rank's)
+    num_model_chunks: int = 1
 
     @property
     def num_stages(self) -> int:
+        """Pipeline ranks (PP)."""
         return len(self.stages)
+
+    @property
+    def num_virtual_stages(self) -> int:
+        """PP x V: the stages a data chunk's forward passes through."""
+        return len(self.stages) * self.num_model_chunks
+
+    def virtual_stage(self, stage: int, op: Op) -> int:
+        """The virtual stage of `op` on pipeline rank `stage`."""
+        return op.model_chunk * len(self.stages) + stage
 
     @property
     def recomputed(self) -> frozenset[int]:

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatron_chunkflow.core.types import PipelinePlan
 from megatron_chunkflow.runtime.inputs import ChunkedStep
 
 FLAG = "--chunkflow-sparse-backward"
@@ -110,7 +109,7 @@ def sparsify(step: ChunkedStep, t: int, seed: int = 0, step_index: int = 0,
         forward_only.update(ids[i] for i in dropped)
     stages = tuple(tuple(op for op in ops if op.kind == "F" or op.chunk not in forward_only)
                    for ops in step.plan.stages)
-    plan = PipelinePlan(stages, step.plan.chunks)
+    plan = dataclasses.replace(step.plan, stages=stages)
     return dataclasses.replace(step, plan=plan, metas=metas, forward_only=frozenset(forward_only))
 
 

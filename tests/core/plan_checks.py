@@ -39,10 +39,25 @@ def check_batch(batch: ChunkBatch) -> None:
 
 def check_plan(plan: PipelinePlan, k: int) -> None:
     """Op counts, per-sequence order, the K window, one forward and one backward order for all
-    stages (so point-to-point messages between neighbours arrive in the order they are sent)."""
+    (virtual) stages, so point-to-point messages between neighbours arrive in the order they are
+    sent; with virtual stages also at most K x V (model chunk) activations of a sequence per rank."""
     chunks = {c.id: c for c in plan.chunks}
+    by_stage = defaultdict(list)
+    for r, ops in enumerate(plan.stages):
+        rank_held = defaultdict(int)
+        for op in ops:
+            assert 0 <= op.model_chunk < plan.num_model_chunks
+            by_stage[plan.virtual_stage(r, op)].append(op)
+            c = chunks[op.chunk]
+            if c.is_dependent:
+                recompute = c.index < c.num_siblings - k
+                rank_held[c.parent] += -1 if op.kind == "B" else \
+                    int(op.kind == "R" or not recompute)
+                assert rank_held[c.parent] <= k * plan.num_model_chunks
+    assert sorted(by_stage) == list(range(plan.num_virtual_stages))
     forward_orders, backward_orders = [], []
-    for s, ops in enumerate(plan.stages):
+    for s in range(plan.num_virtual_stages):
+        ops = by_stage[s]
         seen = defaultdict(list)
         for i, op in enumerate(ops):
             seen[op.chunk].append(op.kind)

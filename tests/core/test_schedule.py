@@ -1,5 +1,7 @@
 """Plans (core.schedule): Algorithm 2 order, the K window, state-aware 1F1B, determinism."""
 
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -8,7 +10,11 @@ from megatron_chunkflow.core.costs import OpCosts
 from megatron_chunkflow.core.models import get_model_shape
 from megatron_chunkflow.core.packer import build_chunks
 from megatron_chunkflow.core.profiles import sample_lengths
-from megatron_chunkflow.core.schedule import megatron_1f1b_plan, state_aware_plan
+from megatron_chunkflow.core.schedule import (
+    megatron_1f1b_plan,
+    megatron_interleaved_plan,
+    state_aware_plan,
+)
 from megatron_chunkflow.core.simulate import simulate
 from megatron_chunkflow.core.step import plan_chunkflow
 from megatron_chunkflow.core.types import Op
@@ -17,11 +23,11 @@ from tests.core.plan_checks import check_plan
 TINY = get_model_shape("tiny")
 
 
-def plan_for(lengths, C, k, p, dp=1, rank=0, shape=TINY):
+def plan_for(lengths, C, k, p, dp=1, rank=0, shape=TINY, v=1):
     batch = build_chunks(lengths, C, dp, k, shape)
     chunks = batch.chunks_for_rank(rank)
-    costs = OpCosts.from_model(chunks, shape, p)
-    return state_aware_plan(chunks, p, k, costs), costs
+    costs = OpCosts.from_model(chunks, shape, p * v)
+    return state_aware_plan(chunks, p, k, costs, v), costs
 
 
 def test_algorithm_2_pp1():
@@ -52,6 +58,60 @@ def test_plan_properties(lengths, chunk_size, k, p):
         assert peak <= max(p - s, k)
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.one_of(st.integers(1, 40), st.integers(1, 40), st.integers(41, 400)),
+                     min_size=1, max_size=30),
+    chunk_size=st.integers(8, 64), k=st.integers(1, 4), p=st.integers(2, 4), v=st.integers(2, 3),
+    noise=st.one_of(st.none(), st.integers(0, 2**16)),
+)
+def test_interleaved_plan_properties(lengths, chunk_size, k, p, v, noise):
+    """Random long-tailed batches on PP x V virtual stages, with the model's costs or random ones
+    (any micro-batch count, also those Megatron's interleaved schedule refuses): the plan keeps
+    every rule per virtual stage, at most K dependent chunks of a sequence per model chunk and
+    K x V per rank hold activations, and it replays without deadlock."""
+    plan, costs = plan_for(lengths, chunk_size, k, p, v=v)
+    if noise is not None:
+        rng = random.Random(noise)
+        costs = OpCosts({c: [f * rng.uniform(0.1, 3) for f in row]
+                         for c, row in costs.forward.items()})
+        plan = state_aware_plan(plan.chunks, p, k, costs, v)
+    assert plan.num_model_chunks == v
+    check_plan(plan, k)
+    simulate(plan, costs)
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (2, 2, 8), (4, 2, 8), (4, 2, 16), (4, 4, 32),
+                                   (8, 2, 32)])
+def test_standalone_only_interleaved_matches_megatron(p, v, m):
+    """Equal standalone chunks: the interleaved plan takes Megatron's interleaved 1F1B step time,
+    and holds at most one model chunk's activations more on any rank."""
+    chunks = build_chunks([10] * m, 10, 1, 1, TINY).chunks
+    costs = OpCosts.uniform([c.id for c in chunks], p * v, forward=1.0 / v)
+    ours = simulate(state_aware_plan(chunks, p, 1, costs, v), costs)
+    megatron = simulate(megatron_interleaved_plan(chunks, p, v), costs)
+    flat = simulate(megatron_1f1b_plan(chunks, p), OpCosts.uniform([c.id for c in chunks], p))
+    assert ours.step_time == pytest.approx(megatron.step_time)
+    assert max(ours.peak_held) <= max(megatron.peak_held) + 1
+    assert megatron.bubble_ratio < flat.bubble_ratio
+
+
+def test_megatron_interleaved_order():
+    """PP 2, V 2, 4 micro-batches: Megatron's table (groups of PP per model chunk), warmup
+    2 (PP - r - 1) + (V - 1) PP, then 1F1B; backwards through model chunks V-1..0."""
+    chunks = build_chunks([10] * 4, 10, 1, 1, TINY).chunks
+    plan = megatron_interleaved_plan(chunks, 2, 2)
+    text = [" ".join(f"{o.kind}{o.chunk}.{o.model_chunk}" for o in ops) for ops in plan.stages]
+    assert text[0] == ("F0.0 F1.0 F0.1 F1.1 F2.0 B0.1 F3.0 B1.1 F2.1 B0.0 F3.1 B1.0 "
+                       "B2.1 B3.1 B2.0 B3.0")
+    assert text[1] == ("F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F3.0 B1.0 F2.1 B2.1 "
+                       "F3.1 B3.1 B2.0 B3.0")
+    with pytest.raises(ValueError, match="needs a multiple of 2"):
+        megatron_interleaved_plan(build_chunks([10] * 5, 10, 1, 1, TINY).chunks, 2, 2)
+    with pytest.raises(ValueError, match="at least 4"):
+        megatron_interleaved_plan(chunks[:3], 4, 2)
+
+
 def test_fewer_chunks_than_stages():
     plan, costs = plan_for([5, 7], 16, k=1, p=4)
     check_plan(plan, 1)
@@ -77,7 +137,9 @@ def test_rebuild_per_rank_is_identical():
 
 
 @pytest.mark.parametrize("bad,match", [({"num_stages": 0}, "pipeline"),
-                                       ({"num_kept": 0}, "K must")])
+                                       ({"num_kept": 0}, "K must"),
+                                       ({"num_model_chunks": 0}, "virtual stages"),
+                                       ({"num_stages": 1, "num_model_chunks": 2}, "virtual")])
 def test_bad_settings(bad, match):
     chunks = build_chunks([10], 10, 1, 1, TINY).chunks
     args = {"num_stages": 2, "num_kept": 1, **bad}
