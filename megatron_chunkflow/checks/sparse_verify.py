@@ -30,6 +30,7 @@ import torch.distributed as dist
 from megatron_chunkflow.checks.verify import _run_reference, build_chunked_model
 from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
 from megatron_chunkflow.data.synthetic import make_sequences
+from megatron_chunkflow.mcore.build import full_model_name
 from megatron_chunkflow.runtime.execute import execute_step, plan_step
 from megatron_chunkflow.runtime.loss import global_loss, make_forward_step
 from megatron_chunkflow.runtime.sparse import inclusion_probability, sparsify
@@ -64,8 +65,9 @@ def run_sparse_verify(shape, lengths: Sequence[int], chunkflow: ChunkFlowConfig,
     ref_state, [(ref_loss, ref_count, ref_grads)] = _run_reference(shape, [sequences], dtype,
                                                                    lora, seed)
     ranks = init_distributed(parallel, seed)
-    cm, names = build_chunked_model(shape, ref_state, dtype, chunkflow, parallel, lora)
+    cm = build_chunked_model(shape, ref_state, dtype, chunkflow, parallel, lora)
     model, ddp = cm.model, cm.ddp
+    names = {n: full_model_name(n, cm.config, shape.tie_embeddings) for n in model.state_dict()}
     base = plan_step(sequences, chunkflow, parallel, shape, ranks)
     batch = base.batch
     step_fn = make_forward_step(exact_loss=True)

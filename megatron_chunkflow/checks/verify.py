@@ -113,34 +113,33 @@ def _run_reference(shape, batches, dtype, lora=None, seed: int = 0):
 
 def build_chunked_model(shape, ref_state, dtype, chunkflow: ChunkFlowConfig,
                         parallel: ParallelConfig, lora=None):
-    """This stage's ChunkFlow model (mcore/build.py) with the reference weights (and adapters):
-    (ChunkFlowModel, {stage parameter name: its PP = 1 name})."""
-    from megatron_chunkflow.mcore.build import build_chunkflow_model, full_model_name
+    """This stage's ChunkFlow model (mcore/build.py; every model chunk with virtual stages) with
+    the reference weights (and adapters)."""
+    from megatron_chunkflow.mcore.build import build_chunkflow_model
 
-    cm = build_chunkflow_model(shape, dtype, parallel, lora=lora, weights=ref_state,
-                               attention_backend=chunkflow.attention_backend)
-    return cm, {n: full_model_name(n, cm.config, shape.tie_embeddings)
-                for n in cm.model.state_dict()}
+    return build_chunkflow_model(shape, dtype, parallel, lora=lora, weights=ref_state,
+                                 attention_backend=chunkflow.attention_backend)
 
 
 def _run_chunked(shape, batches, reference, chunkflow: ChunkFlowConfig, parallel: ParallelConfig,
                  dtype, meter_cls, lora=None) -> list[VerifyResult]:
     ref_state, ref_steps = reference
     ranks = Ranks.current()
-    cm, names = build_chunked_model(shape, ref_state, dtype, chunkflow, parallel, lora)
-    model, ddp, store = cm.model, cm.ddp, cm.store
+    cm = build_chunked_model(shape, ref_state, dtype, chunkflow, parallel, lora)
+    ddp, store = cm.ddp, cm.store
     step_fn = make_forward_step(exact_loss=True)
     results = []
     for sequences, (ref_loss, ref_count, ref_grads) in zip(batches, ref_steps):
         step = plan_step(sequences, chunkflow, parallel, shape, ranks)
-        meter = meter_cls(model, store) if meter_cls is not None else None
+        meter = meter_cls(cm.model, store) if meter_cls is not None else None
         timeline = StageTimeline()
-        ddp.zero_grad_buffer()
+        for chunk_ddp in cm.ddps:
+            chunk_ddp.zero_grad_buffer()
         reports = execute_step(step, ddp, step_fn,
                                observers=[timeline] + ([meter] if meter is not None else []))
         loss, count = global_loss(reports)
         assert count == ref_count, f"token counts differ: {count} vs {ref_count}"
-        errors = _grad_errors(model, names, ref_grads)
+        errors = _grad_errors(cm.named_parameters(), ref_grads)
         worst = max(errors, key=lambda e: e[1])
         result = VerifyResult(
             loss_ref=ref_loss / max(ref_count, 1), loss_chunked=loss / max(count, 1),
@@ -153,12 +152,12 @@ def _run_chunked(shape, batches, reference, chunkflow: ChunkFlowConfig, parallel
     return results
 
 
-def _grad_errors(model, names, ref_grads) -> list[tuple[str, float]]:
+def _grad_errors(named_parameters, ref_grads) -> list[tuple[str, float]]:
     """Per parameter: max |g_chunked - g_ref| / max |g_ref|, maxima taken over all ranks.
 
-    Rows are the reference model's parameters; a stage reports the ones it holds."""
-    mine = {names[n]: p.main_grad.double() for n, p in model.named_parameters()
-            if p.requires_grad}
+    `named_parameters`: (PP = 1 name, parameter) of this rank's stage (every model chunk). Rows
+    are the reference model's parameters; a stage reports the ones it holds."""
+    mine = {n: p.main_grad.double() for n, p in named_parameters if p.requires_grad}
     full = sorted(ref_grads)
     stats = torch.zeros(len(full), 2, dtype=torch.float64, device=comm_device())
     for i, name in enumerate(full):

@@ -22,6 +22,7 @@ from megatron_chunkflow.core.models import ModelShape
 
 
 def transformer_config(shape: ModelShape, dtype: torch.dtype = torch.float32, **overrides):
+    from megatron.core import parallel_state
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_chunkflow.runtime.ranks import Ranks
@@ -48,6 +49,8 @@ def transformer_config(shape: ModelShape, dtype: torch.dtype = torch.float32, **
         bf16=dtype == torch.bfloat16,
         tensor_model_parallel_size=ranks.tp,
         pipeline_model_parallel_size=ranks.pp,
+        virtual_pipeline_model_parallel_size=(
+            parallel_state.get_virtual_pipeline_model_parallel_world_size()),
         context_parallel_size=ranks.cp,
         use_cpu_initialization=not on_gpu,
         apply_rope_fusion=False,
@@ -74,9 +77,9 @@ class TorchRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-def local_layer_spec(config):
+def local_layer_spec(config, vp_stage: int | None = None):
     """The local GPT layer spec (with QK norms where config.qk_layernorm); with sequence
-    parallelism, every norm is a TorchRMSNorm."""
+    parallelism, every norm is a TorchRMSNorm (model chunk `vp_stage`'s layers)."""
     import dataclasses
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -95,12 +98,15 @@ def local_layer_spec(config):
     layer = dataclasses.replace(spec, submodules=dataclasses.replace(
         spec.submodules, input_layernorm=TorchRMSNorm, pre_mlp_layernorm=TorchRMSNorm,
         self_attention=attention))
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
-                                      layer_norm=TorchRMSNorm)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
+        layer_norm=TorchRMSNorm)
 
 
-def build_gpt_model(shape: ModelShape, config, max_seq_length: int = 1 << 20):
-    """A GPTModel for this pipeline stage, cast to config.params_dtype (norms included)."""
+def build_gpt_model(shape: ModelShape, config, max_seq_length: int = 1 << 20,
+                    vp_stage: int | None = None):
+    """A GPTModel for this pipeline stage (model chunk `vp_stage` of it with virtual stages),
+    cast to config.params_dtype (norms included)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -111,16 +117,19 @@ def build_gpt_model(shape: ModelShape, config, max_seq_length: int = 1 << 20):
     with building_core_attention_without_cp(config.context_parallel_size):  # under CP, ChunkFlow's replaces it
         model = GPTModel(
             config=config,
-            transformer_layer_spec=local_layer_spec(config),
+            transformer_layer_spec=local_layer_spec(config, vp_stage),
             vocab_size=shape.vocab_size,
             max_sequence_length=max_seq_length,
-            pre_process=parallel_state.is_pipeline_first_stage(),
-            post_process=parallel_state.is_pipeline_last_stage(),
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
+                                                               vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
+                                                               vp_stage=vp_stage),
             share_embeddings_and_output_weights=shape.tie_embeddings,
             position_embedding_type="rope",
             rotary_base=int(shape.rotary_base),
             rope_scaling=shape.rope_scaling_factor is not None,
             rope_scaling_factor=shape.rope_scaling_factor or 8.0,
+            vp_stage=vp_stage,
         )
     # megatron-core builds linears and embeddings on the GPU but the local spec's norms on the
     # CPU; Megatron-LM's get_model moves the whole model, as this does
@@ -129,22 +138,28 @@ def build_gpt_model(shape: ModelShape, config, max_seq_length: int = 1 << 20):
     return model.to(dtype=config.params_dtype)
 
 
-def wrap_ddp(model, config):
-    """Megatron's DDP wrapper (grad buffers, no_sync), wired as Megatron-LM's train() wires it."""
+def wrap_ddp(models, config):
+    """Megatron's DDP wrapper (grad buffers, no_sync) around each model chunk, wired as
+    Megatron-LM's train() wires it (bucketing only in the first chunk, no_sync of every chunk);
+    a list for a list, one for one."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-    ddp = DistributedDataParallel(
+    chunks = models if isinstance(models, list) else [models]
+    ddps = [DistributedDataParallel(
         # bf16 gradients accumulate in fp32 across micro-batches and chunks (Megatron-LM forces
         # the same for bf16)
-        config, DistributedDataParallelConfig(grad_reduce_in_fp32=config.bf16), model)
-    config.no_sync_func = ddp.no_sync
+        config, DistributedDataParallelConfig(grad_reduce_in_fp32=config.bf16), model,
+        disable_bucketing=v > 0) for v, model in enumerate(chunks)]
+    config.no_sync_func = ddps[0].no_sync if len(ddps) == 1 else [d.no_sync for d in ddps]
     config.finalize_model_grads_func = finalize_model_grads
-    return ddp
+    return ddps if isinstance(models, list) else ddps[0]
 
 
-def full_model_name(stage_name: str, config, tie_embeddings: bool) -> str:
-    """The name a pipeline stage's parameter has in the PP = 1 model of the same architecture.
+def full_model_name(stage_name: str, config, tie_embeddings: bool,
+                    vp_stage: int | None = None) -> str:
+    """The name a pipeline stage's parameter (of model chunk `vp_stage`) has in the PP = 1 model
+    of the same architecture.
 
     Stage layers are numbered from 0 locally; the global index adds the stage's layer offset. With
     tied embeddings and PP > 1 the last stage's output_layer.weight is its copy of the embedding.
@@ -153,7 +168,7 @@ def full_model_name(stage_name: str, config, tie_embeddings: bool) -> str:
 
     parts = stage_name.split(".")
     if parts[:2] == ["decoder", "layers"]:
-        parts[2] = str(int(parts[2]) + get_transformer_layer_offset(config))
+        parts[2] = str(int(parts[2]) + get_transformer_layer_offset(config, vp_stage))
         return ".".join(parts)
     if tie_embeddings and stage_name == "output_layer.weight":
         return "embedding.word_embeddings.weight"
@@ -163,15 +178,42 @@ def full_model_name(stage_name: str, config, tie_embeddings: bool) -> str:
 @dataclass
 class ChunkFlowModel:
     """This rank's pipeline stage of a GPTModel patched for chunk attention (runtime/model.py),
-    its K/V state store and Megatron's DDP around it."""
+    its K/V state store and Megatron's DDP around it; with virtual stages its V model chunks
+    (`models`, `ddps`: Megatron's list of model chunks), one store for all."""
 
-    model: object  # the GPTModel stage (parameters named as Megatron names them)
-    ddp: object  # megatron.core.distributed.DistributedDataParallel
+    models: list  # the GPTModel stage per model chunk (parameters named as Megatron names them)
+    ddps: list  # megatron.core.distributed.DistributedDataParallel per model chunk
     store: object  # runtime/state.py KVStateStore
 
     @property
+    def model(self):
+        """The GPTModel stage (without virtual stages)."""
+        return self._only(self.models)
+
+    @property
+    def ddp(self):
+        """What execute_step and Megatron's schedules take: the DDP module, or the list of model
+        chunks with virtual stages."""
+        return self.ddps[0] if len(self.ddps) == 1 else self.ddps
+
+    @property
     def config(self):
-        return self.model.config
+        return self.models[0].config
+
+    def named_parameters(self):
+        """(PP = 1 model's name, parameter) over every model chunk of this rank."""
+        tie = self.models[0].share_embeddings_and_output_weights
+        for model in self.models:
+            vp_stage = getattr(model, "vp_stage", None)
+            for name, param in model.named_parameters():
+                yield full_model_name(name, self.config, tie, vp_stage), param
+
+    @staticmethod
+    def _only(items):
+        if len(items) != 1:
+            raise ValueError("this rank holds several model chunks (virtual pipeline stages): "
+                             "use .models")
+        return items[0]
 
 
 def build_chunkflow_model(shape: ModelShape, dtype: torch.dtype = torch.float32,
@@ -194,17 +236,22 @@ def build_chunkflow_model(shape: ModelShape, dtype: torch.dtype = torch.float32,
 
     config = transformer_config(shape, dtype, sequence_parallel=parallel.sequence_parallel,
                                 **parallel.recompute.megatron_kwargs())
-    model = build_gpt_model(shape, config)
-    if load_hf:
-        from megatron_chunkflow.mcore.hf import import_hf_weights
+    stages = [None] if parallel.vpp == 1 else list(range(parallel.vpp))
+    models, store = [], None
+    for vp_stage in stages:
+        model = build_gpt_model(shape, config, vp_stage=vp_stage)
+        if load_hf:
+            from megatron_chunkflow.mcore.hf import import_hf_weights
 
-        import_hf_weights(model, load_hf, config, hf_shape or shape)
-    if lora is not None:
-        from megatron_chunkflow.mcore.lora import apply_lora
+            import_hf_weights(model, load_hf, config, hf_shape or shape)
+        if lora is not None:
+            from megatron_chunkflow.mcore.lora import apply_lora
 
-        apply_lora(model, lora, lora_seed, b_init_std=lora_b_init_std)
-    if weights is not None:
-        names = {n: full_model_name(n, config, shape.tie_embeddings) for n in model.state_dict()}
-        model.load_state_dict({n: weights[names[n]] for n in names})
-    store = apply_chunkflow(model, backend=attention_backend)
-    return ChunkFlowModel(model, wrap_ddp(model, config), store)
+            apply_lora(model, lora, lora_seed, b_init_std=lora_b_init_std)
+        if weights is not None:
+            names = {n: full_model_name(n, config, shape.tie_embeddings, vp_stage)
+                     for n in model.state_dict()}
+            model.load_state_dict({n: weights[names[n]] for n in names})
+        store = apply_chunkflow(model, backend=attention_backend, store=store)
+        models.append(model)
+    return ChunkFlowModel(models, wrap_ddp(models, config), store)

@@ -64,9 +64,10 @@ def init_distributed(parallel: ParallelConfig = ParallelConfig(), seed: int = 12
     parallel.with_world(dist.get_world_size())
     if parallel_state.model_parallel_is_initialized():
         _destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=parallel.tp,
-                                             pipeline_model_parallel_size=parallel.pp,
-                                             context_parallel_size=parallel.cp)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp > 1 else None,
+        context_parallel_size=parallel.cp)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     return Ranks.current()
 

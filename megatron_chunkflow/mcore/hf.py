@@ -257,8 +257,9 @@ def import_hf_weights(model, hf_dir_or_state_dict, config, shape: ModelShape) ->
     src.check(shape)
     ranks = Ranks.current()
     tp, rank = ranks.tp, ranks.tp_rank
+    vp_stage = getattr(_unwrap(model), "vp_stage", None)
     for name, param in _unwrap(model).named_parameters():
-        full_name = local_spec_name(full_model_name(name, config, shape.tie_embeddings))
+        full_name = local_spec_name(full_model_name(name, config, shape.tie_embeddings, vp_stage))
         full = _megatron_from_hf(full_name, src, shape)
         if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
             rows = param.shape[0] * tp

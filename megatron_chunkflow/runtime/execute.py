@@ -48,8 +48,8 @@ def plan_step(sequences: Sequence[TokenSequence], chunkflow: ChunkFlowConfig,
     batch = build_chunks(batch_lengths(sequences), chunkflow.chunk_size, ranks.dp,
                          chunkflow.num_kept, shape, segment_multiple=parallel.segment_multiple)
     chunks = batch.chunks_for_rank(ranks.dp_rank)
-    costs = OpCosts.from_model(chunks, shape, parallel.pp)
-    plan = state_aware_plan(chunks, parallel.pp, chunkflow.num_kept, costs)
+    costs = OpCosts.from_model(chunks, shape, parallel.num_virtual_stages)
+    plan = state_aware_plan(chunks, parallel.pp, chunkflow.num_kept, costs, parallel.vpp)
     step = build_step(plan, sequences, chunkflow.chunk_size, device=device,
                       pad_multiple=parallel.pad_multiple, batch=batch, costs=costs,
                       cp_size=parallel.cp, cp_rank=ranks.cp_rank)
@@ -63,12 +63,14 @@ def execute_step(step: ChunkedStep, model, forward_step_func, *,
                  collect_non_loss_data: bool = False, pg_collection=None,
                  p2p_communicator=None, force_all_reduce: bool = False) -> list:
     """Run this stage's share of `step` on `model` (a GPTModel stage patched by apply_chunkflow,
-    usually wrapped in Megatron's DDP); `forward_step_func` is a Megatron forward_step_func
+    usually wrapped in Megatron's DDP; with virtual stages the list of this rank's model chunks,
+    as Megatron's schedules take them); `forward_step_func` is a Megatron forward_step_func
     (runtime/loss.py: make_forward_step). With `forward_only` (evaluation) every chunk runs once,
     in forward order, without graph."""
     from megatron.core.utils import get_model_config
 
-    config = get_model_config(model)
+    models = model if isinstance(model, list) else [model]
+    config = get_model_config(models[0])
     if not config.calculate_per_token_loss:
         raise ValueError("ChunkFlow needs per-token loss (--calculate-per-token-loss / "
                          "calculate_per_token_loss=True): a chunk's loss is a sum over its tokens")
@@ -77,6 +79,9 @@ def execute_step(step: ChunkedStep, model, forward_step_func, *,
     if step.plan.num_stages != num_stages:
         raise ValueError(f"the step was planned for {step.plan.num_stages} pipeline stages, but "
                          f"the pipeline has {num_stages}")
+    if step.plan.num_model_chunks != len(models):
+        raise ValueError(f"the step was planned for {step.plan.num_model_chunks} virtual stages "
+                         f"per pipeline rank, but this rank has {len(models)} model chunk(s)")
     check_same_plan(step, _group(pg_collection, "mp"))
     check_same_plan(step, _group(pg_collection, "cp"))
     link = None
@@ -84,7 +89,7 @@ def execute_step(step: ChunkedStep, model, forward_step_func, *,
         from megatron_chunkflow.runtime.p2p import StageLink
 
         link = StageLink(pp_group, config, p2p_communicator)
-    store = get_state_store(model)
+    store = get_state_store(models[0])
     ops = step.plan.stages[stage]
     observers = [*observers, *debug_observers(stage)]  # CHUNKFLOW_TRACE, CHUNKFLOW_NVTX
     if forward_only:
@@ -95,10 +100,9 @@ def execute_step(step: ChunkedStep, model, forward_step_func, *,
         observer.step_began()
     try:
         forward_data_store, total_num_tokens = StageRun(
-            step=step, ops=ops, model=model, config=config, link=link, store=store,
+            step=step, ops=ops, models=models, config=config, link=link, store=store,
             forward_step_func=forward_step_func, observers=observers, forward_only=forward_only,
-            collect_non_loss_data=collect_non_loss_data, is_first=stage == 0,
-            is_last=stage == num_stages - 1).run()
+            collect_non_loss_data=collect_non_loss_data, stage=stage).run()
     except BaseException:
         store.clear()
         raise
@@ -108,7 +112,7 @@ def execute_step(step: ChunkedStep, model, forward_step_func, *,
         store.clear()
     assert store.is_empty(), "the plan left K/V state behind"
     if config.finalize_model_grads_func is not None and not forward_only:
-        config.finalize_model_grads_func([model], total_num_tokens, pg_collection=pg_collection,
+        config.finalize_model_grads_func(models, total_num_tokens, pg_collection=pg_collection,
                                          force_all_reduce=force_all_reduce)
     if config.timers is not None:
         config.timers("forward-backward").stop()
@@ -122,7 +126,8 @@ def check_same_plan(step: ChunkedStep, group) -> None:
 
     if group is None or dist.get_world_size(group) == 1:
         return
-    text = repr([[(op.kind, op.chunk) for op in ops] for ops in step.plan.stages]) + repr(
+    text = repr([[(op.kind, op.chunk, op.model_chunk) for op in ops]
+                 for ops in step.plan.stages]) + repr(
         sorted((c, m.cu_seqlens, m.seq_id, m.index, m.grad_weight) for c, m in step.metas.items()))
     digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
     from megatron_chunkflow.runtime.p2p import comm_device

@@ -126,14 +126,14 @@ class ActivationMeter(StepObserver):
         finally:
             self._in_backward = outer
 
-    def input_kept(self, chunk: int, tensor: torch.Tensor) -> None:
-        self._bytes[3] += tensor.numel() * tensor.element_size() - self._kept.get(chunk, 0)
-        self._kept[chunk] = tensor.numel() * tensor.element_size()
+    def input_kept(self, key: tuple[int, int], tensor: torch.Tensor) -> None:
+        self._bytes[3] += tensor.numel() * tensor.element_size() - self._kept.get(key, 0)
+        self._kept[key] = tensor.numel() * tensor.element_size()
         self._sample(fresh=True)
 
-    def input_released(self, chunk: int) -> None:
+    def input_released(self, key: tuple[int, int]) -> None:
         self._sample(fresh=True)
-        self._bytes[3] -= self._kept.pop(chunk, 0)
+        self._bytes[3] -= self._kept.pop(key, 0)
 
     def step_ended(self) -> None:
         self._sample(fresh=True)

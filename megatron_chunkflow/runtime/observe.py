@@ -45,11 +45,11 @@ class StepObserver:
         """Around one backward (B) of chunk `op.chunk`."""
         yield
 
-    def input_kept(self, chunk: int, tensor: torch.Tensor) -> None:
-        """A stage input kept for the chunk's later re-forward."""
+    def input_kept(self, key: tuple[int, int], tensor: torch.Tensor) -> None:
+        """A stage input kept for a later re-forward; key (chunk, model chunk)."""
 
-    def input_released(self, chunk: int) -> None:
-        """The kept stage input of `chunk`, taken by its re-forward."""
+    def input_released(self, key: tuple[int, int]) -> None:
+        """The kept stage input of `key` (chunk, model chunk), taken by its re-forward."""
 
     @contextlib.contextmanager
     def communicate(self, what: str, op: Op):

@@ -23,10 +23,8 @@ def forward_backward_chunkflow(*, forward_step_func, data_iterator, model, num_m
                                p2p_communicator=None, pg_collection=None,
                                force_all_reduce: bool = False):
     """Run the next step of `data_iterator`; returns the last stage's loss reports."""
-    if isinstance(model, list):
-        if len(model) != 1:
-            raise ValueError("ChunkFlow does not support virtual pipeline stages (model chunks)")
-        model = model[0]
+    if isinstance(model, list) and len(model) == 1:
+        model = model[0]  # a list of model chunks with virtual stages, as Megatron passes it
     if isinstance(data_iterator, list):
         data_iterator = data_iterator[0]
     if adjust_tensor_shapes_fn is not None:

@@ -57,10 +57,17 @@ LAYOUTS = {
     "cp2_dp2": (4, 1, 1, False, (1,), [MIXED, DEPENDENT], 2),
     "qwen3_tp2_cp2_sequence_parallel": (4, 2, 1, True, (1, 2), [MIXED, DEPENDENT], 2),
     "llama3_cp2_pp2": (4, 1, 2, False, (1, 2), [MIXED, DEPENDENT], 2),
+    # virtual pipeline stages (the interleaved plan, one layer per model chunk): every step kind
+    "pp2_vpp2": (2, 1, 2, False, (1, 2), STEPS),
+    "pp2_vpp2_full_recompute": (2, 1, 2, False, (2,), [MIXED], 1, "full"),
+    "tp2_pp2_vpp2_sequence_parallel": (4, 2, 2, True, (1, 2), [MIXED, DEPENDENT]),
+    "cp2_pp2_vpp2": (4, 1, 2, False, (1, 2), [MIXED, DEPENDENT], 2),
 }
 MODELS = {"qwen3_tp2_cp2_sequence_parallel": "tiny-qwen3", "llama3_cp2_pp2": "tiny-llama3"}
+VIRTUAL = {"pp2_vpp2": 2, "pp2_vpp2_full_recompute": 2, "tp2_pp2_vpp2_sequence_parallel": 2,
+           "cp2_pp2_vpp2": 2}  # virtual stages per pipeline rank
 BOUND = {torch.float64: 1e-10, torch.float32: 1e-4}
-MEDIUM = ("pp2", "cp2")  # `make test-medium`'s share of the layouts
+MEDIUM = ("pp2", "cp2", "pp2_vpp2")  # `make test-medium`'s share of the layouts
 
 
 def _summary(results):
@@ -92,10 +99,14 @@ def _run_layout(name):
 
     _, tp, pp, sp, ks, steps, *extra = LAYOUTS[name]
     cp, recompute, backend = (*extra, *(1, "none", "torch")[len(extra):])
-    parallel = ParallelConfig(tp=tp, pp=pp, cp=cp, sequence_parallel=sp, recompute=recompute)
+    parallel = ParallelConfig(tp=tp, pp=pp, cp=cp, sequence_parallel=sp, recompute=recompute,
+                              vpp=VIRTUAL.get(name, 1))
     shape = get_model_shape(MODELS.get(name, "tiny"))
     out = {k: _summary(run_verify(shape, steps, ChunkFlowConfig(C, k, backend), parallel, seed=2))
            for k in ks}
+    from megatron.core import parallel_state
+
+    out["virtual"] = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
     shutdown()
     return out
 
@@ -128,5 +139,6 @@ def test_chunk_count_changes_between_steps(single_results):
 def test_exact_layout(gloo, name):
     world = LAYOUTS[name][0]
     for per_rank in gloo.run(_run_layout, world, name, timeout=900):
+        assert per_rank.pop("virtual") == VIRTUAL.get(name, 1)
         for k, rows in per_rank.items():
             _check(f"{name} K={k}", rows, 1e-10)
