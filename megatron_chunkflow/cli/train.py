@@ -65,8 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(g, DataConfig, default_help={
         "max_samples": f"all; {SCENARIO['max_samples']} of the embedded ShareGPT"})
     g = p.add_argument_group("training (Megatron-LM flags)")
-    add_config_arguments(g, ParallelConfig, fields=("tp", "pp", "cp", "sequence_parallel",
-                                                    "recompute"),
+    add_config_arguments(g, ParallelConfig, fields=("tp", "pp", "vpp", "cp",
+                                                    "sequence_parallel", "recompute"),
                          defaults={"recompute": None}, default_help={"recompute": "none"})
     _megatron_recompute_arguments(g)
     for flag, default, text in [
@@ -124,7 +124,8 @@ def settings_from_args(args) -> TrainSettings:
             raise ValueError("--recompute and Megatron-LM's --recompute-* flags both given; "
                              "give --recompute")
         parallel.check_model(shape)  # PP divides the layers before N is checked against them
-        megatron_recompute.check_layers(shape.num_layers // parallel.pp, "--recompute-num-layers")
+        megatron_recompute.check_layers(shape.num_layers // parallel.num_virtual_stages,
+                                        "--recompute-num-layers")
         parallel = dataclasses.replace(parallel, recompute=megatron_recompute)
     return TrainSettings(
         shape=shape, model_name=name, system=TrainSettings.system_of(args.chunkflow, args.baseline),

@@ -61,8 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hf-reference", metavar="DIR",
                    help="compare with transformers' own model class loaded from this Hugging Face "
                         "checkpoint (float64; needs transformers) instead of megatron-core")
-    add_config_arguments(g, ParallelConfig, fields=("tp", "pp", "cp", "sequence_parallel",
-                                                    "recompute"))
+    add_config_arguments(g, ParallelConfig, fields=("tp", "pp", "vpp", "cp",
+                                                    "sequence_parallel", "recompute"))
     g.add_argument("--steps", type=int, default=1,
                    help="training steps to check, each a new batch (default: 1)")
     g = parser.add_argument_group("LoRA (adapters on a frozen model)")

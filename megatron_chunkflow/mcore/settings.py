@@ -118,6 +118,20 @@ class TrainSettings:
             self.parallel.check_chunk_size(c)
         if self.parallel.cp > 1:
             self._check_context_parallel()
+        if self.parallel.vpp > 1 and not self.uses_chunkflow:
+            raise ValueError(f"--num-virtual-stages-per-pipeline-rank {self.parallel.vpp} with "
+                             "--no-chunkflow: the stock path here runs 1F1B only; run stock "
+                             "interleaved 1F1B through Megatron-LM's pretrain_gpt.py")
+        for flag, given in (("--lora-rank", self.lora is not None),
+                            ("--chunkflow-sparse-backward", self.sparse.enabled)):
+            if given and self.parallel.vpp > 1:
+                raise ValueError(f"{flag} is not checked with --num-virtual-stages-per-pipeline-"
+                                 f"rank {self.parallel.vpp} yet (chunkflow verify refuses the "
+                                 "pair too); give --num-virtual-stages-per-pipeline-rank 1")
+        if self.parallel.vpp > 1 and self.checkpoint.save_hf:
+            raise ValueError(f"--save-hf with --num-virtual-stages-per-pipeline-rank "
+                             f"{self.parallel.vpp}: the Hugging Face export gathers one model "
+                             "chunk per pipeline stage and does not support virtual stages yet")
         self.sparse.check(-(-self.seq_length // c), self.uses_chunkflow,
                           f" (--seq-length {self.seq_length} / --chunk-size {c})")
         from megatron_chunkflow.mcore.cpu import has_real_cuda

@@ -48,7 +48,9 @@ class Training:
 
     @property
     def model(self):
-        return self.chunkflow_model.model
+        """The model stage; with virtual stages the list of this rank's model chunks."""
+        models = self.chunkflow_model.models
+        return models[0] if len(models) == 1 else models
 
     @property
     def ddp(self):
@@ -85,7 +87,7 @@ def build_training(s: TrainSettings) -> Training:
         optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
         clip_grad=o.clip_grad, bf16=dtype == torch.bfloat16, params_dtype=dtype,
         use_distributed_optimizer=False)
-    optimizer = get_megatron_optimizer(opt_config, [cm.ddp])
+    optimizer = get_megatron_optimizer(opt_config, cm.ddps)
     cm.config.grad_scale_func = optimizer.scale_loss  # as Megatron-LM's train() wires it
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr,
@@ -101,7 +103,8 @@ def training_step(s: TrainSettings, tr: Training, sequences, step_index: int = 0
                   observers=()) -> StepOutcome:
     """One optimizer step on the global batch `sequences`: gradients zeroed, forward and
     backward, Adam, the LR schedule advanced."""
-    tr.ddp.zero_grad_buffer()
+    for ddp in tr.chunkflow_model.ddps:
+        ddp.zero_grad_buffer()
     tr.optimizer.zero_grad()
     out = forward_backward(s, tr, sequences, step_index, observers)
     out.lr = tr.optimizer.param_groups[0]["lr"]  # the rate this step applies (the scheduler's)
@@ -117,7 +120,7 @@ def forward_backward(s: TrainSettings, tr: Training, sequences, step_index: int 
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     ranks = Ranks.current()
-    config = tr.model.config
+    config = tr.chunkflow_model.config
     step_fn = make_forward_step(exact_loss=s.dtype == "float64", vocab_size=s.real_vocab_size)
     if s.uses_chunkflow:
         step = plan_step(sequences, s.chunkflow, s.parallel, s.shape, ranks, sparse=s.sparse,
@@ -136,9 +139,11 @@ def forward_backward(s: TrainSettings, tr: Training, sequences, step_index: int 
     # others exchange each micro-batch's shape first (variable_seq_lengths)
     fixed = s.system == "megatron-sft"
     config.variable_seq_lengths = s.parallel.pp > 1 and not fixed
+    # with virtual stages Megatron's interleaved schedule reads each model chunk's iterator
+    data = iter(inputs) if s.parallel.vpp == 1 else [iter(inputs) for _ in range(s.parallel.vpp)]
     with observing_megatron(observers):
         reports = get_forward_backward_func()(
-            forward_step_func=step_fn, data_iterator=iter(inputs), model=tr.ddp,
+            forward_step_func=step_fn, data_iterator=data, model=tr.ddp,
             num_microbatches=len(inputs),
             seq_length=s.seq_length if fixed else max(x.tokens.size(1) for x in inputs),
             micro_batch_size=1)
@@ -151,8 +156,9 @@ def _idle_step(ddp, config) -> None:
     gradients and no token to the per-token mean and every collective still matches."""
     if config.finalize_model_grads_func is None:
         return
-    device = next(ddp.parameters()).device
-    config.finalize_model_grads_func([ddp], torch.zeros((), dtype=torch.int, device=device))
+    chunks = ddp if isinstance(ddp, list) else [ddp]
+    device = next(chunks[0].parameters()).device
+    config.finalize_model_grads_func(chunks, torch.zeros((), dtype=torch.int, device=device))
 
 
 def peak_memory_bytes() -> int:

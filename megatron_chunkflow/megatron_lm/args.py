@@ -148,9 +148,6 @@ def chunkflow_refusals(args, given_dataloader: str | None = None) -> list[str]:
     has not validated yet (its own layout assertion fired first), so raw flags are read where
     validation would derive a value."""
     refuse = []
-    if _virtual_stages(args):
-        refuse.append("virtual pipeline stages (--num-layers-per-virtual-pipeline-stage / "
-                      "--num-virtual-stages-per-pipeline-rank): the state-aware schedule is 1F1B")
     if args.micro_batch_size != 1:
         refuse.append(f"--micro-batch-size {args.micro_batch_size}: use 1 (each data chunk of "
                       "up to --chunk-size tokens is one micro-batch)")
@@ -217,13 +214,6 @@ def chunkflow_refusals(args, given_dataloader: str | None = None) -> list[str]:
             refuse.append(f"--data-path with {len(args.data_path)} entries: ChunkFlow reads one "
                           "file, directory or indexed prefix (blends are not supported)")
     return refuse
-
-
-def _virtual_stages(args) -> bool:
-    if getattr(args, "virtual_pipeline_model_parallel_size", None) is not None:
-        return True
-    return any(getattr(args, name, None) is not None for name in
-               ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank"))
 
 
 def _given(flag: str) -> bool:

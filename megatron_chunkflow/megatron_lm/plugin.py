@@ -80,6 +80,8 @@ class _Hooks:
         self.interval_flops = self.interval_tokens = self.interval_time = 0.0
         self.interval_steps = 0
         self.loss_vocab = None  # _loss_vocab_size, read once
+        self.store = None  # the K/V state store every model chunk of this rank shares
+        self.iterators = None  # built once; every virtual stage's slot gets the same
 
 
 _HOOKS = _Hooks()
@@ -156,6 +158,7 @@ def _get_model(original, model_provider_func, *args, **kwargs):
     if a.chunkflow:  # before Megatron wraps the model: DDP registers hooks per module
         model_provider_func = partial(_chunkflow_provider, model_provider_func,
                                       resolve_backend(a))
+    _HOOKS.store = None  # a new model: its model chunks get one new store
     with building_core_attention_without_cp(a.context_parallel_size if a.chunkflow else 1):
         model = original(model_provider_func, *args, **kwargs)
     if a.chunkflow_load_hf:
@@ -166,11 +169,12 @@ def _get_model(original, model_provider_func, *args, **kwargs):
 def _chunkflow_provider(provider, backend: str, *args, **kwargs):
     """pretrain_gpt.py's model provider, then chunk attention swapped in: before get_model wraps
     the model in Float16Module and DDP, whose forward pre-hooks (--overlap-param-gather) and
-    gradient hooks are registered per module and parameter of the finished model."""
+    gradient hooks are registered per module and parameter of the finished model. With virtual
+    stages get_model calls it once per model chunk; the chunks share one K/V state store."""
     from megatron_chunkflow.runtime.model import apply_chunkflow
 
     model = provider(*args, **kwargs)
-    apply_chunkflow(model, backend=backend)
+    _HOOKS.store = apply_chunkflow(model, backend=backend, store=_HOOKS.store)
     return model
 
 
@@ -178,6 +182,10 @@ def _build_iterators(original, provider):
     a = _args()
     if not a.chunkflow:
         return original(provider)
+    if getattr(provider, "keywords", {}).get("vp_stage", 0) > 0:
+        # with virtual stages Megatron-LM asks once per model chunk; ChunkFlow's schedule pulls
+        # one planned step for all of them from the first
+        return _HOOKS.iterators
     from megatron.core.rerun_state_machine import RerunDataIterator
 
     from megatron_chunkflow.config import ParallelConfig
@@ -188,6 +196,7 @@ def _build_iterators(original, provider):
     chunkflow = chunkflow_config(a)
     ranks = Ranks.current()
     parallel = ParallelConfig(tp=ranks.tp, pp=ranks.pp, cp=ranks.cp, dp=ranks.dp,
+                              vpp=a.virtual_pipeline_model_parallel_size or 1,
                               sequence_parallel=a.sequence_parallel)
 
     def steps(dataset, consumed):
@@ -211,8 +220,9 @@ def _build_iterators(original, provider):
                 f"training sequences{split}; {validation}; global batch {a.global_batch_size} "
                 f"sequences, chunk size {chunkflow.chunk_size}, K {chunkflow.num_kept}, "
                 f"attention {resolve_backend(a)}")
-    return (RerunDataIterator(_HOOKS.iterator),
-            RerunDataIterator(valid_steps) if valid_steps is not None else None, None)
+    _HOOKS.iterators = (RerunDataIterator(_HOOKS.iterator),
+                        RerunDataIterator(valid_steps) if valid_steps is not None else None, None)
+    return _HOOKS.iterators
 
 
 def _loss_vocab_size(a) -> int:

@@ -94,7 +94,10 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _sharded_state(model, optimizer, loading: bool) -> dict:
-    sd = {"model": model.sharded_state_dict()}
+    if isinstance(model, list):  # virtual stages: one entry per model chunk, as Megatron-LM
+        sd = {f"model{v}": chunk.sharded_state_dict() for v, chunk in enumerate(model)}
+    else:
+        sd = {"model": model.sharded_state_dict()}
     sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=loading)
     return sd
 
@@ -261,7 +264,11 @@ def load_checkpoint(root: str, model, optimizer, scheduler,
         raise ValueError(f"--load {directory}: the sharded checkpoint cannot be read "
                          f"({type(e).__name__}: {str(e)[:300]}); remove this directory to "
                          "resume from an older one") from None
-    model.load_state_dict(loaded["model"])
+    if isinstance(model, list):
+        for v, chunk in enumerate(model):
+            chunk.load_state_dict(loaded[f"model{v}"])
+    else:
+        model.load_state_dict(loaded["model"])
     rates = [{k: g[k] for k in ("max_lr", "min_lr") if k in g} for g in optimizer.param_groups]
     optimizer.load_state_dict(loaded["optimizer"])
     if override_schedule:

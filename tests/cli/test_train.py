@@ -48,6 +48,13 @@ def test_empty_dataset(capsys, tmp_path):
                                                    "parallelism recomputes attention"),
     (["--cp", "2", "--no-chunkflow"], "--context-parallel-size 2 with --no-chunkflow"),
     (["--cp", "0"], "--context-parallel-size (--cp) must be >= 1"),
+    (["--vpp", "2"], "--num-virtual-stages-per-pipeline-rank (--vpp) 2 needs "
+                     "--pipeline-model-parallel-size (--pp) >= 2"),
+    (["--pp", "2", "--vpp", "3"], "--num-virtual-stages-per-pipeline-rank (--vpp) 3 must "
+                                  "divide the model's 2 layers per pipeline stage"),
+    (["--pp", "2", "--vpp", "2", "--no-chunkflow"], "the stock path here runs 1F1B only"),
+    (["--pp", "2", "--vpp", "2", "--lora-rank", "4"],
+     "--lora-rank is not checked with --num-virtual-stages-per-pipeline-rank 2"),
     (["--cp", "2", "--lora-rank", "4"], "--lora-rank is not checked with --context-parallel-size 2"),
     (["--attention-backend", "flash"], "--attention-backend flash needs a CUDA GPU; this run is "
                                        "on cpu"),

@@ -89,7 +89,9 @@ def _megatron_losses(log: str) -> list[float]:
     return [float(x) for x in re.findall(r"\| lm loss: ([0-9.E+-]+) \|", log)]
 
 
-LAYOUTS = {"pp1": (1, 1, 1), "pp2": (1, 2, 1), "tp2": (2, 1, 1), "cp2": (1, 1, 2)}  # TP, PP, CP
+# TP, PP, CP[, virtual stages per pipeline rank]
+LAYOUTS = {"pp1": (1, 1, 1), "pp2": (1, 2, 1), "tp2": (2, 1, 1), "cp2": (1, 1, 2),
+           "pp2_vpp2": (1, 2, 1, 2)}
 
 
 @needs_megatron_lm
@@ -99,18 +101,23 @@ LAYOUTS = {"pp1": (1, 1, 1), "pp2": (1, 2, 1), "tp2": (2, 1, 1), "cp2": (1, 1, 2
 def test_pretrain_gpt_chunkflow_matches_chunkflow_train(gloo, workdir, layout):
     """The same weights, data, sampler and schedule: the losses agree at float32 precision
     (`chunkflow train` runs in the tests' gloo job of the same size, as under torchrun)."""
-    tp, pp, cp = LAYOUTS[layout]
+    tp, pp, cp, *vpp = LAYOUTS[layout]
     nproc = tp * pp * cp
     par = {"--tensor-model-parallel-size": tp, "--pipeline-model-parallel-size": pp,
            "--context-parallel-size": cp}
+    # virtual stages: Megatron-LM's layers-per-virtual-stage flag (4 layers, PP 2: 1 -> V = 2)
+    # against chunkflow train's --num-virtual-stages-per-pipeline-rank
+    mlm_vpp = ["--num-layers-per-virtual-pipeline-stage", "1"] if vpp else []
+    train_vpp = ["--num-virtual-stages-per-pipeline-rank", str(vpp[0])] if vpp else []
     mlm = _torchrun(nproc, [
         "megatron_chunkflow.launch", str(MEGATRON_LM / "pretrain_gpt.py"), *MODEL, *CPU,
-        *_flags(SCHEDULE), *_flags(par), "--micro-batch-size", "1", "--lr-decay-style", "cosine",
-        "--data-path", "corpus", "--chunkflow", "--chunkflow-load-hf", "hf"], workdir)
+        *_flags(SCHEDULE), *_flags(par), *mlm_vpp, "--micro-batch-size", "1",
+        "--lr-decay-style", "cosine", "--data-path", "corpus", "--chunkflow",
+        "--chunkflow-load-hf", "hf"], workdir)
     assert mlm.returncode == 0, mlm.stdout[-3000:] + mlm.stderr[-3000:]
     code, _, err = gloo.cli(nproc, "train", "--load-hf", workdir / "hf", "--data-path",
-                            workdir / "corpus", *_flags(SCHEDULE), *_flags(par), "--log-json",
-                            workdir / f"train_{layout}.jsonl")
+                            workdir / "corpus", *_flags(SCHEDULE), *_flags(par), *train_vpp,
+                            "--log-json", workdir / f"train_{layout}.jsonl")
     assert code == 0, err[-3000:]
     steps = [json.loads(line) for line in (workdir / f"train_{layout}.jsonl").open()]
     expected = [s["loss"] for s in steps]
@@ -367,11 +374,9 @@ def test_cpu_shim_has_the_memory_stats_megatron_logs():
 @pytest.mark.parametrize("extra, needle", [
     (["--context-parallel-size", "2", "--chunkflow-attention-backend", "flex"],
      "--chunkflow-attention-backend flex: context parallelism recomputes attention"),
-    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
-     "virtual pipeline stages (--num-layers-per-virtual-pipeline-stage"),
 ])
 def test_single_process_refusal_comes_before_megatrons_assertion(workdir, extra, needle):
-    """One process with CP 2 (and a backend that cannot run it) or virtual stages: Megatron's own
+    """One process with CP 2 (and a backend that cannot run it): Megatron's own
     world-size assertion would fire first; the plugin's refusal is what the user sees, with the
     defaulted chunk size named as the default."""
     args = {k: v for k, v in SCHEDULE.items() if k != "--chunk-size"}
