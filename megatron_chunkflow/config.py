@@ -219,32 +219,40 @@ class ParallelConfig:
     @classmethod
     def parse(cls, text: str, num_gpus: int, shape, flag: str) -> ParallelConfig:
         """"TP,CP,PP,RECOMPUTE" (e.g. "4,1,2,full", "4,1,2,selective:mlp+layernorm") on `num_gpus`
-        GPUs, as `layout` builds it, checked against the model (core.models.ModelShape);
+        GPUs, as `layout` builds it, checked against the model (core.models.ModelShape); PP may
+        be "PPxV" for V virtual stages per pipeline rank ("4,1,4x2,full": PP 4, V 2).
         ValueErrors name `flag` and the text."""
         parts = [p.strip() for p in text.split(",")]
         if len(parts) != 4:
             raise ValueError(f"{flag} {text!r}: expected TP,CP,PP,RECOMPUTE, e.g. 4,1,1,selective "
-                             "or 4,1,2,block:2")
+                             "or 4,1,2,block:2 (PP as PPxV for V virtual stages: 4,1,4x2,full)")
+        pp_text, x, v_text = parts[2].lower().partition("x")
         try:
-            tp, cp, pp = (int(p) for p in parts[:3])
+            tp, cp, pp = (int(p) for p in (*parts[:2], pp_text))
+            vpp = int(v_text) if x else 1
         except ValueError:
-            raise ValueError(f"{flag} {text!r}: TP, CP and PP must be integers") from None
-        return cls.on_gpus(tp, cp, pp, parts[3], num_gpus, shape, f"{flag} {text}")
+            raise ValueError(f"{flag} {text!r}: TP, CP and PP must be integers, PP optionally "
+                             "PPxV (V virtual stages per pipeline rank, e.g. 4x2)") from None
+        return cls.on_gpus(tp, cp, pp, parts[3], num_gpus, shape, f"{flag} {text}", vpp)
 
     @classmethod
     def on_gpus(cls, tp: int, cp: int, pp: int, recompute: Recompute | str, num_gpus: int,
-                shape, where: str = "layout") -> ParallelConfig:
+                shape, where: str = "layout", vpp: int = 1) -> ParallelConfig:
         """`layout` with DP what `num_gpus` leaves, checked against the model; errors start with
         `where` and name the offending value."""
-        for name, v in (("TP", tp), ("CP", cp), ("PP", pp)):
+        for name, v in (("TP", tp), ("CP", cp), ("PP", pp), ("V", vpp)):
             if v < 1:
                 raise ValueError(f"{where}: {name} must be >= 1, got {v}")
+        if vpp > 1 and pp < 2:
+            raise ValueError(f"{where}: V {vpp} virtual stages per pipeline rank need PP >= 2, "
+                             f"got PP {pp}")
         if isinstance(recompute, str):
             recompute = Recompute.parse(recompute, f"{where}: RECOMPUTE")
         if num_gpus % (tp * cp * pp):
             raise ValueError(f"{where}: TP*CP*PP = {tp}*{cp}*{pp} = {tp * cp * pp} does not "
                              f"divide --gpus {num_gpus}")
-        out = cls.layout(tp=tp, cp=cp, pp=pp, dp=num_gpus // (tp * cp * pp), recompute=recompute)
+        out = cls.layout(tp=tp, cp=cp, pp=pp, dp=num_gpus // (tp * cp * pp), recompute=recompute,
+                         vpp=vpp)
         out.check_model(shape, where)
         return out
 
@@ -359,8 +367,10 @@ class ParallelConfig:
         return f"TP{self.tp} CP{self.cp} {pp} DP{self.dp} {self.recompute}"
 
     def to_flag(self) -> str:
-        """The TP,CP,PP,RECOMPUTE form `chunkflow simulate` takes."""
-        return f"{self.tp},{self.cp},{self.pp},{self.recompute}"
+        """The TP,CP,PP,RECOMPUTE form `chunkflow simulate` takes (PP as PPxV with virtual
+        stages)."""
+        pp = f"{self.pp}x{self.vpp}" if self.vpp > 1 else f"{self.pp}"
+        return f"{self.tp},{self.cp},{pp},{self.recompute}"
 
     def to_json(self) -> dict:
         """Degrees as numbers, recompute as its text form: the simulator's layout record

@@ -13,8 +13,10 @@ data order and padded to --seq-length, fixed-shape pipeline sends), megatron-pac
 padding, variable shapes: the strongest), megatron-unpacked (one sequence per micro-batch);
 under CP every sequence is padded to a multiple of 2 x CP. `--baseline all` (the default) predicts
 each on its own fastest layout and recompute. A layout is TP,CP,PP,RECOMPUTE with RECOMPUTE one of
-Megatron's menu (none, selective, selective:mlp+layernorm, full, block:N); DP is what --gpus
-leaves; "auto" (the default) searches every layout and recompute option for the fastest that fits.
+Megatron's menu (none, selective, selective:mlp+layernorm, full, block:N) and PP optionally PPxV,
+V virtual stages per pipeline rank (Megatron's interleaved 1F1B for the baselines, ChunkFlow's
+interleaved plan; "4,1,4x2,full"); DP is what --gpus leaves; "auto" (the default) searches every
+layout (V included, for both systems) and recompute option for the fastest that fits.
 ChunkFlow's CP (runtime/cp.py) pads every segment of a chunk to 2 x CP (x TP under sequence
 parallelism), all-gathers K/V in every layer and recomputes its attention in the backward
 (perfmodel/layer.py); its --chunk-size must be a multiple of that. Every stock prediction is
@@ -84,7 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _row(name: str, p: Prediction, usable: float) -> str:
     lay = p.layout
-    layout = f"{lay.tp} {lay.cp} {lay.pp} {lay.dp} {lay.recompute}"
+    pp = f"{lay.pp}x{lay.vpp}" if lay.vpp > 1 else f"{lay.pp}"
+    layout = f"{lay.tp} {lay.cp} {pp} {lay.dp} {lay.recompute}"
     if p.system == "chunkflow":
         layout += f"  C={p.chunk_size} K={p.num_kept}"
     return (f"{name:<17} {layout:<44} {p.step_s:>9.3f} {p.tokens_per_s:>11,.0f} "
@@ -149,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
             f"{hw.peak_tflops:g} TFLOP/s peak); {len(lengths)} sequences ({source}), "
             f"{sum(lengths):,} tokens, longest {max(lengths):,}"
             + (f", {truncated} truncated to --seq-length {args.seq_length}" if truncated else ""))
-    out.say(f"\n{'system':<17} {'TP CP PP DP recompute':<44} {'step (s)':>9} {'tokens/s':>11} "
+    out.say(f"\n{'system':<17} {'TP CP PP[xV] DP recompute':<44} {'step (s)':>9} {'tokens/s':>11} "
             f"{'MFU':>6} {'bubble':>7} {'pad':>6} {'peak / usable GiB':>15} fits")
     for name, p in preds.items():
         out.say(_row(name, p, hw.usable_bytes))

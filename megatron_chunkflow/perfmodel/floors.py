@@ -9,6 +9,8 @@ stage follows chunk j - 1's there, its B follows chunk j + 1's there (and its R,
 re-forwarded); so some path runs chunk 0 forward down to a stage t, every chunk's F on t, the last
 chunk down to the last stage, its B back up to a stage u, every chunk's B and R on u, then chunk
 0's B up to stage 0 and its optimizer step; the floor takes the longest such path over t and u.
+With V virtual stages per rank, "stages" in the paths are the PP x V virtual ones, a rank's busy
+time sums its V model chunks' ops.
 
 The floor is computed from per-rank sums (FloorSums), one pass over the chunks per parallel
 layout, then per recompute option in O(stages): the forward sums are exact; a backward's launch
@@ -19,8 +21,9 @@ backwards' prefix uses the backward without recompute, which every option's exce
 Memory floors: stock Megatron's (megatron_memory_floor) is exact when given the micro-batches in
 flight (inflight_tokens): under Megatron's 1F1B, stage s of p holds min(p - s, m) consecutive
 micro-batches of its rank at once (core/schedule.py megatron_1f1b_plan), so the held peak is the
-largest window of that many; the peak adds the static bytes and the transient of the rank's
-largest micro-batch, exactly as perfmodel/predict.py counts it. ChunkFlow's
+largest window of that many (interleaved: inflight_tokens walks the plan's order); the peak adds
+the static bytes and the transient of the rank's largest micro-batch, as perfmodel/predict.py
+counts it. ChunkFlow's
 (chunkflow_memory_floor) is a bound: the last K chunks of the longest sequence are held at once
 (1/CP of them per GPU), and under CP its last chunk's attention gathers the whole sequence's K/V.
 """
@@ -35,10 +38,11 @@ from functools import lru_cache
 from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.core.costs import layers_per_stage
 from megatron_chunkflow.core.models import ModelShape
-from megatron_chunkflow.core.schedule import is_reforwarded
+from megatron_chunkflow.core.schedule import is_reforwarded, megatron_interleaved_plan
 from megatron_chunkflow.core.types import DataChunk
 from megatron_chunkflow.perfmodel.footprint import (
     chunk_tokens,
+    head_activation_bytes,
     kv_state_bytes_per_token,
     per_token_bytes,
     sequence_state_bytes,
@@ -114,6 +118,7 @@ class RankSums:
     module_kernels: dict = field(default_factory=lambda: {m: 0 for m in MODULES})
     f_pre: list = field(default_factory=list)  # per stage: least forward through earlier stages
     b_pre: list = field(default_factory=list)  # per stage: least backward through earlier stages
+    least: tuple = (math.inf,) * 4  # least layer forward, backward, embedding f, b (any split)
     # upper bounds of one op's duration, for the DP tail (the first F, the last B of a stage)
     max_fwd: float = 0.0  # a layer's forward
     max_bwd: float = 0.0  # a layer's backward under any recompute option
@@ -125,12 +130,12 @@ def floor_sums(items: Sequence[tuple[int, bool, Work, int | None]],
                model: Roofline) -> dict[int, RankSums]:
     """Per DP rank, the sums time_floor combines; they depend on the parallel layout, not on
     recompute, so a search shares them between every recompute option of a layout."""
-    pp, launch = model.layout.pp, model.launch_s
+    pp, nv, launch = model.layout.pp, model.layout.num_virtual_stages, model.launch_s
     host = model.hw.op_overhead_us * 1e-6
     rows: dict[int, RankSums] = {}
     for rank, reforward, work, parent in items:
         parts = model.layer.parts(work)
-        (emb_f, emb_b), (head_f, head_b), layers = model.ends(work.tokens, pp)
+        (emb_f, emb_b), (head_f, head_b), layers = model.ends(work.tokens, nv)
         f_layer = max(parts.fwd, parts.fwd_kernels * launch)
         b_layer = max(parts.bwd, parts.bwd_kernels * launch)
         r = rows.setdefault(rank, RankSums(f_pre=[math.inf] * pp, b_pre=[math.inf] * pp))
@@ -149,6 +154,7 @@ def floor_sums(items: Sequence[tuple[int, bool, Work, int | None]],
                         (parts.bwd_kernels + parts.fwd_kernels) * launch,
                         (parts.bwd_kernels + sum(e[1] for e in every)) * launch)
         r.max_ends = tuple(map(max, r.max_ends, (emb_f, emb_b, head_f, head_b)))
+        r.least = tuple(map(min, r.least, (f_layer, b_layer, emb_f, emb_b)))
         if parent is not None:
             ch = r.chains.setdefault(parent, ChainSums())
             ch.n += 1
@@ -165,13 +171,13 @@ def floor_sums(items: Sequence[tuple[int, bool, Work, int | None]],
                 ch.first = own
             if not work.relayed:  # the sequence's last chunk
                 ch.last = own
-        f_acc = b_acc = 0.0
-        for s, n in enumerate(layers):
+        f_acc = b_acc = 0.0  # through the virtual stages before rank s's first, s
+        for s, n in enumerate(layers[:pp]):
             r.f_pre[s], r.b_pre[s] = min(r.f_pre[s], f_acc), min(r.b_pre[s], b_acc)
             f_acc += n * f_layer + host + (emb_f if s == 0 else 0.0) + \
-                (head_f if s == pp - 1 else 0.0)
+                (head_f if s == nv - 1 else 0.0)
             b_acc += n * b_layer + host + (emb_b if s == 0 else 0.0) + \
-                (head_b if s == pp - 1 else 0.0)
+                (head_b if s == nv - 1 else 0.0)
     for r in rows.values():  # any chain bounds the step: keep the heaviest, for speed
         if len(r.chains) > 1:
             key = max(r.chains, key=lambda q: r.chains[q].fwd + r.chains[q].bwd)
@@ -187,11 +193,13 @@ def time_floor(items: Sequence[tuple[int, bool, Work, int | None]], model: Roofl
     parameter all-gather beyond its first forward, as perfmodel/predict.py charges them."""
     sums = floor_sums(items, model) if sums is None else sums
     pp, rc, launch = model.layout.pp, model.layout.recompute, model.launch_s
+    v = model.layout.vpp  # each rank runs V model chunks: V ops per chunk, F and B
     host = model.hw.op_overhead_us * 1e-6
     params = stage_params(model.shape, pp)
     opt = [model.optimizer_time(p) for p in params]
     dp = [model.dp_times(p) for p in params]
     layers = layers_per_stage(model.shape.num_layers, pp)
+    virtual = layers_per_stage(model.shape.num_layers, pp * v)  # recompute's unit
     best = 0.0
     for r in sums.values():
         x_s = sum(r.module[m] for m in rc.modules)
@@ -199,10 +207,11 @@ def time_floor(items: Sequence[tuple[int, bool, Work, int | None]], model: Roofl
         keep = max(r.bwd + x_s, (r.bwd_kernels + x_k) * launch)
         full = max(r.bwd + r.fwd_roof, (r.bwd_kernels + r.fwd_kernels) * launch)
         for s, n in enumerate(layers):
-            n_re = rc.layers_recomputed(n)
-            busy = (n * r.fwd + host * r.ops + n_re * full + (n - n_re) * keep
-                    + host * r.chunks * (1 + n_re / max(n, 1)))
-            first_f, last_b = n * r.max_fwd + host, n * r.max_bwd + 2 * host
+            n_re = v * rc.layers_recomputed(virtual[s])
+            busy = (n * r.fwd + host * r.ops * v + n_re * full + (n - n_re) * keep
+                    + host * r.chunks * v * (1 + n_re / max(n, 1)))
+            first_f = virtual[s] * r.max_fwd + host
+            last_b = virtual[s] * r.max_bwd + 2 * host
             if s == 0:
                 busy += r.emb_fwd + r.emb_bwd
                 first_f, last_b = first_f + r.max_ends[0], last_b + r.max_ends[1]
@@ -211,9 +220,13 @@ def time_floor(items: Sequence[tuple[int, bool, Work, int | None]], model: Roofl
                 first_f, last_b = first_f + r.max_ends[2], last_b + r.max_ends[3]
             rs, ag = dp[s]
             tail = max(0.0, rs - last_b) + opt[s] + max(0.0, ag - first_f)
-            best = max(best, busy + r.f_pre[s] + max(tail, r.b_pre[s] + opt[0]))
+            f_pre, b_pre = r.f_pre[s], r.b_pre[s]
+            if v > 1:  # sums shared with V = 1 (_Floors): a bound of the least over chunks
+                f_pre = s * (virtual[s] * r.least[0] + host) + (r.least[2] if s else 0.0)
+                b_pre = s * (virtual[s] * r.least[1] + host) + (r.least[3] if s else 0.0)
+            best = max(best, busy + f_pre + max(tail, b_pre + opt[0]))
         for ch in r.chains.values():
-            best = max(best, _chain_floor(ch, layers, rc, launch, host) + opt[0])
+            best = max(best, _chain_floor(ch, virtual, rc, launch, host) + opt[0])
     return best
 
 
@@ -249,82 +262,96 @@ def _chain_floor(ch: ChainSums, layers: Sequence[int], rc, launch: float, host: 
 def relaxed_1f1b_floor(per_rank: Sequence[Sequence[DataChunk]], model: Roofline,
                        costs) -> float:
     """A tighter lower bound of stock Megatron's step for the candidate `model` (its layout and
-    recompute), from its op costs (`costs`, StageCosts of every rank's micro-batches), cheaper
-    than the replay: each stage runs its ops in Megatron's 1F1B order
-    (core/schedule.py megatron_1f1b_plan), an F no earlier than its micro-batch's forwards on
-    the stages before it, a B no earlier than its forward here plus its own forwards and
-    backwards on the stages after it; what the other stages do to each other is ignored (so it
-    bounds the replay from below), then the DP tail as perfmodel/predict.py charges it."""
-    pp = model.layout.pp
+    recompute), from its op costs (`costs`, StageCosts of every rank's micro-batches over the
+    PP x V virtual stages), cheaper than the replay: each rank runs its ops in Megatron's
+    (interleaved) 1F1B order (core/schedule.py megatron_interleaved_plan), an F no earlier than
+    its micro-batch's forwards on the virtual stages before it, a B no earlier than its forward
+    here plus its own forwards and backwards on the virtual stages after it; what the ranks do
+    to each other is ignored (so it bounds the replay from below), then the DP tail as
+    perfmodel/predict.py charges it."""
+    pp, v, best = model.layout.pp, model.layout.vpp, 0.0
     params = stage_params(model.shape, pp)
-    opt = [model.optimizer_time(p) for p in params]
-    dp = [model.dp_times(p) for p in params]
-    best = 0.0
+    opt, dp = [model.optimizer_time(p) for p in params], [model.dp_times(p) for p in params]
     for chunks in per_rank:
         if not chunks:
             continue
-        ids = [c.id for c in chunks]
-        f = [[costs("F", i, s) for s in range(pp)] for i in ids]
-        b = [[costs("B", i, s) for s in range(pp)] for i in ids]
-        m = len(ids)
+        plan = megatron_interleaved_plan(chunks, pp, v)
+        f = {c.id: [costs("F", c.id, k) for k in range(pp * v)] for c in chunks}
+        b = {c.id: [costs("B", c.id, k) for k in range(pp * v)] for c in chunks}
+        before = {i: [sum(row[:k]) for k in range(pp * v)] for i, row in f.items()}
+        after = {i: [sum(row[k + 1:]) + sum(b[i][k + 1:]) for k in range(pp * v)] for i, row in
+                 f.items()}
         for s in range(pp):
-            before = [sum(row[:s]) for row in f]
-            after = [sum(fr[s + 1:]) + sum(br[s + 1:]) for fr, br in zip(f, b)]
-            warmup = min(pp - s - 1, m)
-            order = [("F", i) for i in range(warmup)]
-            for i in range(m - warmup):
-                order += [("F", warmup + i), ("B", i)]
-            order += [("B", i) for i in range(m - warmup, m)]
-            t, f_end, start = 0.0, [0.0] * m, 0.0
-            for kind, i in order:
-                ready = before[i] if kind == "F" else f_end[i] + after[i]
+            t, f_end, start = 0.0, {}, 0.0
+            for op in plan.stages[s]:
+                k, i = plan.virtual_stage(s, op), op.chunk
+                ready = before[i][k] if op.kind == "F" else f_end[i, k] + after[i][k]
                 start = max(t, ready)
-                t = start + (f[i][s] if kind == "F" else b[i][s])
-                if kind == "F":
-                    f_end[i] = t
-            rs, ag = dp[s]
-            end = max(t, start + rs)
-            best = max(best, end + opt[s] + max(0.0, ag - f[0][s]))
+                t = start + (f[i][k] if op.kind == "F" else b[i][k])
+                if op.kind == "F":
+                    f_end[i, k] = t
+            (rs, ag), first = dp[s], plan.stages[s][0].chunk
+            best = max(best, max(t, start + rs) + opt[s] + max(0.0, ag - f[first][s]))
     return best
 
 
 def inflight_tokens(microbatches: Sequence[DataChunk], num_dp_ranks: int, cp: int,
-                    num_stages: int) -> list[tuple[tuple[int, ...], int]]:
-    """Per DP rank: (per stage the most tokens on a GPU (after CP) that Megatron's 1F1B holds at
-    once, the largest micro-batch's tokens): windows of min(p - s, m) consecutive micro-batches."""
+                    num_stages: int, num_model_chunks: int = 1
+                    ) -> list[tuple[tuple[tuple[tuple[int, int], ...], ...], int]]:
+    """Per DP rank: (per pipeline rank the moments that matter of what Megatron's 1F1B holds, as
+    (tokens on a GPU (after CP) held over all model chunks, of which by the last virtual stage),
+    the largest micro-batch's tokens). Without virtual stages the largest window of min(p - s, m)
+    consecutive micro-batches (exact); with V, the interleaved plan's order walked (holdings do
+    not depend on timing): where either count peaks (exact where the second is 0)."""
     out = []
     for rank in range(num_dp_ranks):
-        tokens = [chunk_tokens(c, cp) for c in microbatches if c.dp_rank == rank]
-        windows = []
-        for s in range(num_stages):
+        mine = [c for c in microbatches if c.dp_rank == rank]
+        tokens = [chunk_tokens(c, cp) for c in mine]
+        stages = []
+        if num_model_chunks > 1:
+            plan = megatron_interleaved_plan(mine, num_stages, num_model_chunks)
+            size = {c.id: chunk_tokens(c, cp) for c in mine}
+            last = num_stages * num_model_chunks - 1
+            for s, ops in enumerate(plan.stages):
+                x = y = 0
+                at_x = at_y = (0, 0)  # (x, y) where x peaks, where y peaks
+                for op in ops:
+                    sign = 1 if op.kind == "F" else -1
+                    x += sign * size[op.chunk]
+                    y += sign * size[op.chunk] * (plan.virtual_stage(s, op) == last)
+                    at_x = (x, y) if x > at_x[0] else at_x
+                    at_y = (x, y) if y > at_y[1] else at_y
+                stages.append((at_x, at_y))
+        for s in range(num_stages if num_model_chunks == 1 else 0):
             w = min(num_stages - s, len(tokens))
             acc = best = sum(tokens[:w])
             for i in range(w, len(tokens)):
                 acc += tokens[i] - tokens[i - w]
                 best = max(best, acc)
-            windows.append(best)
-        out.append((tuple(windows), max(tokens, default=0)))
+            stages.append(((best, best if s == num_stages - 1 else 0),))
+        out.append((tuple(stages), max(tokens, default=0)))
     return out
 
 
 def megatron_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: ParallelConfig,
-                          dtype_bytes: int,
-                          inflight: list[tuple[tuple[int, ...], int]] | None = None) -> float:
+                          dtype_bytes: int, inflight: list | None = None) -> float:
     """A lower bound of stock Megatron's peak memory per GPU, without planning. With `inflight`
-    (inflight_tokens of the baseline's micro-batches on this layout) it is the peak itself;
-    without, the micro-batch holding the longest sequence (padded to a multiple of 2 x CP under
-    CP) holds activations on every stage at some point."""
-    per_token = per_token_bytes(shape, layout, dtype_bytes, layout.pp)
-    params = stage_params(shape, layout.pp)
-    layers = layers_per_stage(shape.num_layers, layout.pp)
+    (inflight_tokens of the baseline's micro-batches on this layout) it is the peak itself (a
+    bound with virtual stages, see there); without, the micro-batch holding the longest
+    sequence (padded to a multiple of 2 x CP under CP) holds activations on every stage at some
+    point."""
+    static, per_token, transient = _stage_bytes(shape, layout, dtype_bytes)
+    head, last_virtual = head_activation_bytes(shape, layout, dtype_bytes), len(per_token) - 1
+    body = [per_token[s] - head * (s == last_virtual) for s in range(layout.pp)]  # model chunk 0
     if inflight is None:
         multiple = 2 * layout.cp if layout.cp > 1 else 1
         tokens = math.ceil(-(-max(lengths) // multiple) * multiple / layout.cp)
-        inflight = [((tokens,) * layout.pp, tokens)]
-    last = layout.pp - 1
-    return max(static_bytes(params[s], layout, dtype_bytes) + windows[s] * per_token[s]
-               + transient_bytes(largest, shape, layout, dtype_bytes, s == last, layers[s])
-               for windows, largest in inflight for s in range(layout.pp))
+        last = layout.pp - 1
+        inflight = [(tuple(((tokens, tokens if s == last else 0),) for s in range(layout.pp)),
+                     tokens)]
+    return max(static[s] + max(x * body[s] + y * head for x, y in moments[s])
+               + largest * transient[s]
+               for moments, largest in inflight for s in range(layout.pp))
 
 
 def chunkflow_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: ParallelConfig,
@@ -343,6 +370,8 @@ def chunkflow_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: Pa
     else:
         held = longest
     static, per_token, transient = _stage_bytes(shape, layout, dtype_bytes)
+    pp = layout.pp  # a rank's held chunks counted on the costliest of its virtual stages
+    per_token = [max(per_token[s::pp]) for s in range(pp)]
     state = sequence_state_bytes(longest, chunk_size, num_kept, shape, layout, dtype_bytes,
                                  layout.pp)
     gathered = 0.0
@@ -358,12 +387,13 @@ def chunkflow_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: Pa
 @lru_cache(maxsize=4096)
 def _stage_bytes(shape: ModelShape, layout: ParallelConfig,
                  dtype_bytes: int) -> tuple[list, list, list]:
-    """Per stage: static bytes, activation bytes per token, transient bytes per token of the
-    largest chunk (transient_bytes is linear in its tokens); a search asks once per layout."""
+    """Per pipeline rank static bytes, per virtual stage activation bytes per token, per rank
+    transient bytes per token of the largest chunk (transient_bytes is linear in its tokens; a
+    model chunk's layers are recompute's unit); a search asks once per layout."""
     params = stage_params(shape, layout.pp)
-    layers = layers_per_stage(shape.num_layers, layout.pp)
+    layers = layers_per_stage(shape.num_layers, layout.num_virtual_stages)
     last = layout.pp - 1
     return ([static_bytes(p, layout, dtype_bytes) for p in params],
-            per_token_bytes(shape, layout, dtype_bytes, layout.pp),
+            per_token_bytes(shape, layout, dtype_bytes, layout.num_virtual_stages),
             [transient_bytes(1, shape, layout, dtype_bytes, s == last, layers[s])
              for s in range(layout.pp)])

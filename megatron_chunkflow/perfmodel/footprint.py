@@ -226,9 +226,10 @@ def held_bytes_fn(chunks: Sequence[DataChunk], shape: ModelShape, layout: Parall
 def transient_bytes(max_tokens: int, shape: ModelShape, layout: ParallelConfig, dtype_bytes: int,
                     last_stage: bool, layers: int | None = None) -> float:
     """Working memory of the backward of one layer (or the logits) for the largest micro-batch
-    on this GPU (`max_tokens` after CP), on a stage of `layers` layers (default: an even split):
-    the gradient working set plus what recompute re-creates then (module docstring)."""
-    layers = shape.num_layers // layout.pp if layers is None else layers
+    on this GPU (`max_tokens` after CP), on a stage of `layers` layers (default: an even split;
+    with virtual stages a model chunk's, which is what recompute applies to): the gradient
+    working set plus what recompute re-creates then (module docstring)."""
+    layers = shape.num_layers // layout.num_virtual_stages if layers is None else layers
     full = layer_activation_bytes(shape, layout, dtype_bytes, NO_RECOMPUTE)
     r = layout.recompute.layers_recomputed(layers)
     if r and r == layers:
@@ -277,17 +278,20 @@ def long_sequence_state_bytes(longest: int, chunk_size: int, num_kept: int, kv: 
 
 def sequence_state_bytes(longest: int, chunk_size: int, num_kept: int, shape: ModelShape,
                          layout: ParallelConfig, dtype_bytes: int, num_stages: int) -> list[float]:
-    """long_sequence_state_bytes per stage, on per-token bytes modelled from the shape: K/V in
-    `dtype_bytes`, fp32 accumulators, stage inputs of hidden_size / TP elements, each 1/CP on a
-    rank under CP. Layers whose core attention is recomputed hold no prefix copy; the one they
-    re-create in the backward (at most the whole sequence's, one layer at a time) is added."""
+    """long_sequence_state_bytes per stage (pipeline rank), on per-token bytes modelled from the
+    shape: K/V in `dtype_bytes`, fp32 accumulators, stage inputs of hidden_size / TP elements,
+    each 1/CP on a rank under CP. Layers whose core attention is recomputed hold no prefix copy;
+    the one they re-create in the backward (at most the whole sequence's, one layer at a time)
+    is added. With V virtual stages per rank (layout.vpp) a rank keeps the K/V of all its layers
+    and a stage input per model chunk (but virtual stage 0's), recompute applying per chunk."""
     out = []
-    rc, tp, cp = layout.recompute, layout.tp, layout.cp
+    rc, tp, cp, v = layout.recompute, layout.tp, layout.cp, layout.vpp
     for s, layers in enumerate(layers_per_stage(shape.num_layers, num_stages)):
         u = kv_state_bytes_per_token(shape, layers, dtype_bytes, tp, with_grad=False) / cp
         a = kv_state_bytes_per_token(shape, layers, dtype_bytes, tp) / cp - u
-        h = dtype_bytes * shape.hidden_size / tp / cp if s > 0 else 0.0
-        saving = 0 if "core_attn" in rc.modules else layers - rc.layers_recomputed(layers)
+        h = dtype_bytes * shape.hidden_size / tp / cp * (v if s > 0 else v - 1)
+        recomputed = v * rc.layers_recomputed(layers // v)
+        saving = 0 if "core_attn" in rc.modules else layers - recomputed
         state = long_sequence_state_bytes(longest, chunk_size, num_kept, u, a, h,
                                           u * saving / layers)
         if saving < layers and longest > chunk_size:

@@ -3,12 +3,14 @@ of core/step.py's BASELINES) and for ChunkFlow, on a named device (perfmodel/har
 roofline cost model.
 
 Both systems go through core/step.py (plan_baseline: megatron-sft, -packed or -unpacked
-micro-batches, every sequence padded to a multiple of 2 x CP under CP, run with Megatron's 1F1B;
-plan_chunkflow: chunks with state-aware 1F1B; under CP every segment padded to a multiple of
-2 x CP, x TP under sequence parallelism, as core/packer pads it, and ChunkFlow's all-gather CP
-attention, perfmodel/layer.py) and core/simulate.py, with per-op seconds from
-perfmodel/roofline.py (recompute, launch floor, each system's pipeline sends) and bytes (activations
-held and the long sequence's state, as core/step.py's memory hooks) from perfmodel/footprint.py.
+micro-batches, every sequence padded to a multiple of 2 x CP under CP, run with Megatron's 1F1B,
+interleaved over V model chunks per rank when the layout has virtual stages (ParallelConfig.vpp);
+plan_chunkflow: chunks with state-aware 1F1B, interleaved the same way; under CP every segment
+padded to a multiple of 2 x CP, x TP under sequence parallelism, as core/packer pads it, and
+ChunkFlow's all-gather CP attention, perfmodel/layer.py) and core/simulate.py, with per-op seconds
+from perfmodel/roofline.py (recompute, launch floor, each system's pipeline sends) and bytes
+(activations held, per virtual stage, and the long sequence's state, as core/step.py's memory
+hooks) from perfmodel/footprint.py; memory and the step end are per pipeline rank.
 Padding is computed like the sequence's own tokens (core/types.py Segment.padding), so it costs
 time and memory but is not model FLOPs.
 
@@ -112,8 +114,8 @@ def _finish(system: str, rp: RankPlans, model: Roofline, shape: ModelShape, hw: 
     """`rank_chunks`: each DP rank's chunks as computed, when they differ from rp.chunks
     (ChunkFlow's CP padding, with_padding)."""
     layout = model.layout
-    params = stage_params(shape, layout.pp)
-    layers = layers_per_stage(shape.num_layers, layout.pp)
+    params = stage_params(shape, layout.pp)  # per rank: its V model chunks' layers
+    layers = layers_per_stage(shape.num_layers, layout.num_virtual_stages)  # recompute's unit
     dp = [model.dp_times(p) for p in params]
     opt = [model.optimizer_time(p) for p in params]
     rank_chunks = rp.chunks if rank_chunks is None else rank_chunks
@@ -158,14 +160,15 @@ def predict_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware,
                      layout: ParallelConfig, seq_length: int,
                      baseline: Baseline = "megatron-packed") -> Prediction:
     """Stock Megatron: whole sequences in micro-batches of at most `seq_length` as `baseline`
-    builds them (core/step.py), padded to 2 x CP under CP, Megatron's 1F1B; megatron-sft sends
+    builds them (core/step.py), padded to 2 x CP under CP, Megatron's 1F1B (interleaved with
+    layout.vpp > 1: ValueError where Megatron refuses the micro-batch count); megatron-sft sends
     fixed seq_length shapes, the others each micro-batch's own after a shape handshake."""
     model = roofline(shape, layout, hw)
     held_for, _ = memory_hooks(shape, layout, hw.dtype_bytes)
     sends = "fixed" if baseline == "megatron-sft" else "variable"
     rp = plan_baseline(lengths, seq_length, layout.pp, layout.dp, shape,
                        lambda chunks, p: model.stage_costs(chunks, p, seq_length, sends),
-                       held_for, baseline=baseline, cp=layout.cp)
+                       held_for, baseline=baseline, cp=layout.cp, num_model_chunks=layout.vpp)
     return _finish("megatron", rp, model, shape, hw, lengths, baseline=baseline)
 
 
@@ -206,7 +209,7 @@ def predict_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware,
         padded, chunk_size, num_kept, layout.pp, layout.dp, shape,
         lambda chunks, p: model.stage_costs(real(chunks), p, chunk_size, "async", gather),
         lambda chunks, p: held_for(real(chunks), p),
-        lambda chunks, p: state_for(real(chunks), p))
+        lambda chunks, p: state_for(real(chunks), p), num_model_chunks=layout.vpp)
     return _finish("chunkflow", rp, model, shape, hw, lengths,
                    [real(c) for c in rp.chunks] if m > 1 else None,
                    chunk_size=chunk_size, num_kept=num_kept)

@@ -19,7 +19,10 @@ and its kernel counts come from perfmodel/layer.py; here they become op times:
 - Per stage: layers x per-layer time, plus the embedding on the first stage and the output layer
   and loss on the last (no launch floor there: large GEMMs and the vocabulary), plus the device's
   host time per op (`op_overhead_us`: 0 on GPUs, measured by `chunkflow bench` on a CPU, where
-  Python runs between the kernels).
+  Python runs between the kernels). With V virtual stages per rank (ParallelConfig.vpp) the
+  stages are the PP x V virtual ones (core/step.py asks for that many): layers / (PP x V) each,
+  the embedding on virtual stage 0 (rank 0), the output layer on PP x V - 1 (the last rank), and
+  every chunk crosses PP x V - 1 stage boundaries, each a send as below (V times PP's traffic).
 - PP point-to-point per micro-batch: the SP-split activation (T / CP / TP) * h. ChunkFlow sends
   each chunk's exact shape asynchronously (runtime/p2p.py), so a receiver waits for the message
   (charged at the chunk size, the largest). Megatron's non-interleaved 1F1B waits on its sends
@@ -134,7 +137,8 @@ class Roofline:
         return fwd, bwd
 
     def ends(self, tokens: int, num_stages: int) -> tuple:
-        """(embedding, head, layers per stage) for a chunk of `tokens` tokens, cached."""
+        """(embedding, head, layers per stage) for a chunk of `tokens` tokens, cached;
+        `num_stages`: the (virtual) stages, PP x V."""
         key = (tokens, num_stages)
         if key not in self._ends:
             self._ends[key] = (self.embedding(tokens), self.head(tokens),

@@ -1,10 +1,13 @@
 """Searches: the fastest prediction that fits in memory, over parallel layouts and Megatron's whole
 recompute menu, per stock baseline, and for ChunkFlow over the same and (chunk size, K).
 
-Candidates: every (TP, CP, PP) Megatron accepts (TP inside a node, dividing the attention heads
-and K/V groups; PP dividing the layers; CP up to 32), each with every option of
-config.Recompute.menu for its layers per stage (none, the 7 selective module sets, block 1 ..
-layers - 1, full); ChunkFlow's option applies inside every chunk. For --auto, every chunk size
+Candidates: every (TP, CP, PP, V) Megatron accepts (TP inside a node, dividing the attention
+heads and K/V groups; PP dividing the layers; CP up to 32; V virtual stages per rank, 2..MAX_VPP
+dividing the layers per stage, when PP >= 2), each with every option of config.Recompute.menu
+for its layers per (virtual) stage (none, the 7 selective module sets, block 1 .. layers - 1,
+full); ChunkFlow's option applies inside every chunk. Both systems search V: stock Megatron runs
+its interleaved 1F1B there, skipped where Megatron refuses the micro-batch count
+(core/schedule.py interleaving_problem); ChunkFlow's interleaved plan takes any chunk count. For --auto, every chunk size
 2K..seq_length (powers of two) that splits as the layout needs (ParallelConfig.chunk_multiple:
 2 x CP, x TP under sequence parallelism) with K = 1, 2, 4, 8 while K is below the longest sequence's
 number of chunks.
@@ -19,13 +22,16 @@ sums are shared by every recompute option of a parallel layout.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
 from megatron_chunkflow.config import ParallelConfig, Recompute
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.packer import build_chunks
+from megatron_chunkflow.core.schedule import interleaving_problem
 from megatron_chunkflow.core.step import Baseline, baseline_microbatches
+from megatron_chunkflow.core.types import DataChunk
 from megatron_chunkflow.perfmodel.floors import (
     chunk_work_items,
     chunkflow_memory_floor,
@@ -45,6 +51,7 @@ from megatron_chunkflow.perfmodel.predict import (
 
 CHUNK_SIZES = (2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 KS = (1, 2, 4, 8)
+MAX_VPP = 4  # virtual stages per rank searched: more only add p2p traffic and memory
 
 
 def _divisors(n: int, limit: int) -> list[int]:
@@ -53,9 +60,11 @@ def _divisors(n: int, limit: int) -> list[int]:
 
 def candidate_layouts(shape: ModelShape, hw: Hardware, num_gpus: int, allow_cp: bool,
                       max_pp: int = 16, max_cp: int = 32,
-                      recompute: Sequence[Recompute] | None = None) -> list[ParallelConfig]:
-    """Every layout Megatron accepts on `num_gpus` GPUs, each with every recompute option of the
-    menu for its layers per stage (or only those in `recompute`)."""
+                      recompute: Sequence[Recompute] | None = None,
+                      max_vpp: int = MAX_VPP) -> list[ParallelConfig]:
+    """Every layout Megatron accepts on `num_gpus` GPUs (V up to `max_vpp` when PP >= 2), each
+    with every recompute option of the menu for its layers per virtual stage (or only those in
+    `recompute`)."""
     heads = math.gcd(shape.num_attention_heads, shape.num_query_groups)
     out = []
     for tp in _divisors(math.gcd(heads, num_gpus), hw.gpus_per_node):
@@ -63,9 +72,10 @@ def candidate_layouts(shape: ModelShape, hw: Hardware, num_gpus: int, allow_cp: 
             for pp in _divisors(num_gpus // (tp * cp), min(max_pp, shape.num_layers)):
                 if shape.num_layers % pp:
                     continue  # Megatron-LM asserts that PP divides the layers
-                menu = Recompute.menu(shape.num_layers // pp)
-                for rc in (menu if recompute is None else [r for r in recompute if r in menu]):
-                    out.append(ParallelConfig.on_gpus(tp, cp, pp, rc, num_gpus, shape))
+                for v in (_divisors(shape.num_layers // pp, max_vpp) if pp > 1 else [1]):
+                    menu = Recompute.menu(shape.num_layers // (pp * v))
+                    for rc in (menu if recompute is None else [r for r in recompute if r in menu]):
+                        out.append(ParallelConfig.on_gpus(tp, cp, pp, rc, num_gpus, shape, vpp=v))
     return out
 
 
@@ -140,17 +150,30 @@ class _Floors:
         self.shape, self.hw, self.sums = shape, hw, {}
 
     def time(self, key, items, layout: ParallelConfig) -> float:
-        model = roofline(self.shape, layout, self.hw)
-        if (key, layout.degrees) not in self.sums:
-            self.sums[key, layout.degrees] = floor_sums(items, model)
-        return time_floor(items, model, self.sums[key, layout.degrees])
+        flat = dataclasses.replace(layout.degrees, vpp=1)  # V only splits the same sums
+        if (key, flat) not in self.sums:
+            self.sums[key, flat] = floor_sums(items, roofline(self.shape, flat, self.hw))
+        return time_floor(items, roofline(self.shape, layout, self.hw), self.sums[key, flat])
+
+
+def unsupported_interleaving(microbatches: Sequence[DataChunk],
+                             layout: ParallelConfig) -> str | None:
+    """Why Megatron's interleaved 1F1B refuses a baseline's `microbatches` (every DP rank's) on
+    `layout` (core/schedule.py interleaving_problem, per DP rank), or None."""
+    if layout.vpp == 1:
+        return None
+    counts = {sum(c.dp_rank == r for c in microbatches) for r in range(layout.dp)}
+    return next((f"{layout.describe()}: {why}" for m in sorted(counts)
+                 if (why := interleaving_problem(m, layout.pp, layout.vpp))), None)
 
 
 def best_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_gpus: int,
                   seq_length: int, layout: ParallelConfig | None = None,
                   baseline: Baseline = "megatron-packed") -> Prediction:
     """Stock Megatron as `baseline` on `layout`, or on the fastest layout and recompute option
-    that fits. Layouts whose CP padding makes a sequence longer than `seq_length` are skipped."""
+    that fits. Layouts whose CP padding makes a sequence longer than `seq_length` are skipped,
+    and so are interleaved ones whose micro-batch count per pipeline Megatron refuses
+    (unsupported_interleaving says why)."""
     if layout is not None:
         return predict_megatron(lengths, shape, hw, layout, seq_length, baseline)
     mbs: dict[tuple[int, int], list | None] = {}  # (DP, CP) -> micro-batches
@@ -174,9 +197,9 @@ def best_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_g
         return floors.time(key, items[key], lay)
 
     def memory_of(lay: ParallelConfig) -> float:
-        key = (lay.dp, lay.cp, lay.pp)
+        key = (lay.dp, lay.cp, lay.pp, lay.vpp)
         if key not in inflight:
-            inflight[key] = inflight_tokens(microbatches(lay), lay.dp, lay.cp, lay.pp)
+            inflight[key] = inflight_tokens(microbatches(lay), lay.dp, lay.cp, lay.pp, lay.vpp)
         return megatron_memory_floor(lengths, shape, lay, hw.dtype_bytes, inflight[key])
 
     def refine(lay: ParallelConfig) -> float:
@@ -186,7 +209,8 @@ def best_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_g
                                      for r in range(lay.dp)]
         model = roofline(shape, lay, hw)
         return relaxed_1f1b_floor(ranks[lay.dp, lay.cp], model,
-                                  model.stage_costs(chunks, lay.pp, seq_length, sends))
+                                  model.stage_costs(chunks, lay.num_virtual_stages, seq_length,
+                                                    sends))
 
     def dominates(a: ParallelConfig, b: ParallelConfig) -> bool:
         # exact for Megatron's fixed 1F1B order: its replay is monotone in the op costs, and
@@ -195,7 +219,8 @@ def best_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_g
         return a.degrees == b.degrees and recompute_dominates(a.recompute, b.recompute)
 
     layouts = [lay for lay in candidate_layouts(shape, hw, num_gpus, allow_cp=True)
-               if microbatches(lay) is not None]
+               if microbatches(lay) is not None
+               and unsupported_interleaving(microbatches(lay), lay) is None]
     return search(layouts,
                   lambda lay: predict_megatron(lengths, shape, hw, lay, seq_length, baseline),
                   time_of, memory_of, hw.usable_bytes, refine, dominates)

@@ -50,6 +50,29 @@ def test_json_contract(capsys):
     assert obj["setup"]["baseline"] == "all"
 
 
+def test_virtual_stages_for_both_systems(tmp_path, capsys):
+    """PP written PPxV: V virtual stages per pipeline rank, in the JSON layouts, the table and the
+    chosen-layout flags; Megatron's refusal of a micro-batch count is an error naming the
+    baseline."""
+    argv = [*SMALL, "--megatron-parallel", "2,1,2x2,none", "--chunkflow-parallel",
+            "2,1,2x7,none", "--chunk-size", "4096"]
+    rc, obj, err = run_json(capsys, *argv)
+    assert rc == 0 and " 2 1 2x2 2 none " in err and " 2 1 2x7 2 none " in err
+    for p in obj["baselines"].values():
+        assert p["layout"] == {"tp": 2, "cp": 1, "pp": 2, "dp": 2, "recompute": "none", "vpp": 2}
+    assert obj["chunkflow"]["layout"]["vpp"] == 7
+    _, plain, _ = run_json(capsys, *SMALL, "--megatron-parallel", "2,1,2,none",
+                           "--chunkflow-parallel", "2,1,2,none", "--chunk-size", "4096")
+    assert "vpp" not in plain["megatron"]["layout"]
+    assert plain["megatron"]["step_s"] != obj["megatron"]["step_s"]
+    # 5 micro-batches on one pipeline: Megatron wants a multiple of PP 4 or a last group >= 4
+    f = tmp_path / "lengths.txt"
+    f.write_text("30000\n" * 5)
+    assert main(["simulate", "--lengths-file", str(f), "--gpus", "8", "--baseline",
+                 "megatron-packed", "--megatron-parallel", "2,1,4x7,none"]) == 2
+    assert "--baseline megatron-packed: 5 micro-batches per pipeline" in capsys.readouterr().err
+
+
 def test_one_baseline_and_recompute_options(capsys):
     rc, obj, err = run_json(capsys, *SMALL, "--baseline", "megatron-sft",
                             "--megatron-parallel", "2,2,2,block:3",
@@ -141,7 +164,8 @@ def test_auto_layouts_and_lengths_file(tmp_path, capsys):
     cf = obj["chunkflow"]["layout"]
     assert 4096 % (2 * cf["cp"] * cf["tp"]) == 0 and obj["megatron"]["fits"]
     assert "chosen by search" in err and "--megatron-parallel" in err
-    assert f"--chunkflow-parallel {cf['tp']},{cf['cp']},{cf['pp']},{cf['recompute']}" in err
+    pp = f"{cf['pp']}x{cf['vpp']}" if "vpp" in cf else f"{cf['pp']}"
+    assert f"--chunkflow-parallel {cf['tp']},{cf['cp']},{pp},{cf['recompute']}" in err
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -154,6 +178,12 @@ def test_auto_layouts_and_lengths_file(tmp_path, capsys):
     (["--megatron-parallel", "2,1,1,selective:attn"], "modules must be a non-empty subset"),
     (["--megatron-parallel", "1,1,8,none"], "PP 8 must divide the model's 28 layers"),
     (["--megatron-parallel", "2,1"], "--megatron-parallel '2,1': expected TP,CP,PP,RECOMPUTE"),
+    (["--megatron-parallel", "2,1,4x0,none"], "--megatron-parallel 2,1,4x0,none: V must be >= 1"),
+    (["--chunkflow-parallel", "2,1,1x2,none"],
+     "--chunkflow-parallel 2,1,1x2,none: V 2 virtual stages per pipeline rank need PP >= 2"),
+    (["--megatron-parallel", "2,1,2xa,none"],
+     "--megatron-parallel '2,1,2xa,none': TP, CP and PP must be integers, PP optionally PPxV"),
+    (["--megatron-parallel", "1,1,2x4,none"], "VPP 4 must divide the model's 14 layers per"),
     (["--chunkflow-parallel", "2,2,1,none", "--chunk-size", "4100"],
      "--chunk-size 4100 is not a multiple of 2 x CP 2 x TP 2 (sequence parallelism) = 8: "
      "context parallelism cuts"),

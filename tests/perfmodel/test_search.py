@@ -30,6 +30,7 @@ from megatron_chunkflow.perfmodel.search import (
     candidate_layouts,
     chunking_candidates,
     recompute_dominates,
+    unsupported_interleaving,
 )
 
 P = ParallelConfig.layout  # a layout as the simulator models it (SP when TP > 1)
@@ -62,17 +63,20 @@ def test_floors_bound_every_stock_candidate(baseline):
     """Time floor <= refined floor <= step; the memory floor from the micro-batches in flight is
     the predicted peak itself."""
     for lay in candidate_layouts(SHAPE, STOCK_HW, 2, allow_cp=True)[::3]:
-        p = predict_megatron(LENGTHS, SHAPE, STOCK_HW, lay, SEQ, baseline)
         mbs = baseline_microbatches(LENGTHS, SEQ, lay.dp, baseline, lay.cp)
+        if unsupported_interleaving(mbs, lay):
+            continue
+        p = predict_megatron(LENGTHS, SHAPE, STOCK_HW, lay, SEQ, baseline)
         model = roofline(SHAPE, lay, STOCK_HW)
         floor = time_floor(chunk_work_items(mbs, STOCK_HW.attn_block, lay.cp), model)
         ranks = [[c for c in mbs if c.dp_rank == r] for r in range(lay.dp)]
         sends = "fixed" if baseline == "megatron-sft" else "variable"
-        refined = relaxed_1f1b_floor(ranks, model, model.stage_costs(mbs, lay.pp, SEQ, sends))
+        refined = relaxed_1f1b_floor(ranks, model, model.stage_costs(
+            mbs, lay.num_virtual_stages, SEQ, sends))
         assert floor <= p.step_s * (1 + 1e-9) and refined <= p.step_s * (1 + 1e-9)
         memory = megatron_memory_floor(LENGTHS, SHAPE, lay, STOCK_HW.dtype_bytes,
-                                       inflight_tokens(mbs, lay.dp, lay.cp, lay.pp))
-        assert memory == pytest.approx(p.peak_mem_bytes, rel=1e-9)
+                                       inflight_tokens(mbs, lay.dp, lay.cp, lay.pp, lay.vpp))
+        assert memory == pytest.approx(p.peak_mem_bytes, rel=1e-9)  # exact, V > 1 too here
         loose = megatron_memory_floor(LENGTHS, SHAPE, lay, STOCK_HW.dtype_bytes)
         assert loose <= p.peak_mem_bytes * (1 + 1e-9)
 
@@ -110,7 +114,9 @@ def test_dominance_holds_op_by_op():
 
 @pytest.mark.parametrize("baseline", BASELINES)
 def test_megatron_search_is_exact(baseline):
-    layouts = candidate_layouts(SHAPE, STOCK_HW, 2, allow_cp=True)
+    layouts = [lay for lay in candidate_layouts(SHAPE, STOCK_HW, 2, allow_cp=True)
+               if not unsupported_interleaving(
+                   baseline_microbatches(LENGTHS, SEQ, lay.dp, baseline, lay.cp), lay)]
     brute = fastest_fitting(predict_megatron(LENGTHS, SHAPE, STOCK_HW, lay, SEQ, baseline)
                             for lay in layouts)
     found = best_megatron(LENGTHS, SHAPE, STOCK_HW, 2, SEQ, baseline=baseline)
