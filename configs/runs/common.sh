@@ -7,7 +7,8 @@
 #   torchrun ... "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" \
 #       "${CHUNKFLOW_ARGS[@]}"
 #
-# run_config sets NODES (8-GPU nodes), TP, PP, CP, DP, RECOMPUTE, CHUNK_SIZE and CHUNKFLOW_K
+# run_config sets NODES (8-GPU nodes), TP, PP, VPP (a row's PP column may read PPxV: V virtual
+# stages per pipeline rank), CP, DP, RECOMPUTE, CHUNK_SIZE and CHUNKFLOW_K
 # ("" for stock runs), and the arrays PARALLEL_ARGS, TRAINING_ARGS and CHUNKFLOW_ARGS (empty for
 # stock runs). configs/README.md explains every choice. Data flags are added by the launcher
 # (scripts/slurm/train.sbatch).
@@ -51,6 +52,10 @@ run_config() {
     fi
     row=${LAYOUT[$model]}
     read -r NODES TP PP CP RECOMPUTE CHUNK_SIZE CHUNKFLOW_K <<< "$row"
+    VPP=1  # PP written PPxV: V virtual stages per pipeline rank (interleaved 1F1B)
+    if [[ $PP == *x* ]]; then
+        VPP=${PP#*x} PP=${PP%x*}
+    fi
     DP=$(( NODES * GPUS_PER_NODE / (TP * PP * CP) ))
     case $RECOMPUTE in
         none) ;;
@@ -74,6 +79,9 @@ run_config() {
     )
     if (( TP > 1 )); then
         PARALLEL_ARGS+=(--sequence-parallel)
+    fi
+    if (( VPP > 1 )); then
+        PARALLEL_ARGS+=(--num-virtual-stages-per-pipeline-rank "$VPP")
     fi
     TRAINING_ARGS=(
         "${COMMON_TRAINING_ARGS[@]}"

@@ -7,9 +7,10 @@ reach it, 128K, against each stock baseline.
     python scripts/benchmarks/simulate_table.py --gpu h200 --json
     python scripts/benchmarks/simulate_table.py --models qwen2.5-7b --seq-lengths 32768
 
-Per (model, context): `chunkflow simulate --baseline all --auto` (every layout and recompute
-option searched for each stock baseline, ChunkFlow's layout, recompute and (chunk size, K)
-searched too, each stock prediction again at CP overlap 0 and 1), run in-process through the CLI;
+Per (model, context): `chunkflow simulate --baseline all --auto` (every layout, virtual stages
+per pipeline rank V included, and recompute option searched for each stock baseline, ChunkFlow's
+layout, V, recompute and (chunk size, K) searched too, each stock prediction again at CP overlap 0
+and 1), run in-process through the CLI;
 then, per baseline, the pinned command that reproduces its row, run once more and checked to
 give the same numbers. GPUs per model and the global batch (64 sequences per GPU, at least 2048;
 profile B, seed 0) are fixed below.
@@ -53,8 +54,13 @@ def setup_args(model: str, seq: int, gpus: int, gpu: str) -> list[str]:
             "--global-batch-size", str(batch_size(gpus))]
 
 
+def pp_text(layout: dict) -> str:
+    """PP, or PPxV with virtual stages (the form --megatron-parallel takes)."""
+    return f"{layout['pp']}x{layout['vpp']}" if layout.get("vpp", 1) > 1 else str(layout["pp"])
+
+
 def flag(layout: dict) -> str:
-    return f"{layout['tp']},{layout['cp']},{layout['pp']},{layout['recompute']}"
+    return f"{layout['tp']},{layout['cp']},{pp_text(layout)},{layout['recompute']}"
 
 
 def simulate(argv: list[str]) -> dict:
@@ -68,7 +74,7 @@ def simulate(argv: list[str]) -> dict:
 
 def layout_cell(p: dict, chunkflow: bool = False) -> str:
     lay = p["layout"]
-    cell = f"{lay['tp']},{lay['cp']},{lay['pp']},{lay['dp']} {lay['recompute']}"
+    cell = f"{lay['tp']},{lay['cp']},{pp_text(lay)},{lay['dp']} {lay['recompute']}"
     if chunkflow:
         cell += f", {p['chunk_size'] // 1024}K, {p['k']}"
     return cell
@@ -108,8 +114,8 @@ def rows_for(model: str, seq: int, gpus: int, gpu: str) -> list[dict]:
 def markdown(rows: list[dict], gpu: str) -> None:
     hw = get_gpu(gpu)
     print(f"| # | model | context | GPUs ({gpu}) | tokens (longest) | baseline | "
-          "Megatron TP,CP,PP,DP recompute | "
-          "step s | MFU | GiB | pad | ChunkFlow TP,CP,PP,DP recompute, C, K | step s | MFU | "
+          "Megatron TP,CP,PP[xV],DP recompute | "
+          "step s | MFU | GiB | pad | ChunkFlow TP,CP,PP[xV],DP recompute, C, K | step s | MFU | "
           f"GiB | speedup (CP overlap {rows[0]['cp_overlap']:g}; 0 / 1) |")
     print("|---" * 16 + "|")
     for i, r in enumerate(rows, 1):

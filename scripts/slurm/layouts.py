@@ -7,8 +7,9 @@ gets its fastest layout that fits (chunkflow simulate --auto) on the run's node 
     python scripts/slurm/layouts.py --context 32k --model qwen2.5-7b --check   # one row pair
 
 Stock is `megatron-packed` (what the stock run files train: rows of --seq-length packed tokens),
-searched over TP, CP, PP and Megatron's whole recompute menu; ChunkFlow over the same plus the
-chunk size and K. Both see the same global batch: the run's length profile drawn with seed 0
+searched over TP, CP, PP, virtual stages per pipeline rank V (Megatron's interleaved 1F1B; a row's
+PP reads PPxV, which common.sh turns into --num-virtual-stages-per-pipeline-rank V) and
+Megatron's whole recompute menu; ChunkFlow over the same plus the chunk size and K. Both see the same global batch: the run's length profile drawn with seed 0
 (`--mock-data`'s profile, docs/design.md). A run's node count is its own choice (the first
 column, the same for both systems), not searched.
 """
@@ -64,7 +65,8 @@ def searched(context: str, model: str, nodes: int) -> dict[str, str]:
                              "not fit; give the model more nodes in both run files")
 
     def row(layout, *extra) -> str:
-        cells = [nodes, layout.tp, layout.pp, layout.cp, layout.recompute, *extra]
+        pp = f"{layout.pp}x{layout.vpp}" if layout.vpp > 1 else layout.pp  # common.sh reads PPxV
+        cells = [nodes, layout.tp, pp, layout.cp, layout.recompute, *extra]
         return " ".join(str(c) for c in cells)
 
     return {"stock": row(stock.layout),

@@ -286,10 +286,10 @@ def test_model_config_builds_at_reduced_depth(name, child_results):
 def run_config(run_file: Path, model: str) -> dict:
     script = (f"source {MODEL_FILES[model]}; source {run_file}; run_config {model}; "
               "echo $NODES $GPUS_PER_NODE $TP $PP $CP $DP $RECOMPUTE $SYSTEM $SEQ_LENGTH "
-              "$GLOBAL_BATCH_SIZE ${CHUNK_SIZE:-0} ${CHUNKFLOW_K:-0} >&2")
+              "$GLOBAL_BATCH_SIZE ${CHUNK_SIZE:-0} ${CHUNKFLOW_K:-0} $VPP >&2")
     names = ("model_args", "parallel_args", "training_args", "chunkflow_args")
     result = bash(f"{script}\n{_print_arrays(n.upper() for n in names)}")
-    keys = "nodes gpus tp pp cp dp recompute system seq gbs chunk k".split()
+    keys = "nodes gpus tp pp cp dp recompute system seq gbs chunk k vpp".split()
     out = dict(zip(keys, result.stderr.split()))
     out = {k: (v if k in ("recompute", "system") else int(v)) for k, v in out.items()}
     out.update({n: part.split("\0")[:-1] for n, part in zip(names, result.stdout.split("@@"))})
@@ -303,7 +303,7 @@ def test_run_config_layout_is_consistent(run_file, model):
     tp, pp, cp, world = rc["tp"], rc["pp"], rc["cp"], rc["nodes"] * rc["gpus"]
     assert tp * pp * cp * rc["dp"] == world
     assert rc["gbs"] % rc["dp"] == 0  # micro-batch size 1
-    assert shape.num_layers % pp == 0
+    assert shape.num_layers % (pp * rc["vpp"]) == 0
     assert shape.num_query_groups % tp == 0 and shape.num_attention_heads % tp == 0
     assert shape.vocab_size % tp == 0
     f = flags(rc["model_args"] + rc["parallel_args"] + rc["training_args"])
@@ -330,7 +330,11 @@ def test_run_config_layout_is_consistent(run_file, model):
                           "--recompute-num-layers", arg],
                 "selective": ["--recompute-granularity", "selective",
                               *(["--recompute-modules", *arg.split("+")] if arg else [])]}[kind]
-    given = [a for a in rc["parallel_args"][6:] if a != "--sequence-parallel"]
+    vpp = ["--num-virtual-stages-per-pipeline-rank", str(rc["vpp"])] if rc["vpp"] > 1 else []
+    end = len(rc["parallel_args"]) - len(vpp)
+    assert rc["parallel_args"][end:] == vpp  # a PPxV row: Megatron-LM's V flag, last
+    assert "--num-virtual-stages-per-pipeline-rank" not in rc["parallel_args"][:end]
+    given = [a for a in rc["parallel_args"][6:end] if a != "--sequence-parallel"]
     assert given == expected  # after TP, PP and CP: Megatron's flags for the row's recompute
 
 
@@ -340,6 +344,23 @@ def test_stock_and_chunkflow_runs_get_the_same_nodes(context, model):
     stock = run_config(runs / f"h100_{context}_stock.sh", model)
     chunkflow = run_config(runs / f"h100_{context}_chunkflow.sh", model)
     assert stock["nodes"] == chunkflow["nodes"]
+
+
+def test_run_config_reads_virtual_stages(tmp_path):
+    """A LAYOUT row's PP column written PPxV (scripts/slurm/layouts.py writes it so when the
+    search interleaves): PP and Megatron-LM's --num-virtual-stages-per-pipeline-rank V."""
+    src = (REPO / "configs/runs/h100_32k_chunkflow.sh").read_text()
+    src = src.replace("source \"$(dirname \"${BASH_SOURCE[0]}\")/common.sh\"",
+                      f"source {REPO / 'configs/runs/common.sh'}")
+    src = re.sub(r'(\[qwen2\.5-32b\]=")[^"]*"', r'\g<1>4 4 4x2 1 none 8192 1"', src)
+    run_file = tmp_path / "h100_32k_chunkflow.sh"
+    run_file.write_text(src)
+    rc = run_config(run_file, "qwen2.5-32b")
+    assert (rc["pp"], rc["vpp"], rc["dp"]) == (4, 2, 2)
+    assert rc["parallel_args"][-2:] == ["--num-virtual-stages-per-pipeline-rank", "2"]
+    assert rc["parallel_args"][:6] == ["--tensor-model-parallel-size", "4",
+                                       "--pipeline-model-parallel-size", "4",
+                                       "--context-parallel-size", "1"]
 
 
 def test_run_config_names_an_unknown_model():
