@@ -118,10 +118,16 @@ class TrainSettings:
             self.parallel.check_chunk_size(c)
         if self.parallel.cp > 1:
             self._check_context_parallel()
-        if self.parallel.vpp > 1 and not self.uses_chunkflow:
-            raise ValueError(f"--num-virtual-stages-per-pipeline-rank {self.parallel.vpp} with "
-                             "--no-chunkflow: the stock path here runs 1F1B only; run stock "
-                             "interleaved 1F1B through Megatron-LM's pretrain_gpt.py")
+        if (self.parallel.vpp > 1 and self.parallel.pp == 2 and not self.uses_chunkflow
+                and self.system != "megatron-sft"):
+            # core_v0.16.1's interleaved schedule exchanges variable shapes with both neighbours
+            # in one batch; at PP = 2 they are one rank and the two shapes cross (observed: a
+            # stage receives another micro-batch's activations)
+            raise ValueError(f"--num-virtual-stages-per-pipeline-rank {self.parallel.vpp} at "
+                             f"--pipeline-model-parallel-size 2 with --baseline {self.system}: "
+                             "Megatron's interleaved schedule (core_v0.16.1) mixes up variable "
+                             "micro-batch shapes when both pipeline neighbours are one rank; use "
+                             "--baseline megatron-sft (fixed --seq-length shapes) or PP >= 3")
         for flag, given in (("--lora-rank", self.lora is not None),
                             ("--chunkflow-sparse-backward", self.sparse.enabled)):
             if given and self.parallel.vpp > 1:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_chunkflow.core.schedule import interleaving_problem
 from megatron_chunkflow.core.step import baseline_microbatches
 from megatron_chunkflow.data.store import batch_lengths
 from megatron_chunkflow.mcore.build import ChunkFlowModel, build_chunkflow_model
@@ -133,6 +134,10 @@ def forward_backward(s: TrainSettings, tr: Training, sequences, step_index: int 
         with observing_megatron(observers):
             _idle_step(tr.ddp, config)
         return StepOutcome([], len(mbs), (0, 0))
+    problem = interleaving_problem(len(mine), s.parallel.pp, s.parallel.vpp)
+    if problem:  # Megatron would raise its RuntimeError mid-step
+        raise ValueError(f"step {step_index}: {problem} ({len(mbs)} micro-batches over "
+                         f"{ranks.dp} DP ranks); give a --global-batch-size that makes more")
     pad = s.parallel.pad_multiple
     inputs = [chunk_input(c, sequences, chunk_meta(c, s.seq_length, pad)) for c in mine]
     # Megatron-LM's SFT path sends fixed --seq-length shapes (every line is padded to it); the

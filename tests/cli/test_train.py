@@ -52,7 +52,8 @@ def test_empty_dataset(capsys, tmp_path):
                      "--pipeline-model-parallel-size (--pp) >= 2"),
     (["--pp", "2", "--vpp", "3"], "--num-virtual-stages-per-pipeline-rank (--vpp) 3 must "
                                   "divide the model's 2 layers per pipeline stage"),
-    (["--pp", "2", "--vpp", "2", "--no-chunkflow"], "the stock path here runs 1F1B only"),
+    (["--pp", "2", "--vpp", "2", "--no-chunkflow"], "mixes up variable micro-batch shapes when "
+                                                     "both pipeline neighbours are one rank"),
     (["--pp", "2", "--vpp", "2", "--lora-rank", "4"],
      "--lora-rank is not checked with --num-virtual-stages-per-pipeline-rank 2"),
     (["--cp", "2", "--lora-rank", "4"], "--lora-rank is not checked with --context-parallel-size 2"),
