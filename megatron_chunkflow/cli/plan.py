@@ -5,6 +5,7 @@
     chunkflow plan --lengths-file lengths.txt --chunk-size 4096 --json
     chunkflow plan --png plan.png
     chunkflow plan --cp 2 --chunk-size 8192     # every chunk split over 2 CP ranks
+    chunkflow plan --pp 4 --vpp 2               # 2 virtual stages (model chunks) per PP rank
 
 Times are FLOPs on the critical path of one GPU under the named model's cost model (attention
 counted per segment, a baseline's padding included); the ratio of the two systems is what to
@@ -16,7 +17,9 @@ megatron-unpacked: one sequence per micro-batch). With --cp N both systems split
 over N context-parallel ranks (ChunkFlow: segments padded to 2N pieces, runtime/cp.py; stock: each
 sequence padded to 2N): times and memory are per GPU, FLOPs / N and the footprint model's
 per-rank bytes. The FLOPs leave out CP's communication and ChunkFlow's CP attention forward run
-again in the backward; `chunkflow simulate` times both.
+again in the backward; `chunkflow simulate` times both. With --vpp V both systems interleave V
+model chunks per pipeline rank (ChunkFlow's interleaved plan, Megatron's interleaved 1F1B, which
+refuses some micro-batch counts); stages in the output are pipeline ranks.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("chunkflow")
     add_config_arguments(g, ChunkFlowConfig, fields=("chunk_size", "num_kept"))
     g = parser.add_argument_group("layout and cost model")
-    add_config_arguments(g, ParallelConfig, fields=("pp", "cp", "dp"), defaults={"dp": 1})
+    add_config_arguments(g, ParallelConfig, fields=("pp", "vpp", "cp", "dp"), defaults={"dp": 1})
     g.add_argument("--dp-rank", type=int, default=0,
                    help="the DP rank whose per-stage ops are printed (default: 0)")
     g.add_argument("--seq-length", type=int, default=None,
@@ -102,16 +105,23 @@ def run(args: argparse.Namespace) -> int:
                                                else 0)
     shape = get_model_shape(args.model)
 
-    cp = parallel.cp
-    layout = ParallelConfig.layout(pp=args.pp, dp=args.dp, cp=cp)
+    cp, vpp = parallel.cp, parallel.vpp
+    layout = ParallelConfig.layout(pp=args.pp, dp=args.dp, cp=cp, vpp=vpp)
+    if vpp > 1:
+        layout.check_model(shape)  # V divides the layers per stage, naming --vpp
     held_for, state_for = memory_hooks(shape, layout, BF16_BYTES, cfg.chunk_size, cfg.num_kept)
     costs = _per_gpu_flops(shape, cp)
     batch, cf = plan_chunkflow(lengths, cfg.chunk_size, cfg.num_kept, args.pp, args.dp, shape,
                                costs_for=costs, held_bytes_for=held_for,
                                state_bytes_for=state_for,
-                               segment_multiple=parallel.segment_multiple)
-    bases = {b: plan_baseline(lengths, seq_length, args.pp, args.dp, shape, costs_for=costs,
-                              held_bytes_for=held_for, baseline=b, cp=cp) for b in BASELINES}
+                               segment_multiple=parallel.segment_multiple,
+                               num_model_chunks=vpp)
+    try:
+        bases = {b: plan_baseline(lengths, seq_length, args.pp, args.dp, shape, costs_for=costs,
+                                  held_bytes_for=held_for, baseline=b, cp=cp,
+                                  num_model_chunks=vpp) for b in BASELINES}
+    except ValueError as e:  # Megatron's interleaving refuses the micro-batch count
+        raise ValueError(f"--vpp {vpp}: stock Megatron: {e}") from None
     base = bases[STRONGEST]
     r = args.dp_rank
     plan, sim = cf.plans[r], cf.sims[r]
@@ -122,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
     out.say(f"{len(lengths)} sequences ({source}): {batch.num_tokens:,} tokens, "
             f"longest {max(lengths):,}")
     out.say(f"ChunkFlow  C={cfg.chunk_size} K={cfg.num_kept} PP={args.pp} "
+            + (f"V={vpp} " if vpp > 1 else "")
             + (f"CP={cp} " if cp > 1 else "") + f"DP={args.dp}: "
             f"{len(batch.chunks)} chunks = {num_dep} dependent (from {num_long} long sequences) "
             f"+ {batch.num_standalone} standalone (lower bound {batch.bins_lower_bound}); "
@@ -178,8 +189,8 @@ def run(args: argparse.Namespace) -> int:
         "baselines": summaries,
         "speedup": speedup,
         "speedups": {b: x["step_time"] / cf.step_time for b, x in summaries.items()},
-        "setup": {"chunk_size": cfg.chunk_size, "k": cfg.num_kept, "pp": args.pp, "cp": cp,
-                  "dp": args.dp,
+        "setup": {"chunk_size": cfg.chunk_size, "k": cfg.num_kept, "pp": args.pp, "vpp": vpp,
+                  "cp": cp, "dp": args.dp,
                   "dp_rank": r, "model": args.model, "source": source},
     })
     return 0

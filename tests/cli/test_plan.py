@@ -184,3 +184,26 @@ def test_module_and_help():
     out = subprocess.run([sys.executable, "-m", "megatron_chunkflow", "--help"],
                          capture_output=True, text=True, check=True).stdout
     assert "plan" in out and "cut, pack and schedule" in out
+
+
+def test_virtual_stages(capsys, tmp_path):
+    """--vpp V: both systems interleave V model chunks per pipeline rank: each rank runs every
+    chunk's F and B once per model chunk, the bubble shrinks; Megatron's refusal of a
+    micro-batch count exits 2 naming --vpp."""
+    lengths = tmp_path / "batch.txt"
+    lengths.write_text("3000\n" * 16 + "12000\n" * 4)  # 8 packed micro-batches, 20 unpacked
+    argv = ["--lengths-file", str(lengths), "--chunk-size", "4096", "--pp", "4"]
+    _, flat, _ = run_json(capsys, *argv)
+    rc, obj, err = run_json(capsys, *argv, "--vpp", "7")  # qwen2.5-7b: 28 layers, 7 per stage
+    assert rc == 0 and "V=7" in err and obj["setup"]["vpp"] == 7
+    for ops, flat_ops in zip(obj["stages"], flat["stages"]):
+        assert len(ops) == 7 * len(flat_ops)  # every F, R and B once per model chunk
+    assert obj["stats"]["bubble_ratio"] < flat["stats"]["bubble_ratio"]
+    assert obj["baselines"]["megatron-packed"]["bubble_ratio"] < \
+        flat["baselines"]["megatron-packed"]["bubble_ratio"]
+    f = tmp_path / "lengths.txt"
+    f.write_text("3000\n" * 5)  # 5 micro-batches: not a multiple of PP 4, last group < 4
+    assert main(["plan", "--lengths-file", str(f), "--pp", "4", "--vpp", "7"]) == 2
+    assert "--vpp 7: stock Megatron: 5 micro-batches per pipeline" in capsys.readouterr().err
+    assert main(["plan", "--pp", "4", "--vpp", "3"]) == 2
+    assert "must divide the model's 7 layers per pipeline stage" in capsys.readouterr().err
