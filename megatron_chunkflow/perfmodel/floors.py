@@ -9,8 +9,7 @@ stage follows chunk j - 1's there, its B follows chunk j + 1's there (and its R,
 re-forwarded); so some path runs chunk 0 forward down to a stage t, every chunk's F on t, the last
 chunk down to the last stage, its B back up to a stage u, every chunk's B and R on u, then chunk
 0's B up to stage 0 and its optimizer step; the floor takes the longest such path over t and u.
-With V virtual stages per rank, "stages" in the paths are the PP x V virtual ones, a rank's busy
-time sums its V model chunks' ops.
+With V virtual stages per rank the paths run over the PP x V virtual stages.
 
 The floor is computed from per-rank sums (FloorSums), one pass over the chunks per parallel
 layout, then per recompute option in O(stages): the forward sums are exact; a backward's launch
@@ -21,11 +20,10 @@ backwards' prefix uses the backward without recompute, which every option's exce
 Memory floors: stock Megatron's (megatron_memory_floor) is exact when given the micro-batches in
 flight (inflight_tokens): under Megatron's 1F1B, stage s of p holds min(p - s, m) consecutive
 micro-batches of its rank at once (core/schedule.py megatron_1f1b_plan), so the held peak is the
-largest window of that many (interleaved: inflight_tokens walks the plan's order); the peak adds
-the static bytes and the transient of the rank's largest micro-batch, as perfmodel/predict.py
-counts it. ChunkFlow's
-(chunkflow_memory_floor) is a bound: the last K chunks of the longest sequence are held at once
-(1/CP of them per GPU), and under CP its last chunk's attention gathers the whole sequence's K/V.
+largest window of that many (interleaved: the plan's order walked); the peak adds the static
+bytes and the transient of the rank's largest micro-batch, as perfmodel/predict.py counts it.
+ChunkFlow's (chunkflow_memory_floor) is a bound: the last K chunks of the longest sequence are
+held at once (1/CP of them per GPU), and under CP its last chunk gathers the sequence's K/V.
 """
 
 from __future__ import annotations
@@ -34,11 +32,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import accumulate
 
 from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.core.costs import layers_per_stage
 from megatron_chunkflow.core.models import ModelShape
-from megatron_chunkflow.core.schedule import is_reforwarded, megatron_interleaved_plan
+from megatron_chunkflow.core.schedule import is_reforwarded
 from megatron_chunkflow.core.types import DataChunk
 from megatron_chunkflow.perfmodel.footprint import (
     chunk_tokens,
@@ -88,8 +87,7 @@ class ChainSums:
 
 
 def _add_roofline(sums, parts) -> None:
-    """Add one chunk's roofline layer pieces (backward, forward, per-module) to RankSums or
-    ChainSums, which hold the same fields for them."""
+    """Add one chunk's roofline layer pieces to RankSums or ChainSums (the same fields)."""
     sums.bwd += parts.bwd
     sums.bwd_kernels += parts.bwd_kernels
     sums.fwd_roof += parts.fwd
@@ -261,38 +259,46 @@ def _chain_floor(ch: ChainSums, layers: Sequence[int], rc, launch: float, host: 
 
 def relaxed_1f1b_floor(per_rank: Sequence[Sequence[DataChunk]], model: Roofline,
                        costs) -> float:
-    """A tighter lower bound of stock Megatron's step for the candidate `model` (its layout and
-    recompute), from its op costs (`costs`, StageCosts of every rank's micro-batches over the
-    PP x V virtual stages), cheaper than the replay: each rank runs its ops in Megatron's
-    (interleaved) 1F1B order (core/schedule.py megatron_interleaved_plan), an F no earlier than
-    its micro-batch's forwards on the virtual stages before it, a B no earlier than its forward
-    here plus its own forwards and backwards on the virtual stages after it; what the ranks do
-    to each other is ignored (so it bounds the replay from below), then the DP tail as
-    perfmodel/predict.py charges it."""
+    """A tighter lower bound of stock Megatron's step for the candidate `model` from its op costs
+    (`costs`: StageCosts over the PP x V virtual stages), cheaper than the replay: each rank runs
+    its ops in Megatron's (interleaved) 1F1B order, an F no earlier than its micro-batch's
+    forwards on the virtual stages before it, a B no earlier than its forward here plus its own
+    forwards and backwards on the stages after it; what the ranks do to each other is ignored
+    (so it bounds the replay from below), then the DP tail as perfmodel/predict.py charges it."""
     pp, v, best = model.layout.pp, model.layout.vpp, 0.0
     params = stage_params(model.shape, pp)
     opt, dp = [model.optimizer_time(p) for p in params], [model.dp_times(p) for p in params]
-    for chunks in per_rank:
-        if not chunks:
-            continue
-        plan = megatron_interleaved_plan(chunks, pp, v)
-        f = {c.id: [costs("F", c.id, k) for k in range(pp * v)] for c in chunks}
-        b = {c.id: [costs("B", c.id, k) for k in range(pp * v)] for c in chunks}
-        before = {i: [sum(row[:k]) for k in range(pp * v)] for i, row in f.items()}
-        after = {i: [sum(row[k + 1:]) + sum(b[i][k + 1:]) for k in range(pp * v)] for i, row in
-                 f.items()}
-        for s in range(pp):
-            t, f_end, start = 0.0, {}, 0.0
-            for op in plan.stages[s]:
-                k, i = plan.virtual_stage(s, op), op.chunk
-                ready = before[i][k] if op.kind == "F" else f_end[i, k] + after[i][k]
+    for chunks in filter(None, per_rank):  # ranks with micro-batches
+        ids, nv = [c.id for c in chunks], pp * v
+        f = {i: [costs("F", i, k) for k in range(nv)] for i in ids}
+        b = {i: [costs("B", i, k) for k in range(nv)] for i in ids}
+        before = {i: list(accumulate(row, initial=0.0)) for i, row in f.items()}  # [i][k]: < k
+        after = {i: list(accumulate(map(sum, zip(row[::-1], b[i][::-1])), initial=0.0))[::-1]
+                 for i, row in f.items()}  # [i][k + 1]: F and B on the stages after k
+        table = _order(len(ids), pp, v)
+        n = len(table)
+        for s in range(pp):  # megatron_interleaved_plan's order: warmup, 1F1B, cooldown
+            t, start, f_end = 0.0, 0.0, {}
+            w = min(2 * (pp - s - 1) + (v - 1) * pp if v > 1 else pp - s - 1, n)
+            for back, j in ([(0, j) for j in range(w)] + [(x, j + w * (1 - x)) for j in range(
+                    n - w) for x in (0, 1)] + [(1, j) for j in range(n - w, n)]):
+                q, m = table[j]
+                i, k = ids[q], (v - 1 - m if back else m) * pp + s
+                ready = f_end[i, k] + after[i][k + 1] if back else before[i][k]
                 start = max(t, ready)
-                t = start + (f[i][k] if op.kind == "F" else b[i][k])
-                if op.kind == "F":
+                t = start + (b[i][k] if back else f[i][k])
+                if not back:
                     f_end[i, k] = t
-            (rs, ag), first = dp[s], plan.stages[s][0].chunk
+            (rs, ag), first = dp[s], ids[0]
             best = max(best, max(t, start + rs) + opt[s] + max(0.0, ag - f[first][s]))
     return best
+
+
+def _order(m: int, pp: int, v: int) -> list[tuple[int, int]]:
+    """(micro-batch, model chunk) of each forward in Megatron's interleaved table (groups of PP
+    micro-batches, chunks 0..V-1 over each); backwards: the same micro-batches, chunks V-1..0."""
+    return [(i, k) for first in range(0, m, pp) for k in range(v)
+            for i in range(first, min(first + pp, m))]
 
 
 def inflight_tokens(microbatches: Sequence[DataChunk], num_dp_ranks: int, cp: int,
@@ -301,34 +307,33 @@ def inflight_tokens(microbatches: Sequence[DataChunk], num_dp_ranks: int, cp: in
     """Per DP rank: (per pipeline rank the moments that matter of what Megatron's 1F1B holds, as
     (tokens on a GPU (after CP) held over all model chunks, of which by the last virtual stage),
     the largest micro-batch's tokens). Without virtual stages the largest window of min(p - s, m)
-    consecutive micro-batches (exact); with V, the interleaved plan's order walked (holdings do
-    not depend on timing): where either count peaks (exact where the second is 0)."""
-    out = []
+    consecutive micro-batches. With V, Megatron's interleaved order (core/schedule.py
+    megatron_interleaved_plan: forwards in table order, backwards in the same micro-batch order)
+    holds after each steady forward a window of w = 2 (p - s - 1) + (V - 1) p + 1 consecutive
+    table entries; the moments the two counts peak (held bytes do not depend on timing; exact
+    but where the last rank peaks elsewhere)."""
+    out, p, v = [], num_stages, num_model_chunks
     for rank in range(num_dp_ranks):
-        mine = [c for c in microbatches if c.dp_rank == rank]
-        tokens = [chunk_tokens(c, cp) for c in mine]
-        stages = []
-        if num_model_chunks > 1:
-            plan = megatron_interleaved_plan(mine, num_stages, num_model_chunks)
-            size = {c.id: chunk_tokens(c, cp) for c in mine}
-            last = num_stages * num_model_chunks - 1
-            for s, ops in enumerate(plan.stages):
-                x = y = 0
-                at_x = at_y = (0, 0)  # (x, y) where x peaks, where y peaks
-                for op in ops:
-                    sign = 1 if op.kind == "F" else -1
-                    x += sign * size[op.chunk]
-                    y += sign * size[op.chunk] * (plan.virtual_stage(s, op) == last)
-                    at_x = (x, y) if x > at_x[0] else at_x
-                    at_y = (x, y) if y > at_y[1] else at_y
-                stages.append((at_x, at_y))
-        for s in range(num_stages if num_model_chunks == 1 else 0):
-            w = min(num_stages - s, len(tokens))
+        tokens = [chunk_tokens(c, cp) for c in microbatches if c.dp_rank == rank]
+        m, stages = len(tokens), []
+        table = _order(m, p, v)
+        size = [tokens[i] for i, _ in table]
+        pre = list(accumulate(size, initial=0))
+        fy = list(accumulate((n * (k == v - 1) for n, (_, k) in zip(size, table)), initial=0))
+        by = list(accumulate((n * (k == 0) for n, (_, k) in zip(size, table)), initial=0))
+        for s in range(p):
+            if v > 1:
+                w = min(2 * (p - s - 1) + (v - 1) * p + 1, len(size))
+                at = [(pre[j + w] - pre[j], (fy[j + w] - by[j]) * (s == p - 1))
+                      for j in range(len(size) - w + 1)]
+                stages.append((max(at), max(at, key=lambda xy: xy[1])))
+                continue
+            w = min(p - s, m)
             acc = best = sum(tokens[:w])
-            for i in range(w, len(tokens)):
+            for i in range(w, m):
                 acc += tokens[i] - tokens[i - w]
                 best = max(best, acc)
-            stages.append(((best, best if s == num_stages - 1 else 0),))
+            stages.append(((best, best if s == p - 1 else 0),))
         out.append((tuple(stages), max(tokens, default=0)))
     return out
 
@@ -336,10 +341,9 @@ def inflight_tokens(microbatches: Sequence[DataChunk], num_dp_ranks: int, cp: in
 def megatron_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: ParallelConfig,
                           dtype_bytes: int, inflight: list | None = None) -> float:
     """A lower bound of stock Megatron's peak memory per GPU, without planning. With `inflight`
-    (inflight_tokens of the baseline's micro-batches on this layout) it is the peak itself (a
-    bound with virtual stages, see there); without, the micro-batch holding the longest
-    sequence (padded to a multiple of 2 x CP under CP) holds activations on every stage at some
-    point."""
+    (inflight_tokens of the baseline's micro-batches on this layout) the peak itself (see there);
+    without, the micro-batch of the longest sequence (padded to 2 x CP under CP) is held on every
+    stage at some point."""
     static, per_token, transient = _stage_bytes(shape, layout, dtype_bytes)
     head, last_virtual = head_activation_bytes(shape, layout, dtype_bytes), len(per_token) - 1
     body = [per_token[s] - head * (s == last_virtual) for s in range(layout.pp)]  # model chunk 0
@@ -356,13 +360,12 @@ def megatron_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: Par
 
 def chunkflow_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: ParallelConfig,
                            dtype_bytes: int, chunk_size: int, num_kept: int) -> float:
-    """A lower bound of ChunkFlow's peak memory per GPU, without planning (to skip hopeless
-    (chunk size, K) candidates): on every stage the last K chunks of the longest sequence hold
-    activations at once (all are forwarded before the first of them runs backward), beside its
-    state, the static memory and the transient of one chunk; under CP (segments padded, so at
-    least these tokens) 1/CP of the tokens per GPU, and the transient of the CP attention of the
-    chunk that ends the sequence, which gathers all of its K/V (footprint.gather_transient_bytes
-    is at least G x (dtype + 4 under half precision) per K/V element)."""
+    """A lower bound of ChunkFlow's peak memory per GPU, without planning: on every (virtual)
+    stage the last K chunks of the longest sequence hold activations at once (all are forwarded
+    before the first of them runs backward), beside its state, the static memory and one chunk's
+    transient; under CP 1/CP of the tokens per GPU and the transient of the sequence's last
+    chunk's CP attention, which gathers all its K/V (at least G x (dtype + 4 under half
+    precision) per K/V element, footprint.gather_transient_bytes)."""
     longest, cp = max(lengths), layout.cp
     if longest > chunk_size:
         n = math.ceil(longest / chunk_size)
@@ -370,11 +373,9 @@ def chunkflow_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: Pa
     else:
         held = longest
     static, per_token, transient = _stage_bytes(shape, layout, dtype_bytes)
-    pp = layout.pp  # a rank's held chunks counted on the costliest of its virtual stages
-    per_token = [max(per_token[s::pp]) for s in range(pp)]
-    state = sequence_state_bytes(longest, chunk_size, num_kept, shape, layout, dtype_bytes,
-                                 layout.pp)
-    gathered = 0.0
+    per_token = [max(per_token[s::layout.pp]) for s in range(layout.pp)]  # a rank's costliest
+    state, gathered = sequence_state_bytes(longest, chunk_size, num_kept, shape, layout,
+                                           dtype_bytes, layout.pp), 0.0
     if cp > 1:
         wide = 4 if dtype_bytes < 4 else 0
         gathered = longest * (dtype_bytes + wide) / dtype_bytes * kv_state_bytes_per_token(

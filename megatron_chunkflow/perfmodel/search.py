@@ -2,12 +2,13 @@
 recompute menu, per stock baseline, and for ChunkFlow over the same and (chunk size, K).
 
 Candidates: every (TP, CP, PP, V) Megatron accepts (TP inside a node, dividing the attention
-heads and K/V groups; PP dividing the layers; CP up to 32; V virtual stages per rank, 2..MAX_VPP
-dividing the layers per stage, when PP >= 2), each with every option of config.Recompute.menu
-for its layers per (virtual) stage (none, the 7 selective module sets, block 1 .. layers - 1,
-full); ChunkFlow's option applies inside every chunk. Both systems search V: stock Megatron runs
-its interleaved 1F1B there, skipped where Megatron refuses the micro-batch count
-(core/schedule.py interleaving_problem); ChunkFlow's interleaved plan takes any chunk count. For --auto, every chunk size
+heads and K/V groups; PP dividing the layers; CP up to 32; V virtual stages per rank up to
+MAX_VPP = 2, dividing the layers per stage, when PP >= 2), each with every option of
+config.Recompute.menu for its layers per (virtual) stage (none, the 7 selective module sets,
+block 1 .. layers - 1, full); ChunkFlow's option applies inside every chunk. Both systems search
+V: stock Megatron runs its interleaved 1F1B there, skipped where Megatron refuses the micro-batch
+count (core/schedule.py interleaving_problem); ChunkFlow's interleaved plan takes any chunk
+count. For --auto, every chunk size
 2K..seq_length (powers of two) that splits as the layout needs (ParallelConfig.chunk_multiple:
 2 x CP, x TP under sequence parallelism) with K = 1, 2, 4, 8 while K is below the longest sequence's
 number of chunks.
@@ -51,7 +52,9 @@ from megatron_chunkflow.perfmodel.predict import (
 
 CHUNK_SIZES = (2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 KS = (1, 2, 4, 8)
-MAX_VPP = 4  # virtual stages per rank searched: more only add p2p traffic and memory
+# virtual stages per rank searched (V = 2 with PP >= 2): on qwen2.5-32b at 32K, V = 4 won 0.1-0.4%
+# over V = 2 and doubled the search time again (each V multiplies a plan's ops)
+MAX_VPP = 2
 
 
 def _divisors(n: int, limit: int) -> list[int]:

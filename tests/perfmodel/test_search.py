@@ -76,7 +76,7 @@ def test_floors_bound_every_stock_candidate(baseline):
         assert floor <= p.step_s * (1 + 1e-9) and refined <= p.step_s * (1 + 1e-9)
         memory = megatron_memory_floor(LENGTHS, SHAPE, lay, STOCK_HW.dtype_bytes,
                                        inflight_tokens(mbs, lay.dp, lay.cp, lay.pp, lay.vpp))
-        assert memory == pytest.approx(p.peak_mem_bytes, rel=1e-9)  # exact, V > 1 too here
+        assert memory == pytest.approx(p.peak_mem_bytes, rel=1e-9)  # exact, V > 1 too
         loose = megatron_memory_floor(LENGTHS, SHAPE, lay, STOCK_HW.dtype_bytes)
         assert loose <= p.peak_mem_bytes * (1 + 1e-9)
 
