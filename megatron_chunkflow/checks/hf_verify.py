@@ -97,18 +97,18 @@ def run_hf_verify(hf_dir: str, lengths: Sequence[int], chunkflow: ChunkFlowConfi
                                                                      parallel.tp))
     cm = build_chunkflow_model(padded, dtype, parallel, load_hf=hf_dir, hf_shape=shape,
                                attention_backend=chunkflow.attention_backend)
-    model, ddp, config = cm.model, cm.ddp, cm.config
+    ddp, config = cm.ddp, cm.config
     step = plan_step(sequences, chunkflow, parallel, padded, ranks)
     reports = execute_step(step, ddp, make_forward_step(exact_loss=True,
                                                         vocab_size=shape.vocab_size))
     loss, count = global_loss(reports)
 
-    params = list(model.parameters())
+    params = [p for model in cm.models for p in model.parameters()]
     saved = [p.data for p in params]
     try:  # the gradients have the parameters' layout: export them as if they were weights
         for p in params:
             p.data = p.main_grad.to(p.dtype)
-        grads = export_hf_weights(model, config, shape)
+        grads = export_hf_weights(cm.models, config, shape)
     finally:
         for p, data in zip(params, saved):
             p.data = data

@@ -66,8 +66,7 @@ class VerifySettings:
 
     def _check_virtual_stages(self) -> None:
         for flag, given in (("--lora-rank", self.lora is not None),
-                            ("--chunkflow-sparse-backward", self.sparse.enabled),
-                            ("--hf-reference", self.hf_reference)):
+                            ("--chunkflow-sparse-backward", self.sparse.enabled)):
             if given:
                 raise ValueError(f"{flag} is not checked with --num-virtual-stages-per-pipeline-"
                                  f"rank {self.parallel.vpp} yet; give "

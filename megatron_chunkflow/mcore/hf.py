@@ -295,7 +295,8 @@ def gather_tensor_parallel(t: torch.Tensor, param, glu: bool, tp: int, group) ->
 
 
 def export_hf_weights(model, config, shape: ModelShape) -> dict[str, torch.Tensor]:
-    """The full HF state dict (CPU tensors) on every rank: TP shards and PP stages gathered.
+    """The full HF state dict (CPU tensors) on every rank: TP shards and PP stages (every model
+    chunk of a rank, with virtual stages: `model` a list) gathered.
 
     Collective: every rank of the model-parallel group must call it.
     """
@@ -305,15 +306,19 @@ def export_hf_weights(model, config, shape: ModelShape) -> dict[str, torch.Tenso
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp = Ranks.current().tp
-    if any(".lora_" in name for name, _ in _unwrap(model).named_parameters()):
+    chunks = [_unwrap(m) for m in (model if isinstance(model, list) else [model])]
+    if any(".lora_" in name for chunk in chunks for name, _ in chunk.named_parameters()):
         raise ValueError("the model has LoRA adapters: merge them into the base weights first "
                          "(mcore/lora.py merge_lora), or they would be left out")
     mine = {}
-    for name, param in _unwrap(model).named_parameters():
-        t = gather_tensor_parallel(param.detach(), param, name.endswith("mlp.linear_fc1.weight"),
-                                   tp, tp_group)
-        mine[local_spec_name(full_model_name(name, config, shape.tie_embeddings))] = t.to(
-            "cpu", copy=True)  # a copy even on CPU: the export must not alias live weights
+    for chunk in reversed(chunks):  # tied embeddings: the first model chunk's copy wins
+        vp_stage = getattr(chunk, "vp_stage", None)
+        for name, param in chunk.named_parameters():
+            t = gather_tensor_parallel(param.detach(), param,
+                                       name.endswith("mlp.linear_fc1.weight"), tp, tp_group)
+            full_name = full_model_name(name, config, shape.tie_embeddings, vp_stage)
+            # a copy even on CPU: the export must not alias live weights
+            mine[local_spec_name(full_name)] = t.to("cpu", copy=True)
     stages = [mine]
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     if dist.get_world_size(pp_group) > 1:

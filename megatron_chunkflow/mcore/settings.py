@@ -134,10 +134,6 @@ class TrainSettings:
                 raise ValueError(f"{flag} is not checked with --num-virtual-stages-per-pipeline-"
                                  f"rank {self.parallel.vpp} yet (chunkflow verify refuses the "
                                  "pair too); give --num-virtual-stages-per-pipeline-rank 1")
-        if self.parallel.vpp > 1 and self.checkpoint.save_hf:
-            raise ValueError(f"--save-hf with --num-virtual-stages-per-pipeline-rank "
-                             f"{self.parallel.vpp}: the Hugging Face export gathers one model "
-                             "chunk per pipeline stage and does not support virtual stages yet")
         self.sparse.check(-(-self.seq_length // c), self.uses_chunkflow,
                           f" (--seq-length {self.seq_length} / --chunk-size {c})")
         from megatron_chunkflow.mcore.cpu import has_real_cuda

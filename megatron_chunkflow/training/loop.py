@@ -81,7 +81,8 @@ def _export_hf(s: TrainSettings, model) -> None:
         from megatron_chunkflow.mcore.lora import merge_lora
 
         merge_lora(model)  # the exported weights are W + (alpha / r) B A
-    save_hf_checkpoint(model, model.config, s.hf_shape or s.shape, s.checkpoint.save_hf, source)
+    config = (model[0] if isinstance(model, list) else model).config
+    save_hf_checkpoint(model, config, s.hf_shape or s.shape, s.checkpoint.save_hf, source)
 
 
 def _sparse_metrics(s: TrainSettings, backward: tuple[int, int]) -> dict:

@@ -20,6 +20,8 @@ CASES = {
         "max_position_embeddings": 131072}),
     # QK norm, and a head dim (24) that is not hidden / heads (16)
     "qwen3_hd24": ("qwen3", 64, 2, 4, 2, True, None, {"head_dim": 24}),
+    # 4 layers: PP 2 x 2 virtual stages, one layer per model chunk
+    "qwen2_4layers_tied": ("qwen2", 64, 4, 4, 2, True, None, {}),
     # Mistral Nemo's shape: head dim 32 over hidden / heads 16, no sliding window
     "mistral_hd32": ("mistral", 64, 2, 4, 2, False, None, {"head_dim": 32,
                                                           "sliding_window": None}),
