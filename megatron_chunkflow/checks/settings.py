@@ -53,8 +53,6 @@ class VerifySettings:
                                  "with N processes)")
         if p.cp > 1:
             self._check_context_parallel()
-        if p.vpp > 1:
-            self._check_virtual_stages()
         if self.sparse.enabled:
             if self.draws is None:
                 object.__setattr__(self, "draws", DEFAULT_DRAWS)
@@ -63,14 +61,6 @@ class VerifySettings:
             raise ValueError("--draws needs --chunkflow-sparse-backward")
         if self.lora is not None and self.hf_reference:
             raise ValueError("--lora-rank cannot be combined with --hf-reference")
-
-    def _check_virtual_stages(self) -> None:
-        for flag, given in (("--lora-rank", self.lora is not None),
-                            ("--chunkflow-sparse-backward", self.sparse.enabled)):
-            if given:
-                raise ValueError(f"{flag} is not checked with --num-virtual-stages-per-pipeline-"
-                                 f"rank {self.parallel.vpp} yet; give "
-                                 "--num-virtual-stages-per-pipeline-rank 1")
 
     def _check_context_parallel(self) -> None:
         from megatron_chunkflow.attention.backends import check_context_parallel

@@ -66,14 +66,16 @@ def run_sparse_verify(shape, lengths: Sequence[int], chunkflow: ChunkFlowConfig,
                                                                    lora, seed)
     ranks = init_distributed(parallel, seed)
     cm = build_chunked_model(shape, ref_state, dtype, chunkflow, parallel, lora)
-    model, ddp = cm.model, cm.ddp
-    names = {n: full_model_name(n, cm.config, shape.tie_embeddings) for n in model.state_dict()}
+    ddp = cm.ddp
     base = plan_step(sequences, chunkflow, parallel, shape, ranks)
     batch = base.batch
     step_fn = make_forward_step(exact_loss=True)
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    counted = _counted(params, names)
-    g = torch.cat([ref_grads[names[n]].double().flatten() for n, _ in params])
+    # (this stage's name, the PP = 1 model's name, parameter) over every model chunk
+    params = [(n, full_model_name(n, cm.config, shape.tie_embeddings,
+                                  getattr(model, "vp_stage", None)), p)
+              for model in cm.models for n, p in model.named_parameters() if p.requires_grad]
+    counted = _counted(params)
+    g = torch.cat([ref_grads[full].double().flatten() for _, full, _ in params])
     group = parallel_state.get_model_parallel_group()
 
     def norm2(x: torch.Tensor) -> float:
@@ -93,12 +95,13 @@ def run_sparse_verify(shape, lengths: Sequence[int], chunkflow: ChunkFlowConfig,
         step = sparsify(base, t, **how)
         kept += sum(1 for c, m in step.metas.items() if m.dependent and c not in step.forward_only)
         dep += sum(1 for m in step.metas.values() if m.dependent)
-        ddp.zero_grad_buffer()
+        for chunk_ddp in cm.ddps:
+            chunk_ddp.zero_grad_buffer()
         reports = execute_step(step, ddp, step_fn)
         loss_sum, count = global_loss(reports)
         assert count == ref_count, f"token counts differ: {count} vs {ref_count}"
         loss = loss_sum / max(count, 1)
-        x = torch.cat([p.main_grad.double().flatten() for _, p in params])
+        x = torch.cat([p.main_grad.double().flatten() for *_, p in params])
         n += 1
         sq_err += prob * norm2(x - g)
         if exhaustive:
@@ -134,14 +137,14 @@ def _masked_sum(x: torch.Tensor, counted: torch.Tensor, group) -> float:
     return float(total)
 
 
-def _counted(params, names) -> torch.Tensor:
+def _counted(params) -> torch.Tensor:
     """Per coordinate: whether it counts in a norm over the model-parallel group (TP-replicated
     parameters on TP rank 0 only; a tied embedding's copy on the last stage not at all)."""
     from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 
     flags = []
-    for n, p in params:
-        tied_copy = names[n] != n and names[n] == "embedding.word_embeddings.weight"
+    for n, full, p in params:
+        tied_copy = full != n and full == "embedding.word_embeddings.weight"
         flags.append(torch.full((p.numel(),), param_is_not_tensor_parallel_duplicate(p)
                                 and not tied_copy, dtype=torch.bool))
     return torch.cat(flags) if flags else torch.zeros(0, dtype=torch.bool)

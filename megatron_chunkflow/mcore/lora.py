@@ -144,7 +144,7 @@ def apply_lora(model, lora: LoRAConfig, seed: int = 0, b_init_std: float = 0.0) 
                              f"spec); {name} is a {type(module).__name__}")
         out_full, in_full = module.output_size, module.input_size
         glu = mode == "column" and parts[-1] == "linear_fc1" and config.gated_linear_unit
-        full = full_model_name(name, config, False)
+        full = full_model_name(name, config, False, getattr(gpt, "vp_stage", None))
         dtype = module.weight.dtype
         a = torch.empty(lora.rank, in_full, dtype=torch.float64)
         a.uniform_(-in_full ** -0.5, in_full ** -0.5, generator=_generator(seed, full + ".lora_a"))
@@ -244,7 +244,8 @@ def merge_lora(model) -> int:
     adapters and restore the layers; returns how many layers were merged. Base weights stay
     frozen: this is for export (e.g. --save-hf), after training."""
     merged = 0
-    for _, m in lora_modules(model):
+    chunks = model if isinstance(model, list) else [model]  # virtual stages: every model chunk
+    for _, m in (pair for chunk in chunks for pair in lora_modules(chunk)):
         delta = torch.matmul(m.lora_b.double(), m.lora_a.double()) * m.lora_scale
         m.weight.add_(delta.to(m.weight.dtype))
         for attr in ("lora_a", "lora_b", "lora_scale", "lora_mode", "forward",

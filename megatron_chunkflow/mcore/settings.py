@@ -128,12 +128,6 @@ class TrainSettings:
                              "Megatron's interleaved schedule (core_v0.16.1) mixes up variable "
                              "micro-batch shapes when both pipeline neighbours are one rank; use "
                              "--baseline megatron-sft (fixed --seq-length shapes) or PP >= 3")
-        for flag, given in (("--lora-rank", self.lora is not None),
-                            ("--chunkflow-sparse-backward", self.sparse.enabled)):
-            if given and self.parallel.vpp > 1:
-                raise ValueError(f"{flag} is not checked with --num-virtual-stages-per-pipeline-"
-                                 f"rank {self.parallel.vpp} yet (chunkflow verify refuses the "
-                                 "pair too); give --num-virtual-stages-per-pipeline-rank 1")
         self.sparse.check(-(-self.seq_length // c), self.uses_chunkflow,
                           f" (--seq-length {self.seq_length} / --chunk-size {c})")
         from megatron_chunkflow.mcore.cpu import has_real_cuda

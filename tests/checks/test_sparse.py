@@ -26,10 +26,10 @@ DRAWS = 128
 BLOCKS = (1, 4, 16)
 
 
-def _shape():
+def _shape(layers: int = 2):
     from megatron_chunkflow.core.models import ModelShape
 
-    return ModelShape(2, 32, 64, 4, 2, 128, tie_embeddings=True)
+    return ModelShape(layers, 32, 64, 4, 2, 128, tie_embeddings=True)
 
 
 def _single():
@@ -73,14 +73,14 @@ def test_mean_converges_like_one_over_sqrt_draws(results):
     assert r.rel_err_of_mean <= 4 * r.expected_rel_err  # what `chunkflow verify` checks
 
 
-def _layout(tp, pp, sp):
+def _layout(tp, pp, sp, vpp=1, layers=2):
     from megatron_chunkflow.checks.sparse_verify import run_sparse_verify
     from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
     from megatron_chunkflow.mcore.dist import shutdown
 
-    r = run_sparse_verify(_shape(), LENGTHS + [70], ChunkFlowConfig(C, 1, "torch"), 2, draws=4,
-                          seed=3, draw_seed=7,
-                          parallel=ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp))
+    r = run_sparse_verify(_shape(layers), LENGTHS + [70], ChunkFlowConfig(C, 1, "torch"), 2,
+                          draws=4, seed=3, draw_seed=7,
+                          parallel=ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp, vpp=vpp))
     shutdown()
     return r.curve, r.loss_sparse, r.backward_fraction
 
@@ -94,6 +94,16 @@ def single_process_draws(gloo):
 def test_same_draws_under_tensor_and_pipeline_parallelism(gloo, single_process_draws, tp, pp, sp):
     base = single_process_draws
     for curve, loss, fraction in gloo.run(_layout, tp * pp, tp, pp, sp, timeout=600):
+        assert fraction == base[2] and loss == pytest.approx(base[1], rel=1e-12)
+        for (n, err), (n0, err0) in zip(curve, base[0]):
+            assert n == n0 and err == pytest.approx(err0, rel=1e-9)
+
+
+def test_same_draws_with_virtual_stages(gloo):
+    """PP 2 x V 2 (a 4-layer model, one layer per model chunk): the same draws, loss and errors
+    as one process."""
+    base = gloo.run(_layout, 1, 1, 1, False, 1, 4, timeout=600)[0]
+    for curve, loss, fraction in gloo.run(_layout, 2, 1, 2, False, 2, 4, timeout=600):
         assert fraction == base[2] and loss == pytest.approx(base[1], rel=1e-12)
         for (n, err), (n0, err0) in zip(curve, base[0]):
             assert n == n0 and err == pytest.approx(err0, rel=1e-9)

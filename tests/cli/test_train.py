@@ -54,8 +54,6 @@ def test_empty_dataset(capsys, tmp_path):
                                   "divide the model's 2 layers per pipeline stage"),
     (["--pp", "2", "--vpp", "2", "--no-chunkflow"], "mixes up variable micro-batch shapes when "
                                                      "both pipeline neighbours are one rank"),
-    (["--pp", "2", "--vpp", "2", "--lora-rank", "4"],
-     "--lora-rank is not checked with --num-virtual-stages-per-pipeline-rank 2"),
     (["--cp", "2", "--lora-rank", "4"], "--lora-rank is not checked with --context-parallel-size 2"),
     (["--attention-backend", "flash"], "--attention-backend flash needs a CUDA GPU; this run is "
                                        "on cpu"),

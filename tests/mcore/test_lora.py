@@ -33,7 +33,8 @@ SINGLE = {
     "qkv_fc2": (1, [MIXED], "qkv,fc2", "none"),
     "recompute_full": (1, [MIXED], "qkv,proj,fc1,fc2", "full"),
 }
-LAYOUTS = {"tp2_sequence_parallel": (2, 1, True), "pp2": (1, 2, False)}
+LAYOUTS = {"tp2_sequence_parallel": (2, 1, True), "pp2": (1, 2, False),
+           "pp2_vpp2": (1, 2, False, 2)}  # TP, PP, sequence parallel[, virtual stages]
 
 
 def _summary(results):
@@ -57,7 +58,7 @@ def _verify_single():
     return out
 
 
-def _verify_layout(tp, pp, sp):
+def _verify_layout(tp, pp, sp, vpp=1):
     from megatron_chunkflow.checks.verify import run_verify
     from megatron_chunkflow.config import ChunkFlowConfig
     from megatron_chunkflow.core.models import get_model_shape
@@ -66,8 +67,8 @@ def _verify_layout(tp, pp, sp):
 
     out = _summary(run_verify(get_model_shape("tiny"), [MIXED, DEPENDENT],
                               ChunkFlowConfig(C, 1, "torch"),
-                              ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp), seed=2,
-                              lora=LoRAConfig(rank=4)))
+                              ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp, vpp=vpp),
+                              seed=2, lora=LoRAConfig(rank=4)))
     shutdown()
     return out
 
@@ -92,8 +93,8 @@ def test_lora_chunked_equals_unchunked(single_results, name):
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_lora_chunked_equals_unchunked_layout(gloo, name):
-    tp, pp, sp = LAYOUTS[name]
-    for rows in gloo.run(_verify_layout, tp * pp, tp, pp, sp, timeout=900):
+    tp, pp, *rest = LAYOUTS[name]
+    for rows in gloo.run(_verify_layout, tp * pp, tp, pp, *rest, timeout=900):
         _check(name, rows)
 
 
