@@ -131,7 +131,7 @@ def _run_chunked(shape, batches, reference, chunkflow: ChunkFlowConfig, parallel
     results = []
     for sequences, (ref_loss, ref_count, ref_grads) in zip(batches, ref_steps):
         step = plan_step(sequences, chunkflow, parallel, shape, ranks)
-        meter = meter_cls(cm.model, store) if meter_cls is not None else None
+        meter = meter_cls(cm.models, store) if meter_cls is not None else None
         timeline = StageTimeline()
         for chunk_ddp in cm.ddps:
             chunk_ddp.zero_grad_buffer()

@@ -150,8 +150,8 @@ def _run_check(s: VerifySettings, as_json: bool) -> int:
             f"{max(last.activation_bytes_per_stage):,} vs unchunked "
             f"{max(last_unchunked.activation_bytes_per_stage):,}")
     out.result({
-        "dtype": s.dtype, "tp": parallel.tp, "cp": parallel.cp, "pp": parallel.pp, "dp": dp,
-        "sequence_parallel": parallel.sequence_parallel,
+        "dtype": s.dtype, "tp": parallel.tp, "cp": parallel.cp, "pp": parallel.pp,
+        "vpp": parallel.vpp, "dp": dp, "sequence_parallel": parallel.sequence_parallel,
         "chunk_size": cfg.chunk_size, "k": cfg.num_kept, "lora": _lora_json(lora),
         "loss_ref": worst.loss_ref, "loss_chunked": worst.loss_chunked,
         "max_rel_grad_err": worst.max_rel_grad_err, "worst_param": worst.worst_param,

@@ -65,3 +65,15 @@ def test_model_config_values_are_checked(capsys, tmp_path, content, message):
     bad.write_bytes(content)
     rc, err = run_verify(capsys, "--model-config", str(bad))
     assert rc == 2 and f"--model-config {bad}" in err and message in err, err[-2000:]
+
+
+@pytest.mark.slow
+def test_verify_with_virtual_stages(gloo):
+    """`verify --pp 2 --vpp 2 --json` on a 2-process job (the command line's path: its activation
+    meter over both model chunks, the plan's predicted bubble): exact, and both stages report."""
+    code, out, err = gloo.cli(2, "verify", "--pp", 2, "--vpp", 2, "--json")
+    assert code == 0, err[-3000:]
+    result = json.loads(out)
+    assert result["passed"] is True and result["vpp"] == 2 and result["pp"] == 2
+    assert result["max_rel_grad_err"] <= 1e-10
+    assert len(result["activation_bytes_per_stage"]) == 2
