@@ -13,7 +13,10 @@ read. Memory is perfmodel/footprint.py's model (the simulator's) in bf16 without
 activations the plan holds at once and, for ChunkFlow, the long sequence's K/V state. Stock
 Megatron is planned as each of core/step.py's BASELINES (megatron-sft: first-fit lines padded to
 --seq-length; megatron-packed: best fit, no padding, the strongest and the JSON's "baseline";
-megatron-unpacked: one sequence per micro-batch). With --cp N both systems split every micro-batch
+megatron-unpacked: one sequence per micro-batch), and as megatron-hybrid-cp (Megatron's per-sample
+CP on all PP x CP x DP GPUs as its pool, PP 1: each sequence alone on a power-of-two CP group,
+core/hybrid_cp.py; its FLOPs per GPU a sequence's over its CP size; planned where the pool is a
+power of two, else a note says why not). With --cp N both systems split every micro-batch
 over N context-parallel ranks (ChunkFlow: segments padded to 2N pieces, runtime/cp.py; stock: each
 sequence padded to 2N): times and memory are per GPU, FLOPs / N and the footprint model's
 per-rank bytes. The FLOPs leave out CP's communication and ChunkFlow's CP attention forward run
@@ -28,13 +31,23 @@ import argparse
 
 from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
 from megatron_chunkflow.console import Output
+from megatron_chunkflow.core.costs import OpCosts
+from megatron_chunkflow.core.hybrid_cp import BASELINE as HYBRID
+from megatron_chunkflow.core.hybrid_cp import FLAG as MAX_SEQLEN_FLAG
+from megatron_chunkflow.core.hybrid_cp import (
+    cp_size_needed,
+    hybrid_schedule,
+    hybrid_step_time,
+    sequence_chunks,
+)
 from megatron_chunkflow.core.lengths import AS_DRAWN, LengthsConfig
 from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape
 from megatron_chunkflow.core.simulate import SimResult
 from megatron_chunkflow.core.step import BASELINES, plan_baseline, plan_chunkflow
 from megatron_chunkflow.core.types import PipelinePlan
 from megatron_chunkflow.flags import add_config_arguments, check_output_file, config_from_args
-from megatron_chunkflow.perfmodel.footprint import memory_hooks
+from megatron_chunkflow.mcore.hybrid_cp import balanced_cp_groups
+from megatron_chunkflow.perfmodel.footprint import memory_hooks, per_token_bytes
 
 SCENARIO = dict(model="qwen2.5-7b", global_batch_size=2000)  # README, "Defaults"
 GIB = 2.0**30
@@ -45,8 +58,6 @@ STRONGEST = "megatron-packed"  # the JSON's "baseline" (kept for compatibility)
 def _per_gpu_flops(shape, cp: int):
     """core/step.py's FLOP costs per GPU: a micro-batch's FLOPs split evenly over its CP ranks
     (the zigzag pieces balance causal attention)."""
-    from megatron_chunkflow.core.costs import OpCosts
-
     def costs(chunks, num_stages):
         flops = OpCosts.from_model(chunks, shape, num_stages)
         if cp > 1:
@@ -71,6 +82,33 @@ def _baseline_summary(rp, dp_rank: int) -> dict:
             "peak_memory_gib": [round(b / GIB, 3) for b in rp.peak_memory_bytes(dp_rank)]}
 
 
+def _hybrid_summary(lengths, shape, num_gpus: int, max_seqlen: int | None, chunk_size: int):
+    """megatron-hybrid-cp on all `num_gpus` GPUs as its pool (PP 1), FLOPs per GPU as for the
+    other systems (a sequence's FLOPs / its CP size on each of its ranks); (summary, note): the
+    summary None and the note saying why where Megatron cannot run it."""
+    if num_gpus < 2 or num_gpus & (num_gpus - 1):
+        return None, (f"{HYBRID} not planned: its DP x CP pool ({num_gpus} GPUs here) must be a "
+                      "power of two >= 2")
+    if max_seqlen is None:  # ChunkFlow's tokens per GPU, or the least that fits the pool
+        max_seqlen = chunk_size
+        while cp_size_needed(max(lengths), max_seqlen) > num_gpus:
+            max_seqlen *= 2
+    schedule = hybrid_schedule(lengths, num_gpus, max_seqlen, balanced_cp_groups)
+    chunks = sequence_chunks(lengths, schedule)
+    flops = OpCosts.from_model(chunks, shape, 1)
+    step = hybrid_step_time(schedule, lambda i: (flops("F", i, 0) / schedule.cp[i],
+                                                 flops("B", i, 0) / schedule.cp[i]))
+    per_token = per_token_bytes(shape, ParallelConfig.layout(), BF16_BYTES, 1)[0]
+    peak = max(per_token * -(-c.computed_tokens // schedule.cp[c.id]) for c in chunks)
+    computed = sum(c.computed_tokens for c in chunks)
+    return {"num_microbatches": len(chunks), "max_seqlen_per_dp_cp_rank": max_seqlen,
+            "pool": num_gpus, "num_groups": len(schedule.groups),
+            "cp_sizes": sorted(set(schedule.cp)),
+            "padding_fraction": 1 - sum(lengths) / max(computed, 1),
+            "bubble_ratio": step.idle_ratio, "step_time": step.step_time,
+            "peak_memory_gib": [round(peak / GIB, 3)]}, None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sequence lengths")
     add_config_arguments(g, LengthsConfig, fields=AS_DRAWN, default_help={
@@ -86,6 +124,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "padded to a multiple of 2 x CP)")
     g.add_argument("--model", default=SCENARIO["model"], choices=sorted(MODEL_SHAPES),
                    help=f"shape used by the cost model (default: {SCENARIO['model']})")
+    g.add_argument(MAX_SEQLEN_FLAG, type=int, default=None, metavar="M",
+                   help=f"{HYBRID}'s tokens per rank before a sequence gets a CP group (default: "
+                        "--chunk-size, doubled until the longest sequence fits the pool)")
     g = parser.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     g.add_argument("--png", metavar="PATH", help="draw both plans' per-stage timelines")
@@ -144,12 +185,24 @@ def run(args: argparse.Namespace) -> int:
             f"included): {_gib(cf.peak_memory_bytes(r))}; step time {cf.step_time:.3e} FLOPs "
             f"(model {args.model}, slowest DP rank)")
     summaries = {b: _baseline_summary(p, r) for b, p in bases.items()}
+    hybrid, note = _hybrid_summary(lengths, shape, args.pp * args.dp * cp,
+                                   args.max_seqlen_per_dp_cp_rank, cfg.chunk_size)
     for b, x in summaries.items():
         out.say(f"Stock {b:<17} seq-length {seq_length}: {x['num_microbatches']} micro-batches, "
                 f"padding {x['padding_fraction']:.1%}, DP rank {r} bubble "
                 f"{x['bubble_ratio']:.1%}, peak GiB {_gib(bases[b].peak_memory_bytes(r))}, "
                 f"step time {x['step_time']:.3e} -> ChunkFlow speedup "
                 f"{x['step_time'] / cf.step_time:.2f}x")
+    if hybrid is not None:
+        out.say(f"Stock {HYBRID} (PP 1, pool {hybrid['pool']}, M "
+                f"{hybrid['max_seqlen_per_dp_cp_rank']}): {hybrid['num_microbatches']} "
+                f"sequences in {hybrid['num_groups']} group(s), CP sizes {hybrid['cp_sizes']}, "
+                f"idle {hybrid['bubble_ratio']:.1%}, peak GiB {hybrid['peak_memory_gib']}, "
+                f"step time {hybrid['step_time']:.3e} -> ChunkFlow speedup "
+                f"{hybrid['step_time'] / cf.step_time:.2f}x")
+        summaries[HYBRID] = hybrid
+    else:
+        out.say(note)
     if len(cf.chunks[r]) < args.pp:
         out.say(f"note: DP rank {r} has {len(cf.chunks[r])} chunks for {args.pp} pipeline "
                 "stages; the pipeline cannot fill")
@@ -187,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
             "peak_memory_gib": [round(b / GIB, 3) for b in base.peak_memory_bytes(r)],
         },
         "baselines": summaries,
+        "notes": [note] if note else [],
         "speedup": speedup,
         "speedups": {b: x["step_time"] / cf.step_time for b, x in summaries.items()},
         "setup": {"chunk_size": cfg.chunk_size, "k": cfg.num_kept, "pp": args.pp, "vpp": vpp,

@@ -1,4 +1,4 @@
-"""`chunkflow simulate`: predicted step time, MFU and peak memory per GPU, stock Megatron (three
+"""`chunkflow simulate`: predicted step time, MFU and peak memory per GPU, stock Megatron (four
 baselines) against ChunkFlow, for a Qwen2.5 model on a cluster of named GPUs (roofline cost
 model, docs/benchmarks.md).
 
@@ -10,8 +10,11 @@ model, docs/benchmarks.md).
 
 The baselines (core/step.py BASELINES): megatron-sft (Megatron-LM's SFT: lines packed first-fit in
 data order and padded to --seq-length, fixed-shape pipeline sends), megatron-packed (best fit, no
-padding, variable shapes: the strongest), megatron-unpacked (one sequence per micro-batch);
-under CP every sequence is padded to a multiple of 2 x CP. `--baseline all` (the default) predicts
+padding, variable shapes), megatron-unpacked (one sequence per micro-batch), and
+megatron-hybrid-cp (Megatron's per-sample CP, perfmodel/hybrid_cp.py: PP 1, each sequence alone
+on a power-of-two CP group from its length and --max-seqlen-per-dp-cp-rank, searched unless
+given); under CP every sequence is padded to a multiple of 2 x CP. The strongest is the fastest
+that fits, named with ChunkFlow's speedup against it. `--baseline all` (the default) predicts
 each on its own fastest layout and recompute. A layout is TP,CP,PP,RECOMPUTE with RECOMPUTE one of
 Megatron's menu (none, selective, selective:mlp+layernorm, full, block:N) and PP optionally PPxV,
 V virtual stages per pipeline rank (Megatron's interleaved 1F1B for the baselines, ChunkFlow's
@@ -32,21 +35,26 @@ import dataclasses
 
 from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
 from megatron_chunkflow.console import Output
+from megatron_chunkflow.core.hybrid_cp import BASELINE as HYBRID
+from megatron_chunkflow.core.hybrid_cp import FLAG as MAX_SEQLEN_FLAG
 from megatron_chunkflow.core.lengths import AS_DRAWN, LengthsConfig
 from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape
 from megatron_chunkflow.core.step import BASELINES
 from megatron_chunkflow.flags import add_config_arguments, config_from_args
+from megatron_chunkflow.mcore.hybrid_cp import balanced_cp_groups
 from megatron_chunkflow.perfmodel.hardware import (
     GPUS,
     apply_calibration,
     get_gpu,
     with_overrides,
 )
+from megatron_chunkflow.perfmodel.hybrid_cp import best_hybrid_cp
 from megatron_chunkflow.perfmodel.predict import GIB, Prediction
 from megatron_chunkflow.perfmodel.search import best_chunkflow, best_megatron
 
 SCENARIO = dict(model="qwen2.5-7b", global_batch_size=2048)  # README, "Defaults"
 STRONGEST = "megatron-packed"  # what the JSON's "megatron" and "speedup" keep reporting
+NAMES = (*BASELINES, HYBRID)  # every stock baseline the simulator predicts
 CP_OVERLAP_ENDS = (0.0, 1.0)
 
 
@@ -69,10 +77,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(g, LengthsConfig, fields=AS_DRAWN, default_help={
         "profile": "B", "global_batch_size": SCENARIO["global_batch_size"]})
     g = parser.add_argument_group("stock Megatron and layouts")
-    g.add_argument("--baseline", choices=[*BASELINES, "all"], default="all",
-                   help="the stock system(s) to predict (default: all three)")
+    g.add_argument("--baseline", choices=[*NAMES, "all"], default="all",
+                   help="the stock system(s) to predict (default: all four)")
     g.add_argument("--megatron-parallel", default="auto", metavar="TP,CP,PP,RECOMPUTE",
-                   help="stock Megatron's layout (every baseline's), or auto (default: auto)")
+                   help="stock Megatron's layout (every baseline's), or auto (default: auto); "
+                        f"{HYBRID} takes PP 1 and its DP x CP as the pool")
+    g.add_argument(MAX_SEQLEN_FLAG, type=int, default=None, metavar="M",
+                   help=f"{HYBRID}: Megatron's tokens per rank before a sequence gets a CP "
+                        "group (default: searched, powers of two)")
     g.add_argument("--chunkflow-parallel", default="auto", metavar="TP,CP,PP,RECOMPUTE",
                    help="ChunkFlow's layout (under CP, --chunk-size a multiple of 2 x CP, x TP "
                         "when TP > 1), or auto (default: auto)")
@@ -87,9 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _row(name: str, p: Prediction, usable: float) -> str:
     lay = p.layout
     pp = f"{lay.pp}x{lay.vpp}" if lay.vpp > 1 else f"{lay.pp}"
-    layout = f"{lay.tp} {lay.cp} {pp} {lay.dp} {lay.recompute}"
+    cp = "h" if p.max_seqlen_per_rank else lay.cp  # hybrid: a CP size per sequence
+    layout = f"{lay.tp} {cp} {pp} {lay.dp} {lay.recompute}"
     if p.system == "chunkflow":
         layout += f"  C={p.chunk_size} K={p.num_kept}"
+    if p.max_seqlen_per_rank:
+        layout += f"  M={p.max_seqlen_per_rank}"
     return (f"{name:<17} {layout:<44} {p.step_s:>9.3f} {p.tokens_per_s:>11,.0f} "
             f"{p.mfu:>6.1%} {p.bubble:>7.1%} {p.padding_fraction:>6.1%} "
             f"{p.peak_mem_bytes / GIB:>7.1f} / {usable / GIB:<5.1f} {'yes' if p.fits else 'NO'}")
@@ -126,10 +141,20 @@ def run(args: argparse.Namespace) -> int:
     raw, source = config_from_args(LengthsConfig, args).lengths(SCENARIO["global_batch_size"])
     lengths = [min(n, args.seq_length) for n in raw]
     truncated = sum(n > args.seq_length for n in raw)
-    names = list(BASELINES) if args.baseline == "all" else [args.baseline]
+    names = list(NAMES) if args.baseline == "all" else [args.baseline]
+    if args.max_seqlen_per_dp_cp_rank is not None and HYBRID not in names:
+        raise ValueError(f"{MAX_SEQLEN_FLAG} applies to --baseline {HYBRID} (or all)")
+    notes = []
+    if args.baseline == "all" and mg_layout is not None and mg_layout.pp > 1:
+        names.remove(HYBRID)
+        notes.append(f"{HYBRID} not predicted: --megatron-parallel {args.megatron_parallel} has "
+                     "PP > 1, which Megatron-LM refuses with --hybrid-context-parallel")
 
     def stock(name: str, device) -> Prediction:
         try:
+            if name == HYBRID:
+                return best_hybrid_cp(lengths, shape, device, args.gpus, balanced_cp_groups,
+                                      mg_layout, args.max_seqlen_per_dp_cp_rank)
             return best_megatron(lengths, shape, device, args.gpus, args.seq_length, mg_layout,
                                  name)
         except ValueError as e:
@@ -152,10 +177,13 @@ def run(args: argparse.Namespace) -> int:
             f"{hw.peak_tflops:g} TFLOP/s peak); {len(lengths)} sequences ({source}), "
             f"{sum(lengths):,} tokens, longest {max(lengths):,}"
             + (f", {truncated} truncated to --seq-length {args.seq_length}" if truncated else ""))
+    for note in notes:
+        out.say(note)
     out.say(f"\n{'system':<17} {'TP CP PP[xV] DP recompute':<44} {'step (s)':>9} {'tokens/s':>11} "
             f"{'MFU':>6} {'bubble':>7} {'pad':>6} {'peak / usable GiB':>15} fits")
     for name, p in preds.items():
-        out.say(_row(name, p, hw.usable_bytes))
+        out.say(_row(name.removeprefix("megatron-") if len(name) > 17 else name, p,
+                     hw.usable_bytes))
     out.say(_row("ChunkFlow", cf, hw.usable_bytes))
     out.say("")
     for name in names:
@@ -168,8 +196,14 @@ def run(args: argparse.Namespace) -> int:
                                if not p.fits)
             out.say(f"vs {name}: {who} does not fit in {hw.usable_bytes / GIB:.1f} GiB per GPU; "
                     f"step-time ratio ignoring memory: {ratios[name]:.2f}x")
-    chosen = [f"--megatron-parallel {p.layout.to_flag()} ({n})" for n, p in preds.items()
-              if mg_layout is None]
+    fitting = [n for n, p in preds.items() if p.fits]
+    strongest = min(fitting, key=lambda n: preds[n].step_s) if fitting else None
+    if strongest is not None and len(names) > 1:
+        out.say(f"strongest stock baseline: {strongest}; ChunkFlow against it: "
+                f"{_x(speedups[strongest])}")
+    chosen = [f"--megatron-parallel {p.layout.to_flag()}"
+              + (f" {MAX_SEQLEN_FLAG} {p.max_seqlen_per_rank}" if p.max_seqlen_per_rank else "")
+              + f" ({n})" for n, p in preds.items() if mg_layout is None]
     if cf_layout is None:
         chosen.append(f"--chunkflow-parallel {cf.layout.to_flag()}")
     if args.auto:
@@ -186,6 +220,8 @@ def run(args: argparse.Namespace) -> int:
         "baselines": {name: p.to_json() for name, p in preds.items()},
         "speedups": speedups,
         "step_time_ratios": ratios,
+        "strongest": strongest,
+        "speedup_vs_strongest": speedups[strongest] if strongest else None,
         "cp_overlap": {"value": hw.cp_overlap, "range": ends},
         "chunk_size": cf.chunk_size,
         "k": cf.num_kept,

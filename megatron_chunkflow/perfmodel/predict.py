@@ -77,6 +77,7 @@ class Prediction:
     num_kept: int | None = None
     baseline: str | None = None  # stock Megatron: which of core/step.py's BASELINES
     padding_fraction: float = 0.0  # computed tokens that are padding, all DP ranks
+    max_seqlen_per_rank: int | None = None  # megatron-hybrid-cp: --max-seqlen-per-dp-cp-rank
 
     @property
     def fits(self) -> bool:
@@ -103,6 +104,8 @@ class Prediction:
         }
         if self.baseline is not None:
             out["baseline"] = self.baseline
+        if self.max_seqlen_per_rank is not None:
+            out["max_seqlen_per_dp_cp_rank"] = self.max_seqlen_per_rank
         if self.system == "chunkflow":
             out.update(chunk_size=self.chunk_size, k=self.num_kept,
                        recompute_chunks=self.recompute_chunks)

@@ -1,6 +1,6 @@
 """The simulator's prediction tables in docs/benchmarks.md: every Qwen2.5 size at 32K and 256K,
 and the other families (Qwen3, Llama 3.1, Mistral Nemo) at 32K and, where the model's positions
-reach it, 128K, against each stock baseline.
+reach it, 128K, against each stock baseline (megatron-sft, -packed, -unpacked, -hybrid-cp).
 
     python scripts/benchmarks/simulate_table.py                 # markdown on stdout
     python scripts/benchmarks/simulate_table.py --families      # the other families' table
@@ -29,7 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_chunkflow.cli import main as cli_main  # noqa: E402
-from megatron_chunkflow.core.step import BASELINES  # noqa: E402
+from megatron_chunkflow.cli.simulate import NAMES  # noqa: E402
+from megatron_chunkflow.core.hybrid_cp import FLAG as MAX_SEQLEN_FLAG  # noqa: E402
 from megatron_chunkflow.perfmodel.hardware import GPUS, get_gpu  # noqa: E402
 from megatron_chunkflow.perfmodel.predict import GIB  # noqa: E402
 
@@ -74,7 +75,11 @@ def simulate(argv: list[str]) -> dict:
 
 def layout_cell(p: dict, chunkflow: bool = False) -> str:
     lay = p["layout"]
-    cell = f"{lay['tp']},{lay['cp']},{pp_text(lay)},{lay['dp']} {lay['recompute']}"
+    m = p.get("max_seqlen_per_dp_cp_rank")
+    cp = "h" if m else lay["cp"]  # megatron-hybrid-cp: a CP size per sequence
+    cell = f"{lay['tp']},{cp},{pp_text(lay)},{lay['dp']} {lay['recompute']}"
+    if m:
+        cell += f", M {m // 1024}K"
     if chunkflow:
         cell += f", {p['chunk_size'] // 1024}K, {p['k']}"
     return cell
@@ -90,11 +95,13 @@ def rows_for(model: str, seq: int, gpus: int, gpu: str) -> list[dict]:
     found = simulate([*setup, "--baseline", "all", "--auto"])
     cf = found["chunkflow"]
     rows = []
-    for name in BASELINES:
-        argv = [*setup, "--baseline", name, "--megatron-parallel",
-                flag(found["baselines"][name]["layout"]), "--chunkflow-parallel",
-                flag(cf["layout"]), "--chunk-size", str(cf["chunk_size"]), "--chunkflow-k",
-                str(cf["k"])]
+    for name in NAMES:
+        mg = found["baselines"][name]
+        argv = [*setup, "--baseline", name, "--megatron-parallel", flag(mg["layout"]),
+                "--chunkflow-parallel", flag(cf["layout"]), "--chunk-size", str(cf["chunk_size"]),
+                "--chunkflow-k", str(cf["k"])]
+        if "max_seqlen_per_dp_cp_rank" in mg:
+            argv += [MAX_SEQLEN_FLAG, str(mg["max_seqlen_per_dp_cp_rank"])]
         again = simulate(argv)
         for got, want in ((again["baselines"][name], found["baselines"][name]),
                           (again["chunkflow"], cf)):
@@ -104,7 +111,7 @@ def rows_for(model: str, seq: int, gpus: int, gpu: str) -> list[dict]:
                      "sequences": found["setup"]["global_batch_size"],
                      "tokens": found["setup"]["tokens"], "longest": found["setup"]["longest"],
                      "megatron": found["baselines"][name], "chunkflow": cf,
-                     "speedup": found["speedups"][name],
+                     "speedup": found["speedups"][name], "strongest": found["strongest"],
                      "speedup_cp_overlap": {e: rng[e][name]["speedup"] for e in rng},
                      "cp_overlap": found["cp_overlap"]["value"],
                      "command": "chunkflow simulate " + " ".join(argv)})
@@ -141,6 +148,11 @@ def markdown(rows: list[dict], gpu: str) -> None:
         cells.append(f"{speedup_cell(r['speedup'])} ({speedup_cell(ends['0'])} / "
                      f"{speedup_cell(ends['1'])})")
         print("| " + " | ".join(cells) + " |")
+    print("\nChunkFlow against the strongest stock baseline (the fastest that fits):\n")
+    for r in rows:
+        if r["baseline"] == r["strongest"]:
+            print(f"- {r['model']} {r['seq_length'] // 1024}K: {r['strongest']}, "
+                  f"{speedup_cell(r['speedup'])}")
     print("\nCommands (row number: command):\n\n```")
     for i, r in enumerate(rows, 1):
         print(f"{i:>2}: {r['command']}")

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_chunkflow.cli import main
+from megatron_chunkflow.cli.simulate import NAMES
 from megatron_chunkflow.core.step import BASELINES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +29,7 @@ def test_json_contract(capsys):
     assert rc == 0 and "megatron-packed" in err and "ChunkFlow" in err
     assert {"megatron", "chunkflow", "speedup", "chunk_size", "k", "baselines", "speedups",
             "cp_overlap"} <= set(obj)
-    assert set(obj["baselines"]) == set(obj["speedups"]) == set(BASELINES)
+    assert set(obj["baselines"]) == set(obj["speedups"]) == set(NAMES)
     for p in (obj["chunkflow"], *obj["baselines"].values()):
         assert {"step_s", "mfu", "peak_mem_gib", "fits", "tokens_per_s", "bubble", "layout",
                 "padding_fraction"} <= set(p)
@@ -91,7 +92,8 @@ def test_cp_overlap_range(capsys):
                             "--chunkflow-parallel", "2,1,1,none")
     rng = obj["cp_overlap"]
     assert rc == 0 and rng["value"] == 0.8 and set(rng["range"]) == {"0", "1"}
-    for name, p in obj["baselines"].items():
+    for name in BASELINES:  # megatron-hybrid-cp: see test_hybrid_cp_baseline
+        p = obj["baselines"][name]
         lo, hi = rng["range"]["0"][name], rng["range"]["1"][name]
         assert lo["step_s"] > p["step_s"] > hi["step_s"]
         assert lo["speedup"] > obj["speedups"][name] > hi["speedup"]
@@ -102,8 +104,40 @@ def test_cp_overlap_range(capsys):
                                                       ["step_s"])
     _, flat, _ = run_json(capsys, *SMALL, "--megatron-parallel", "2,1,1,none",
                           "--chunkflow-parallel", "2,1,1,none")
-    for name, p in flat["baselines"].items():
-        assert flat["cp_overlap"]["range"]["0"][name]["step_s"] == p["step_s"]
+    for name in BASELINES:
+        assert (flat["cp_overlap"]["range"]["0"][name]["step_s"]
+                == flat["baselines"][name]["step_s"])
+
+
+def test_hybrid_cp_baseline(capsys):
+    """megatron-hybrid-cp: searched (TP, recompute, M) and reported with its M; the chosen flags
+    reproduce it; a CP size per sequence makes it slower at CP overlap 0 than at 1; the
+    strongest fitting baseline is named; PP > 1 leaves it out of "all" with a note, and is an
+    error when it is asked for by name."""
+    rc, obj, err = run_json(capsys, *SMALL, "--chunkflow-parallel", "2,1,1,none")
+    h = obj["baselines"]["megatron-hybrid-cp"]
+    m = h["max_seqlen_per_dp_cp_rank"]
+    assert rc == 0 and h["layout"]["pp"] == 1 and h["layout"]["cp"] == 1 and h["fits"]
+    assert m & (m - 1) == 0 and f"M={m}" in err and "hybrid-cp " in err
+    pinned = f"--megatron-parallel {h['layout']['tp']},1,1,{h['layout']['recompute']} " \
+             f"--max-seqlen-per-dp-cp-rank {m} (megatron-hybrid-cp)"
+    assert pinned in err
+    fastest = min((n for n, p in obj["baselines"].items() if p["fits"]),
+                  key=lambda n: obj["baselines"][n]["step_s"])
+    assert obj["strongest"] == fastest
+    assert obj["speedup_vs_strongest"] == obj["speedups"][fastest]
+    assert f"strongest stock baseline: {fastest}" in err
+    _, again, _ = run_json(capsys, *SMALL, "--chunkflow-parallel", "2,1,1,none", "--baseline",
+                           "megatron-hybrid-cp", "--megatron-parallel",
+                           f"{h['layout']['tp']},1,1,{h['layout']['recompute']}",
+                           "--max-seqlen-per-dp-cp-rank", str(m))
+    assert again["baselines"]["megatron-hybrid-cp"] == h
+    lo, hi = (obj["cp_overlap"]["range"][e]["megatron-hybrid-cp"]["step_s"] for e in "01")
+    assert lo >= h["step_s"] >= hi
+    rc, obj, err = run_json(capsys, *SMALL, "--megatron-parallel", "2,1,2,none",
+                            "--chunkflow-parallel", "2,1,1,none")
+    assert rc == 0 and set(obj["baselines"]) == set(BASELINES)
+    assert "megatron-hybrid-cp not predicted: --megatron-parallel 2,1,2,none has PP > 1" in err
 
 
 def test_chunkflow_with_cp(capsys):
@@ -135,8 +169,10 @@ def test_does_not_fit_is_reported(tmp_path, capsys):
     assert obj["megatron"]["fits"] is False and obj["chunkflow"]["fits"] is True
     assert obj["megatron"]["peak_mem_gib"] > obj["setup"]["usable_gib"]
     assert obj["speedup"] is None and obj["step_time_ratio"] > 0
-    assert all(x is None for x in obj["speedups"].values())
+    assert all(obj["speedups"][name] is None for name in BASELINES)
     assert "megatron-packed does not fit" in err and " NO" in err
+    # per-sample CP splits the long sequence over its pool's ranks: it fits
+    assert obj["baselines"]["megatron-hybrid-cp"]["fits"] is True
 
 
 def test_auto_fits_the_budget(capsys):
@@ -192,6 +228,17 @@ def test_auto_layouts_and_lengths_file(tmp_path, capsys):
     (["--gpus", "0"], "--gpus must be >= 1"),
     (["--seq-length", "0"], "--seq-length must be >= 1"),
     (["--global-batch-size", "0"], "--global-batch-size must be >= 1"),
+    (["--baseline", "megatron-hybrid-cp", "--megatron-parallel", "2,1,2,none"],
+     "--baseline megatron-hybrid-cp: Megatron-LM refuses --hybrid-context-parallel with "
+     "pipeline parallelism"),
+    (["--gpus", "12", "--baseline", "megatron-hybrid-cp", "--megatron-parallel", "2,3,1,none"],
+     "--baseline megatron-hybrid-cp: TP2 CP3 PP1 DP2 none: the DP x CP pool of 6 ranks must be "
+     "a power of two >= 2"),
+    (["--baseline", "megatron-hybrid-cp", "--max-seqlen-per-dp-cp-rank", "256"],
+     "--max-seqlen-per-dp-cp-rank 256: the longest sequence (32768 tokens) would need a CP "
+     "group of 128 ranks, more than the DP x CP pool of 8; raise it to at least 4096"),
+    (["--baseline", "megatron-packed", "--max-seqlen-per-dp-cp-rank", "4096"],
+     "--max-seqlen-per-dp-cp-rank applies to --baseline megatron-hybrid-cp"),
     (["--chunkflow-k", "0"], "--chunkflow-k must be >= 1"),
     (["--gpu-set", "tflops=3"], "--gpu-set 'tflops=3': expected KEY=VALUE"),
     (["--gpu-set", "hbm_gb=lots"], "--gpu-set 'hbm_gb=lots': 'lots' is not a valid float"),
