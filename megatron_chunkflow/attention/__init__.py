@@ -6,5 +6,7 @@ is called.
 
 from megatron_chunkflow.attention.backends import BACKENDS, available_backends, resolve_backend
 from megatron_chunkflow.attention.chunk_attention import chunk_attention
+from megatron_chunkflow.attention.lse import attention_backward, attention_with_lse, lse_pair
 
-__all__ = ["BACKENDS", "available_backends", "chunk_attention", "resolve_backend"]
+__all__ = ["BACKENDS", "attention_backward", "attention_with_lse", "available_backends",
+           "chunk_attention", "lse_pair", "resolve_backend"]

@@ -4,6 +4,8 @@ Every backend is called as fn(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, softmax_scale) w
 validated by chunk_attention (cu_q / cu_kv: host lists of ints, Tq > 0, lk >= lq per segment) and
 returns out_TNH. Each computes bottom-right causal attention within segments; autograd comes from
 the library (torch autograd for sdpa and flex, flash-attn's and TE's own autograd Functions).
+cpu_flash, torch, flash and varlen also run as a forward returning (out, lse) and a backward from
+it (attention/lse.py), for context parallelism's backward.
 
 - torch: exact and memory-efficient in plain torch (torch_attention.py): saves only q, k, v, out and
   the log-sum-exp, like flash-attention, and computes in tiles, so a chunk over a long prefix
@@ -327,8 +329,9 @@ def resolve_backend(name: str, device_type: str, dtype: torch.dtype | None = Non
     return "torch"
 
 
-# Context parallelism (runtime/cp.py) runs a backend on gathered K/V with lk >= lq segments, and
-# recomputes it under autograd in the backward: every backend with a backward on that device can.
+# Context parallelism (runtime/cp.py) runs a backend on gathered K/V with lk >= lq segments; its
+# backward runs from the saved log-sum-exp where the backend has the pair (attention/lse.py), and
+# otherwise recomputes the forward under autograd: every backend with a backward on that device can.
 NO_BACKWARD = {"cpu": ("flex",)}  # torch's FlexAttention has no CPU backward
 
 

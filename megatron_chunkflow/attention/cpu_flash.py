@@ -19,6 +19,10 @@ backward once per part with the *merged* output and log-sum-exp: the probabiliti
 exp(s - lse), are then those of the full softmax, and delta = rowsum(dout * out) is the full
 row's, so the parts' dq add up and each part's dk, dv are exact (as in ring attention).
 No mask and nothing [lq, lk]-sized is ever saved, so memory stays linear in the prefix.
+
+The two halves are plain functions, `cpu_flash_forward` -> (out, lse) and `cpu_flash_backward`
+from (dout, q, k, v, out, lse); CpuFlashChunkAttention is autograd around them, and context
+parallelism (runtime/cp.py, through attention/lse.py) calls them itself.
 """
 
 # Shape suffixes: T packed tokens, N query heads, G key/value heads, H head dim; B = 1 batch,
@@ -56,65 +60,93 @@ def _fold_kv_grad(dk_BNKH, groups: int):
     return dk_BNKH if groups == n else dk_BNKH.view(b, groups, n // groups, lk, h).sum(2)
 
 
+def _own_split(cu_q, cu_kv, i: int) -> tuple[int, int, int, int, int]:
+    """Segment i's query range, key range and the first of its own keys (after the prefix)."""
+    q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_kv[i], cu_kv[i + 1]
+    return q0, q1, k0, k1, k1 - (q1 - q0)
+
+
+def cpu_flash_forward(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, scale):
+    """All segments of a chunk: (out_TNH, lse_NT), the merged log-sum-exp of every query and head
+    (in the kernel's dtype: float32 for bfloat16 inputs), for cpu_flash_backward."""
+    nh, tq = q_TNH.shape[1], q_TNH.shape[0]
+    out_TNH = torch.empty_like(q_TNH)
+    lse_NT = None
+    for i in range(len(cu_q) - 1):
+        q0, q1, k0, k1, split = _own_split(cu_q, cu_kv, i)
+        if q1 == q0:
+            continue
+        q_BNQH = _bnqh(q_TNH[q0:q1])
+        k_own, v_own = (_expand_kv(_bnqh(x[split:k1]), nh) for x in (k_TGH, v_TGH))
+        out_BNQH, lse_BNQ = _fwd(q_BNQH, k_own, v_own, 0.0, True, scale=scale)
+        if split > k0:
+            k_pre, v_pre = (_expand_kv(_bnqh(x[k0:split]), nh) for x in (k_TGH, v_TGH))
+            out_pre, lse_pre = _fwd(q_BNQH, k_pre, v_pre, 0.0, False, scale=scale)
+            out_BNQH, lse_BNQ = merge_partial(out_BNQH, lse_BNQ, out_pre, lse_pre)
+        out_TNH[q0:q1] = out_BNQH[0].transpose(0, 1)
+        if lse_NT is None:
+            lse_NT = lse_BNQ.new_empty((nh, tq))
+        lse_NT[:, q0:q1] = lse_BNQ[0]
+    return out_TNH, lse_NT
+
+
+def cpu_flash_backward(dout_TNH, q_TNH, k_TGH, v_TGH, out_TNH, lse_NT, cu_q, cu_kv, scale):
+    """(dq_TNH, dk_TGH, dv_TGH) from cpu_flash_forward's output and log-sum-exp: the kernel's
+    backward once per part of each segment (module docstring), no forward."""
+    nh, ng = q_TNH.shape[1], k_TGH.shape[1]
+    dq_TNH, dk_TGH, dv_TGH = (torch.zeros_like(t) for t in (q_TNH, k_TGH, v_TGH))
+    for i in range(len(cu_q) - 1):
+        q0, q1, k0, k1, split = _own_split(cu_q, cu_kv, i)
+        if q1 == q0:
+            continue
+        lse_BNQ = lse_NT[:, q0:q1].unsqueeze(0).contiguous()
+        q_BNQH, o_BNQH = _bnqh(q_TNH[q0:q1]), _bnqh(out_TNH[q0:q1])
+        do_BNQH = _bnqh(dout_TNH[q0:q1].contiguous())
+        parts = [(split, k1, True)] + ([(k0, split, False)] if split > k0 else [])
+        for a, b, causal in parts:
+            k_part, v_part = (_expand_kv(_bnqh(x[a:b]), nh) for x in (k_TGH, v_TGH))
+            dq, dk, dv = _bwd(do_BNQH, q_BNQH, k_part, v_part, o_BNQH, lse_BNQ, 0.0, causal,
+                              scale=scale)
+            dq_TNH[q0:q1] += dq[0].transpose(0, 1)
+            dk_TGH[a:b] = _fold_kv_grad(dk, ng)[0].transpose(0, 1)
+            dv_TGH[a:b] = _fold_kv_grad(dv, ng)[0].transpose(0, 1)
+    return dq_TNH, dk_TGH, dv_TGH
+
+
 class CpuFlashChunkAttention(torch.autograd.Function):
     """All segments of a chunk through ATen's CPU flash kernel; saves q, k, v, out and lse."""
 
     @staticmethod
     def forward(ctx, q_TNH, k_TGH, v_TGH, cu_q, cu_kv, scale):
-        nh = q_TNH.shape[1]
-        out_TNH = torch.empty_like(q_TNH)
-        lses = []
-        for i in range(len(cu_q) - 1):
-            q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_kv[i], cu_kv[i + 1]
-            if q1 == q0:
-                continue
-            split = k1 - (q1 - q0)  # own keys start here
-            q_BNQH = _bnqh(q_TNH[q0:q1])
-            k_own, v_own = (_expand_kv(_bnqh(x[split:k1]), nh) for x in (k_TGH, v_TGH))
-            out_BNQH, lse_BNQ = _fwd(q_BNQH, k_own, v_own, 0.0, True, scale=scale)
-            if split > k0:
-                k_pre, v_pre = (_expand_kv(_bnqh(x[k0:split]), nh) for x in (k_TGH, v_TGH))
-                out_pre, lse_pre = _fwd(q_BNQH, k_pre, v_pre, 0.0, False, scale=scale)
-                out_BNQH, lse_BNQ = merge_partial(out_BNQH, lse_BNQ, out_pre, lse_pre)
-            out_TNH[q0:q1] = out_BNQH[0].transpose(0, 1)
-            lses.append(lse_BNQ.contiguous())
-        ctx.save_for_backward(q_TNH, k_TGH, v_TGH, out_TNH, *lses)
+        out_TNH, lse_NT = cpu_flash_forward(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, scale)
+        ctx.save_for_backward(q_TNH, k_TGH, v_TGH, out_TNH, lse_NT)
         ctx.cu_q, ctx.cu_kv, ctx.scale = cu_q, cu_kv, scale
         return out_TNH
 
     @staticmethod
     def backward(ctx, dout_TNH):
-        q_TNH, k_TGH, v_TGH, out_TNH, *lses = ctx.saved_tensors
-        nh, ng = q_TNH.shape[1], k_TGH.shape[1]
-        dq_TNH, dk_TGH, dv_TGH = (torch.zeros_like(t) for t in (q_TNH, k_TGH, v_TGH))
-        lse_iter = iter(lses)
-        cu_q, cu_kv, scale = ctx.cu_q, ctx.cu_kv, ctx.scale
-        for i in range(len(cu_q) - 1):
-            q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_kv[i], cu_kv[i + 1]
-            if q1 == q0:
-                continue
-            split = k1 - (q1 - q0)
-            lse_BNQ = next(lse_iter)
-            q_BNQH, o_BNQH = _bnqh(q_TNH[q0:q1]), _bnqh(out_TNH[q0:q1])
-            do_BNQH = _bnqh(dout_TNH[q0:q1].contiguous())
-            parts = [(split, k1, True)] + ([(k0, split, False)] if split > k0 else [])
-            for a, b, causal in parts:
-                k_part, v_part = (_expand_kv(_bnqh(x[a:b]), nh) for x in (k_TGH, v_TGH))
-                dq, dk, dv = _bwd(do_BNQH, q_BNQH, k_part, v_part, o_BNQH, lse_BNQ, 0.0, causal,
-                                  scale=scale)
-                dq_TNH[q0:q1] += dq[0].transpose(0, 1)
-                dk_TGH[a:b] = _fold_kv_grad(dk, ng)[0].transpose(0, 1)
-                dv_TGH[a:b] = _fold_kv_grad(dv, ng)[0].transpose(0, 1)
-        return dq_TNH, dk_TGH, dv_TGH, None, None, None
+        grads = cpu_flash_backward(dout_TNH, *ctx.saved_tensors, ctx.cu_q, ctx.cu_kv, ctx.scale)
+        return *grads, None, None, None
 
 
-def cpu_flash_attention(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, softmax_scale):
-    """Bottom-right causal attention per segment through ATen's CPU flash kernel (CPU only)."""
+def _check_cpu(q_TNH) -> None:
     if q_TNH.device.type != "cpu":
         raise ValueError(f"backend 'cpu_flash' runs on CPU tensors; got {q_TNH.device} (use "
                          "'flash' or 'te' on CUDA)")
     if q_TNH.dtype not in (torch.float32, torch.float64, torch.bfloat16):
         raise ValueError(f"backend 'cpu_flash' supports float32, float64 and bfloat16; got "
                          f"{q_TNH.dtype}")
+
+
+def cpu_flash_attention(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, softmax_scale):
+    """Bottom-right causal attention per segment through ATen's CPU flash kernel (CPU only)."""
+    _check_cpu(q_TNH)
     return CpuFlashChunkAttention.apply(q_TNH, k_TGH, v_TGH, list(cu_q), list(cu_kv),
                                         softmax_scale)
+
+
+def cpu_flash_attention_lse(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, softmax_scale):
+    """cpu_flash_forward, checked: (out_TNH, lse_NT); cpu_flash_backward is its backward
+    (attention/lse.py)."""
+    _check_cpu(q_TNH)
+    return cpu_flash_forward(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, softmax_scale)

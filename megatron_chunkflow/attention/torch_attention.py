@@ -8,8 +8,10 @@ memory follows the chunk and not the prefix. F.scaled_dot_product_attention on C
 memory would not follow the chunk size). `sdpa` stays the reference this backend is tested
 against.
 
-Layers (flash-attention's): _fwd / _bwd on one segment, then TorchChunkAttention (autograd.Function)
-over all segments, called by backends.torch_attention_backend.
+Layers (flash-attention's): _fwd / _bwd on one segment; torch_forward -> (out, lse) and
+torch_backward from (dout, q, k, v, out, lse) over all segments; TorchChunkAttention
+(autograd.Function) around those two, called by backends.torch_attention_backend. Context
+parallelism (runtime/cp.py, through attention/lse.py) calls the two functions itself.
 """
 
 # Shape suffixes: Q one segment's queries, K its keys, N query heads, G key/value heads,
@@ -116,35 +118,45 @@ def _bwd(dout_QNH, q_QNH, k_KGH, v_KGH, out_QNH, lse_GRQ, scale):
     return dq_QNH, dk_KGH, dv_KGH
 
 
+def torch_forward(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, scale):
+    """All segments of a chunk: (out_TNH, lse_GRT), the log-sum-exp of every query and head
+    (grouped by K/V head, in the compute dtype), for torch_backward."""
+    tq, nh, ng = q_TNH.shape[0], q_TNH.shape[1], k_TGH.shape[1]
+    out_TNH = torch.empty_like(q_TNH)
+    wide = torch.float32 if q_TNH.dtype in (torch.float16, torch.bfloat16) else q_TNH.dtype
+    lse_GRT = torch.empty((ng, nh // ng, tq), dtype=wide, device=q_TNH.device)
+    for i in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_kv[i], cu_kv[i + 1]
+        if q1 > q0:
+            out_TNH[q0:q1], lse_GRT[..., q0:q1] = _fwd(q_TNH[q0:q1], k_TGH[k0:k1], v_TGH[k0:k1],
+                                                       scale)
+    return out_TNH, lse_GRT
+
+
+def torch_backward(dout_TNH, q_TNH, k_TGH, v_TGH, out_TNH, lse_GRT, cu_q, cu_kv, scale):
+    """(dq_TNH, dk_TGH, dv_TGH) from torch_forward's output and log-sum-exp, no forward."""
+    dq_TNH, dk_TGH, dv_TGH = (torch.zeros_like(t) for t in (q_TNH, k_TGH, v_TGH))
+    for i in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_kv[i], cu_kv[i + 1]
+        if q1 == q0:
+            continue
+        dq, dk, dv = _bwd(dout_TNH[q0:q1], q_TNH[q0:q1], k_TGH[k0:k1], v_TGH[k0:k1],
+                          out_TNH[q0:q1], lse_GRT[..., q0:q1], scale)
+        dq_TNH[q0:q1], dk_TGH[k0:k1], dv_TGH[k0:k1] = dq, dk, dv
+    return dq_TNH, dk_TGH, dv_TGH
+
+
 class TorchChunkAttention(torch.autograd.Function):
     """All segments of a chunk; saves q, k, v, out, lse (no probabilities, no masks)."""
 
     @staticmethod
     def forward(ctx, q_TNH, k_TGH, v_TGH, cu_q, cu_kv, scale):
-        out_TNH = torch.empty_like(q_TNH)
-        lses = []
-        for i in range(len(cu_q) - 1):
-            q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_kv[i], cu_kv[i + 1]
-            if q1 == q0:
-                lses.append(None)
-                continue
-            out_TNH[q0:q1], lse = _fwd(q_TNH[q0:q1], k_TGH[k0:k1], v_TGH[k0:k1], scale)
-            lses.append(lse)
-        ctx.save_for_backward(q_TNH, k_TGH, v_TGH, out_TNH, *[x for x in lses if x is not None])
+        out_TNH, lse_GRT = torch_forward(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, scale)
+        ctx.save_for_backward(q_TNH, k_TGH, v_TGH, out_TNH, lse_GRT)
         ctx.cu_q, ctx.cu_kv, ctx.scale = cu_q, cu_kv, scale
         return out_TNH
 
     @staticmethod
     def backward(ctx, dout_TNH):
-        q_TNH, k_TGH, v_TGH, out_TNH, *lses = ctx.saved_tensors
-        dq_TNH, dk_TGH, dv_TGH = (torch.zeros_like(t) for t in (q_TNH, k_TGH, v_TGH))
-        lse_iter = iter(lses)
-        cu_q, cu_kv = ctx.cu_q, ctx.cu_kv
-        for i in range(len(cu_q) - 1):
-            q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_kv[i], cu_kv[i + 1]
-            if q1 == q0:
-                continue
-            dq, dk, dv = _bwd(dout_TNH[q0:q1], q_TNH[q0:q1], k_TGH[k0:k1], v_TGH[k0:k1],
-                              out_TNH[q0:q1], next(lse_iter), ctx.scale)
-            dq_TNH[q0:q1], dk_TGH[k0:k1], dv_TGH[k0:k1] = dq, dk, dv
-        return dq_TNH, dk_TGH, dv_TGH, None, None, None
+        grads = torch_backward(dout_TNH, *ctx.saved_tensors, ctx.cu_q, ctx.cu_kv, ctx.scale)
+        return *grads, None, None, None

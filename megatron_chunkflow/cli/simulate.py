@@ -21,10 +21,11 @@ V virtual stages per pipeline rank (Megatron's interleaved 1F1B for the baseline
 interleaved plan; "4,1,4x2,full"); DP is what --gpus leaves; "auto" (the default) searches every
 layout (V included, for both systems) and recompute option for the fastest that fits.
 ChunkFlow's CP (runtime/cp.py) pads every segment of a chunk to 2 x CP (x TP under sequence
-parallelism), all-gathers K/V in every layer and recomputes its attention in the backward
-(perfmodel/layer.py); its --chunk-size must be a multiple of that. Every stock prediction is
-repeated with CP overlap 0 and 1 (Hardware.cp_overlap's range, searched again when the layout
-was); ChunkFlow's CP gathers are not overlapped, so it does not change ChunkFlow's. Sequences
+parallelism), all-gathers K/V in every layer, forward and again backward, where the kernel's
+backward runs from the saved log-sum-exp (perfmodel/layer.py); its --chunk-size must be a
+multiple of that. Every stock prediction is repeated with CP overlap 0 and 1
+(Hardware.cp_overlap's range, searched again when the layout was); ChunkFlow's CP gathers are
+not overlapped, so it does not change ChunkFlow's. Sequences
 longer than --seq-length are truncated to it for every system (the context limit of the run).
 """
 

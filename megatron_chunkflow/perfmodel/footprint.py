@@ -55,15 +55,16 @@ it in the backward, one layer at a time: one layer's copy of the sequence is add
 
 ChunkFlow under CP (runtime/cp.py) keeps all of that as 1/CP shards on each rank: activations of
 T/CP tokens (the chunks come padded, predict.cp_padded_lengths), the stored K/V, fp32
-accumulators, the cat(prefix, own) copies (its attention checkpoint saves the local shards) and
+accumulators, the cat(prefix, own) copies (its attention saves the local shards) and
 the re-forward inputs, so the per-token bytes of the state are divided by CP. What is whole on
 every rank is its attention's transient, one layer at a time (gather_transient_bytes): the
 gathered K/V of [prefix ++ chunk] (G tokens) and the selection its pieces read (S >= G tokens)
-in the forward; in the backward the recomputed selection and its gradient (2 S), then the
+in the forward; in the backward the selection made again and its gradient (2 S), then the
 gradient scattered back into the gathered shape with its fp32 copy for the reduce-scatter (G x
-(1 + 4 / dtype_bytes) under half precision); the larger counts. The kernel's log-sum-exp, which
-the checkpoint does not keep, is still counted in the activations (an upper bound by 4 bytes per
-head and token).
+(1 + 4 / dtype_bytes) under half precision); the larger counts. Its attention also saves the
+kernel's output (the projection's input: counted once, as proj_input) and log-sum-exp (the lse
+term), for a backward that runs from them (runtime/cp.py), as without CP: the activation terms
+are unchanged.
 
 Every function takes the bytes per element of weights and activations (`dtype_bytes`: 2 for
 bf16, 4 for fp32; a device's Hardware.dtype_bytes); nothing else about the device matters here.

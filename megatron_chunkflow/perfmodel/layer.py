@@ -31,9 +31,12 @@ composes into per-op costs (recompute, launch floor), for a micro-batch of T tok
   each local piece reads (index_select: S = per piece the prefix and its segment up to the
   piece's end) and runs one varlen kernel, each piece bottom-right causal: its pairs are
   charged per piece, the slowest rank's (the gather synchronizes them). The gather is not
-  overlapped: time = gather + kernel. Only the local Q, K, V are saved, so the backward gathers
-  again, recomputes the kernel forward, runs the kernel backward and reduce-scatters dK/dV in
-  fp32 (under bf16: twice the gather's bytes): gather + fwd + bwd + reduce-scatter.
+  overlapped: time = gather + kernel. The local Q, K, V, the kernel's output and log-sum-exp are
+  saved (not the gathered K/V), so the backward gathers again, runs the kernel backward from the
+  saved output and log-sum-exp and reduce-scatters dK/dV in fp32 (under bf16: twice the gather's
+  bytes): gather + bwd + reduce-scatter. That is the path of the flash-style kernels modelled here
+  (flash, varlen: attention/lse.py); a backend without that pair (te) would recompute the kernel
+  forward in the backward, which this model does not charge.
   Collectives are rings on hw.link(layout.span("cp")), as the TP ones; cp_overlap does not apply.
 - ChunkFlow's own traffic (runtime/state.py, every layer): a dependent chunk's forward and
   re-forward concatenate its sequence's stored prefix K/V with its own (torch.cat reads both and
@@ -43,9 +46,9 @@ composes into per-op costs (recompute, launch floor), for a micro-batch of T tok
   sequence's last, adds its own accumulator to its own gradient (read fp32, cast, add). Under CP
   all of it is on the rank's 1/CP shards, plus the CP path's copies: forward the stack of the
   local K and V (read and write the local shards) and the K and V selections (read and write S
-  rows); backward those again (recompute), the selections' gradients index-added into zeros of
-  the gathered K and V shape and copied into the gathered K/V's (write, read and write G twice,
-  read S, read-modify-write S), the cast of that to fp32 and of the rank's reduced shard back.
+  rows); backward those again (the gather is redone), the selections' gradients index-added into
+  zeros of the gathered K and V shape and copied into the gathered K/V's (write, read and write G
+  twice, read S, read-modify-write S), the cast of that to fp32 and of the rank's shard back.
 
 Recomputed pieces (what a recompute option re-runs inside the backward, megatron-core 0.16.1):
 core_attn the attention core forward (its CP ring and ChunkFlow's cat included: the cat is inside
@@ -70,9 +73,8 @@ attention.py, mlp.py; TE's LayerNormLinear fuses the norm with the linear):
   step, forward and backward. ChunkFlow adds 2 forward (the K and V cat) and, backward, 2 per
   earlier chunk (accumulators) and 4 (own accumulator, cast and add, K and V).
   ChunkFlow under CP has no ring steps: forward +4 (stack, all-gather, the K and V selections),
-  backward +14 (those 4 and the attention forward again; for K and for V the selection's
-  gradient zero-filled, index-added and copied into the gathered shape; cast to fp32,
-  reduce-scatter, cast back).
+  backward +13 (those 4; for K and for V the selection's gradient zero-filled, index-added and
+  copied into the gathered shape; cast to fp32, reduce-scatter, cast back).
   Recompute re-launches what it re-runs: core_attn 1 (+3 per CP step; +4 for ChunkFlow's CP),
   mlp 3 (+2 collectives), layernorm 4 (two norms, two copies), full the forward's.
   A cross-check: the unfused local spec on CPU dispatches 55 ATen ops forward and 72 backward
@@ -104,7 +106,7 @@ ATTN_BWD_FLOPS = 2.5  # flash backward: 5 matmuls (QK^T again, dP, dV, dQ, dK) v
 KERNELS_FWD, KERNELS_BWD = 12, 22  # one layer, TE spec, fused (module docstring)
 TP_KERNELS_FWD, TP_KERNELS_BWD = 4, 6  # its collectives under TP > 1
 CP_KERNELS_PER_STEP = 3  # attention, send/receive, correction per extra ring step
-GATHER_KERNELS_FWD, GATHER_KERNELS_BWD = 4, 14  # ChunkFlow's CP attention (module docstring)
+GATHER_KERNELS_FWD, GATHER_KERNELS_BWD = 4, 13  # ChunkFlow's CP attention (module docstring)
 RECOMPUTE_KERNELS = {"core_attn": 1, "mlp": 3, "layernorm": 4}
 PARTS_CACHE = 50_000  # Parts kept per LayerModel
 
@@ -318,7 +320,7 @@ class LayerModel:
         bwd = ATTN_BWD_FLOPS * flops / (hw.peak_flops * hw.attn_bwd_eff)
         if cp > 1 and gathered:
             gather, scatter = self.gather_times(gathered)
-            return gather + fwd, gather + fwd + bwd + scatter
+            return gather + fwd, gather + bwd + scatter  # backward from the saved lse
         if cp > 1:
             bw, latency = self.cp_link
             kv_bytes = tokens * 2 * self.kv * hw.dtype_bytes

@@ -199,7 +199,7 @@ def predict_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware,
                       layout: ParallelConfig, chunk_size: int, num_kept: int) -> Prediction:
     """ChunkFlow: chunks of `chunk_size`, K chunks of a long sequence holding activations; under
     CP every segment padded to ParallelConfig.segment_multiple and ChunkFlow's CP attention
-    (all-gathered K/V, recomputed in the backward; perfmodel/layer.py)."""
+    (all-gathered K/V, gathered again in the backward; perfmodel/layer.py)."""
     layout.check_chunk_size(chunk_size, naming="axes")
     model = roofline(shape, layout, hw)
     held_for, state_for = memory_hooks(shape, layout, hw.dtype_bytes, chunk_size, num_kept)

@@ -17,13 +17,19 @@ any packing and prefix. The backward reduce-scatters dK/dV back to the ranks hol
 the sum over ranks taken in fp32 under half precision (a key two local pieces both read gets their
 two gradients added in the K/V dtype first); the relay takes it from there.
 
-Memory and traffic. The gather, the index and the kernel are recomputed in the backward: only the
-local q and [prefix ++ own] K/V shards are saved, and the backward gathers again and recomputes
-the local attention forward before its backward. Per rank, layer and chunk it receives
-(CP - 1)/CP x (prefix + chunk) tokens of K and V forward and twice that backward (the gather again,
-the reduce-scatter), and holds transiently the gathered K/V and the selection (about
-2 x prefix + 1.25 x chunk tokens of K and V at CP = 2). Activations and state per rank are ~1/CP of
-CP = 1's; the price is the second gather and one more attention forward per layer.
+Memory and traffic. The gather and the index are redone in the backward, not saved: the local q
+and [prefix ++ own] K/V shards are saved, with the kernel's output and log-sum-exp where the
+backend has a forward/backward pair (attention/lse.py: cpu_flash, torch, flash, varlen); the
+backward gathers again, selects under autograd and runs the kernel's backward from the saved
+output and log-sum-exp, with no attention forward (`_LseAttention`). The output is the projection's
+input, which Megatron saves anyway (one storage), so the extra is the log-sum-exp, one float32 per
+head and local token under half precision. Backends without the pair (sdpa, flex, te) save only q, k, v
+and recompute the local attention forward in the backward before its backward
+(`_RecomputedAttention`). Per rank, layer and chunk it receives (CP - 1)/CP x (prefix + chunk)
+tokens of K and V forward and twice that backward (the gather again, the reduce-scatter), and holds
+transiently the gathered K/V and the selection (about 2 x prefix + 1.25 x chunk tokens of K and V
+at CP = 2). Activations and state per rank are ~1/CP of CP = 1's; the price is the second gather
+(and, without the pair, one more attention forward per layer).
 
 Shapes: THD per TP rank, q [t, np, hn], k/v [t, ng, hn], t = this CP rank's tokens.
 """
@@ -36,7 +42,13 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from megatron_chunkflow.attention import chunk_attention
+from megatron_chunkflow.attention import (
+    attention_backward,
+    attention_with_lse,
+    chunk_attention,
+    lse_pair,
+    resolve_backend,
+)
 
 
 def shard_ranges(cu_seqlens, cp: int, rank: int) -> list[tuple[int, int]]:
@@ -111,12 +123,44 @@ class Traffic:
 def cp_attention(q, k, v, selection: KeySelection, group, softmax_scale: float, backend: str,
                  traffic: Traffic | None = None) -> torch.Tensor:
     """This rank's attention output [t, np, hn] for its queries q [t, np, hn], given its shards k,
-    v [s, ng, hn] of [prefix ++ chunk] K/V (module docstring); `traffic` counts the bytes."""
+    v [s, ng, hn] of [prefix ++ chunk] K/V (module docstring); `traffic` counts the bytes. The
+    backward runs from the saved log-sum-exp where the backend has the pair (attention/lse.py),
+    else recomputes the forward."""
+    if lse_pair(resolve_backend(backend, q.device.type, q.dtype)) is not None:
+        return _LseAttention.apply(q, k, v, selection, group, softmax_scale, backend, traffic)
     return _RecomputedAttention.apply(q, k, v, selection, group, softmax_scale, backend, traffic)
 
 
+class _LseAttention(torch.autograd.Function):
+    """Saves the local q, k, v, the output and the log-sum-exp; the backward gathers and selects
+    K/V again (under autograd) and runs the backend's backward from them, no forward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, selection, group, softmax_scale, backend, traffic):
+        k_sel, v_sel = _select(k, v, selection, group, traffic)
+        out, lse = attention_with_lse(q, k_sel, v_sel, selection.cu_q, selection.cu_kv,
+                                      softmax_scale=softmax_scale, backend=backend)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (selection, group, softmax_scale, backend, traffic)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        selection, group, softmax_scale, backend, traffic = ctx.args
+        k, v = (x.detach().requires_grad_() for x in (k, v))
+        with torch.enable_grad():
+            k_sel, v_sel = _select(k, v, selection, group, traffic)
+        dq, dk_sel, dv_sel = attention_backward(
+            grad_out, q, k_sel.detach(), v_sel.detach(), out, lse, selection.cu_q,
+            selection.cu_kv, softmax_scale=softmax_scale, backend=backend)
+        torch.autograd.backward((k_sel, v_sel), (dk_sel, dv_sel))
+        return dq, k.grad, v.grad, None, None, None, None, None
+
+
 class _RecomputedAttention(torch.autograd.Function):
-    """Saves only the local q, k, v; the backward gathers and recomputes, then back-propagates.
+    """Saves only the local q, k, v; the backward gathers and recomputes, then back-propagates
+    (backends without the pair: sdpa, flex, te).
 
     A Function rather than torch.utils.checkpoint: its saves and its backward's recompute go
     through the saved-tensor hooks of whoever meters memory (runtime/meter.py), as Megatron's own
@@ -137,10 +181,15 @@ class _RecomputedAttention(torch.autograd.Function):
         return q.grad, k.grad, v.grad, None, None, None, None, None
 
 
-def _attend(q, k, v, selection, group, softmax_scale, backend, traffic=None):
+def _select(k, v, selection, group, traffic=None):
+    """The keys and values this rank's query pieces read, from the gathered K/V."""
     kv = _GatherKV.apply(torch.stack([k, v], dim=1), group, traffic)  # [cp * s, 2, ng, hn]
     # index_select copies: the kernels take contiguous K and V
-    k, v = (kv[:, i].index_select(0, selection.index) for i in (0, 1))
+    return tuple(kv[:, i].index_select(0, selection.index) for i in (0, 1))
+
+
+def _attend(q, k, v, selection, group, softmax_scale, backend, traffic=None):
+    k, v = _select(k, v, selection, group, traffic)
     return chunk_attention(q, k, v, selection.cu_q, selection.cu_kv, softmax_scale=softmax_scale,
                            backend=backend)
 

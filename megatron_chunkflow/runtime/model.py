@@ -161,8 +161,9 @@ def apply_chunkflow(model, backend: str = "torch",
             module.core_attention = ChunkCoreAttention(module.layer_number, scale, store, backend,
                                                        _context_parallel_group(module))
             if _cp_size(module.core_attention.cp_group) > 1:
-                # under CP the core attention saves only q, k, v and recomputes itself
-                # (runtime/cp.py): Megatron's selective core_attn checkpoint would run it twice
+                # under CP the core attention runs its own backward (runtime/cp.py: from the
+                # saved log-sum-exp, or recomputing itself): Megatron's selective core_attn
+                # checkpoint would run its gather and forward again
                 module.checkpoint_core_attention = False
             num_swapped += 1
     if num_swapped == 0:

@@ -118,3 +118,29 @@ def test_auto_holds_a_chunk_not_its_prefix(dtype):
     bound = 4 * 4 * (lq * nh * hd + 2 * lk * ng * hd) + 8 * tile  # float32 copies, grads, tiles
     assert extra <= bound, (backend, extra / 2**30, bound / 2**30)
     assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+
+
+@pytest.mark.parametrize("backend,dtype,case", [(b, d, c) for b in ("varlen", "flash", "torch")
+                                                for d in (torch.bfloat16, torch.float16)
+                                                for c in CASES])
+def test_lse_pair_error_budget(backend, dtype, case):
+    """attention/lse.py's forward returning (out, lse) and backward from it (context parallelism's
+    backward) on this GPU: within the same budget as chunk_attention, against the fp64 oracle."""
+    from megatron_chunkflow.attention import attention_backward, attention_with_lse, lse_pair
+
+    skip_if_missing(backend)
+    if lse_pair(backend) is None:
+        pytest.skip(f"backend {backend!r} has no lse pair here (attention/lse.py says why)")
+    lq, lk, nh, ng, hd = CASES[case]
+    cu_q, cu_kv = cumsum(lq), cumsum(lk)
+    q64, k64, v64, dout64 = make_inputs(lq, lk, nh, ng, hd, torch.float64, device="cuda")
+    q, k, v, dout = make_inputs(lq, lk, nh, ng, hd, dtype, device="cuda")
+    ref = run_with_grads(lambda *a: dense_reference(*a, cu_q, cu_kv), q64, k64, v64, dout64)
+    naive = run_with_grads(lambda *a: dense_reference(*a, cu_q, cu_kv), q, k, v, dout)
+    out, lse = attention_with_lse(q, k, v, cu_q, cu_kv, backend=backend)
+    got = (out, *attention_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, cu_q,
+                                    cu_kv, backend=backend))
+    for name, x, e_got, e_naive in zip(("out", "dq", "dk", "dv"), got, max_err(got, ref),
+                                       max_err(naive, ref), strict=True):
+        assert x.dtype == dtype
+        assert e_got <= 2 * e_naive + 1e-3, (name, e_got, e_naive)

@@ -1,7 +1,8 @@
 """ChunkFlow with context parallelism in the cost and memory model (perfmodel/layer.py,
 footprint.py, predict.py, floors.py, search.py), as runtime/cp.py runs it: segments padded to
-2 x CP (x TP) and zigzag-sharded, K/V all-gathered per layer and chunk (not overlapped), the
-attention recomputed in the backward with an fp32 reduce-scatter of dK/dV, state 1/CP per rank."""
+2 x CP (x TP) and zigzag-sharded, K/V all-gathered per layer and chunk (not overlapped), gathered
+again in the backward, which runs from the saved log-sum-exp (no second attention forward) and
+reduce-scatters dK/dV in fp32, state 1/CP per rank."""
 
 import dataclasses
 
@@ -103,11 +104,11 @@ def test_zigzag_pairs_are_balanced_and_add_up():
     assert w.pairs == pytest.approx(attention_pairs(c.prefix_len, c.computed_tokens) / 2)
 
 
-def test_gather_bytes_and_recompute_in_backward():
+def test_gather_bytes_and_backward_from_the_lse():
     """Forward: an exposed ring all-gather of (prefix + chunk) tokens of K and V, (CP - 1)/CP of
-    them received, then the kernel; backward: the gather again, the kernel forward again, its
-    backward and a reduce-scatter of dK/dV in fp32 (twice the gather's bytes under bf16). CP
-    overlap does not hide any of it."""
+    them received, then the kernel; backward: the gather again, the kernel's backward from the
+    saved log-sum-exp (no kernel forward) and a reduce-scatter of dK/dV in fp32 (twice the
+    gather's bytes under bf16). CP overlap does not hide any of it."""
     tp, cp, gathered = 2, 4, 40960
     layout = P(tp=tp, cp=cp)
     lm = layer_model(Q7B, layout, H100)
@@ -121,7 +122,7 @@ def test_gather_bytes_and_recompute_in_backward():
     compute_f, compute_b = layer_model(Q7B, P(tp=tp), H100).attention(tokens, pairs)
     fwd, bwd = lm.attention(tokens, pairs, gathered)
     assert fwd == pytest.approx(gather + compute_f)
-    assert bwd == pytest.approx(gather + compute_f + compute_b + scatter)
+    assert bwd == pytest.approx(gather + compute_b + scatter)
     for overlap in (0.0, 1.0):
         other = layer_model(Q7B, layout, with_overrides(H100, [f"cp_overlap={overlap}"]))
         assert other.attention(tokens, pairs, gathered) == pytest.approx((fwd, bwd))
@@ -145,7 +146,7 @@ def test_chunk_work_gathers_the_prefix():
     base = layer_model(Q7B, P(), H100)
     assert parts.fwd_kernels == base.kernels_fwd + GATHER_KERNELS_FWD + 2  # + the relay's cat
     assert parts.bwd_kernels == base.kernels_bwd + GATHER_KERNELS_BWD + 2 * w.prior
-    # the step: every layer's backward re-runs the attention forward, so B > 2 F per chunk
+    # the step: every layer's backward gathers again and reduce-scatters: B / F above CP 1's
     model = roofline(Q7B, layout, H100)
     f, b = model.chunk_costs(last, 1, gather=True)
     f1, b1 = roofline(Q7B, P(), H100).chunk_costs(last, 1)

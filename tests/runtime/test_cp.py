@@ -1,7 +1,8 @@
-"""Context parallelism's layout (runtime/cp.py), in one process: the zigzag shards, and that the
-gathered-K/V index gives every local query exactly the keys it has without CP.
+"""Context parallelism (runtime/cp.py): in one process, the zigzag shards and that the gathered-K/V
+index gives every local query exactly the keys it has without CP; in a 2-process gloo job,
+cp_attention's backward (from the saved log-sum-exp, or recomputing) against unsharded attention.
 
-The collectives and the recompute run in tests/checks/test_exact.py (CP layouts, gloo) and
+The whole model at CP runs in tests/checks/test_exact.py (CP layouts, gloo) and
 tests/megatron_lm/test_pretrain_gpt.py (the launcher at CP 2).
 """
 
@@ -82,3 +83,96 @@ def test_packer_pads_every_segment_for_the_split():
     assert sum(c.num_tokens for c in batch.chunks) == 70 + 5 + 33 + 1 + 16  # nothing lost
     with pytest.raises(ValueError, match="chunk size 18 is not a multiple"):
         build_chunks([70], 18, 1, 1, shape, segment_multiple=4)
+
+
+def _cp_backward_on_rank(cases):
+    """On each rank of a 2-process gloo job, for each case (cu, prefix chunks, chunk size): the
+    rank's gradients of q and of its K/V shards through cp_attention, by path, as the largest
+    relative error against unsharded sdpa attention and against the recompute path of the same
+    backend; and the attention forwards each path's backward ran (counted at our own forward
+    entry points: cpu_flash_forward, torch_forward, the sdpa backend)."""
+    import torch.distributed as dist
+
+    from megatron_chunkflow.attention import backends, cpu_flash, torch_attention
+    from megatron_chunkflow.runtime import cp as cp_module
+
+    cp, rank, group = 2, dist.get_rank(), dist.group.WORLD
+    calls = {"cpu_flash": 0, "torch": 0, "sdpa": 0}
+    wrapped = [(cpu_flash, "cpu_flash_forward", "cpu_flash"),
+               (torch_attention, "torch_forward", "torch"), (backends.BACKENDS, "sdpa", "sdpa")]
+    saved = []
+
+    def counting(fn, name):
+        def run(*args):
+            calls[name] += 1
+            return fn(*args)
+        return run
+
+    for owner, attr, name in wrapped:
+        get, put = ((owner.__getitem__, owner.__setitem__) if isinstance(owner, dict) else
+                    (lambda a, o=owner: getattr(o, a), lambda a, f, o=owner: setattr(o, a, f)))
+        saved.append((put, attr, get(attr)))
+        put(attr, counting(get(attr), name))
+    paths = {"cpu_flash": (cp_module.cp_attention, "cpu_flash"),
+             "torch": (cp_module.cp_attention, "torch"),
+             "sdpa": (cp_module.cp_attention, "sdpa"),
+             "cpu_flash recompute": (cp_module._RecomputedAttention.apply, "cpu_flash"),
+             "torch recompute": (cp_module._RecomputedAttention.apply, "torch")}
+    out = []
+    try:
+        for cu, prefix_chunks, c in cases:
+            g = torch.Generator().manual_seed(len(cu) + prefix_chunks)
+            prefix = prefix_chunks * c
+            n = prefix + cu[-1]
+            q, k, v = (torch.randn(n, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+            dout = torch.randn(cu[-1], 4, 8, generator=g, dtype=torch.float64)
+            blocks = [((0, c), i * c) for i in range(prefix_chunks)] + [(cu, prefix)]
+            mine = torch.cat([local_index(b, cp, rank) + off for b, off in blocks])
+            rows = local_index(cu, cp, rank)
+            leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+            qf, kf, vf = leaves
+            if prefix:
+                whole = chunk_attention(qf[prefix:], kf, vf, [0, cu[-1]], [0, n], backend="sdpa")
+            else:
+                whole = chunk_attention(qf, kf, vf, list(cu), list(cu), backend="sdpa")
+            whole.backward(dout)
+            ref = (qf.grad[prefix + rows], kf.grad[mine], vf.grad[mine])
+            layout = key_selection(cu, prefix_chunks, c, cp, rank)
+            grads, forwards = {}, {}
+            for path, (fn, backend) in paths.items():
+                ql, kl, vl = (x.clone().requires_grad_() for x in (q[prefix + rows], k[mine],
+                                                                   v[mine]))
+                o = fn(ql, kl, vl, layout, group, 8 ** -0.5, backend, None)
+                before = dict(calls)
+                o.backward(dout[rows])
+                forwards[path] = {b: calls[b] - before[b] for b in calls}
+                grads[path] = (ql.grad, kl.grad, vl.grad)
+
+            def err(xs, refs):
+                return max(((x - r).abs().max() / r.abs().max()).item() for x, r in zip(xs, refs))
+
+            out.append({path: (err(grads[path], ref),
+                               err(grads[path], grads.get(f"{paths[path][1]} recompute", ref)),
+                               forwards[path]) for path in paths})
+    finally:
+        for put, attr, fn in saved:
+            put(attr, fn)
+    return out
+
+
+@pytest.mark.slow
+def test_cp_backward_from_the_lse_runs_no_forward_and_is_exact(gloo):
+    """CP 2 over gloo, float64: a standalone chunk of three segments and a dependent chunk over two
+    chunks of prefix. cpu_flash and torch take the backward from the saved log-sum-exp: their
+    gradients equal unsharded attention's and the recompute path's within 1e-12, and their
+    backward runs no attention forward; sdpa (no pair) recomputes it."""
+    cases = [((0, 4, 12, 20), 0, 20), ((0, 16), 2, 16)]
+    for per_case in zip(*gloo.run(_cp_backward_on_rank, 2, cases)):
+        for rank_result in per_case:
+            for path, (vs_whole, vs_recompute, forwards) in rank_result.items():
+                assert vs_whole <= 1e-12 and vs_recompute <= 1e-12, (path, vs_whole, vs_recompute)
+                backend = path.split()[0]
+                if path in ("cpu_flash", "torch"):
+                    assert forwards == {"cpu_flash": 0, "torch": 0, "sdpa": 0}, (path, forwards)
+                else:  # the recompute path: one forward of its backend in the backward
+                    assert forwards[backend] > 0, (path, forwards)

@@ -1,0 +1,185 @@
+"""chunk_attention as two functions: a forward that returns (out, lse) and a backward from (dout,
+q, k, v, out, lse) that returns (dq, dk, dv) and runs no attention forward.
+
+    out, lse = attention_with_lse(q, k, v, cu_q, cu_kv, backend="cpu_flash")
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, cu_q, cu_kv, backend="cpu_flash")
+
+Context parallelism (runtime/cp.py) saves out and lse after its forward and calls the backward on
+K/V it gathers again, instead of recomputing the forward under autograd. Inputs, masks and GQA are
+chunk_attention's (validated the same way: bottom-right causal segments, lk >= lq); the lse is a
+tensor whose layout belongs to the backend (the caller only keeps it for the backward), in float32
+for half precision inputs. The backends that have the pair (`lse_pair`):
+
+- cpu_flash: cpu_flash.py's cpu_flash_forward / cpu_flash_backward, the code its autograd
+  Function runs; lse [N, Tq] in the kernel's dtype. CPU, float32 / float64 / bfloat16.
+- torch: torch_attention.py's torch_forward / torch_backward, likewise; lse [G, N / G, Tq] in the
+  compute dtype. Any device and dtype.
+- flash: flash_attn_varlen_func(return_attn_probs=True) for (out, lse [N, Tq] float32), and
+  flash-attn's internal _flash_attn_varlen_backward, whose keywords after `causal` (window_size
+  or window_size_left / _right, softcap, alibi_slopes, deterministic, rng_state) are read off its
+  signature. CUDA, fp16/bf16, flash-attn >= 2.1. UNTESTED until a GPU run
+  (tests/gpu/test_attention_backends.py).
+- varlen: torch's varlen_attn(return_aux=AuxRequest(lse=True)) for (out, lse), and the op its own
+  autograd runs backward, torch.ops.torch_attn._varlen_attn_backward (both in torch 2.13); on a
+  torch without them, or when varlen_attn would take its cuDNN path, no pair. CUDA, fp16/bf16.
+  UNTESTED until a GPU run (tests/gpu/test_attention_backends.py).
+
+sdpa, flex and te have no pair (their libraries run the backward only inside their own autograd,
+from what they saved): context parallelism recomputes their forward in the backward.
+"""
+
+# Shape suffixes as in backends.py: T tokens, N query heads, G key/value heads, H head dim.
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from megatron_chunkflow.attention import backends
+from megatron_chunkflow.attention.chunk_attention import CuSeqlens, _check_inputs
+
+
+class LsePair(NamedTuple):
+    """A backend's two halves, on inputs chunk_attention validated (host cu_seqlens lists)."""
+
+    forward: Callable  # (q, k, v, cu_q, cu_kv, scale) -> (out, lse)
+    backward: Callable  # (dout, q, k, v, out, lse, cu_q, cu_kv, scale) -> (dq, dk, dv)
+
+
+def lse_pair(backend: str) -> LsePair | None:
+    """The pair of the (resolved) backend `backend`, None if it has none here."""
+    if backend == "cpu_flash":
+        from megatron_chunkflow.attention import cpu_flash
+
+        return LsePair(cpu_flash.cpu_flash_attention_lse, cpu_flash.cpu_flash_backward)
+    if backend == "torch":
+        from megatron_chunkflow.attention import torch_attention
+
+        return LsePair(torch_attention.torch_forward, torch_attention.torch_backward)
+    if backend == "flash" and backends._installed("flash_attn"):
+        return LsePair(_flash_forward, _flash_backward)
+    if backend == "varlen" and _varlen_has_pair():
+        return LsePair(_varlen_forward, _varlen_backward)
+    return None
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       cu_seqlens_q: CuSeqlens, cu_seqlens_kv: CuSeqlens, *,
+                       softmax_scale: float | None = None,
+                       backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+    """chunk_attention's output (no autograd graph) and the backend's log-sum-exp."""
+    pair, cu_q, cu_kv, scale = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_kv, softmax_scale,
+                                        backend)
+    if q.shape[0] == 0:
+        return torch.empty_like(q), q.new_empty(0)
+    with torch.no_grad():
+        return pair.forward(q, k, v, cu_q, cu_kv, scale)
+
+
+def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: CuSeqlens,
+                       cu_seqlens_kv: CuSeqlens, *, softmax_scale: float | None = None,
+                       backend: str = "torch") -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) of chunk_attention at (q, k, v) for output gradient `dout`, from the `out` and
+    `lse` attention_with_lse returned for them (same backend and arguments); no forward."""
+    pair, cu_q, cu_kv, scale = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_kv, softmax_scale,
+                                        backend)
+    if dout.shape != q.shape or out.shape != q.shape:
+        raise ValueError(f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must have q's "
+                         f"shape {tuple(q.shape)}")
+    if q.shape[0] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    with torch.no_grad():
+        return pair.backward(dout, q, k, v, out, lse, cu_q, cu_kv, scale)
+
+
+def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_kv, softmax_scale, backend):
+    name = backends.resolve_backend(backend, q.device.type, q.dtype)
+    backends.get_backend(name)  # unknown names: the usual error
+    pair = lse_pair(name)
+    if pair is None:
+        raise ValueError(f"backend {name!r} has no forward/backward pair from the log-sum-exp "
+                         "here (attention/lse.py): use chunk_attention and autograd")
+    cu_q, cu_kv = _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_kv)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    return pair, cu_q, cu_kv, scale
+
+
+# ---- flash-attn (UNTESTED until a GPU run) -------------------------------------------------------
+def _flash_forward(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, scale):
+    flash_attn = backends._import_or_explain("flash_attn", "flash", "pip install flash-attn")
+    if backends._major_minor(flash_attn.__version__) < (2, 1):
+        raise ImportError(f"backend 'flash' needs flash-attn >= 2.1 (bottom-right causal mask); "
+                          f"found {flash_attn.__version__}: pip install -U flash-attn")
+    backends._require_cuda_half("flash", q_TNH)
+    cu_q_t, cu_kv_t, max_q, max_kv = backends._cu_on_device(cu_q, cu_kv, q_TNH.device)
+    out, lse, _ = flash_attn.flash_attn_varlen_func(
+        q_TNH, k_TGH, v_TGH, cu_q_t, cu_kv_t, max_q, max_kv, dropout_p=0.0,
+        softmax_scale=scale, causal=True, return_attn_probs=True)
+    return out, lse
+
+
+def _flash_backward(dout_TNH, q_TNH, k_TGH, v_TGH, out_TNH, lse, cu_q, cu_kv, scale):
+    interface = backends._import_or_explain("flash_attn.flash_attn_interface", "flash",
+                                            "pip install flash-attn")
+    bwd = interface._flash_attn_varlen_backward
+    hd = q_TNH.shape[-1]
+    pad = -hd % 8  # flash_attn_varlen_func pads the head dim to a multiple of 8 itself
+
+    def padded(x):
+        return (F.pad(x, (0, pad)) if pad else x).contiguous()
+
+    dout, q, k, v, out = (padded(x) for x in (dout_TNH, q_TNH, k_TGH, v_TGH, out_TNH))
+    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+    params = inspect.signature(bwd).parameters
+    optional = {"window_size": (-1, -1), "window_size_left": -1, "window_size_right": -1,
+                "softcap": 0.0, "alibi_slopes": None, "deterministic": False, "rng_state": None}
+    kwargs = {name: value for name, value in optional.items() if name in params}
+    cu_q_t, cu_kv_t, max_q, max_kv = backends._cu_on_device(cu_q, cu_kv, q.device)
+    bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_q_t, cu_kv_t, max_q, max_kv, 0.0, scale, True,
+        **kwargs)
+    return tuple(x[..., :hd] for x in (dq, dk, dv))
+
+
+# ---- PyTorch's varlen_attn (UNTESTED until a GPU run) --------------------------------------------
+def _varlen_module():
+    try:
+        return importlib.import_module("torch.nn.attention.varlen")
+    except ImportError:
+        return None
+
+
+def _varlen_has_pair() -> bool:
+    """varlen_attn returns its lse (return_aux), takes window_size and enable_gqa, and its backward
+    op is registered; and it would not run through cuDNN here."""
+    varlen = _varlen_module()
+    if varlen is None or not hasattr(varlen, "AuxRequest"):
+        return False
+    params = inspect.signature(varlen.varlen_attn).parameters
+    if not {"return_aux", "window_size", "enable_gqa"} <= set(params):
+        return False
+    return (hasattr(torch.ops.torch_attn, "_varlen_attn_backward")
+            and not backends._varlen_uses_cudnn(varlen))
+
+
+def _varlen_forward(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, scale):
+    varlen = _varlen_module()
+    backends._require_cuda_half("varlen", q_TNH)
+    cu_q_t, cu_kv_t, max_q, max_kv = backends._cu_on_device(cu_q, cu_kv, q_TNH.device)
+    return varlen.varlen_attn(q_TNH, k_TGH, v_TGH, cu_q_t, cu_kv_t, max_q, max_kv,
+                              return_aux=varlen.AuxRequest(lse=True), scale=scale,
+                              window_size=(-1, 0), enable_gqa=q_TNH.shape[1] != k_TGH.shape[1])
+
+
+def _varlen_backward(dout_TNH, q_TNH, k_TGH, v_TGH, out_TNH, lse, cu_q, cu_kv, scale):
+    cu_q_t, cu_kv_t, max_q, max_kv = backends._cu_on_device(cu_q, cu_kv, q_TNH.device)
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q_TNH.device)  # no dropout
+    return torch.ops.torch_attn._varlen_attn_backward(
+        dout_TNH.contiguous(), q_TNH, k_TGH, v_TGH, out_TNH, lse, cu_q_t, cu_kv_t, max_q, max_kv,
+        True, rng_state, scale, [-1, 0])
