@@ -235,9 +235,9 @@ class _Planner:
 
     def _pick(self, r: int) -> tuple[Op, int] | None:
         """Rank r's next op and its virtual stage, or None. Without virtual stages: a backward,
-        else a re-forward, else a forward (1F1B). With them: the ready op that comes first in
-        Megatron's interleaved order for this rank (_position), so equal standalone chunks run
-        in the step time Megatron takes for its micro-batches."""
+        else a re-forward, else a forward (1F1B). With them: a re-forward, else the ready op that
+        comes first in Megatron's interleaved order for this rank (_position), so equal
+        standalone chunks run in the step time Megatron takes for its micro-batches."""
         candidates = []  # (priority, kind, virtual stage, chunk)
         for k in range(r + (self.v - 1) * self.p, r - 1, -self.p):  # deepest first
             if self.ready_b[k]:
@@ -274,7 +274,10 @@ class _Planner:
         if self.v == 1:
             return (rank,)
         q = self.num_fwd if i is None else self.fwd_rank[i]
-        return (self._position(kind, q, k), rank, -k)
+        # a ready R first: it became ready when its sibling's B freed the slot it takes, and a
+        # forward taking that slot instead could leave the sequence's backward chain, and every
+        # chunk whose B is ordered behind it, waiting for a slot forever
+        return (kind != "R", self._position(kind, q, k), rank, -k)
 
     def _position(self, kind: str, q: int, k: int) -> float:
         """Where Megatron's interleaved schedule puts this op in rank k % p's sequence, for the

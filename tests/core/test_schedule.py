@@ -62,7 +62,7 @@ def test_plan_properties(lengths, chunk_size, k, p):
 @given(
     lengths=st.lists(st.one_of(st.integers(1, 40), st.integers(1, 40), st.integers(41, 400)),
                      min_size=1, max_size=30),
-    chunk_size=st.integers(8, 64), k=st.integers(1, 4), p=st.integers(2, 4), v=st.integers(2, 3),
+    chunk_size=st.integers(8, 64), k=st.integers(1, 4), p=st.integers(2, 8), v=st.integers(2, 3),
     noise=st.one_of(st.none(), st.integers(0, 2**16)),
 )
 def test_interleaved_plan_properties(lengths, chunk_size, k, p, v, noise):
@@ -94,6 +94,31 @@ def test_standalone_only_interleaved_matches_megatron(p, v, m):
     assert ours.step_time == pytest.approx(megatron.step_time)
     assert max(ours.peak_held) <= max(megatron.peak_held) + 1
     assert megatron.bubble_ratio < flat.bubble_ratio
+
+
+def test_interleaved_reforward_takes_the_slot_its_sibling_frees():
+    """PP 8 x V 2, K 1: a sequence of 4 chunks (3 re-forwarded) and 9 standalone chunks, costs as
+    the simulator gave qwen2.5-32b at 256K (attention growing along the sequence, a tiny last
+    chunk). Model chunk 1 of rank 0 holds 8 chunks at most; when the sequence's kept chunk frees
+    its slot there, R of its predecessor must take it before the next standalone forward, or the
+    standalone chunks held behind the sequence's backward wait forever (the planner stalled)."""
+    chunks = build_chunks([112] + [32] * 8 + [2], 32, 1, 1, TINY).chunks
+    assert [c.is_dependent for c in chunks] == [True] * 4 + [False] * 9
+    fwd = {0: 0.040, 1: 0.059, 2: 0.078, 3: 0.048, 12: 0.002}
+    bwd = {0: 0.084, 1: 0.147, 2: 0.210, 3: 0.136, 12: 0.005}
+
+    def costs(kind, chunk, stage):
+        return (bwd.get(chunk, 0.057) if kind == "B" else fwd.get(chunk, 0.031))
+
+    costs.comm = 0.0
+    plan = state_aware_plan(chunks, 8, 1, costs, 2)
+    check_plan(plan, 1)
+    sim = simulate(plan, costs)
+    for r, ops in enumerate(plan.stages):  # R(2) right after B(3) on every model chunk
+        for v in (0, 1):
+            mine = [op for op in ops if op.model_chunk == v]
+            assert mine[mine.index(Op("B", 3, v)) + 1] == Op("R", 2, v), (r, v)
+    assert sim.step_time > 0
 
 
 def test_megatron_interleaved_order():
