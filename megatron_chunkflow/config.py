@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 AttentionBackend = Literal["auto", "torch", "cpu_flash", "sdpa", "flex", "varlen", "flash", "te"]
+CpKvState = Literal["sharded", "replicated"]
 RecomputeModule = Literal["core_attn", "mlp", "layernorm"]
 RECOMPUTE_MODULES: tuple[str, ...] = typing.get_args(RecomputeModule)
 
@@ -42,9 +43,19 @@ class ChunkFlowConfig:
     F.scaled_dot_product_attention, materialises the scores); flex torch's flex_attention; varlen
     torch's own varlen flash kernel (CUDA)."""
 
+    cp_kv: CpKvState = field(default="sharded", metadata={"flag": "--chunkflow-cp-kv"})
+    """Under context parallelism, where a long sequence's K/V state lives: sharded = each CP rank
+    keeps its shard of every earlier chunk, and every layer of every chunk all-gathers [prefix ++
+    chunk] K/V (again in the backward); replicated = each CP rank keeps the whole prefix (CP times
+    the state memory), and a chunk all-gathers only its own K/V once and reduce-scatters only its
+    gradient (runtime/cp.py). Standalone chunks run alike in both. Nothing changes without CP."""
+
     def __post_init__(self):
         if self.chunk_size < 1:
             raise ValueError(f"--chunk-size must be >= 1, got {self.chunk_size}")
+        if self.cp_kv not in typing.get_args(CpKvState):
+            raise ValueError(f"--chunkflow-cp-kv {self.cp_kv!r}: choose from "
+                             f"{', '.join(typing.get_args(CpKvState))}")
         if self.num_kept < 1:
             raise ValueError(f"--chunkflow-k must be >= 1, got {self.num_kept}")
         choices = typing.get_args(AttentionBackend)

@@ -31,6 +31,19 @@ transiently the gathered K/V and the selection (about 2 x prefix + 1.25 x chunk 
 at CP = 2). Activations and state per rank are ~1/CP of CP = 1's; the price is the second gather
 (and, without the pair, one more attention forward per layer).
 
+Replicated state (`--chunkflow-cp-kv replicated`, ChunkMeta.cp_kv). A dependent chunk's own K/V
+shards are all-gathered first (`gather_chunk_kv`, in every layer), and the relay then works on
+whole chunks: every CP rank stores every earlier chunk's whole K/V, CP times the sharded state, and
+concatenates [prefix ++ chunk] locally; the attention selects from it without a collective
+(key_selection(..., replicated=True): rows chunk after chunk, each rank after rank). In the
+backward the attention runs on the saved [prefix ++ chunk] (no gather), the relay accumulates each
+earlier chunk's gradient from this rank's queries in a whole-chunk accumulator, and the gather's
+backward reduce-scatters the chunk's own K/V gradient (this rank's queries' share plus what its
+accumulator relayed), so the sum over ranks arrives on the rank holding each shard. Per rank,
+layer and chunk it receives (CP - 1)/CP x chunk tokens of K and V per forward and the same of
+dK/dV: the prefix is never sent again. What is saved for the backward is the [prefix ++ chunk]
+K/V, as without CP (the sharded path saves 1/CP of it). Standalone chunks run as above in both.
+
 Shapes: THD per TP rank, q [t, np, hn], k/v [t, ng, hn], t = this CP rank's tokens.
 """
 
@@ -80,21 +93,24 @@ class KeySelection(NamedTuple):
 
 @lru_cache(maxsize=8)  # host memory: a late chunk's index lists its whole prefix twice
 def key_selection(cu_seqlens: tuple[int, ...], prefix_chunks: int, chunk_size: int, cp: int,
-                  rank: int) -> KeySelection:
+                  rank: int, replicated: bool = False) -> KeySelection:
     """The key selection for a chunk with segment boundaries `cu_seqlens` after `prefix_chunks`
     earlier chunks of `chunk_size` tokens (a dependent chunk: one segment), on CP rank `rank`, on
     the host (runtime/model.py keeps the device copy for one forward).
 
-    Gathered rows: rank after rank, each rank's shards of the prefix chunks and then of this chunk
-    (what runtime/state.py's relay concatenates)."""
+    Rows of the K/V it indexes: sharded state (the default), rank after rank, each rank's shards of
+    the prefix chunks and then of this chunk (what runtime/state.py's relay concatenates, then
+    gathered); `replicated` state, chunk after chunk, each chunk's shards rank after rank (each
+    chunk's K/V gathered once, then concatenated by the relay)."""
     prefix = prefix_chunks * chunk_size
     if prefix and len(cu_seqlens) != 2:
         raise ValueError("a dependent chunk has one segment")
     blocks = [((0, chunk_size), i * chunk_size) for i in range(prefix_chunks)]
     blocks.append((cu_seqlens, prefix))
-    natural = torch.cat([torch.arange(offset + lo, offset + hi)  # each gathered row's position
-                         for r in range(cp) for cu, offset in blocks
-                         for lo, hi in shard_ranges(cu, cp, r)])
+    order = ([(r, b) for b in blocks for r in range(cp)] if replicated
+             else [(r, b) for r in range(cp) for b in blocks])
+    natural = torch.cat([torch.arange(offset + lo, offset + hi)  # each row's position
+                         for r, (cu, offset) in order for lo, hi in shard_ranges(cu, cp, r)])
     row = torch.empty_like(natural)
     row[natural] = torch.arange(natural.numel())
     rows, cu_q, cu_kv = [], [0], [0]
@@ -123,9 +139,10 @@ class Traffic:
 def cp_attention(q, k, v, selection: KeySelection, group, softmax_scale: float, backend: str,
                  traffic: Traffic | None = None) -> torch.Tensor:
     """This rank's attention output [t, np, hn] for its queries q [t, np, hn], given its shards k,
-    v [s, ng, hn] of [prefix ++ chunk] K/V (module docstring); `traffic` counts the bytes. The
-    backward runs from the saved log-sum-exp where the backend has the pair (attention/lse.py),
-    else recomputes the forward."""
+    v [s, ng, hn] of [prefix ++ chunk] K/V (module docstring), or with `group` None the whole
+    [prefix ++ chunk] K/V of replicated state (nothing gathered here); `traffic` counts the
+    bytes. The backward runs from the saved log-sum-exp where the backend has the pair
+    (attention/lse.py), else recomputes the forward."""
     if lse_pair(resolve_backend(backend, q.device.type, q.dtype)) is not None:
         return _LseAttention.apply(q, k, v, selection, group, softmax_scale, backend, traffic)
     return _RecomputedAttention.apply(q, k, v, selection, group, softmax_scale, backend, traffic)
@@ -182,10 +199,20 @@ class _RecomputedAttention(torch.autograd.Function):
 
 
 def _select(k, v, selection, group, traffic=None):
-    """The keys and values this rank's query pieces read, from the gathered K/V."""
+    """The keys and values this rank's query pieces read, from the gathered K/V (`group` None:
+    from k and v as they are, already whole: replicated state)."""
+    if group is None:
+        return k.index_select(0, selection.index), v.index_select(0, selection.index)
     kv = _GatherKV.apply(torch.stack([k, v], dim=1), group, traffic)  # [cp * s, 2, ng, hn]
     # index_select copies: the kernels take contiguous K and V
     return tuple(kv[:, i].index_select(0, selection.index) for i in (0, 1))
+
+
+def gather_chunk_kv(k, v, group, traffic: Traffic | None = None):
+    """The whole chunk's K and V [cp * s, ng, hn] from every rank's shard (rank after rank), for
+    replicated state; the backward reduce-scatters their gradient (fp32 under half precision)."""
+    kv = _GatherKV.apply(torch.stack([k, v], dim=1), group, traffic)
+    return kv[:, 0], kv[:, 1]
 
 
 def _attend(q, k, v, selection, group, softmax_scale, backend, traffic=None):

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 import torch
 
 from megatron_chunkflow.attention import chunk_attention
-from megatron_chunkflow.runtime.cp import cp_attention, key_selection
+from megatron_chunkflow.runtime.cp import cp_attention, gather_chunk_kv, key_selection
 from megatron_chunkflow.runtime.state import ChunkMeta, KVStateStore
 
 
@@ -72,8 +72,12 @@ class ChunkCoreAttention(torch.nn.Module):
         return out.reshape(t, -1)  # [t, np * hn]
 
     def _forward_cp(self, query, key, value, meta: ChunkMeta):
-        """This CP rank's shard of the chunk (runtime/cp.py)."""
+        """This CP rank's shard of the chunk (runtime/cp.py); with replicated state a dependent
+        chunk's K/V are gathered whole before the relay, and attention gathers nothing more."""
         t = query.size(0)
+        replicated = meta.dependent and meta.cp_kv == "replicated"
+        if replicated:
+            key, value = gather_chunk_kv(key, value, self.cp_group, self.store.cp_traffic)
         if meta.dependent:
             key, value = self.store.kv_with_state(self.layer_number, key, value)
         keys = self.store.cp_keys
@@ -86,11 +90,11 @@ class ChunkCoreAttention(torch.nn.Module):
                                    f"{meta.cp_size}, but this is rank {rank} of the model's "
                                    f"{size}-rank context-parallel group (plan_step's cp_rank)")
             keys = key_selection(meta.cu_seqlens, meta.index if meta.dependent else 0,
-                                 meta.chunk_size, meta.cp_size, meta.cp_rank)
+                                 meta.chunk_size, meta.cp_size, meta.cp_rank, replicated)
             keys = keys._replace(index=keys.index.to(query.device))
             self.store.cp_keys = keys
-        out = cp_attention(query, key, value, keys, self.cp_group, self.softmax_scale,
-                           self.backend, self.store.cp_traffic)
+        out = cp_attention(query, key, value, keys, None if replicated else self.cp_group,
+                           self.softmax_scale, self.backend, self.store.cp_traffic)
         return out.reshape(t, -1)
 
 

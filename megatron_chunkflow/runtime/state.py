@@ -19,7 +19,10 @@ sequence remains.
 
 Under context parallelism (runtime/cp.py) k, v and everything stored or accumulated here are this
 CP rank's shard of each chunk; cat(K_0, ..., K_j) is then this rank's shards, which the attention
-all-gathers, and the gradient it returns is this rank's shard of dK/dV (reduce-scattered).
+all-gathers, and the gradient it returns is this rank's shard of dK/dV (reduce-scattered). With
+replicated state (ChunkMeta.cp_kv) the chunk's K/V are gathered first, so k, v, the stored K/V and
+the accumulators are whole chunks on every CP rank; an accumulator then holds this rank's queries'
+share of the gradient, and the reduce-scatter after the relay sums the shares.
 
 SpaCO (runtime/sparse.py, docs/sparse.md): a chunk in `meta.dropped` runs forward only.
 Nothing accumulates for it (the gradient that would reach its K/V is cut); the backward of chunk j
@@ -54,6 +57,7 @@ class ChunkMeta:
     dropped: frozenset[int] = frozenset()  # SpaCO: indices of this sequence's forward-only chunks
     cp_size: int = 1  # context parallelism: this rank holds 1/cp_size of the chunk (runtime/cp.py)
     cp_rank: int = 0
+    cp_kv: str = "sharded"  # dependent chunks under CP: "replicated" keeps the whole prefix here
 
     @property
     def dependent(self) -> bool:

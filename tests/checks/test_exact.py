@@ -62,6 +62,13 @@ LAYOUTS = {
     "pp2_vpp2_full_recompute": (2, 1, 2, False, (2,), [MIXED], 1, "full"),
     "tp2_pp2_vpp2_sequence_parallel": (4, 2, 2, True, (1, 2), [MIXED, DEPENDENT]),
     "cp2_pp2_vpp2": (4, 1, 2, False, (1, 2), [MIXED, DEPENDENT], 2),
+    # replicated K/V state under CP (--chunkflow-cp-kv replicated): a chunk gathers only its own
+    # K/V, the relay runs on whole chunks; the backward from the log-sum-exp and (sdpa) recomputed
+    "cp2_replicated": (2, 1, 1, False, (1, 2), STEPS, 2),
+    "cp2_replicated_sdpa": (2, 1, 1, False, (2,), [MIXED, DEPENDENT], 2, "none", "sdpa"),
+    "cp4_replicated": (4, 1, 1, False, (1, 2), [MIXED, DEPENDENT], 4),
+    "tp2_cp2_sequence_parallel_replicated": (4, 2, 1, True, (1, 2), [MIXED, DEPENDENT], 2),
+    "cp2_pp2_replicated": (4, 1, 2, False, (1,), [MIXED, DEPENDENT], 2),
 }
 MODELS = {"qwen3_tp2_cp2_sequence_parallel": "tiny-qwen3", "llama3_cp2_pp2": "tiny-llama3"}
 VIRTUAL = {"pp2_vpp2": 2, "pp2_vpp2_full_recompute": 2, "tp2_pp2_vpp2_sequence_parallel": 2,
@@ -102,7 +109,9 @@ def _run_layout(name):
     parallel = ParallelConfig(tp=tp, pp=pp, cp=cp, sequence_parallel=sp, recompute=recompute,
                               vpp=VIRTUAL.get(name, 1))
     shape = get_model_shape(MODELS.get(name, "tiny"))
-    out = {k: _summary(run_verify(shape, steps, ChunkFlowConfig(C, k, backend), parallel, seed=2))
+    cp_kv = "replicated" if name.endswith(("_replicated", "_replicated_sdpa")) else "sharded"
+    out = {k: _summary(run_verify(shape, steps, ChunkFlowConfig(C, k, backend, cp_kv=cp_kv),
+                                  parallel, seed=2))
            for k in ks}
     from megatron.core import parallel_state
 

@@ -55,6 +55,26 @@ def test_memory_cp2_halves_bytes_per_rank(gloo):
     assert row["cp_gathered_bytes"] == sum(3 * r for r in received[:-1]) + 2 * received[-1]
 
 
+def test_memory_cp2_replicated_state(gloo):
+    """`--chunkflow-cp-kv replicated` at CP 2: every rank keeps the whole sequence's K/V state
+    (exactly CP 1's bytes), and a chunk's collectives move its own K/V only: per layer and chunk
+    (CP - 1)/CP of the chunk's K/V gathered once per forward (K = 1: twice for every chunk but the
+    last), never again in the backward, and its gradient reduce-scattered once."""
+    c, length = 256, 2000
+    code, out, err = gloo.cli(2, "verify", "--cp", 2, "--json", "--memory", "--chunk-size", c,
+                              "--lengths", length, "--chunkflow-cp-kv", "replicated")
+    assert code == 0, err[-3000:]
+    (row,) = json.loads(out)["rows"]
+    assert row["cp2_state_bytes"] == row["cp1_state_bytes"]
+    shape = get_model_shape("tiny")
+    kv_bytes = 2 * shape.num_query_groups * shape.head_dim * 8 * shape.num_layers  # K, V, fp64
+    n = -(-length // c)
+    own = [min(c, length - j * c) for j in range(n)]
+    received = [t * kv_bytes // 2 for t in own]  # (CP - 1) / CP at CP 2
+    assert row["cp_reduce_scattered_bytes"] == sum(received)
+    assert row["cp_gathered_bytes"] == sum(2 * r for r in received[:-1]) + received[-1]
+
+
 def test_memory_follows_the_recompute_option(gloo):
     """`verify --memory --recompute full`: each chunk keeps only its layers' inputs (no prefix
     copies either), so fewer bytes are held than without recompute; the JSON names the option."""

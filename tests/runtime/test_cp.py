@@ -35,26 +35,32 @@ def test_a_segment_the_split_cannot_cut_is_refused():
         shard_ranges((0, 6), 2, 0)
 
 
-def _attention_by_rank(q, k, v, cu, prefix_chunks, chunk_size, cp):
+def _attention_by_rank(q, k, v, cu, prefix_chunks, chunk_size, cp, replicated=False):
     """Each rank's output through the layout, the gathered K/V built by hand as all_gather
-    would (rank after rank: its shards of the prefix chunks, then of the chunk)."""
+    would (rank after rank: its shards of the prefix chunks, then of the chunk), or with
+    `replicated` state as the relay concatenates whole chunks (chunk after chunk, each gathered:
+    rank after rank)."""
     blocks = [((0, chunk_size), i * chunk_size) for i in range(prefix_chunks)]
     blocks.append((cu, prefix_chunks * chunk_size))
-    mine = [torch.cat([local_index(c, cp, r) + off for c, off in blocks]) for r in range(cp)]
-    k_gathered, v_gathered = k[torch.cat(mine)], v[torch.cat(mine)]
+    if replicated:
+        rows = torch.cat([local_index(c, cp, r) + off for c, off in blocks for r in range(cp)])
+    else:
+        rows = torch.cat([local_index(c, cp, r) + off for r in range(cp) for c, off in blocks])
+    k_gathered, v_gathered = k[rows], v[rows]
     prefix = prefix_chunks * chunk_size
     outs = []
     for r in range(cp):
-        layout = key_selection(cu, prefix_chunks, chunk_size, cp, r)
+        layout = key_selection(cu, prefix_chunks, chunk_size, cp, r, replicated)
         q_local = q[prefix + local_index(cu, cp, r)]
         outs.append(chunk_attention(q_local, k_gathered[layout.index], v_gathered[layout.index],
                                     layout.cu_q, layout.cu_kv, backend="sdpa"))
     return outs
 
 
+@pytest.mark.parametrize("replicated", [False, True], ids=["sharded", "replicated"])
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("case", ["standalone", "dependent"])
-def test_every_query_sees_its_unsplit_keys(cp, case):
+def test_every_query_sees_its_unsplit_keys(cp, case, replicated):
     torch.manual_seed(0)
     c = 8 * cp
     if case == "standalone":  # three packed sequences, no prefix
@@ -68,7 +74,7 @@ def test_every_query_sees_its_unsplit_keys(cp, case):
         whole = chunk_attention(q[prefix:], k, v, [0, cu[-1]], [0, n], backend="sdpa")
     else:
         whole = chunk_attention(q, k, v, list(cu), list(cu), backend="sdpa")
-    for r, out in enumerate(_attention_by_rank(q, k, v, cu, prefix_chunks, c, cp)):
+    for r, out in enumerate(_attention_by_rank(q, k, v, cu, prefix_chunks, c, cp, replicated)):
         torch.testing.assert_close(out, whole[local_index(cu, cp, r)], rtol=1e-12, atol=1e-12)
 
 
