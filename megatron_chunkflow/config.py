@@ -44,11 +44,9 @@ class ChunkFlowConfig:
     torch's own varlen flash kernel (CUDA)."""
 
     cp_kv: CpKvState = field(default="sharded", metadata={"flag": "--chunkflow-cp-kv"})
-    """Under context parallelism, where a long sequence's K/V state lives: sharded = each CP rank
-    keeps its shard of every earlier chunk, and every layer of every chunk all-gathers [prefix ++
-    chunk] K/V (again in the backward); replicated = each CP rank keeps the whole prefix (CP times
-    the state memory), and a chunk all-gathers only its own K/V once and reduce-scatters only its
-    gradient (runtime/cp.py). Standalone chunks run alike in both. Nothing changes without CP."""
+    """Under CP, a long sequence's K/V state: sharded (each rank its shard; a chunk gathers its
+    [prefix ++ own] K/V per layer, twice) or replicated (each rank the whole prefix, CP x the
+    memory; a chunk gathers only its own K/V, once: runtime/cp.py)."""
 
     def __post_init__(self):
         if self.chunk_size < 1:
