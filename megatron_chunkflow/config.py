@@ -44,16 +44,14 @@ class ChunkFlowConfig:
     torch's own varlen flash kernel (CUDA)."""
 
     cp_kv: CpKvState = field(default="sharded", metadata={"flag": "--chunkflow-cp-kv"})
-    """Under CP, a long sequence's K/V state: sharded (each rank its shard; a chunk gathers its
-    [prefix ++ own] K/V per layer, twice) or replicated (each rank the whole prefix, CP x the
-    memory; a chunk gathers only its own K/V, once: runtime/cp.py)."""
+    """Under CP, a long sequence's K/V state: sharded (a chunk gathers [prefix ++ own] K/V, twice)
+    or replicated (CP x the memory, whole on every rank; a chunk gathers its own, once)."""
 
     def __post_init__(self):
         if self.chunk_size < 1:
             raise ValueError(f"--chunk-size must be >= 1, got {self.chunk_size}")
         if self.cp_kv not in typing.get_args(CpKvState):
-            raise ValueError(f"--chunkflow-cp-kv {self.cp_kv!r}: choose from "
-                             f"{', '.join(typing.get_args(CpKvState))}")
+            raise ValueError(f"--chunkflow-cp-kv {self.cp_kv!r}: choose sharded or replicated")
         if self.num_kept < 1:
             raise ValueError(f"--chunkflow-k must be >= 1, got {self.num_kept}")
         choices = typing.get_args(AttentionBackend)
