@@ -22,8 +22,9 @@ interleaved plan; "4,1,4x2,full"); DP is what --gpus leaves; "auto" (the default
 layout (V included, for both systems) and recompute option for the fastest that fits.
 ChunkFlow's CP (runtime/cp.py) pads every segment of a chunk to 2 x CP (x TP under sequence
 parallelism), all-gathers K/V in every layer, forward and again backward, where the kernel's
-backward runs from the saved log-sum-exp (perfmodel/layer.py); its --chunk-size must be a
-multiple of that. Every stock prediction is repeated with CP overlap 0 and 1
+backward runs from the saved log-sum-exp (perfmodel/layer.py); a long sequence's K/V state is
+sharded over the CP ranks, or replicated on each so that a chunk gathers only its own K/V, once
+(--chunkflow-cp-kv; auto tries both); its --chunk-size must be a multiple of 2 x CP (x TP). Every stock prediction is repeated with CP overlap 0 and 1
 (Hardware.cp_overlap's range, searched again when the layout was); ChunkFlow's CP gathers are
 not overlapped, so it does not change ChunkFlow's. Sequences
 longer than --seq-length are truncated to it for every system (the context limit of the run).
@@ -51,7 +52,7 @@ from megatron_chunkflow.perfmodel.hardware import (
 )
 from megatron_chunkflow.perfmodel.hybrid_cp import best_hybrid_cp
 from megatron_chunkflow.perfmodel.predict import GIB, Prediction
-from megatron_chunkflow.perfmodel.search import best_chunkflow, best_megatron
+from megatron_chunkflow.perfmodel.search import CP_KV, best_chunkflow, best_megatron
 
 SCENARIO = dict(model="qwen2.5-7b", global_batch_size=2048)  # README, "Defaults"
 STRONGEST = "megatron-packed"  # what the JSON's "megatron" and "speedup" keep reporting
@@ -93,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(g, ChunkFlowConfig, fields=("chunk_size", "num_kept"))
     g.add_argument("--auto", action="store_true",
                    help="choose (chunk size, K) instead: the fastest that fits in memory")
+    g.add_argument("--chunkflow-cp-kv", choices=["auto", *CP_KV], default="auto",
+                   help="under CP, a long sequence's K/V state: sharded over the CP ranks or "
+                        "replicated on each (runtime/cp.py); auto tries both (default: auto)")
     g = parser.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
@@ -104,6 +108,8 @@ def _row(name: str, p: Prediction, usable: float) -> str:
     layout = f"{lay.tp} {cp} {pp} {lay.dp} {lay.recompute}"
     if p.system == "chunkflow":
         layout += f"  C={p.chunk_size} K={p.num_kept}"
+        if lay.cp > 1:
+            layout += f" kv={p.cp_kv}"
     if p.max_seqlen_per_rank:
         layout += f"  M={p.max_seqlen_per_rank}"
     return (f"{name:<17} {layout:<44} {p.step_s:>9.3f} {p.tokens_per_s:>11,.0f} "
@@ -163,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
 
     preds = {name: stock(name, hw) for name in names}
     cf = best_chunkflow(lengths, shape, hw, args.gpus, args.seq_length, cf_layout,
-                        cfg.chunk_size, cfg.num_kept, auto_chunking=args.auto)
+                        cfg.chunk_size, cfg.num_kept, auto_chunking=args.auto,
+                        cp_kv=None if args.chunkflow_cp_kv == "auto" else args.chunkflow_cp_kv)
     speedups = {name: speedup_of(p, cf) for name, p in preds.items()}
     ratios = {name: p.step_s / cf.step_s for name, p in preds.items()}
     ends = {}  # CP overlap 0 and 1: the stock systems again (ChunkFlow's CP does not overlap)
@@ -209,6 +216,8 @@ def run(args: argparse.Namespace) -> int:
         chosen.append(f"--chunkflow-parallel {cf.layout.to_flag()}")
     if args.auto:
         chosen.append(f"--chunk-size {cf.chunk_size} --chunkflow-k {cf.num_kept}")
+    if cf.layout.cp > 1 and args.chunkflow_cp_kv == "auto":
+        chosen.append(f"--chunkflow-cp-kv {cf.cp_kv}")
     if chosen:
         out.say("chosen by search (fastest that fits): " + "; ".join(chosen))
 

@@ -56,7 +56,7 @@ MODULES = ("core_attn", "mlp", "layernorm")
 
 
 def chunk_work_items(chunks: Sequence[DataChunk], block: int, cp: int = 1, num_kept: int = 1,
-                     gather: bool = False) -> list[tuple[int, bool, Work, int | None]]:
+                     gather: bool | str = False) -> list[tuple[int, bool, Work, int | None]]:
     """(DP rank, re-forwarded, Work, long sequence or None) per chunk: what time_floor needs,
     independent of TP, PP and recompute, so a search computes it once per chunking (and CP);
     `gather`: ChunkFlow's CP."""

@@ -278,18 +278,21 @@ def long_sequence_state_bytes(longest: int, chunk_size: int, num_kept: int, kv: 
 
 
 def sequence_state_bytes(longest: int, chunk_size: int, num_kept: int, shape: ModelShape,
-                         layout: ParallelConfig, dtype_bytes: int, num_stages: int) -> list[float]:
+                         layout: ParallelConfig, dtype_bytes: int, num_stages: int,
+                         cp_kv: str = "sharded") -> list[float]:
     """long_sequence_state_bytes per stage (pipeline rank), on per-token bytes modelled from the
     shape: K/V in `dtype_bytes`, fp32 accumulators, stage inputs of hidden_size / TP elements,
-    each 1/CP on a rank under CP. Layers whose core attention is recomputed hold no prefix copy;
+    each 1/CP on a rank under CP (but K/V, accumulators and prefix copies whole on every rank
+    with `cp_kv` "replicated"). Layers whose core attention is recomputed hold no prefix copy;
     the one they re-create in the backward (at most the whole sequence's, one layer at a time)
     is added. With V virtual stages per rank (layout.vpp) a rank keeps the K/V of all its layers
     and a stage input per model chunk (but virtual stage 0's), recompute applying per chunk."""
     out = []
     rc, tp, cp, v = layout.recompute, layout.tp, layout.cp, layout.vpp
     for s, layers in enumerate(layers_per_stage(shape.num_layers, num_stages)):
-        u = kv_state_bytes_per_token(shape, layers, dtype_bytes, tp, with_grad=False) / cp
-        a = kv_state_bytes_per_token(shape, layers, dtype_bytes, tp) / cp - u
+        whole = 1 if cp_kv == "replicated" else cp
+        u = kv_state_bytes_per_token(shape, layers, dtype_bytes, tp, with_grad=False) / whole
+        a = kv_state_bytes_per_token(shape, layers, dtype_bytes, tp) / whole - u
         h = dtype_bytes * shape.hidden_size / tp / cp * (v if s > 0 else v - 1)
         recomputed = v * rc.layers_recomputed(layers // v)
         saving = 0 if "core_attn" in rc.modules else layers - recomputed
@@ -321,17 +324,17 @@ def longest_cut_sequence(chunks: Sequence[DataChunk]) -> int:
 
 def chunkflow_state_bytes(chunks: Sequence[DataChunk], shape: ModelShape, layout: ParallelConfig,
                           dtype_bytes: int, num_stages: int, chunk_size: int,
-                          num_kept: int) -> list[float]:
+                          num_kept: int, cp_kv: str = "sharded") -> list[float]:
     """sequence_state_bytes of the longest long sequence on this DP rank (one sequence's state
     lives at a time)."""
     return sequence_state_bytes(longest_cut_sequence(chunks), chunk_size, num_kept, shape, layout,
-                                dtype_bytes, num_stages)
+                                dtype_bytes, num_stages, cp_kv)
 
 
 def memory_hooks(shape: ModelShape, layout: ParallelConfig, dtype_bytes: int, chunk_size: int = 0,
-                 num_kept: int = 1) -> tuple[Callable, Callable]:
+                 num_kept: int = 1, cp_kv: str = "sharded") -> tuple[Callable, Callable]:
     """(held_bytes_for, state_bytes_for): this memory model as core/step.py's hooks, for a plan
     of `chunk_size`-token chunks with K = `num_kept` (the state hook is for plan_chunkflow only)."""
     return (lambda chunks, p: held_bytes_fn(chunks, shape, layout, dtype_bytes, p),
             lambda chunks, p: chunkflow_state_bytes(chunks, shape, layout, dtype_bytes, p,
-                                                    chunk_size, num_kept))
+                                                    chunk_size, num_kept, cp_kv))

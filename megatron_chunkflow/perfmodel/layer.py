@@ -38,6 +38,9 @@ composes into per-op costs (recompute, launch floor), for a micro-batch of T tok
   (flash, varlen: attention/lse.py); a backend without that pair (te) would recompute the kernel
   forward in the backward, which this model does not charge.
   Collectives are rings on hw.link(layout.span("cp")), as the TP ones; cp_overlap does not apply.
+  With replicated state (--chunkflow-cp-kv replicated) a dependent chunk gathers only its own K/V
+  (G = T tokens) forward, keeps [prefix ++ chunk] whole (the cat, the selection and the relay on
+  whole chunks) and in the backward gathers nothing: bwd + reduce-scatter of its own dK/dV.
 - ChunkFlow's own traffic (runtime/state.py, every layer): a dependent chunk's forward and
   re-forward concatenate its sequence's stored prefix K/V with its own (torch.cat reads both and
   writes the copy, K and V); its backward adds the prefix part of the K/V gradient into each
@@ -74,7 +77,8 @@ attention.py, mlp.py; TE's LayerNormLinear fuses the norm with the linear):
   earlier chunk (accumulators) and 4 (own accumulator, cast and add, K and V).
   ChunkFlow under CP has no ring steps: forward +4 (stack, all-gather, the K and V selections),
   backward +13 (those 4; for K and for V the selection's gradient zero-filled, index-added and
-  copied into the gathered shape; cast to fp32, reduce-scatter, cast back).
+  copied into the gathered shape; cast to fp32, reduce-scatter, cast back), +11 with replicated
+  state (no stack and gather again).
   Recompute re-launches what it re-runs: core_attn 1 (+3 per CP step; +4 for ChunkFlow's CP),
   mlp 3 (+2 collectives), layernorm 4 (two norms, two copies), full the forward's.
   A cross-check: the unfused local spec on CPU dispatches 55 ATen ops forward and 72 backward
@@ -93,11 +97,17 @@ from typing import NamedTuple
 from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.core.costs import (
     attention_flops_per_pair_per_layer,
-    attention_pairs,
 )
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.types import DataChunk
 from megatron_chunkflow.perfmodel.hardware import Hardware
+from megatron_chunkflow.perfmodel.pairs import (  # noqa: F401  (re-exported)
+    attention_tiles,
+    computed_pairs,
+    gather_extent,
+    piece_pairs,
+    zigzag_pairs,
+)
 
 GEMM_TILES = ((128, 256), (256, 128), (128, 128), (64, 128), (128, 64))
 SPLIT_K = (1, 2, 4, 8, 16)
@@ -145,46 +155,6 @@ def gemm_time(m: int, n: int, k: int, hw: Hardware) -> float:
                nbytes / (hw.hbm_gb_s * 1e9 * hw.mem_eff))
 
 
-def attention_tiles(prefix: int, num_q: int, block: int) -> int:
-    """block x block tiles a causal, bottom-right-aligned kernel computes for `num_q` queries
-    after `prefix` keys: query block i sees ceil((prefix + min((i+1) block, q)) / block)."""
-    nq = math.ceil(num_q / block)
-    return ((nq - 1) * math.ceil(prefix / block) + (nq - 1) * nq // 2
-            + math.ceil((prefix + num_q) / block))
-
-
-def piece_pairs(prefix: int, num_q: int, block: int) -> float:
-    """(query, key) pairs a causal, bottom-right-aligned kernel computes for `num_q` queries
-    after `prefix` keys, whole block x block tiles (exact pairs when block is 0)."""
-    if block == 0:
-        return float(attention_pairs(prefix, num_q))
-    return float(attention_tiles(prefix, num_q, block) * block * block)
-
-
-@lru_cache(maxsize=65536)
-def zigzag_pairs(prefix: int, num_q: int, block: int, cp: int) -> tuple[float, ...]:
-    """Per CP rank, the pairs ChunkFlow's CP attention computes for one segment of `num_q`
-    tokens (a multiple of 2*CP) after `prefix` keys of its sequence: rank r's pieces r and
-    2*CP-1-r, each attending to the prefix and its segment up to the piece's end."""
-    piece = num_q // (2 * cp)
-    return tuple(piece_pairs(prefix + r * piece, piece, block)
-                 + piece_pairs(prefix + (2 * cp - 1 - r) * piece, piece, block)
-                 for r in range(cp))
-
-
-def computed_pairs(prefix: int, num_q: int, block: int, cp: int = 1) -> float:
-    """(query, key) pairs the kernel computes for one segment, tiles included, summed over the CP
-    ranks: with CP the segment is cut into 2*CP pieces and every (piece, earlier piece) pair
-    is a full block, every piece with itself a causal one."""
-    if block == 0 or cp == 1:
-        return piece_pairs(prefix, num_q, block)
-    assert prefix == 0, "Megatron's CP splits whole sequences only"
-    pieces = 2 * cp
-    piece = math.ceil(num_q / pieces)
-    full = pieces * (pieces - 1) // 2 * math.ceil(piece / block) ** 2
-    return float((full + pieces * attention_tiles(0, piece, block)) * block * block)
-
-
 class Work(NamedTuple):
     """What a chunk's op costs depend on, on one of its CP ranks."""
 
@@ -195,24 +165,15 @@ class Work(NamedTuple):
     relayed: bool = False  # ChunkFlow: its own accumulator is added to its gradient
     gathered: int = 0  # ChunkFlow under CP: K/V tokens all-gathered per layer (prefix + chunk)
     selected: int = 0  # ChunkFlow under CP: K/V rows this rank's pieces read (the selection)
+    replicated: bool = False  # ChunkFlow under CP, replicated state: `gathered` is the chunk's own
 
 
-def gather_extent(chunk: DataChunk, cp: int) -> tuple[int, int]:
-    """(gathered, selected) K/V tokens of ChunkFlow's CP attention for `chunk` (runtime/cp.py):
-    the whole [prefix ++ chunk], and the rows a rank's two pieces of each segment read, the
-    prefix and the segment up to the piece's end: 2 prefix + (2 CP + 1) / (2 CP) x segment (the
-    same on every rank)."""
-    prefix = chunk.prefix_len
-    selected = sum(2 * prefix + s.computed_tokens + s.computed_tokens // (2 * cp)
-                   for s in chunk.segments)
-    return prefix + chunk.computed_tokens, selected
-
-
-def chunk_work(chunk: DataChunk, block: int, cp: int = 1, gather: bool = False) -> Work:
+def chunk_work(chunk: DataChunk, block: int, cp: int = 1, gather: bool | str = False) -> Work:
     """Work of a chunk on one of its CP ranks: computed tokens and pairs (a segment's padding is
     attended as part of it), and a dependent chunk's K/V state. `gather`: ChunkFlow's CP
-    (all-gathered K/V, zigzag pieces, segments padded to 2 x CP: predict.cp_padded_lengths);
-    else Megatron's ring."""
+    (all-gathered K/V, zigzag pieces, segments padded to 2 x CP: predict.cp_padded_lengths), its
+    K/V state sharded (True or "sharded") or "replicated" (a dependent chunk gathers only its own
+    K/V); else Megatron's ring."""
     dep, prefix = chunk.is_dependent, chunk.prefix_len
     state = (prefix, chunk.index, chunk.index < chunk.num_siblings - 1) if dep else (0, 0, False)
     if gather and cp > 1:
@@ -221,7 +182,10 @@ def chunk_work(chunk: DataChunk, block: int, cp: int = 1, gather: bool = False) 
             assert s.computed_tokens % (2 * cp) == 0, "segments are padded to 2 x CP"
             for r, pairs in enumerate(zigzag_pairs(prefix, s.computed_tokens, block, cp)):
                 per_rank[r] += pairs
-        return Work(chunk.computed_tokens // cp, max(per_rank), *state, *gather_extent(chunk, cp))
+        gathered, selected = gather_extent(chunk, cp)
+        replicated = dep and gather == "replicated"
+        return Work(chunk.computed_tokens // cp, max(per_rank), *state,
+                    chunk.computed_tokens if replicated else gathered, selected, replicated)
     pairs = sum(computed_pairs(prefix, s.computed_tokens, block, cp) for s in chunk.segments)
     return Work(math.ceil(chunk.computed_tokens / cp), pairs / cp, *state)
 
@@ -310,17 +274,20 @@ class LayerModel:
         self._dense[tokens] = out
         return out
 
-    def attention(self, tokens: int, pairs: float, gathered: int = 0) -> tuple[float, float]:
+    def attention(self, tokens: int, pairs: float, gathered: int = 0,
+                  replicated: bool = False) -> tuple[float, float]:
         """(forward, backward) seconds of one layer's attention core on one GPU for `tokens`
         tokens and `pairs` computed (query, key) pairs on it (chunk_work), CP included: Megatron's
-        ring, or with `gathered` K/V tokens ChunkFlow's all-gather (module docstring)."""
+        ring, or with `gathered` K/V tokens ChunkFlow's all-gather (module docstring), gathered
+        again in the backward unless the state is `replicated`."""
         hw, cp = self.hw, self.layout.cp
         flops = pairs * attention_flops_per_pair_per_layer(self.shape, self.layout.tp)
         fwd = flops / (hw.peak_flops * hw.attn_fwd_eff)
         bwd = ATTN_BWD_FLOPS * flops / (hw.peak_flops * hw.attn_bwd_eff)
         if cp > 1 and gathered:
             gather, scatter = self.gather_times(gathered)
-            return gather + fwd, gather + bwd + scatter  # backward from the saved lse
+            # backward from the saved lse; replicated state: from the saved [prefix ++ chunk]
+            return gather + fwd, (0.0 if replicated else gather) + bwd + scatter
         if cp > 1:
             bw, latency = self.cp_link
             kv_bytes = tokens * 2 * self.kv * hw.dtype_bytes
@@ -341,6 +308,14 @@ class LayerModel:
         one layer of a dependent chunk, and under CP of its gather path's copies (module
         docstring); 0 for other chunks without CP."""
         d, elems = self.hw.dtype_bytes, 2 * self.kv  # K and V per token on this TP rank
+        if work.replicated:  # whole chunks: gathered own, cat, selection; index-add, fp32 relay
+            cp, own, s = self.layout.cp, work.gathered, work.selected
+            whole = work.prefix + own
+            cast = (d + self.grad_bytes) * own if self.grad_bytes != d else 0.0
+            fwd = 2 * own / cp * d + (2 * whole * d if work.prefix else 0.0) + 2 * s * d
+            bwd = (2 * s * d + 3 * whole * d + 3 * s * d + cast + work.prefix * (d + 8)
+                   + (own * (4 + 4 * d) if work.relayed else 0.0))
+            return fwd * elems / self.mem_bw, bwd * elems / self.mem_bw
         if work.gathered:
             cp, g, s = self.layout.cp, work.gathered, work.selected
             local = g / cp  # this rank's shards of [prefix ++ chunk]
@@ -368,7 +343,7 @@ class LayerModel:
 
     def _compute_parts(self, work: Work) -> Parts:
         d = self.dense(work.tokens)
-        a_fwd, a_bwd = self.attention(work.tokens, work.pairs, work.gathered)
+        a_fwd, a_bwd = self.attention(work.tokens, work.pairs, work.gathered, work.replicated)
         s_fwd, s_bwd = self.state_traffic(work)
         cat_kernels = 2 if work.prefix else 0
         acc_kernels = 2 * work.prior + (4 if work.relayed else 0)
@@ -376,7 +351,7 @@ class LayerModel:
         fwd_k, bwd_k, attn_k = self.kernels_fwd, self.kernels_bwd, mk["core_attn"]
         if work.gathered:
             fwd_k = self.base_kernels[0] + GATHER_KERNELS_FWD
-            bwd_k = self.base_kernels[1] + GATHER_KERNELS_BWD
+            bwd_k = self.base_kernels[1] + GATHER_KERNELS_BWD - 2 * work.replicated
             attn_k = RECOMPUTE_KERNELS["core_attn"] + GATHER_KERNELS_FWD
         modules = {"core_attn": (a_fwd + s_fwd, attn_k + cat_kernels),
                    "mlp": (d.mlp_fwd, mk["mlp"]), "layernorm": (d.norms_fwd, mk["layernorm"])}

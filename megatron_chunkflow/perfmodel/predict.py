@@ -78,6 +78,7 @@ class Prediction:
     baseline: str | None = None  # stock Megatron: which of core/step.py's BASELINES
     padding_fraction: float = 0.0  # computed tokens that are padding, all DP ranks
     max_seqlen_per_rank: int | None = None  # megatron-hybrid-cp: --max-seqlen-per-dp-cp-rank
+    cp_kv: str = "sharded"  # ChunkFlow under CP: where a long sequence's K/V state lives
 
     @property
     def fits(self) -> bool:
@@ -109,6 +110,8 @@ class Prediction:
         if self.system == "chunkflow":
             out.update(chunk_size=self.chunk_size, k=self.num_kept,
                        recompute_chunks=self.recompute_chunks)
+            if self.layout.cp > 1:
+                out["cp_kv"] = self.cp_kv
         return out
 
 
@@ -196,14 +199,17 @@ def with_padding(chunks: Sequence[DataChunk], lengths: Sequence[int]) -> list[Da
 
 
 def predict_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware,
-                      layout: ParallelConfig, chunk_size: int, num_kept: int) -> Prediction:
+                      layout: ParallelConfig, chunk_size: int, num_kept: int,
+                      cp_kv: str = "sharded") -> Prediction:
     """ChunkFlow: chunks of `chunk_size`, K chunks of a long sequence holding activations; under
     CP every segment padded to ParallelConfig.segment_multiple and ChunkFlow's CP attention
-    (all-gathered K/V, gathered again in the backward; perfmodel/layer.py)."""
+    (all-gathered K/V, gathered again in the backward; perfmodel/layer.py), the long sequence's
+    K/V state `cp_kv`: "sharded", or "replicated" (whole on every CP rank, only a chunk's own
+    K/V gathered, not again in the backward; --chunkflow-cp-kv)."""
     layout.check_chunk_size(chunk_size, naming="axes")
     model = roofline(shape, layout, hw)
-    held_for, state_for = memory_hooks(shape, layout, hw.dtype_bytes, chunk_size, num_kept)
-    m, gather = layout.segment_multiple, layout.cp > 1
+    held_for, state_for = memory_hooks(shape, layout, hw.dtype_bytes, chunk_size, num_kept, cp_kv)
+    m, gather = layout.segment_multiple, (cp_kv if layout.cp > 1 else False)
     if m == 1:
         padded, real = lengths, (lambda chunks: chunks)
     else:
@@ -215,4 +221,4 @@ def predict_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware,
         lambda chunks, p: state_for(real(chunks), p), num_model_chunks=layout.vpp)
     return _finish("chunkflow", rp, model, shape, hw, lengths,
                    [real(c) for c in rp.chunks] if m > 1 else None,
-                   chunk_size=chunk_size, num_kept=num_kept)
+                   chunk_size=chunk_size, num_kept=num_kept, cp_kv=cp_kv)

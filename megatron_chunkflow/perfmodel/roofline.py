@@ -148,9 +148,10 @@ class Roofline:
 
     # ---- per chunk, per stage ----------------------------------------------------------------
     def chunk_costs(self, chunk: DataChunk, num_stages: int,
-                    gather: bool = False) -> tuple[list[float], list[float]]:
+                    gather: bool | str = False) -> tuple[list[float], list[float]]:
         """Forward (F and R) and backward (B, recompute included) seconds per stage; `gather`:
-        ChunkFlow's CP attention instead of Megatron's ring (perfmodel/layer.py)."""
+        ChunkFlow's CP attention instead of Megatron's ring, its state sharded (True) or
+        "replicated" (perfmodel/layer.py chunk_work)."""
         return self.work_costs(chunk_work(chunk, self.hw.attn_block, self.layout.cp, gather),
                                num_stages)
 
@@ -182,7 +183,7 @@ class Roofline:
         return self.pp_link[1] + self.p2p_bytes_time(tokens)
 
     def stage_costs(self, chunks, num_stages: int, p2p_tokens: int,
-                    sends: str = "async", gather: bool = False) -> StageCosts:
+                    sends: str = "async", gather: bool | str = False) -> StageCosts:
         """StageCosts of `chunks`; `sends` (SENDS, module docstring): "async" messages of
         `p2p_tokens` tokens a receiver waits for, or Megatron's blocking sends of the fixed
         `p2p_tokens` shape or of each chunk's own computed shape after a handshake; `gather`:

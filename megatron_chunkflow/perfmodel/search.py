@@ -8,7 +8,8 @@ config.Recompute.menu for its layers per (virtual) stage (none, the 7 selective 
 block 1 .. layers - 1, full); ChunkFlow's option applies inside every chunk. Both systems search
 V: stock Megatron runs its interleaved 1F1B there, skipped where Megatron refuses the micro-batch
 count (core/schedule.py interleaving_problem); ChunkFlow's interleaved plan takes any chunk
-count. For --auto, every chunk size
+count. Under CP ChunkFlow also tries both places for a long sequence's K/V state (CP_KV:
+sharded, or replicated on every CP rank: more memory, less traffic; --chunkflow-cp-kv). For --auto, every chunk size
 2K..seq_length (powers of two) that splits as the layout needs (ParallelConfig.chunk_multiple:
 2 x CP, x TP under sequence parallelism) with K = 1, 2, 4, 8 while K is below the longest sequence's
 number of chunks.
@@ -55,6 +56,7 @@ KS = (1, 2, 4, 8)
 # virtual stages per rank searched (V = 2 with PP >= 2): on qwen2.5-32b at 32K, V = 4 won 0.1-0.4%
 # over V = 2 and doubled the search time again (each V multiplies a plan's ops)
 MAX_VPP = 2
+CP_KV = ("sharded", "replicated")  # ChunkFlow's K/V state under CP (--chunkflow-cp-kv), searched
 
 
 def _divisors(n: int, limit: int) -> list[int]:
@@ -231,32 +233,37 @@ def best_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_g
 
 def best_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_gpus: int,
                    seq_length: int, layout: ParallelConfig | None = None, chunk_size: int = 8192,
-                   num_kept: int = 1, auto_chunking: bool = False) -> Prediction:
+                   num_kept: int = 1, auto_chunking: bool = False,
+                   cp_kv: str | None = None) -> Prediction:
     """ChunkFlow on `layout` (or the fastest fitting layout and recompute option) with
-    (chunk_size, num_kept), or with the fastest fitting (chunk size, K) when `auto_chunking`."""
-    if layout is not None and not auto_chunking:
-        return predict_chunkflow(lengths, shape, hw, layout, chunk_size, num_kept)
+    (chunk_size, num_kept), or with the fastest fitting (chunk size, K) when `auto_chunking`;
+    under CP its K/V state `cp_kv` ("sharded" or "replicated"), or (None) the faster that fits."""
+    kv_modes = CP_KV if cp_kv is None else (cp_kv,)
+    if layout is not None and not auto_chunking and (layout.cp == 1 or len(kv_modes) == 1):
+        return predict_chunkflow(lengths, shape, hw, layout, chunk_size, num_kept, kv_modes[0])
     layouts = [layout] if layout else candidate_layouts(shape, hw, num_gpus, allow_cp=True)
-    candidates = [(lay, c, kk) for lay in layouts
+    candidates = [(lay, c, kk, kv) for lay in layouts
                   for c, kk in (chunking_candidates(lengths, seq_length, lay.chunk_multiple)
                                 if auto_chunking else [(chunk_size, num_kept)]
-                                if chunk_size % lay.chunk_multiple == 0 else [])]
-    chunkings, work = {}, {}  # (chunk size, DP, K, padding) -> chunks; (.., CP) -> work items
+                                if chunk_size % lay.chunk_multiple == 0 else [])
+                  for kv in (kv_modes if lay.cp > 1 else kv_modes[:1])]
+    chunkings, work = {}, {}  # (chunk size, DP, K, padding) -> chunks; (.., CP, K/V) -> work
     floors = _Floors(shape, hw)
 
     def time_of(cand) -> float:
-        lay, c, kk = cand
+        lay, c, kk, kv = cand
         m = lay.segment_multiple
-        key = (c, lay.dp, kk, m, lay.cp)
+        key = (c, lay.dp, kk, m, lay.cp, kv)
         if key not in work:
             if key[:4] not in chunkings:
                 chunkings[key[:4]] = build_chunks(lengths, c, lay.dp, kk, shape,
                                                   segment_multiple=m).chunks
             work[key] = chunk_work_items(chunkings[key[:4]], hw.attn_block, lay.cp, kk,
-                                         gather=True)
+                                         gather=kv)
         return floors.time(key, work[key], lay)
 
+    # the memory floor is sharded state's, a lower bound of replicated's too
     return search(candidates, lambda cand: predict_chunkflow(lengths, shape, hw, *cand), time_of,
                   lambda cand: chunkflow_memory_floor(lengths, shape, cand[0], hw.dtype_bytes,
-                                                     *cand[1:]),
+                                                     *cand[1:3]),
                   hw.usable_bytes)

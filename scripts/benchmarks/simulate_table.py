@@ -82,6 +82,8 @@ def layout_cell(p: dict, chunkflow: bool = False) -> str:
         cell += f", M {m // 1024}K"
     if chunkflow:
         cell += f", {p['chunk_size'] // 1024}K, {p['k']}"
+        if p.get("cp_kv") == "replicated":
+            cell += ", K/V replicated"
     return cell
 
 
@@ -102,6 +104,8 @@ def rows_for(model: str, seq: int, gpus: int, gpu: str) -> list[dict]:
                 "--chunkflow-k", str(cf["k"])]
         if "max_seqlen_per_dp_cp_rank" in mg:
             argv += [MAX_SEQLEN_FLAG, str(mg["max_seqlen_per_dp_cp_rank"])]
+        if "cp_kv" in cf:
+            argv += ["--chunkflow-cp-kv", cf["cp_kv"]]
         again = simulate(argv)
         for got, want in ((again["baselines"][name], found["baselines"][name]),
                           (again["chunkflow"], cf)):

@@ -146,15 +146,26 @@ def test_chunkflow_with_cp(capsys):
     gathers are not overlapped)."""
     argv = [*SMALL, "--baseline", "megatron-packed", "--megatron-parallel", "2,2,1,none",
             "--chunk-size", "8192"]
-    rc, obj, err = run_json(capsys, *argv, "--chunkflow-parallel", "2,2,1,none")
+    rc, obj, err = run_json(capsys, *argv, "--chunkflow-parallel", "2,2,1,none",
+                            "--chunkflow-cp-kv", "sharded")
     cf = obj["chunkflow"]
     assert rc == 0 and cf["layout"] == {"tp": 2, "cp": 2, "pp": 1, "dp": 2, "recompute": "none"}
-    assert "ChunkFlow         2 2 1 2 none  C=8192 K=1" in err
+    assert "ChunkFlow         2 2 1 2 none  C=8192 K=1 kv=sharded" in err
     _, dp, _ = run_json(capsys, *argv, "--chunkflow-parallel", "2,1,1,none")
     assert cf["memory_gib"]["kv_state"] == pytest.approx(
         dp["chunkflow"]["memory_gib"]["kv_state"] / 2, rel=0.01)
+    # replicated state: the whole sequence's on every CP rank, and less traffic; auto picks the
+    # faster that fits and names it in the chosen flags
+    _, rep, _ = run_json(capsys, *argv, "--chunkflow-parallel", "2,2,1,none",
+                         "--chunkflow-cp-kv", "replicated")
+    assert rep["chunkflow"]["cp_kv"] == "replicated" and cf["cp_kv"] == "sharded"
+    assert rep["chunkflow"]["memory_gib"]["kv_state"] == pytest.approx(
+        dp["chunkflow"]["memory_gib"]["kv_state"], rel=0.01)
+    assert rep["chunkflow"]["step_s"] < cf["step_s"]
+    _, auto, err = run_json(capsys, *argv, "--chunkflow-parallel", "2,2,1,none")
+    assert auto["chunkflow"] == rep["chunkflow"] and "--chunkflow-cp-kv replicated" in err
     _, one, _ = run_json(capsys, *argv, "--chunkflow-parallel", "2,2,1,none",
-                         "--gpu-set", "cp_overlap=1")
+                         "--chunkflow-cp-kv", "sharded", "--gpu-set", "cp_overlap=1")
     assert one["chunkflow"]["step_s"] == cf["step_s"]
     assert one["megatron"]["step_s"] < obj["megatron"]["step_s"]
 

@@ -40,6 +40,7 @@ from megatron_chunkflow.perfmodel.predict import (
     with_padding,
 )
 from megatron_chunkflow.perfmodel.search import (
+    CP_KV,
     best_chunkflow,
     candidate_layouts,
     chunking_candidates,
@@ -202,10 +203,11 @@ def test_search_picks_cp_and_is_exact():
     brute force over every layout, CP included, finds."""
     shape = ModelShape(3, 2048, 5632, 16, 2, 32000)
     layouts = candidate_layouts(shape, H100, 4, allow_cp=True)
-    brute = fastest_fitting(predict_chunkflow(CP_LENGTHS, shape, H100, lay, 8192, 1)
-                            for lay in layouts if 8192 % lay.chunk_multiple == 0)
+    brute = fastest_fitting(predict_chunkflow(CP_LENGTHS, shape, H100, lay, 8192, 1, kv)
+                            for lay in layouts if 8192 % lay.chunk_multiple == 0
+                            for kv in (CP_KV if lay.cp > 1 else CP_KV[:1]))
     found = best_chunkflow(CP_LENGTHS, shape, H100, 4, SEQ, chunk_size=8192, num_kept=1)
-    assert found.fits and (found.layout.tp, found.layout.cp) == (2, 2)
+    assert found.fits and found.layout.cp > 1
     assert found.step_s == pytest.approx(brute.step_s, rel=1e-12)
     no_cp = fastest_fitting(predict_chunkflow(CP_LENGTHS, shape, H100, lay, 8192, 1)
                             for lay in layouts if lay.cp == 1)
@@ -218,13 +220,14 @@ def test_floors_bound_cp_candidates():
     hw = get_gpu("h100")
     for lay in candidate_layouts(SHAPE, hw, 4, allow_cp=True)[::5]:
         for c, k in chunking_candidates(CP_LENGTHS, SEQ, lay.chunk_multiple)[::3]:
-            p = predict_chunkflow(CP_LENGTHS, SHAPE, hw, lay, c, k)
-            chunks = build_chunks(CP_LENGTHS, c, lay.dp, k, SHAPE,
-                                  segment_multiple=lay.segment_multiple).chunks
-            items = chunk_work_items(chunks, hw.attn_block, lay.cp, k, gather=True)
-            assert time_floor(items, roofline(SHAPE, lay, hw)) <= p.step_s * (1 + 1e-9)
-            floor = chunkflow_memory_floor(CP_LENGTHS, SHAPE, lay, hw.dtype_bytes, c, k)
-            assert floor <= p.peak_mem_bytes * (1 + 1e-9)
+            for kv in CP_KV:
+                p = predict_chunkflow(CP_LENGTHS, SHAPE, hw, lay, c, k, kv)
+                chunks = build_chunks(CP_LENGTHS, c, lay.dp, k, SHAPE,
+                                      segment_multiple=lay.segment_multiple).chunks
+                items = chunk_work_items(chunks, hw.attn_block, lay.cp, k, gather=kv)
+                assert time_floor(items, roofline(SHAPE, lay, hw)) <= p.step_s * (1 + 1e-9)
+                floor = chunkflow_memory_floor(CP_LENGTHS, SHAPE, lay, hw.dtype_bytes, c, k)
+                assert floor <= p.peak_mem_bytes * (1 + 1e-9)
 
 
 def test_chain_floor_binds_on_deep_pipelines():
@@ -253,3 +256,34 @@ def test_cp_prediction_is_consistent():
     assert 0 < p.padding_fraction < 0.01
     base = predict_chunkflow(LENGTHS, Q7B, H100, P(tp=2, dp=4), 8192, 2)
     assert p.model_flops == base.model_flops and p.num_gpus == base.num_gpus
+
+
+def test_replicated_state_gathers_the_chunk_only():
+    """--chunkflow-cp-kv replicated, as runtime/cp.py runs it: a dependent chunk's layer gathers
+    its own K/V forward and reduce-scatters its own dK/dV backward, with no gather again; the
+    prefix costs no traffic; the stored K/V and accumulators are whole on every CP rank (CP times
+    the sharded state) while the stage inputs stay 1/CP."""
+    shape, lay = SHAPE, P(tp=1, cp=4, dp=1)
+    hw = get_gpu("h100")
+    (seq,) = [c for c in build_chunks([8 * 4096], 4096, 1, 1, shape,
+                                      segment_multiple=lay.segment_multiple).chunks
+              if c.is_dependent and c.index == 5]
+    sharded = chunk_work(seq, hw.attn_block, 4, "sharded")
+    replicated = chunk_work(seq, hw.attn_block, 4, "replicated")
+    assert (sharded.gathered, replicated.gathered) == (6 * 4096, 4096) and replicated.replicated
+    assert replicated._replace(gathered=0, replicated=False) == sharded._replace(gathered=0)
+    model = roofline(shape, lay, hw).layer
+    gather, scatter = model.gather_times(4096)
+    g6, s6 = model.gather_times(6 * 4096)  # [5 chunks of prefix ++ the chunk]
+    f_rep, b_rep = model.attention(replicated.tokens, replicated.pairs, 4096, True)
+    f_sh, b_sh = model.attention(sharded.tokens, sharded.pairs, sharded.gathered)
+    assert f_rep == pytest.approx(f_sh - g6 + gather, rel=1e-12)  # the same kernel
+    assert b_rep == pytest.approx(b_sh - g6 - s6 + scatter, rel=1e-12)  # no gather again
+    whole = sequence_state_bytes(8 * 4096, 4096, 1, shape, lay, 2, 1, "replicated")
+    split = sequence_state_bytes(8 * 4096, 4096, 1, shape, lay, 2, 1, "sharded")
+    assert whole[0] == pytest.approx(4 * split[0], rel=1e-12)  # stage 0 keeps no stage inputs
+    p_rep = predict_chunkflow(CP_LENGTHS, shape, hw, lay, 4096, 1, "replicated")
+    p_sh = predict_chunkflow(CP_LENGTHS, shape, hw, lay, 4096, 1, "sharded")
+    assert p_rep.step_s < p_sh.step_s and p_rep.peak_mem_bytes > p_sh.peak_mem_bytes
+    assert p_rep.to_json()["cp_kv"] == "replicated" and "cp_kv" not in predict_chunkflow(
+        CP_LENGTHS, shape, hw, P(tp=1, dp=4), 4096, 1).to_json()

@@ -1,0 +1,64 @@
+"""Attention pairs and tiles per segment, as the kernels compute them (whole block x block tiles,
+bottom-right causal after a prefix), for Megatron's CP split of whole sequences and ChunkFlow's
+zigzag pieces after a prefix; and the K/V rows ChunkFlow's CP attention gathers and selects.
+perfmodel/layer.py turns them into seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from megatron_chunkflow.core.costs import attention_pairs
+from megatron_chunkflow.core.types import DataChunk
+
+
+def attention_tiles(prefix: int, num_q: int, block: int) -> int:
+    """block x block tiles a causal, bottom-right-aligned kernel computes for `num_q` queries
+    after `prefix` keys: query block i sees ceil((prefix + min((i+1) block, q)) / block)."""
+    nq = math.ceil(num_q / block)
+    return ((nq - 1) * math.ceil(prefix / block) + (nq - 1) * nq // 2
+            + math.ceil((prefix + num_q) / block))
+
+
+def piece_pairs(prefix: int, num_q: int, block: int) -> float:
+    """(query, key) pairs a causal, bottom-right-aligned kernel computes for `num_q` queries
+    after `prefix` keys, whole block x block tiles (exact pairs when block is 0)."""
+    if block == 0:
+        return float(attention_pairs(prefix, num_q))
+    return float(attention_tiles(prefix, num_q, block) * block * block)
+
+
+@lru_cache(maxsize=65536)
+def zigzag_pairs(prefix: int, num_q: int, block: int, cp: int) -> tuple[float, ...]:
+    """Per CP rank, the pairs ChunkFlow's CP attention computes for one segment of `num_q`
+    tokens (a multiple of 2*CP) after `prefix` keys of its sequence: rank r's pieces r and
+    2*CP-1-r, each attending to the prefix and its segment up to the piece's end."""
+    piece = num_q // (2 * cp)
+    return tuple(piece_pairs(prefix + r * piece, piece, block)
+                 + piece_pairs(prefix + (2 * cp - 1 - r) * piece, piece, block)
+                 for r in range(cp))
+
+
+def computed_pairs(prefix: int, num_q: int, block: int, cp: int = 1) -> float:
+    """(query, key) pairs the kernel computes for one segment, tiles included, summed over the CP
+    ranks: with CP the segment is cut into 2*CP pieces and every (piece, earlier piece) pair
+    is a full block, every piece with itself a causal one."""
+    if block == 0 or cp == 1:
+        return piece_pairs(prefix, num_q, block)
+    assert prefix == 0, "Megatron's CP splits whole sequences only"
+    pieces = 2 * cp
+    piece = math.ceil(num_q / pieces)
+    full = pieces * (pieces - 1) // 2 * math.ceil(piece / block) ** 2
+    return float((full + pieces * attention_tiles(0, piece, block)) * block * block)
+
+
+def gather_extent(chunk: DataChunk, cp: int) -> tuple[int, int]:
+    """(gathered, selected) K/V tokens of ChunkFlow's CP attention for `chunk` (runtime/cp.py):
+    the whole [prefix ++ chunk], and the rows a rank's two pieces of each segment read, the
+    prefix and the segment up to the piece's end: 2 prefix + (2 CP + 1) / (2 CP) x segment (the
+    same on every rank)."""
+    prefix = chunk.prefix_len
+    selected = sum(2 * prefix + s.computed_tokens + s.computed_tokens // (2 * cp)
+                   for s in chunk.segments)
+    return prefix + chunk.computed_tokens, selected
