@@ -91,7 +91,8 @@ def _megatron_losses(log: str) -> list[float]:
 
 # TP, PP, CP[, virtual stages per pipeline rank]
 LAYOUTS = {"pp1": (1, 1, 1), "pp2": (1, 2, 1), "tp2": (2, 1, 1), "cp2": (1, 1, 2),
-           "pp2_vpp2": (1, 2, 1, 2)}
+           "pp2_vpp2": (1, 2, 1, 2), "cp2_replicated": (1, 1, 2)}
+EXTRA = {"cp2_replicated": ["--chunkflow-cp-kv", "replicated"]}  # the same in both commands
 
 
 @needs_megatron_lm
@@ -113,11 +114,12 @@ def test_pretrain_gpt_chunkflow_matches_chunkflow_train(gloo, workdir, layout):
         "megatron_chunkflow.launch", str(MEGATRON_LM / "pretrain_gpt.py"), *MODEL, *CPU,
         *_flags(SCHEDULE), *_flags(par), *mlm_vpp, "--micro-batch-size", "1",
         "--lr-decay-style", "cosine", "--data-path", "corpus", "--chunkflow",
-        "--chunkflow-load-hf", "hf"], workdir)
+        "--chunkflow-load-hf", "hf", *EXTRA.get(layout, [])], workdir)
     assert mlm.returncode == 0, mlm.stdout[-3000:] + mlm.stderr[-3000:]
     code, _, err = gloo.cli(nproc, "train", "--load-hf", workdir / "hf", "--data-path",
                             workdir / "corpus", *_flags(SCHEDULE), *_flags(par), *train_vpp,
-                            "--log-json", workdir / f"train_{layout}.jsonl")
+                            *EXTRA.get(layout, []), "--log-json",
+                            workdir / f"train_{layout}.jsonl")
     assert code == 0, err[-3000:]
     steps = [json.loads(line) for line in (workdir / f"train_{layout}.jsonl").open()]
     expected = [s["loss"] for s in steps]
