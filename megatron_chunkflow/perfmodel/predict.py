@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from megatron_chunkflow.config import ParallelConfig
+from megatron_chunkflow.config import ParallelConfig, Recompute
 from megatron_chunkflow.core.costs import layers_per_stage, sequence_model_flops
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.step import (
@@ -207,6 +207,7 @@ def predict_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware,
     K/V state `cp_kv`: "sharded", or "replicated" (whole on every CP rank, only a chunk's own
     K/V gathered, not again in the backward; --chunkflow-cp-kv)."""
     layout.check_chunk_size(chunk_size, naming="axes")
+    asked, layout = layout, runtime_layout(layout)
     model = roofline(shape, layout, hw)
     held_for, state_for = memory_hooks(shape, layout, hw.dtype_bytes, chunk_size, num_kept, cp_kv)
     m, gather = layout.segment_multiple, (cp_kv if layout.cp > 1 else False)
@@ -219,6 +220,19 @@ def predict_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware,
         lambda chunks, p: model.stage_costs(real(chunks), p, chunk_size, "async", gather),
         lambda chunks, p: held_for(real(chunks), p),
         lambda chunks, p: state_for(real(chunks), p), num_model_chunks=layout.vpp)
-    return _finish("chunkflow", rp, model, shape, hw, lengths,
-                   [real(c) for c in rp.chunks] if m > 1 else None,
-                   chunk_size=chunk_size, num_kept=num_kept, cp_kv=cp_kv)
+    out = _finish("chunkflow", rp, model, shape, hw, lengths,
+                  [real(c) for c in rp.chunks] if m > 1 else None,
+                  chunk_size=chunk_size, num_kept=num_kept, cp_kv=cp_kv)
+    return dataclasses.replace(out, layout=asked)
+
+
+def runtime_layout(layout: ParallelConfig) -> ParallelConfig:
+    """The layout ChunkFlow's runtime runs for `layout`: under CP its core attention runs its own
+    backward and Megatron's selective core_attn checkpoint is switched off (runtime/model.py), so
+    core_attn leaves the recompute option (selective alone becomes none)."""
+    rc = layout.recompute
+    if layout.cp == 1 or "core_attn" not in rc.modules:
+        return layout
+    rest = tuple(m for m in rc.modules if m != "core_attn")
+    return dataclasses.replace(layout, recompute=Recompute("selective", rest) if rest
+                               else Recompute())

@@ -4,9 +4,9 @@ One layer's pieces (GEMMs, attention, elementwise, TP and CP traffic, ChunkFlow'
 and its kernel counts come from perfmodel/layer.py; here they become op times:
 
 - Recompute (the layout's config.Recompute, megatron-core 0.16.1): the backward of a layer adds
-  the forward of what it re-runs: selective core_attn the attention core (CP ring or ChunkFlow's
-  CP gather included: charged although runtime/model.py turns Megatron's core_attn checkpoint
-  off under ChunkFlow's CP, whose attention runs its own backward);
+  the forward of what it re-runs: selective core_attn the attention core (CP ring included;
+  under ChunkFlow's CP nothing: runtime/model.py turns Megatron's core_attn checkpoint off there,
+  its attention runs its own backward, and predict.runtime_layout drops core_attn from the option);
   mlp the MLP's GEMMs, SwiGLU and its two TP collectives; layernorm the two norms; full the
   whole layer forward with its TP collectives, about 4/3 of forward + backward; block:N full
   for the first N layers of each stage and nothing for the others. ChunkFlow's layout applies

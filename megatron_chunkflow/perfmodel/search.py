@@ -49,6 +49,7 @@ from megatron_chunkflow.perfmodel.predict import (
     predict_chunkflow,
     predict_megatron,
     roofline,
+    runtime_layout,
 )
 
 CHUNK_SIZES = (2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
@@ -241,7 +242,11 @@ def best_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_
     kv_modes = CP_KV if cp_kv is None else (cp_kv,)
     if layout is not None and not auto_chunking and (layout.cp == 1 or len(kv_modes) == 1):
         return predict_chunkflow(lengths, shape, hw, layout, chunk_size, num_kept, kv_modes[0])
-    layouts = [layout] if layout else candidate_layouts(shape, hw, num_gpus, allow_cp=True)
+    # under CP a core_attn recompute is what the option without it runs (runtime_layout): the
+    # search keeps the option without it, whose time floor is the exact one
+    layouts = [layout] if layout else [
+        lay for lay in candidate_layouts(shape, hw, num_gpus, allow_cp=True)
+        if runtime_layout(lay) == lay]
     candidates = [(lay, c, kk, kv) for lay in layouts
                   for c, kk in (chunking_candidates(lengths, seq_length, lay.chunk_multiple)
                                 if auto_chunking else [(chunk_size, num_kept)]

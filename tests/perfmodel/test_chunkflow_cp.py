@@ -37,6 +37,7 @@ from megatron_chunkflow.perfmodel.predict import (
     cp_padded_lengths,
     predict_chunkflow,
     roofline,
+    runtime_layout,
     with_padding,
 )
 from megatron_chunkflow.perfmodel.search import (
@@ -218,7 +219,8 @@ def test_floors_bound_cp_candidates():
     """The time floor (with the long sequence's chain) and the memory floor stay below the
     prediction for ChunkFlow's CP layouts too."""
     hw = get_gpu("h100")
-    for lay in candidate_layouts(SHAPE, hw, 4, allow_cp=True)[::5]:
+    for lay in [x for x in candidate_layouts(SHAPE, hw, 4, allow_cp=True)
+                if runtime_layout(x) == x][::5]:  # the layouts the search keeps
         for c, k in chunking_candidates(CP_LENGTHS, SEQ, lay.chunk_multiple)[::3]:
             for kv in CP_KV:
                 p = predict_chunkflow(CP_LENGTHS, SHAPE, hw, lay, c, k, kv)
@@ -287,3 +289,19 @@ def test_replicated_state_gathers_the_chunk_only():
     assert p_rep.step_s < p_sh.step_s and p_rep.peak_mem_bytes > p_sh.peak_mem_bytes
     assert p_rep.to_json()["cp_kv"] == "replicated" and "cp_kv" not in predict_chunkflow(
         CP_LENGTHS, shape, hw, P(tp=1, dp=4), 4096, 1).to_json()
+
+
+def test_core_attn_recompute_under_cp_is_what_the_runtime_runs():
+    """Under ChunkFlow's CP the runtime switches Megatron's core_attn checkpoint off (its
+    attention runs its own backward), so a core_attn option costs and holds what the option
+    without it does; the prediction still names the layout asked for."""
+    hw = get_gpu("h100")
+    for asked, runs in (("selective", "none"), ("selective:core_attn+mlp", "selective:mlp")):
+        lay = P(tp=2, cp=2, dp=1, recompute=asked)
+        assert runtime_layout(lay) == P(tp=2, cp=2, dp=1, recompute=runs)
+        a = predict_chunkflow(CP_LENGTHS, SHAPE, hw, lay, 8192, 1)
+        b = predict_chunkflow(CP_LENGTHS, SHAPE, hw, runtime_layout(lay), 8192, 1)
+        assert (a.step_s, a.peak_mem_bytes) == (b.step_s, b.peak_mem_bytes)
+        assert a.layout == lay
+    flat = P(tp=2, dp=2, recompute="selective")
+    assert runtime_layout(flat) == flat  # without CP Megatron's checkpoint runs
