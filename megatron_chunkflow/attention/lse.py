@@ -32,6 +32,7 @@ from what they saved): context parallelism recomputes their forward in the backw
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import math
@@ -157,15 +158,18 @@ def _varlen_module():
 
 def _varlen_has_pair() -> bool:
     """varlen_attn returns its lse (return_aux), takes window_size and enable_gqa, and its backward
-    op is registered; and it would not run through cuDNN here."""
+    op is registered; and it would not run through cuDNN on the current device."""
+    return _varlen_api_has_pair() and not backends._varlen_uses_cudnn(_varlen_module())
+
+
+@functools.lru_cache(maxsize=1)  # asked on every CP attention call: the inspection once
+def _varlen_api_has_pair() -> bool:
     varlen = _varlen_module()
     if varlen is None or not hasattr(varlen, "AuxRequest"):
         return False
     params = inspect.signature(varlen.varlen_attn).parameters
-    if not {"return_aux", "window_size", "enable_gqa"} <= set(params):
-        return False
-    return (hasattr(torch.ops.torch_attn, "_varlen_attn_backward")
-            and not backends._varlen_uses_cudnn(varlen))
+    return ({"return_aux", "window_size", "enable_gqa"} <= set(params)
+            and hasattr(torch.ops.torch_attn, "_varlen_attn_backward"))
 
 
 def _varlen_forward(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, scale):

@@ -25,8 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from megatron_chunkflow.config import NO_RECOMPUTE as NO
-from megatron_chunkflow.config import ParallelConfig, Recompute
+from megatron_chunkflow.config import NO_RECOMPUTE, ParallelConfig, Recompute
 from megatron_chunkflow.core.costs import sequence_model_flops
 from megatron_chunkflow.core.hybrid_cp import (
     BASELINE,
@@ -107,7 +106,8 @@ def _peak_memory(shape: ModelShape, hw: Hardware, layout: ParallelConfig, schedu
                  chunks) -> tuple[float, dict]:
     """(bytes, by kind) on the GPU whose largest micro-batch needs the most (module docstring)."""
     pool = layout.dp * layout.cp
-    static = static_bytes(stage_params(shape, 1)[0], hybrid_layout(layout.tp, pool, NO), hw.dtype_bytes)
+    static = static_bytes(stage_params(shape, 1)[0], hybrid_layout(layout.tp, pool, NO_RECOMPUTE),
+                          hw.dtype_bytes)
     worst, memory = -1.0, {}
     for c in sorted(set(schedule.cp)):  # the largest micro-batch of each CP size
         lay = hybrid_layout(layout.tp, pool, layout.recompute, c)
@@ -183,11 +183,4 @@ def best_hybrid_cp(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_
         _, lay, m = least
         best = predict_hybrid_cp(lengths, shape, hw, lay, m, scheduler)
     return best
-
-
-def describe(p: Prediction) -> str:
-    """e.g. "TP4 pool 16 (DP x CP) M 16384 selective" for a megatron-hybrid-cp prediction."""
-    lay = p.layout
-    return (f"TP{lay.tp} pool {lay.dp * lay.cp} (DP x CP) M {p.max_seqlen_per_rank} "
-            f"{lay.recompute}")
 

@@ -201,17 +201,17 @@ class _RecomputedAttention(torch.autograd.Function):
 def _select(k, v, selection, group, traffic=None):
     """The keys and values this rank's query pieces read, from the gathered K/V (`group` None:
     from k and v as they are, already whole: replicated state)."""
-    if group is None:
-        return k.index_select(0, selection.index), v.index_select(0, selection.index)
-    kv = _GatherKV.apply(torch.stack([k, v], dim=1), group, traffic)  # [cp * s, 2, ng, hn]
+    if group is not None:
+        k, v = gather_chunk_kv(k, v, group, traffic)
     # index_select copies: the kernels take contiguous K and V
-    return tuple(kv[:, i].index_select(0, selection.index) for i in (0, 1))
+    return k.index_select(0, selection.index), v.index_select(0, selection.index)
 
 
 def gather_chunk_kv(k, v, group, traffic: Traffic | None = None):
-    """The whole chunk's K and V [cp * s, ng, hn] from every rank's shard (rank after rank), for
-    replicated state; the backward reduce-scatters their gradient (fp32 under half precision)."""
-    kv = _GatherKV.apply(torch.stack([k, v], dim=1), group, traffic)
+    """The whole K and V [cp * s, ng, hn] from every rank's shard (rank after rank), in one
+    collective (the attention's gather, and a chunk's own K/V under replicated state); the
+    backward reduce-scatters their gradient (fp32 under half precision)."""
+    kv = _GatherKV.apply(torch.stack([k, v], dim=1), group, traffic)  # [cp * s, 2, ng, hn]
     return kv[:, 0], kv[:, 1]
 
 

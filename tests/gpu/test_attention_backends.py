@@ -41,16 +41,23 @@ def skip_if_missing(backend):
         pytest.skip(f"backend {backend!r}: its library is not installed here")
 
 
+def _oracle(case: str, dtype):
+    """A case's cu_seqlens, its CUDA inputs in `dtype`, and the dense reference's outputs and
+    gradients on the same inputs in float64 (the oracle) and in `dtype` (the naive error)."""
+    lq, lk, nh, ng, hd = CASES[case]
+    cu_q, cu_kv = cumsum(lq), cumsum(lk)
+    q64, k64, v64, dout64 = make_inputs(lq, lk, nh, ng, hd, torch.float64, device="cuda")
+    inputs = make_inputs(lq, lk, nh, ng, hd, dtype, device="cuda")
+    ref = run_with_grads(lambda *a: dense_reference(*a, cu_q, cu_kv), q64, k64, v64, dout64)
+    naive = run_with_grads(lambda *a: dense_reference(*a, cu_q, cu_kv), *inputs)
+    return cu_q, cu_kv, inputs, ref, naive
+
+
 @pytest.mark.parametrize("backend,dtype,case", GRID)
 def test_backend_error_budget(backend, dtype, case):
     """Kernel error vs the float64 oracle <= 2x the naive same-dtype error (+ a small floor)."""
     skip_if_missing(backend)
-    lq, lk, nh, ng, hd = CASES[case]
-    cu_q, cu_kv = cumsum(lq), cumsum(lk)
-    q64, k64, v64, dout64 = make_inputs(lq, lk, nh, ng, hd, torch.float64, device="cuda")
-    q, k, v, dout = make_inputs(lq, lk, nh, ng, hd, dtype, device="cuda")
-    ref = run_with_grads(lambda *a: dense_reference(*a, cu_q, cu_kv), q64, k64, v64, dout64)
-    naive = run_with_grads(lambda *a: dense_reference(*a, cu_q, cu_kv), q, k, v, dout)
+    cu_q, cu_kv, (q, k, v, dout), ref, naive = _oracle(case, dtype)
     got = run_with_grads(
         lambda *a: chunk_attention(*a, cu_q, cu_kv, backend=backend), q, k, v, dout
     )
@@ -131,12 +138,7 @@ def test_lse_pair_error_budget(backend, dtype, case):
     skip_if_missing(backend)
     if lse_pair(backend) is None:
         pytest.skip(f"backend {backend!r} has no lse pair here (attention/lse.py says why)")
-    lq, lk, nh, ng, hd = CASES[case]
-    cu_q, cu_kv = cumsum(lq), cumsum(lk)
-    q64, k64, v64, dout64 = make_inputs(lq, lk, nh, ng, hd, torch.float64, device="cuda")
-    q, k, v, dout = make_inputs(lq, lk, nh, ng, hd, dtype, device="cuda")
-    ref = run_with_grads(lambda *a: dense_reference(*a, cu_q, cu_kv), q64, k64, v64, dout64)
-    naive = run_with_grads(lambda *a: dense_reference(*a, cu_q, cu_kv), q, k, v, dout)
+    cu_q, cu_kv, (q, k, v, dout), ref, naive = _oracle(case, dtype)
     out, lse = attention_with_lse(q, k, v, cu_q, cu_kv, backend=backend)
     got = (out, *attention_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, cu_q,
                                     cu_kv, backend=backend))
