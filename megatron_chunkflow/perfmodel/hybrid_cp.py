@@ -32,6 +32,7 @@ from megatron_chunkflow.core.hybrid_cp import (
     Scheduler,
     check_max_seqlen,
     check_pool,
+    cp_size_needed,
     hybrid_schedule,
     hybrid_step_time,
     sequence_chunks,
@@ -163,8 +164,12 @@ def best_hybrid_cp(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_
     best, least = None, None
     for degrees in dict.fromkeys(lay.degrees for lay in layouts):
         pool = degrees.dp * degrees.cp
-        ms = ([max_seqlen_per_rank] if max_seqlen_per_rank is not None
-              else seqlen_candidates(lengths, pool))
+        if max_seqlen_per_rank is None:
+            ms = seqlen_candidates(lengths, pool)
+        elif cp_size_needed(max(lengths), max_seqlen_per_rank) <= pool:
+            ms = [max_seqlen_per_rank]
+        else:
+            continue  # a larger TP leaves a pool too small for the longest sequence at this M
         for m in ms:
             fitting: list[Recompute] = []
             for lay in (x for x in layouts if x.degrees == degrees):

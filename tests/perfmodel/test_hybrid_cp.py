@@ -77,3 +77,13 @@ def test_search_is_the_fastest_fitting_candidate():
     assert got.step_s == pytest.approx(min(p.step_s for p in brute), rel=1e-12)
     assert not predict_hybrid_cp(lengths, SHAPE, hw, hybrid_layout(1, 16, "none"),
                                  seqlen_candidates(lengths, 16)[-1], MEGATRON).fits
+
+
+def test_a_given_m_skips_the_pools_too_small_for_it():
+    """--max-seqlen-per-dp-cp-rank 8192 on 8 GPUs for a 32K sequence: TP 4 leaves a pool of 2,
+    too small for the 4 ranks it needs, so the search keeps TP 1 and 2 instead of failing."""
+    lengths = [32768] + [1000] * 40
+    got = best_hybrid_cp(lengths, SHAPE, HW, 8, MEGATRON, max_seqlen_per_rank=8192)
+    assert got.max_seqlen_per_rank == 8192 and got.layout.dp * got.layout.cp >= 4
+    with pytest.raises(ValueError, match="would need a CP group of 16 ranks"):
+        best_hybrid_cp(lengths, SHAPE, HW, 8, MEGATRON, max_seqlen_per_rank=4000)
