@@ -73,8 +73,10 @@ def chunk_attention(
     return attend(q, k, v, cu_q, cu_kv, softmax_scale)
 
 
-def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_kv) -> tuple[list[int], list[int]]:
-    """Validate shapes, dtypes and cu_seqlens; return both cu_seqlens as host lists of ints."""
+def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_kv,
+                  causal: bool = True) -> tuple[list[int], list[int]]:
+    """Validate shapes, dtypes and cu_seqlens; return both cu_seqlens as host lists of ints.
+    Non-`causal` segments (attention/lse.py) need a key for each query's softmax, not lk >= lq."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -105,6 +107,10 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_kv) -> tuple[list[int], list
         )
     for i in range(len(cu_q) - 1):
         lq, lk = cu_q[i + 1] - cu_q[i], cu_kv[i + 1] - cu_kv[i]
+        if not causal:
+            if lq and not lk:
+                raise ValueError(f"segment {i} has lq={lq} queries and no keys")
+            continue
         if lk < lq:
             raise ValueError(
                 f"segment {i} has lq={lq} queries but lk={lk} keys "

@@ -66,23 +66,33 @@ def _own_split(cu_q, cu_kv, i: int) -> tuple[int, int, int, int, int]:
     return q0, q1, k0, k1, k1 - (q1 - q0)
 
 
-def cpu_flash_forward(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, scale):
+def _parts(cu_q, cu_kv, i: int, causal: bool) -> list[tuple[int, int, bool]]:
+    """Segment i's key ranges and the kernel's causal flag for each: its own keys (causal) and
+    its prefix (not); with `causal` False, all its keys in one non-causal part."""
+    q0, q1, k0, k1, split = _own_split(cu_q, cu_kv, i)
+    if not causal:
+        return [(k0, k1, False)]
+    return [(split, k1, True)] + ([(k0, split, False)] if split > k0 else [])
+
+
+def cpu_flash_forward(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, scale, causal=True):
     """All segments of a chunk: (out_TNH, lse_NT), the merged log-sum-exp of every query and head
-    (in the kernel's dtype: float32 for bfloat16 inputs), for cpu_flash_backward."""
+    (in the kernel's dtype: float32 for bfloat16 inputs), for cpu_flash_backward. `causal` False:
+    every query sees all of its segment's keys."""
     nh, tq = q_TNH.shape[1], q_TNH.shape[0]
     out_TNH = torch.empty_like(q_TNH)
     lse_NT = None
     for i in range(len(cu_q) - 1):
-        q0, q1, k0, k1, split = _own_split(cu_q, cu_kv, i)
+        q0, q1 = cu_q[i], cu_q[i + 1]
         if q1 == q0:
             continue
         q_BNQH = _bnqh(q_TNH[q0:q1])
-        k_own, v_own = (_expand_kv(_bnqh(x[split:k1]), nh) for x in (k_TGH, v_TGH))
-        out_BNQH, lse_BNQ = _fwd(q_BNQH, k_own, v_own, 0.0, True, scale=scale)
-        if split > k0:
-            k_pre, v_pre = (_expand_kv(_bnqh(x[k0:split]), nh) for x in (k_TGH, v_TGH))
-            out_pre, lse_pre = _fwd(q_BNQH, k_pre, v_pre, 0.0, False, scale=scale)
-            out_BNQH, lse_BNQ = merge_partial(out_BNQH, lse_BNQ, out_pre, lse_pre)
+        out_BNQH = lse_BNQ = None
+        for a, b, part_causal in _parts(cu_q, cu_kv, i, causal):
+            k_part, v_part = (_expand_kv(_bnqh(x[a:b]), nh) for x in (k_TGH, v_TGH))
+            out_p, lse_p = _fwd(q_BNQH, k_part, v_part, 0.0, part_causal, scale=scale)
+            out_BNQH, lse_BNQ = ((out_p, lse_p) if out_BNQH is None
+                                 else merge_partial(out_BNQH, lse_BNQ, out_p, lse_p))
         out_TNH[q0:q1] = out_BNQH[0].transpose(0, 1)
         if lse_NT is None:
             lse_NT = lse_BNQ.new_empty((nh, tq))
@@ -90,22 +100,22 @@ def cpu_flash_forward(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, scale):
     return out_TNH, lse_NT
 
 
-def cpu_flash_backward(dout_TNH, q_TNH, k_TGH, v_TGH, out_TNH, lse_NT, cu_q, cu_kv, scale):
+def cpu_flash_backward(dout_TNH, q_TNH, k_TGH, v_TGH, out_TNH, lse_NT, cu_q, cu_kv, scale,
+                       causal=True):
     """(dq_TNH, dk_TGH, dv_TGH) from cpu_flash_forward's output and log-sum-exp: the kernel's
     backward once per part of each segment (module docstring), no forward."""
     nh, ng = q_TNH.shape[1], k_TGH.shape[1]
     dq_TNH, dk_TGH, dv_TGH = (torch.zeros_like(t) for t in (q_TNH, k_TGH, v_TGH))
     for i in range(len(cu_q) - 1):
-        q0, q1, k0, k1, split = _own_split(cu_q, cu_kv, i)
+        q0, q1 = cu_q[i], cu_q[i + 1]
         if q1 == q0:
             continue
         lse_BNQ = lse_NT[:, q0:q1].unsqueeze(0).contiguous()
         q_BNQH, o_BNQH = _bnqh(q_TNH[q0:q1]), _bnqh(out_TNH[q0:q1])
         do_BNQH = _bnqh(dout_TNH[q0:q1].contiguous())
-        parts = [(split, k1, True)] + ([(k0, split, False)] if split > k0 else [])
-        for a, b, causal in parts:
+        for a, b, part_causal in _parts(cu_q, cu_kv, i, causal):
             k_part, v_part = (_expand_kv(_bnqh(x[a:b]), nh) for x in (k_TGH, v_TGH))
-            dq, dk, dv = _bwd(do_BNQH, q_BNQH, k_part, v_part, o_BNQH, lse_BNQ, 0.0, causal,
+            dq, dk, dv = _bwd(do_BNQH, q_BNQH, k_part, v_part, o_BNQH, lse_BNQ, 0.0, part_causal,
                               scale=scale)
             dq_TNH[q0:q1] += dq[0].transpose(0, 1)
             dk_TGH[a:b] = _fold_kv_grad(dk, ng)[0].transpose(0, 1)
@@ -145,8 +155,8 @@ def cpu_flash_attention(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, softmax_scale):
                                         softmax_scale)
 
 
-def cpu_flash_attention_lse(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, softmax_scale):
+def cpu_flash_attention_lse(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, softmax_scale, causal=True):
     """cpu_flash_forward, checked: (out_TNH, lse_NT); cpu_flash_backward is its backward
     (attention/lse.py)."""
     _check_cpu(q_TNH)
-    return cpu_flash_forward(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, softmax_scale)
+    return cpu_flash_forward(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, softmax_scale, causal)

@@ -6,9 +6,12 @@ q, k, v, out, lse) that returns (dq, dk, dv) and runs no attention forward.
 
 Context parallelism (runtime/cp.py) saves out and lse after its forward and calls the backward on
 K/V it gathers again, instead of recomputing the forward under autograd. Inputs, masks and GQA are
-chunk_attention's (validated the same way: bottom-right causal segments, lk >= lq); the lse is a
-tensor whose layout belongs to the backend (the caller only keeps it for the backward), in float32
-for half precision inputs. The backends that have the pair (`lse_pair`):
+chunk_attention's (validated the same way: bottom-right causal segments, lk >= lq), or with
+causal=False segments every query of which sees all of its keys (the part of a query's keys that
+all precede it). The lse is heads-major with the tokens last ([N, T], or [G, N / G, T]), in float32
+for half precision inputs; `lse_by_token` views it [T, N], and `merge_lse` combines two partial
+results (attention over keys A and over keys B) into the attention over both. The backends that
+have the pair (`lse_pair`):
 
 - cpu_flash: cpu_flash.py's cpu_flash_forward / cpu_flash_backward, the code its autograd
   Function runs; lse [N, Tq] in the kernel's dtype. CPU, float32 / float64 / bfloat16.
@@ -49,8 +52,8 @@ from megatron_chunkflow.attention.chunk_attention import CuSeqlens, _check_input
 class LsePair(NamedTuple):
     """A backend's two halves, on inputs chunk_attention validated (host cu_seqlens lists)."""
 
-    forward: Callable  # (q, k, v, cu_q, cu_kv, scale) -> (out, lse)
-    backward: Callable  # (dout, q, k, v, out, lse, cu_q, cu_kv, scale) -> (dq, dk, dv)
+    forward: Callable  # (q, k, v, cu_q, cu_kv, scale, causal) -> (out, lse)
+    backward: Callable  # (dout, q, k, v, out, lse, cu_q, cu_kv, scale, causal) -> (dq, dk, dv)
 
 
 def lse_pair(backend: str) -> LsePair | None:
@@ -72,48 +75,85 @@ def lse_pair(backend: str) -> LsePair | None:
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        cu_seqlens_q: CuSeqlens, cu_seqlens_kv: CuSeqlens, *,
-                       softmax_scale: float | None = None,
-                       backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
-    """chunk_attention's output (no autograd graph) and the backend's log-sum-exp."""
+                       softmax_scale: float | None = None, backend: str = "torch",
+                       causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """chunk_attention's output (no autograd graph) and the backend's log-sum-exp. `causal`
+    False: every query sees all of its segment's keys (any lk >= 1), the part of a query's keys
+    that all precede it (runtime/cp.py's overlapped attention)."""
     pair, cu_q, cu_kv, scale = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_kv, softmax_scale,
-                                        backend)
+                                        backend, causal)
     if q.shape[0] == 0:
         return torch.empty_like(q), q.new_empty(0)
     with torch.no_grad():
-        return pair.forward(q, k, v, cu_q, cu_kv, scale)
+        return pair.forward(q, k, v, cu_q, cu_kv, scale, causal)
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: CuSeqlens,
                        cu_seqlens_kv: CuSeqlens, *, softmax_scale: float | None = None,
-                       backend: str = "torch") -> tuple[torch.Tensor, ...]:
+                       backend: str = "torch", causal: bool = True) -> tuple[torch.Tensor, ...]:
     """(dq, dk, dv) of chunk_attention at (q, k, v) for output gradient `dout`, from the `out` and
-    `lse` attention_with_lse returned for them (same backend and arguments); no forward."""
+    `lse` attention_with_lse returned for them (same backend and arguments); no forward.
+
+    `out` and `lse` may be those of a larger key set that holds these keys (a merge of partial
+    results, merge_lse): the probabilities rebuilt, exp(s - lse), are then the full softmax's and
+    rowsum(dout * out) the full row's, so dq is this part's share and dk, dv are exact."""
     pair, cu_q, cu_kv, scale = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_kv, softmax_scale,
-                                        backend)
+                                        backend, causal)
     if dout.shape != q.shape or out.shape != q.shape:
         raise ValueError(f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must have q's "
                          f"shape {tuple(q.shape)}")
     if q.shape[0] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     with torch.no_grad():
-        return pair.backward(dout, q, k, v, out, lse, cu_q, cu_kv, scale)
+        return pair.backward(dout, q, k, v, out, lse, cu_q, cu_kv, scale, causal)
 
 
-def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_kv, softmax_scale, backend):
+def lse_by_token(lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """A view [T, N] of a backend's log-sum-exp for the output `out` [T, N, H]: every pair's
+    layout is heads-major with the tokens last ([N, T]; torch's [G, N / G, T], head g * N / G + r,
+    as GQA numbers them)."""
+    t, n = out.shape[0], out.shape[1]
+    if lse.numel() != t * n or lse.shape[-1] != t:
+        raise ValueError(f"a log-sum-exp of shape {tuple(lse.shape)} is not one per head and "
+                         f"token of an output {tuple(out.shape)} (heads-major, tokens last); "
+                         "this backend's layout differs from attention/lse.py's")
+    return lse.reshape(n, t).t()
+
+
+def merge_lse(out: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, out_b: torch.Tensor,
+              lse_b: torch.Tensor) -> None:
+    """In place: `out` [T, N, H] and `lse` (a pair's layout), attention over keys A, become
+    attention over keys A and B in the token `rows`, given out_b [len(rows), N, H] and lse_b,
+    attention of those queries over keys B (log-sum-exp weights, computed in float32 at
+    least)."""
+    if rows.numel() == 0:
+        return
+    lse_tn, lse_b_tn = lse_by_token(lse, out), lse_by_token(lse_b, out_b)
+    wide = torch.promote_types(lse_tn.dtype, torch.float32)
+    a, la = out.index_select(0, rows).to(wide), lse_tn.index_select(0, rows).to(wide)
+    lb = lse_b_tn.to(wide)
+    merged_lse = torch.logaddexp(la, lb)
+    merged = (a * torch.exp(la - merged_lse).unsqueeze(-1)
+              + out_b.to(wide) * torch.exp(lb - merged_lse).unsqueeze(-1))
+    out.index_copy_(0, rows, merged.to(out.dtype))
+    lse.view(-1, out.shape[0]).index_copy_(1, rows, merged_lse.t().to(lse.dtype))
+
+
+def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_kv, softmax_scale, backend, causal=True):
     name = backends.resolve_backend(backend, q.device.type, q.dtype)
     backends.get_backend(name)  # unknown names: the usual error
     pair = lse_pair(name)
     if pair is None:
         raise ValueError(f"backend {name!r} has no forward/backward pair from the log-sum-exp "
                          "here (attention/lse.py): use chunk_attention and autograd")
-    cu_q, cu_kv = _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_kv)
+    cu_q, cu_kv = _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_kv, causal)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     return pair, cu_q, cu_kv, scale
 
 
 # ---- flash-attn (UNTESTED until a GPU run) -------------------------------------------------------
-def _flash_forward(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, scale):
+def _flash_forward(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, scale, causal):
     flash_attn = backends._import_or_explain("flash_attn", "flash", "pip install flash-attn")
     if backends._major_minor(flash_attn.__version__) < (2, 1):
         raise ImportError(f"backend 'flash' needs flash-attn >= 2.1 (bottom-right causal mask); "
@@ -122,11 +162,11 @@ def _flash_forward(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, scale):
     cu_q_t, cu_kv_t, max_q, max_kv = backends._cu_on_device(cu_q, cu_kv, q_TNH.device)
     out, lse, _ = flash_attn.flash_attn_varlen_func(
         q_TNH, k_TGH, v_TGH, cu_q_t, cu_kv_t, max_q, max_kv, dropout_p=0.0,
-        softmax_scale=scale, causal=True, return_attn_probs=True)
+        softmax_scale=scale, causal=causal, return_attn_probs=True)
     return out, lse
 
 
-def _flash_backward(dout_TNH, q_TNH, k_TGH, v_TGH, out_TNH, lse, cu_q, cu_kv, scale):
+def _flash_backward(dout_TNH, q_TNH, k_TGH, v_TGH, out_TNH, lse, cu_q, cu_kv, scale, causal):
     interface = backends._import_or_explain("flash_attn.flash_attn_interface", "flash",
                                             "pip install flash-attn")
     bwd = interface._flash_attn_varlen_backward
@@ -143,7 +183,7 @@ def _flash_backward(dout_TNH, q_TNH, k_TGH, v_TGH, out_TNH, lse, cu_q, cu_kv, sc
                 "softcap": 0.0, "alibi_slopes": None, "deterministic": False, "rng_state": None}
     kwargs = {name: value for name, value in optional.items() if name in params}
     cu_q_t, cu_kv_t, max_q, max_kv = backends._cu_on_device(cu_q, cu_kv, q.device)
-    bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_q_t, cu_kv_t, max_q, max_kv, 0.0, scale, True,
+    bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_q_t, cu_kv_t, max_q, max_kv, 0.0, scale, causal,
         **kwargs)
     return tuple(x[..., :hd] for x in (dq, dk, dv))
 
@@ -172,18 +212,19 @@ def _varlen_api_has_pair() -> bool:
             and hasattr(torch.ops.torch_attn, "_varlen_attn_backward"))
 
 
-def _varlen_forward(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, scale):
+def _varlen_forward(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, scale, causal):
     varlen = _varlen_module()
     backends._require_cuda_half("varlen", q_TNH)
     cu_q_t, cu_kv_t, max_q, max_kv = backends._cu_on_device(cu_q, cu_kv, q_TNH.device)
     return varlen.varlen_attn(q_TNH, k_TGH, v_TGH, cu_q_t, cu_kv_t, max_q, max_kv,
                               return_aux=varlen.AuxRequest(lse=True), scale=scale,
-                              window_size=(-1, 0), enable_gqa=q_TNH.shape[1] != k_TGH.shape[1])
+                              window_size=(-1, 0 if causal else -1),
+                              enable_gqa=q_TNH.shape[1] != k_TGH.shape[1])
 
 
-def _varlen_backward(dout_TNH, q_TNH, k_TGH, v_TGH, out_TNH, lse, cu_q, cu_kv, scale):
+def _varlen_backward(dout_TNH, q_TNH, k_TGH, v_TGH, out_TNH, lse, cu_q, cu_kv, scale, causal):
     cu_q_t, cu_kv_t, max_q, max_kv = backends._cu_on_device(cu_q, cu_kv, q_TNH.device)
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q_TNH.device)  # no dropout
     return torch.ops.torch_attn._varlen_attn_backward(
         dout_TNH.contiguous(), q_TNH, k_TGH, v_TGH, out_TNH, lse, cu_q_t, cu_kv_t, max_q, max_kv,
-        True, rng_state, scale, [-1, 0])
+        causal, rng_state, scale, [-1, 0 if causal else -1])

@@ -36,21 +36,21 @@ TILE_QUERIES = 1024
 TILE_KEYS = 4096
 
 
-def _scores(q_GRQH, k_KGH, scale, q_pos: int, k_pos: int, lk: int, lq: int):
+def _scores(q_GRQH, k_KGH, scale, q_pos: int, k_pos: int, lk: int, lq: int, causal: bool):
     """Scores of a tile: queries q_pos.. of the segment, keys k_pos.. (bottom-right causal: query i
-    sees keys 0 .. lk - lq + i); masked entries are -inf."""
+    sees keys 0 .. lk - lq + i; not `causal`: all); masked entries are -inf."""
     s_GRQK = torch.einsum("grqh,kgh->grqk", q_GRQH, k_KGH) * scale
     nq, nk = q_GRQH.shape[2], k_KGH.shape[0]
     diagonal = lk - lq + q_pos - k_pos + 1  # the first masked key of the tile's first query
-    if diagonal < nk:  # the tile crosses the causal edge
+    if causal and diagonal < nk:  # the tile crosses the causal edge
         masked_QK = torch.ones(nq, nk, dtype=torch.bool, device=q_GRQH.device).triu(diagonal)
         s_GRQK = s_GRQK.masked_fill(masked_QK, float("-inf"))
     return s_GRQK
 
 
-def _key_end(q_end: int, lk: int, lq: int) -> int:
+def _key_end(q_end: int, lk: int, lq: int, causal: bool) -> int:
     """One past the last key that the queries before q_end may see."""
-    return min(lk, lk - lq + q_end)
+    return min(lk, lk - lq + q_end) if causal else lk
 
 
 def _group(t_QNH: torch.Tensor, ng: int) -> torch.Tensor:
@@ -63,7 +63,7 @@ def _ungroup(t_GRQH: torch.Tensor) -> torch.Tensor:
     return t_GRQH.permute(2, 0, 1, 3).reshape(q, g * r, hd)
 
 
-def _fwd(q_QNH, k_KGH, v_KGH, scale):
+def _fwd(q_QNH, k_KGH, v_KGH, scale, causal):
     """One segment, tile by tile: (out_QNH, lse_GRQ)."""
     q_QNH, k_KGH, v_KGH = _compute(q_QNH), _compute(k_KGH), _compute(v_KGH)
     lq, lk, ng = q_QNH.shape[0], k_KGH.shape[0], k_KGH.shape[1]
@@ -73,9 +73,9 @@ def _fwd(q_QNH, k_KGH, v_KGH, scale):
         q1 = min(lq, q0 + TILE_QUERIES)
         q_GRQH = _group(q_QNH[q0:q1], ng)
         acc_GRQH = lse_GRQ = None
-        for k0 in range(0, _key_end(q1, lk, lq), TILE_KEYS):
+        for k0 in range(0, _key_end(q1, lk, lq, causal), TILE_KEYS):
             k1 = min(lk, k0 + TILE_KEYS)
-            s_GRQK = _scores(q_GRQH, k_KGH[k0:k1], scale, q0, k0, lk, lq)
+            s_GRQK = _scores(q_GRQH, k_KGH[k0:k1], scale, q0, k0, lk, lq, causal)
             tile_lse = torch.logsumexp(s_GRQK, dim=-1)  # -inf where a query sees no key here
             finite = tile_lse.masked_fill(tile_lse == float("-inf"), 0).unsqueeze(-1)
             tile_GRQH = torch.einsum("grqk,kgh->grqh", torch.exp(s_GRQK - finite), v_KGH[k0:k1])
@@ -93,7 +93,7 @@ def _fwd(q_QNH, k_KGH, v_KGH, scale):
     return out_QNH, torch.cat(lses, dim=-1)
 
 
-def _bwd(dout_QNH, q_QNH, k_KGH, v_KGH, out_QNH, lse_GRQ, scale):
+def _bwd(dout_QNH, q_QNH, k_KGH, v_KGH, out_QNH, lse_GRQ, scale, causal):
     """One segment, tile by tile: (dq_QNH, dk_KGH, dv_KGH)."""
     dout_QNH, q_QNH, k_KGH, v_KGH, out_QNH = (_compute(t) for t in
                                               (dout_QNH, q_QNH, k_KGH, v_KGH, out_QNH))
@@ -106,9 +106,9 @@ def _bwd(dout_QNH, q_QNH, k_KGH, v_KGH, out_QNH, lse_GRQ, scale):
         lse = lse_GRQ[..., q0:q1].unsqueeze(-1)
         delta_GRQ = (do_GRQH * _group(out_QNH[q0:q1], ng)).sum(-1, keepdim=True)
         dq_GRQH = torch.zeros_like(q_GRQH)
-        for k0 in range(0, _key_end(q1, lk, lq), TILE_KEYS):
+        for k0 in range(0, _key_end(q1, lk, lq, causal), TILE_KEYS):
             k1 = min(lk, k0 + TILE_KEYS)
-            p_GRQK = torch.exp(_scores(q_GRQH, k_KGH[k0:k1], scale, q0, k0, lk, lq) - lse)
+            p_GRQK = torch.exp(_scores(q_GRQH, k_KGH[k0:k1], scale, q0, k0, lk, lq, causal) - lse)
             dv_KGH[k0:k1] += torch.einsum("grqk,grqh->kgh", p_GRQK, do_GRQH)
             dp_GRQK = torch.einsum("grqh,kgh->grqk", do_GRQH, v_KGH[k0:k1])
             ds_GRQK = p_GRQK * (dp_GRQK - delta_GRQ) * scale
@@ -118,9 +118,10 @@ def _bwd(dout_QNH, q_QNH, k_KGH, v_KGH, out_QNH, lse_GRQ, scale):
     return dq_QNH, dk_KGH, dv_KGH
 
 
-def torch_forward(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, scale):
+def torch_forward(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, scale, causal=True):
     """All segments of a chunk: (out_TNH, lse_GRT), the log-sum-exp of every query and head
-    (grouped by K/V head, in the compute dtype), for torch_backward."""
+    (grouped by K/V head, in the compute dtype), for torch_backward. `causal` False: every query
+    sees all of its segment's keys."""
     tq, nh, ng = q_TNH.shape[0], q_TNH.shape[1], k_TGH.shape[1]
     out_TNH = torch.empty_like(q_TNH)
     wide = torch.float32 if q_TNH.dtype in (torch.float16, torch.bfloat16) else q_TNH.dtype
@@ -129,11 +130,12 @@ def torch_forward(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, scale):
         q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_kv[i], cu_kv[i + 1]
         if q1 > q0:
             out_TNH[q0:q1], lse_GRT[..., q0:q1] = _fwd(q_TNH[q0:q1], k_TGH[k0:k1], v_TGH[k0:k1],
-                                                       scale)
+                                                       scale, causal)
     return out_TNH, lse_GRT
 
 
-def torch_backward(dout_TNH, q_TNH, k_TGH, v_TGH, out_TNH, lse_GRT, cu_q, cu_kv, scale):
+def torch_backward(dout_TNH, q_TNH, k_TGH, v_TGH, out_TNH, lse_GRT, cu_q, cu_kv, scale,
+                   causal=True):
     """(dq_TNH, dk_TGH, dv_TGH) from torch_forward's output and log-sum-exp, no forward."""
     dq_TNH, dk_TGH, dv_TGH = (torch.zeros_like(t) for t in (q_TNH, k_TGH, v_TGH))
     for i in range(len(cu_q) - 1):
@@ -141,7 +143,7 @@ def torch_backward(dout_TNH, q_TNH, k_TGH, v_TGH, out_TNH, lse_GRT, cu_q, cu_kv,
         if q1 == q0:
             continue
         dq, dk, dv = _bwd(dout_TNH[q0:q1], q_TNH[q0:q1], k_TGH[k0:k1], v_TGH[k0:k1],
-                          out_TNH[q0:q1], lse_GRT[..., q0:q1], scale)
+                          out_TNH[q0:q1], lse_GRT[..., q0:q1], scale, causal)
         dq_TNH[q0:q1], dk_TGH[k0:k1], dv_TGH[k0:k1] = dq, dk, dv
     return dq_TNH, dk_TGH, dv_TGH
 

@@ -12,7 +12,9 @@ from megatron_chunkflow.attention import (
     attention_with_lse,
     chunk_attention,
     cpu_flash,
+    lse_by_token,
     lse_pair,
+    merge_lse,
     torch_attention,
 )
 from tests.attention.test_chunk_attention import CASES, cumsum, make_inputs, run_with_grads
@@ -116,3 +118,77 @@ def test_no_queries():
     out, lse = attention_with_lse(q, k, v, [0, 0], [0, 4], backend="torch")
     dq, dk, dv = attention_backward(dout, q, k, v, out, lse, [0, 0], [0, 4], backend="torch")
     assert out.shape == q.shape and not dk.any() and dv.shape == v.shape
+
+
+def full_attention(q, k, v, cu_q, cu_kv):
+    """Every query sees all of its segment's keys: a plain softmax per segment (autograd)."""
+    outs = []
+    rep = q.shape[1] // k.shape[1]
+    for i in range(len(cu_q) - 1):
+        qs = q[cu_q[i]:cu_q[i + 1]].transpose(0, 1)
+        ks, vs = (x[cu_kv[i]:cu_kv[i + 1]].repeat_interleave(rep, 1).transpose(0, 1)
+                  for x in (k, v))
+        p = torch.softmax(qs @ ks.transpose(1, 2) / q.shape[-1] ** 0.5, dim=-1)
+        outs.append((p @ vs).transpose(0, 1))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("backend", PAIRED)
+@pytest.mark.parametrize("heads", RANDOM)
+def test_non_causal_pair_float64(backend, heads):
+    """causal=False: each query sees all of its segment's keys, fewer keys than queries too."""
+    nh, ng, hd = RANDOM[heads]
+    lq, lk = [7, 30, 1, 0, 12], [20, 4, 9, 3, 12]
+    cu_q, cu_kv = cumsum(lq), cumsum(lk)
+    q, k, v, dout = make_inputs(lq, lk, nh, ng, hd, torch.float64, seed=3)
+    ref = run_with_grads(lambda *a: full_attention(*a, cu_q, cu_kv), q, k, v, dout)
+    out, lse = attention_with_lse(q, k, v, cu_q, cu_kv, backend=backend, causal=False)
+    got = (out, *attention_backward(dout, q, k, v, out, lse, cu_q, cu_kv, backend=backend,
+                                    causal=False))
+    for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref, strict=True):
+        assert rel_err(x, r) <= 1e-12, (name, rel_err(x, r))
+    with pytest.raises(ValueError, match="segment 1 has lq=30 queries and no keys"):
+        attention_with_lse(q, k, v, cu_q, [0, 20, 20, 29, 32, 48], backend=backend, causal=False)
+
+
+@pytest.mark.parametrize("backend", PAIRED)
+def test_merged_parts_equal_the_whole(backend):
+    """A segment's keys cut in two, the ones before its queries (non-causal) and the rest
+    (causal): merge_lse of the parts is the whole attention, and each part's backward from the
+    merged output and log-sum-exp adds up to the whole backward (as the overlapped CP attention
+    uses them), in some rows only (`rows`: the queries the second part has)."""
+    nh, ng, hd = RANDOM["gqa"]
+    lq, lk = [10, 6], [25, 6]  # segment 0 has 15 prefix keys, segment 1 none
+    cu_q, cu_kv = cumsum(lq), cumsum(lk)
+    q, k, v, dout = make_inputs(lq, lk, nh, ng, hd, torch.float64, seed=5)
+    ref = run_with_grads(lambda *a: chunk_attention(*a, cu_q, cu_kv, backend="sdpa"), q, k, v,
+                         dout)
+    # part A: segment 0's last 5 prefix keys and its own, segment 1 whole; part B: segment 0's
+    # first 10 prefix keys, for segment 0's queries (rows 0..9) only
+    idx_a = torch.cat([torch.arange(10, 25), torch.arange(25, 31)])
+    idx_b = torch.arange(0, 10)
+    ka, va, kb, vb = k[idx_a], v[idx_a], k[idx_b], v[idx_b]
+    out, lse = attention_with_lse(q, ka, va, cu_q, [0, 15, 21], backend=backend)
+    rows = torch.arange(10)
+    out_b, lse_b = attention_with_lse(q[rows], kb, vb, [0, 10], [0, 10], backend=backend,
+                                      causal=False)
+    merge_lse(out, lse, rows, out_b, lse_b)
+    assert rel_err(out, ref[0]) <= 1e-12
+    dq, dka, dva = attention_backward(dout, q, ka, va, out, lse, cu_q, [0, 15, 21],
+                                      backend=backend)
+    lse_rows = lse_by_token(lse, out)[rows].t().reshape(lse_b.shape)
+    dqb, dkb, dvb = attention_backward(dout[rows], q[rows], kb, vb, out[rows], lse_rows,
+                                       [0, 10], [0, 10], backend=backend, causal=False)
+    dq = dq.index_add(0, rows, dqb)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    dk[idx_a], dv[idx_a] = dka, dva
+    dk[idx_b], dv[idx_b] = dkb, dvb
+    for name, x, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref[1:], strict=True):
+        assert rel_err(x, r) <= 1e-12, (name, rel_err(x, r))
+
+
+def test_lse_by_token_names_a_foreign_layout():
+    out = torch.zeros(4, 2, 8)
+    assert lse_by_token(torch.arange(8.0).view(2, 4), out)[1].tolist() == [1.0, 5.0]
+    with pytest.raises(ValueError, match="layout differs"):
+        lse_by_token(torch.zeros(1, 2, 6), out)
