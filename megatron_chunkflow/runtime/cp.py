@@ -1,21 +1,33 @@
-"""Context parallelism (CP) for ChunkFlow: zigzag shards of every chunk, all-gather attention.
+"""Context parallelism (CP) for ChunkFlow: zigzag shards of every chunk, all-gathered K/V, the gather
+overlapped with the attention over the keys a rank already holds.
 
 Layout. core/packer pads every segment of a chunk to a multiple of 2 x CP tokens (2 x CP x TP
 under sequence parallelism). A segment is cut into 2 x CP equal pieces and CP rank r holds pieces
-r and 2 x CP - 1 - r, segment after segment (`shard_ranges`). This is Megatron's THD layout:
-megatron-core's RoPE picks the same rows from the chunk's positions (rope_utils, its per-token
-CASE 1), and every rank's share of a causal segment's attention is equal. A long sequence's
-earlier chunks were held the same way, so its K/V state and gradient accumulators
-(runtime/state.py) are, per rank, 1/CP of the sequence's.
+r and 2 x CP - 1 - r, segment after segment (runtime/cp_keys.py `shard_ranges`). This is
+Megatron's THD layout: megatron-core's RoPE picks the same rows from the chunk's positions
+(rope_utils, its per-token CASE 1), and every rank's share of a causal segment's attention is
+equal. A long sequence's earlier chunks were held the same way, so its K/V state and gradient
+accumulators (runtime/state.py) are, per rank, 1/CP of the sequence's.
 
 Attention (`cp_attention`), in every layer: the rank's shards of [earlier chunks' K/V ++ the
-chunk's own] are all-gathered over the CP group (one collective for K and V); one index puts the
-keys each local query piece reads in sequence order, and one varlen kernel call runs the pieces as
+chunk's own] are all-gathered over the CP group (one collective for K and V); the keys each local
+query piece reads are selected in sequence order and one varlen kernel call runs the pieces as
 segments, each attending bottom-right causally to its segment's keys up to its own last token (in
 a dependent chunk: the whole prefix too). Every query sees exactly the keys it sees without CP, for
 any packing and prefix. The backward reduce-scatters dK/dV back to the ranks holding those K/V,
-the sum over ranks taken in fp32 under half precision (a key two local pieces both read gets their
-two gradients added in the K/V dtype first); the relay takes it from there.
+the sum over ranks taken in fp32 under half precision.
+
+Overlap (--chunkflow-cp-attention overlapped, the default; backends with the log-sum-exp pair).
+The gather is issued asynchronously, and while it runs the kernel attends each piece over the keys
+this rank holds (its shards of the prefix, its earlier piece, the piece itself last: bottom-right
+causal still; cp_keys.split_selection); then, for the pieces that have any, over the other ranks'
+keys, all of which precede the piece (one non-causal call); the two results merge by log-sum-exp
+(attention/lse.py merge_lse). The backward issues the gather again behind the own keys' backward
+(from the merged output and log-sum-exp, as ring attention does: exact), runs the others' keys'
+backward, and reduce-scatters one fp32 buffer holding both gradients. Traffic is the gather
+path's; on a GPU the collective runs on NCCL's stream beside the kernel. At CP 2 a rank's own keys
+are half its pairs on a standalone segment (and 1/CP of a prefix), so a long sequence left whole
+hides its gather entirely. `gather` gathers first and runs one call (_LseAttention).
 
 Memory and traffic. The gather and the index are redone in the backward, not saved: the local q
 and [prefix ++ own] K/V shards are saved, with the kernel's output and log-sum-exp where the
@@ -49,9 +61,6 @@ Shapes: THD per TP rank, q [t, np, hn], k/v [t, ng, hn], t = this CP rank's toke
 
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import NamedTuple
-
 import torch
 import torch.distributed as dist
 
@@ -60,67 +69,10 @@ from megatron_chunkflow.attention import (
     attention_with_lse,
     chunk_attention,
     lse_pair,
+    merge_lse,
     resolve_backend,
 )
-
-
-def shard_ranges(cu_seqlens, cp: int, rank: int) -> list[tuple[int, int]]:
-    """The [lo, hi) token ranges of a chunk with segment boundaries `cu_seqlens` that CP rank
-    `rank` holds, in its local order: pieces rank and 2 cp - 1 - rank of each segment."""
-    out = []
-    for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-        if (b - a) % (2 * cp):
-            raise ValueError(f"segment [{a}, {b}) has {b - a} tokens, which do not cut into "
-                             f"2 x CP = {2 * cp} equal pieces (core/packer pads segments)")
-        piece = (b - a) // (2 * cp)
-        out += [(a + i * piece, a + (i + 1) * piece) for i in (rank, 2 * cp - 1 - rank)]
-    return out
-
-
-def local_index(cu_seqlens, cp: int, rank: int) -> torch.Tensor:
-    """Indices (into the whole chunk) of the tokens CP rank `rank` holds, in its local order."""
-    ranges = shard_ranges(cu_seqlens, cp, rank)
-    return torch.cat([torch.arange(lo, hi) for lo, hi in ranges] or [torch.zeros(0, dtype=torch.long)])
-
-
-class KeySelection(NamedTuple):
-    """Which rows of a chunk's gathered K/V (prefix included) one CP rank's query pieces read."""
-
-    index: torch.Tensor  # rows of the gathered K/V the pieces read, piece after piece
-    cu_q: tuple[int, ...]  # the local queries cut into pieces (the kernel's segments)
-    cu_kv: tuple[int, ...]  # each piece's keys within `index`
-
-
-@lru_cache(maxsize=8)  # host memory: a late chunk's index lists its whole prefix twice
-def key_selection(cu_seqlens: tuple[int, ...], prefix_chunks: int, chunk_size: int, cp: int,
-                  rank: int, replicated: bool = False) -> KeySelection:
-    """The key selection for a chunk with segment boundaries `cu_seqlens` after `prefix_chunks`
-    earlier chunks of `chunk_size` tokens (a dependent chunk: one segment), on CP rank `rank`, on
-    the host (runtime/model.py keeps the device copy for one forward).
-
-    Rows of the K/V it indexes: sharded state (the default), rank after rank, each rank's shards of
-    the prefix chunks and then of this chunk (what runtime/state.py's relay concatenates, then
-    gathered); `replicated` state, chunk after chunk, each chunk's shards rank after rank (each
-    chunk's K/V gathered once, then concatenated by the relay)."""
-    prefix = prefix_chunks * chunk_size
-    if prefix and len(cu_seqlens) != 2:
-        raise ValueError("a dependent chunk has one segment")
-    blocks = [((0, chunk_size), i * chunk_size) for i in range(prefix_chunks)]
-    blocks.append((cu_seqlens, prefix))
-    order = ([(r, b) for b in blocks for r in range(cp)] if replicated
-             else [(r, b) for r in range(cp) for b in blocks])
-    natural = torch.cat([torch.arange(offset + lo, offset + hi)  # each row's position
-                         for r, (cu, offset) in order for lo, hi in shard_ranges(cu, cp, r)])
-    row = torch.empty_like(natural)
-    row[natural] = torch.arange(natural.numel())
-    rows, cu_q, cu_kv = [], [0], [0]
-    for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-        first = 0 if prefix else a  # the segment's first key
-        for lo, hi in shard_ranges((a, b), cp, rank):
-            rows.append(row[first:prefix + hi])  # a piece sees its segment's keys up to its end
-            cu_q.append(cu_q[-1] + hi - lo)
-            cu_kv.append(cu_kv[-1] + prefix + hi - first)
-    return KeySelection(torch.cat(rows), tuple(cu_q), tuple(cu_kv))
+from megatron_chunkflow.runtime.cp_keys import KeySelection, SplitSelection
 
 
 class Traffic:
@@ -136,14 +88,23 @@ class Traffic:
         return t.numel() * t.element_size() * (size - 1) // size
 
 
-def cp_attention(q, k, v, selection: KeySelection, group, softmax_scale: float, backend: str,
-                 traffic: Traffic | None = None) -> torch.Tensor:
+def cp_attention(q, k, v, selection: KeySelection | SplitSelection, group, softmax_scale: float,
+                 backend: str, traffic: Traffic | None = None) -> torch.Tensor:
     """This rank's attention output [t, np, hn] for its queries q [t, np, hn], given its shards k,
     v [s, ng, hn] of [prefix ++ chunk] K/V (module docstring), or with `group` None the whole
     [prefix ++ chunk] K/V of replicated state (nothing gathered here); `traffic` counts the
-    bytes. The backward runs from the saved log-sum-exp where the backend has the pair
-    (attention/lse.py), else recomputes the forward."""
-    if lse_pair(resolve_backend(backend, q.device.type, q.dtype)) is not None:
+    bytes. A SplitSelection overlaps the gather with the attention over the rank's own keys
+    (backends with the pair); else the backward runs from the saved log-sum-exp where the
+    backend has the pair (attention/lse.py), or recomputes the forward."""
+    has_pair = lse_pair(resolve_backend(backend, q.device.type, q.dtype)) is not None
+    if isinstance(selection, SplitSelection):
+        if not has_pair or group is None:
+            raise ValueError(f"the overlapped CP attention needs sharded state and a backend "
+                             f"with the log-sum-exp pair; {backend!r} has none here "
+                             "(--chunkflow-cp-attention gather)")
+        return _OverlappedAttention.apply(q, k, v, selection, group, softmax_scale, backend,
+                                          traffic)
+    if has_pair:
         return _LseAttention.apply(q, k, v, selection, group, softmax_scale, backend, traffic)
     return _RecomputedAttention.apply(q, k, v, selection, group, softmax_scale, backend, traffic)
 
@@ -173,6 +134,81 @@ class _LseAttention(torch.autograd.Function):
             selection.cu_kv, softmax_scale=softmax_scale, backend=backend)
         torch.autograd.backward((k_sel, v_sel), (dk_sel, dv_sel))
         return dq, k.grad, v.grad, None, None, None, None, None
+
+
+class _OverlappedAttention(torch.autograd.Function):
+    """The gather runs while the kernel attends over the rank's own keys (SplitSelection.local);
+    then the gathered keys of other ranks (non-causal) for the pieces that have them, merged by
+    log-sum-exp. Saves q, k, v, the merged output and log-sum-exp. Backward: the gather again
+    behind the own keys' backward, the other keys' backward, one reduce-scatter of dK/dV (the
+    own keys' gradient added into this rank's block first)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, split, group, softmax_scale, backend, traffic):
+        pending = _GatheredKV(k, v, group, traffic)
+        local = split.local
+        out, lse = attention_with_lse(q, k.index_select(0, local.index),
+                                      v.index_select(0, local.index), local.cu_q, local.cu_kv,
+                                      softmax_scale=softmax_scale, backend=backend)
+        kv = pending.wait()
+        if split.rows.numel():
+            out_b, lse_b = attention_with_lse(
+                q.index_select(0, split.rows), *_remote_kv(kv, split), split.remote.cu_q,
+                split.remote.cu_kv, softmax_scale=softmax_scale, backend=backend, causal=False)
+            merge_lse(out, lse, split.rows, out_b, lse_b)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (split, group, softmax_scale, backend, traffic)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        split, group, softmax_scale, backend, traffic = ctx.args
+        pending = _GatheredKV(k, v, group, traffic)
+        local, rows = split.local, split.rows
+        dq, dk_local, dv_local = attention_backward(
+            grad_out, q, k.index_select(0, local.index), v.index_select(0, local.index), out,
+            lse, local.cu_q, local.cu_kv, softmax_scale=softmax_scale, backend=backend)
+        kv = pending.wait()
+        size, rank, held = pending.size, pending.rank, k.size(0)
+        wide = torch.float32 if k.dtype in (torch.float16, torch.bfloat16) else k.dtype
+        grad = kv.new_zeros(kv.shape, dtype=wide)  # [cp * held, 2, ng, hn]
+        mine = local.index + rank * held
+        grad[:, 0].index_add_(0, mine, dk_local.to(wide))
+        grad[:, 1].index_add_(0, mine, dv_local.to(wide))
+        if rows.numel():
+            dq_b, dk_b, dv_b = attention_backward(
+                grad_out.index_select(0, rows), q.index_select(0, rows), *_remote_kv(kv, split),
+                out.index_select(0, rows), lse.index_select(-1, rows), split.remote.cu_q,
+                split.remote.cu_kv, softmax_scale=softmax_scale, backend=backend, causal=False)
+            dq.index_add_(0, rows, dq_b)
+            grad[:, 0].index_add_(0, split.remote.index, dk_b.to(wide))
+            grad[:, 1].index_add_(0, split.remote.index, dv_b.to(wide))
+        mine = _reduce_scatter(grad, group, size, rank, traffic).to(k.dtype)
+        return dq, mine[:, 0], mine[:, 1], None, None, None, None, None
+
+
+def _remote_kv(kv, split: SplitSelection):
+    selected = kv.index_select(0, split.remote.index)  # contiguous, as the kernels take them
+    return selected[:, 0], selected[:, 1]
+
+
+class _GatheredKV:
+    """An all-gather of this rank's K and V shards (stacked [s, 2, ng, hn]) under way: wait()
+    returns [cp * s, 2, ng, hn], rank after rank."""
+
+    def __init__(self, k, v, group, traffic: Traffic | None):
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.kv = torch.stack([k, v], dim=1)  # held until the collective is done with it
+        self.out = self.kv.new_empty((self.size * self.kv.size(0), *self.kv.shape[1:]))
+        self.work = _ALL_GATHER(self.out, self.kv, group=group, async_op=True)
+        if traffic is not None:
+            traffic.gathered += Traffic.received(self.out, self.size)
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        self.kv = None
+        return self.out
 
 
 class _RecomputedAttention(torch.autograd.Function):
@@ -245,14 +281,21 @@ class _GatherKV(torch.autograd.Function):
         group = ctx.group
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         wide = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
-        if grad.device.type == "cpu":  # gloo, which has no reduce-scatter
-            summed = grad.to(wide, memory_format=torch.contiguous_format, copy=True)
-            dist.all_reduce(summed, group=group)
-            out = summed.chunk(size)[rank]
-        else:
-            grad = grad.to(wide).contiguous()
-            out = grad.new_empty((grad.size(0) // size, *grad.shape[1:]))
-            _REDUCE_SCATTER(out, grad, group=group)
-        if ctx.traffic is not None:
-            ctx.traffic.reduce_scattered += out.numel() * out.element_size() * (size - 1)
+        out = _reduce_scatter(grad.to(wide), group, size, rank, ctx.traffic)
         return out.to(ctx.dtype), None, None
+
+
+def _reduce_scatter(grad, group, size: int, rank: int, traffic: Traffic | None):
+    """This rank's block of the sum over `group` of `grad` [size * s, ...] (all-reduce and slice
+    for CPU tensors: gloo has no reduce-scatter)."""
+    if grad.device.type == "cpu":
+        summed = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(summed, group=group)
+        out = summed.chunk(size)[rank]
+    else:
+        grad = grad.contiguous()
+        out = grad.new_empty((grad.size(0) // size, *grad.shape[1:]))
+        _REDUCE_SCATTER(out, grad, group=group)
+    if traffic is not None:
+        traffic.reduce_scattered += out.numel() * out.element_size() * (size - 1)
+    return out

@@ -54,8 +54,9 @@ def plan_step(sequences: Sequence[TokenSequence], chunkflow: ChunkFlowConfig,
     step = build_step(plan, sequences, chunkflow.chunk_size, device=device,
                       pad_multiple=parallel.pad_multiple, batch=batch, costs=costs,
                       cp_size=parallel.cp, cp_rank=ranks.cp_rank)
-    if parallel.cp > 1 and chunkflow.cp_kv != "sharded":
-        step.metas = {i: dataclasses.replace(m, cp_kv=chunkflow.cp_kv)
+    if parallel.cp > 1:
+        step.metas = {i: dataclasses.replace(m, cp_kv=chunkflow.cp_kv,
+                                             cp_attention=chunkflow.cp_attention)
                       for i, m in step.metas.items()}
     if sparse is not None and sparse.enabled:
         step = sparsify(step, sparse.sparse_backward, seed, step_index)

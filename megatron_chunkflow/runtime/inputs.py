@@ -105,7 +105,7 @@ def chunk_input(chunk: DataChunk, sequences: Sequence[TokenSequence], meta: Chun
                              max_seqlen_q=max_len, max_seqlen_kv=max_len)
     columns = [torch.cat(tokens), torch.cat(labels), torch.cat(mask), meta.position_ids]
     if meta.cp_size > 1:
-        from megatron_chunkflow.runtime.cp import local_index
+        from megatron_chunkflow.runtime.cp_keys import local_index
 
         mine = local_index(meta.cu_seqlens, meta.cp_size, meta.cp_rank)
         columns = [c[mine] for c in columns]

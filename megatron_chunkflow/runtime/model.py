@@ -26,8 +26,9 @@ from contextlib import contextmanager
 
 import torch
 
-from megatron_chunkflow.attention import chunk_attention
-from megatron_chunkflow.runtime.cp import cp_attention, gather_chunk_kv, key_selection
+from megatron_chunkflow.attention import chunk_attention, lse_pair, resolve_backend
+from megatron_chunkflow.runtime.cp import cp_attention, gather_chunk_kv
+from megatron_chunkflow.runtime.cp_keys import KeySelection, key_selection, split_selection
 from megatron_chunkflow.runtime.state import ChunkMeta, KVStateStore
 
 
@@ -89,13 +90,31 @@ class ChunkCoreAttention(torch.nn.Module):
                 raise RuntimeError(f"the chunk was planned for CP rank {meta.cp_rank} of "
                                    f"{meta.cp_size}, but this is rank {rank} of the model's "
                                    f"{size}-rank context-parallel group (plan_step's cp_rank)")
-            keys = key_selection(meta.cu_seqlens, meta.index if meta.dependent else 0,
-                                 meta.chunk_size, meta.cp_size, meta.cp_rank, replicated)
-            keys = keys._replace(index=keys.index.to(query.device))
+            prefix_chunks = meta.index if meta.dependent else 0
+            if not replicated and self._overlapped(meta, query):
+                split = split_selection(meta.cu_seqlens, prefix_chunks, meta.chunk_size,
+                                        meta.cp_size, meta.cp_rank)
+                keys = split._replace(local=_on_device(split.local, query.device),
+                                      remote=_on_device(split.remote, query.device),
+                                      rows=split.rows.to(query.device))
+            else:
+                keys = _on_device(key_selection(meta.cu_seqlens, prefix_chunks, meta.chunk_size,
+                                                meta.cp_size, meta.cp_rank, replicated),
+                                  query.device)
             self.store.cp_keys = keys
         out = cp_attention(query, key, value, keys, None if replicated else self.cp_group,
                            self.softmax_scale, self.backend, self.store.cp_traffic)
         return out.reshape(t, -1)
+
+    def _overlapped(self, meta: ChunkMeta, query) -> bool:
+        """The overlapped attention (--chunkflow-cp-attention overlapped) where the backend has
+        the log-sum-exp pair; the others (sdpa, flex, te) gather first."""
+        backend = resolve_backend(self.backend, query.device.type, query.dtype)
+        return meta.cp_attention == "overlapped" and lse_pair(backend) is not None
+
+
+def _on_device(keys: KeySelection, device) -> KeySelection:
+    return keys._replace(index=keys.index.to(device))
 
 
 def _cp_size(group) -> int:

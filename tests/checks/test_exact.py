@@ -48,7 +48,7 @@ LAYOUTS = {
     "pp4": (4, 1, 4, False, (1, 2), [MIXED, SINGLE_CHUNK, DEPENDENT]),
     "tp2_pp2": (4, 2, 2, True, (2,), [MIXED, STANDALONE]),
     "dp2_pp2": (4, 1, 2, False, (1,), [MIXED, DEPENDENT]),
-    # context parallelism: zigzag shards, sharded K/V state, all-gather attention (runtime/cp.py)
+    # context parallelism: zigzag shards, sharded K/V state, overlapped attention (runtime/cp.py)
     "cp2": (2, 1, 1, False, (1, 2), STEPS, 2),
     "cp2_cpu_flash_recompute": (2, 1, 1, False, (2,), [MIXED], 2, "selective", "auto"),
     "cp2_full_recompute": (2, 1, 1, False, (1,), [MIXED], 2, "full"),
@@ -69,6 +69,10 @@ LAYOUTS = {
     "cp4_replicated": (4, 1, 1, False, (1, 2), [MIXED, DEPENDENT], 4),
     "tp2_cp2_sequence_parallel_replicated": (4, 2, 1, True, (1, 2), [MIXED, DEPENDENT], 2),
     "cp2_pp2_replicated": (4, 1, 2, False, (1,), [MIXED, DEPENDENT], 2),
+    # sharded state runs the overlapped attention (the gather behind the rank's own keys) by
+    # default; the gather-first path (--chunkflow-cp-attention gather) and CP 4
+    "cp2_gather": (2, 1, 1, False, (1, 2), [MIXED, DEPENDENT], 2),
+    "cp4": (4, 1, 1, False, (1,), [MIXED, DEPENDENT], 4),
 }
 MODELS = {"qwen3_tp2_cp2_sequence_parallel": "tiny-qwen3", "llama3_cp2_pp2": "tiny-llama3"}
 VIRTUAL = {"pp2_vpp2": 2, "pp2_vpp2_full_recompute": 2, "tp2_pp2_vpp2_sequence_parallel": 2,
@@ -110,8 +114,10 @@ def _run_layout(name):
                               vpp=VIRTUAL.get(name, 1))
     shape = get_model_shape(MODELS.get(name, "tiny"))
     cp_kv = "replicated" if name.endswith(("_replicated", "_replicated_sdpa")) else "sharded"
-    out = {k: _summary(run_verify(shape, steps, ChunkFlowConfig(C, k, backend, cp_kv=cp_kv),
-                                  parallel, seed=2))
+    cp_attention = "gather" if name.endswith("_gather") else "overlapped"
+    config = {k: ChunkFlowConfig(C, k, backend, cp_kv=cp_kv, cp_attention=cp_attention)
+              for k in ks}
+    out = {k: _summary(run_verify(shape, steps, config[k], parallel, seed=2))
            for k in ks}
     from megatron.core import parallel_state
 

@@ -9,10 +9,15 @@ tests/megatron_lm/test_pretrain_gpt.py (the launcher at CP 2).
 import pytest
 import torch
 
-from megatron_chunkflow.attention import chunk_attention
+from megatron_chunkflow.attention import attention_with_lse, chunk_attention, merge_lse
 from megatron_chunkflow.core.models import get_model_shape
 from megatron_chunkflow.core.packer import build_chunks
-from megatron_chunkflow.runtime.cp import key_selection, local_index, shard_ranges
+from megatron_chunkflow.runtime.cp_keys import (
+    key_selection,
+    local_index,
+    shard_ranges,
+    split_selection,
+)
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
@@ -78,6 +83,48 @@ def test_every_query_sees_its_unsplit_keys(cp, case, replicated):
         torch.testing.assert_close(out, whole[local_index(cu, cp, r)], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("cp", [2, 3, 4])
+@pytest.mark.parametrize("case", ["standalone", "dependent"])
+def test_split_keys_are_the_rank_own_then_the_gathered(cp, case):
+    """split_selection: each piece's own keys (from the rank's shards, its own piece last:
+    causal) and the others' (from the gathered K/V, all before the piece: non-causal), merged,
+    give every query its unsplit attention; rows lists exactly the pieces with others' keys."""
+    torch.manual_seed(1)
+    c = 8 * cp
+    cu, prefix_chunks = ((0, 2 * cp, 4 * cp, c), 0) if case == "standalone" else ((0, 4 * cp), 2)
+    prefix = prefix_chunks * c
+    n = prefix + cu[-1]
+    q, k, v = (torch.randn(n, h, 4, dtype=torch.float64) for h in (4, 2, 2))
+    if prefix:
+        whole = chunk_attention(q[prefix:], k, v, [0, cu[-1]], [0, n], backend="sdpa")
+    else:
+        whole = chunk_attention(q, k, v, list(cu), list(cu), backend="sdpa")
+    blocks = [((0, c), i * c) for i in range(prefix_chunks)] + [(cu, prefix)]
+    held = [torch.cat([local_index(b, cp, r) + off for b, off in blocks]) for r in range(cp)]
+    gathered = torch.cat(held)
+    for r in range(cp):
+        split = split_selection(cu, prefix_chunks, c, cp, r)
+        full = key_selection(cu, prefix_chunks, c, cp, r)
+        assert split.local.index.numel() + split.remote.index.numel() == full.index.numel()
+        q_local = q[prefix + local_index(cu, cp, r)]
+        mine = held[r]
+        out, lse = attention_with_lse(q_local, k[mine][split.local.index],
+                                      v[mine][split.local.index], split.local.cu_q,
+                                      split.local.cu_kv, backend="torch")
+        rows = split.rows
+        if rows.numel():
+            remote = gathered[split.remote.index]
+            assert not set(remote.tolist()) & set(mine.tolist())
+            out_b, lse_b = attention_with_lse(q_local[rows], k[remote], v[remote],
+                                              split.remote.cu_q, split.remote.cu_kv,
+                                              backend="torch", causal=False)
+            merge_lse(out, lse, rows, out_b, lse_b)
+        # only rank 0's first piece of each standalone segment sees no other rank's key
+        expect = 0 if prefix or r else sum((b - a) // (2 * cp) for a, b in zip(cu[:-1], cu[1:]))
+        assert q_local.shape[0] - rows.numel() == expect
+        torch.testing.assert_close(out, whole[local_index(cu, cp, r)], rtol=1e-12, atol=1e-12)
+
+
 def test_packer_pads_every_segment_for_the_split():
     shape = get_model_shape("tiny")
     batch = build_chunks([70, 5, 33, 1, 16], 16, 1, 1, shape, segment_multiple=4)
@@ -123,7 +170,9 @@ def _cp_backward_on_rank(cases):
              "torch": (cp_module.cp_attention, "torch"),
              "sdpa": (cp_module.cp_attention, "sdpa"),
              "cpu_flash recompute": (cp_module._RecomputedAttention.apply, "cpu_flash"),
-             "torch recompute": (cp_module._RecomputedAttention.apply, "torch")}
+             "torch recompute": (cp_module._RecomputedAttention.apply, "torch"),
+             "cpu_flash overlapped": (cp_module.cp_attention, "cpu_flash"),
+             "torch overlapped": (cp_module.cp_attention, "torch")}
     out = []
     try:
         for cu, prefix_chunks, c in cases:
@@ -142,17 +191,19 @@ def _cp_backward_on_rank(cases):
             else:
                 whole = chunk_attention(qf, kf, vf, list(cu), list(cu), backend="sdpa")
             whole.backward(dout)
-            ref = (qf.grad[prefix + rows], kf.grad[mine], vf.grad[mine])
+            ref = (whole.detach()[rows], qf.grad[prefix + rows], kf.grad[mine], vf.grad[mine])
             layout = key_selection(cu, prefix_chunks, c, cp, rank)
+            split = split_selection(cu, prefix_chunks, c, cp, rank)
             grads, forwards = {}, {}
             for path, (fn, backend) in paths.items():
                 ql, kl, vl = (x.clone().requires_grad_() for x in (q[prefix + rows], k[mine],
                                                                    v[mine]))
-                o = fn(ql, kl, vl, layout, group, 8 ** -0.5, backend, None)
+                o = fn(ql, kl, vl, split if "overlapped" in path else layout, group, 8 ** -0.5,
+                       backend, None)
                 before = dict(calls)
                 o.backward(dout[rows])
                 forwards[path] = {b: calls[b] - before[b] for b in calls}
-                grads[path] = (ql.grad, kl.grad, vl.grad)
+                grads[path] = (o.detach(), ql.grad, kl.grad, vl.grad)
 
             def err(xs, refs):
                 return max(((x - r).abs().max() / r.abs().max()).item() for x, r in zip(xs, refs))
@@ -171,14 +222,15 @@ def test_cp_backward_from_the_lse_runs_no_forward_and_is_exact(gloo):
     """CP 2 over gloo, float64: a standalone chunk of three segments and a dependent chunk over two
     chunks of prefix. cpu_flash and torch take the backward from the saved log-sum-exp: their
     gradients equal unsharded attention's and the recompute path's within 1e-12, and their
-    backward runs no attention forward; sdpa (no pair) recomputes it."""
+    backward runs no attention forward; sdpa (no pair) recomputes it. The overlapped attention
+    (the gather behind the rank's own keys, merged by log-sum-exp) likewise, output included."""
     cases = [((0, 4, 12, 20), 0, 20), ((0, 16), 2, 16)]
     for per_case in zip(*gloo.run(_cp_backward_on_rank, 2, cases)):
         for rank_result in per_case:
             for path, (vs_whole, vs_recompute, forwards) in rank_result.items():
                 assert vs_whole <= 1e-12 and vs_recompute <= 1e-12, (path, vs_whole, vs_recompute)
                 backend = path.split()[0]
-                if path in ("cpu_flash", "torch"):
+                if path in ("cpu_flash", "torch") or "overlapped" in path:
                     assert forwards == {"cpu_flash": 0, "torch": 0, "sdpa": 0}, (path, forwards)
                 else:  # the recompute path: one forward of its backend in the backward
                     assert forwards[backend] > 0, (path, forwards)

@@ -1,0 +1,123 @@
+"""Which keys each query piece of a CP rank reads under ChunkFlow's context parallelism
+(runtime/cp.py): the zigzag shards a rank holds, and the rows of the gathered K/V its pieces
+select, in one list (key_selection) or split into the rank's own and the others'
+(split_selection, for the overlapped attention). Host-side index arithmetic, cached per chunk
+shape.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple
+
+import torch
+
+
+def shard_ranges(cu_seqlens, cp: int, rank: int) -> list[tuple[int, int]]:
+    """The [lo, hi) token ranges of a chunk with segment boundaries `cu_seqlens` that CP rank
+    `rank` holds, in its local order: pieces rank and 2 cp - 1 - rank of each segment."""
+    out = []
+    for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        if (b - a) % (2 * cp):
+            raise ValueError(f"segment [{a}, {b}) has {b - a} tokens, which do not cut into "
+                             f"2 x CP = {2 * cp} equal pieces (core/packer pads segments)")
+        piece = (b - a) // (2 * cp)
+        out += [(a + i * piece, a + (i + 1) * piece) for i in (rank, 2 * cp - 1 - rank)]
+    return out
+
+
+def local_index(cu_seqlens, cp: int, rank: int) -> torch.Tensor:
+    """Indices (into the whole chunk) of the tokens CP rank `rank` holds, in its local order."""
+    ranges = shard_ranges(cu_seqlens, cp, rank)
+    return torch.cat([torch.arange(lo, hi) for lo, hi in ranges] or [torch.zeros(0, dtype=torch.long)])
+
+
+class KeySelection(NamedTuple):
+    """Which rows of a chunk's gathered K/V (prefix included) one CP rank's query pieces read."""
+
+    index: torch.Tensor  # rows of the gathered K/V the pieces read, piece after piece
+    cu_q: tuple[int, ...]  # the local queries cut into pieces (the kernel's segments)
+    cu_kv: tuple[int, ...]  # each piece's keys within `index`
+
+
+def _gathered_rows(cu_seqlens, prefix_chunks: int, chunk_size: int, cp: int,
+                   replicated: bool) -> torch.Tensor:
+    """row[p]: the row of the gathered K/V that holds position p of [prefix ++ chunk]."""
+    blocks = [((0, chunk_size), i * chunk_size) for i in range(prefix_chunks)]
+    blocks.append((cu_seqlens, prefix_chunks * chunk_size))
+    order = ([(r, b) for b in blocks for r in range(cp)] if replicated
+             else [(r, b) for r in range(cp) for b in blocks])
+    natural = torch.cat([torch.arange(offset + lo, offset + hi)  # each row's position
+                         for r, (cu, offset) in order for lo, hi in shard_ranges(cu, cp, r)])
+    row = torch.empty_like(natural)
+    row[natural] = torch.arange(natural.numel())
+    return row
+
+
+def _pieces(cu_seqlens, prefix: int, cp: int, rank: int):
+    """(lo, hi, first) of this rank's query pieces: a piece sees its segment's keys from `first`
+    (0 in a dependent chunk: the whole prefix) up to its own end, prefix + hi."""
+    if prefix and len(cu_seqlens) != 2:
+        raise ValueError("a dependent chunk has one segment")
+    for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        for lo, hi in shard_ranges((a, b), cp, rank):
+            yield lo, hi, 0 if prefix else a
+
+
+@lru_cache(maxsize=8)  # host memory: a late chunk's index lists its whole prefix twice
+def key_selection(cu_seqlens: tuple[int, ...], prefix_chunks: int, chunk_size: int, cp: int,
+                  rank: int, replicated: bool = False) -> KeySelection:
+    """The key selection for a chunk with segment boundaries `cu_seqlens` after `prefix_chunks`
+    earlier chunks of `chunk_size` tokens (a dependent chunk: one segment), on CP rank `rank`, on
+    the host (runtime/model.py keeps the device copy for one forward).
+
+    Rows of the K/V it indexes: sharded state (the default), rank after rank, each rank's shards of
+    the prefix chunks and then of this chunk (what runtime/state.py's relay concatenates, then
+    gathered); `replicated` state, chunk after chunk, each chunk's shards rank after rank (each
+    chunk's K/V gathered once, then concatenated by the relay)."""
+    prefix = prefix_chunks * chunk_size
+    row = _gathered_rows(cu_seqlens, prefix_chunks, chunk_size, cp, replicated)
+    rows, cu_q, cu_kv = [], [0], [0]
+    for lo, hi, first in _pieces(cu_seqlens, prefix, cp, rank):
+        rows.append(row[first:prefix + hi])
+        cu_q.append(cu_q[-1] + hi - lo)
+        cu_kv.append(cu_kv[-1] + prefix + hi - first)
+    return KeySelection(torch.cat(rows), tuple(cu_q), tuple(cu_kv))
+
+
+class SplitSelection(NamedTuple):
+    """The overlapped attention's keys (sharded state): `local` indexes this rank's own shards
+    (the keys it holds; each piece's own keys last, bottom-right causal), `remote` the gathered
+    K/V (keys of other ranks, all before the piece: every query sees all of them) for the query
+    rows `rows` (the pieces that have such keys)."""
+
+    local: KeySelection
+    remote: KeySelection
+    rows: torch.Tensor
+
+
+@lru_cache(maxsize=8)
+def split_selection(cu_seqlens: tuple[int, ...], prefix_chunks: int, chunk_size: int, cp: int,
+                    rank: int) -> SplitSelection:
+    """key_selection's keys of each local query piece, split into the rank's own and the rest."""
+    prefix = prefix_chunks * chunk_size
+    row = _gathered_rows(cu_seqlens, prefix_chunks, chunk_size, cp, False)
+    held = row.numel() // cp  # every rank holds as many rows: rank r's are [r held, (r+1) held)
+    local, remote, rows = [], [], []
+    cu_q, cu_local, cu_rq, cu_remote = [0], [0], [0], [0]
+    for lo, hi, first in _pieces(cu_seqlens, prefix, cp, rank):
+        keys = row[first:prefix + hi]
+        mine = (keys >= rank * held) & (keys < (rank + 1) * held)
+        local.append(keys[mine] - rank * held)
+        cu_q.append(cu_q[-1] + hi - lo)
+        cu_local.append(cu_local[-1] + local[-1].numel())
+        if not mine.all():
+            remote.append(keys[~mine])
+            rows.append(torch.arange(cu_q[-2], cu_q[-1]))
+            cu_rq.append(cu_rq[-1] + hi - lo)
+            cu_remote.append(cu_remote[-1] + remote[-1].numel())
+    empty = torch.zeros(0, dtype=torch.long)
+    return SplitSelection(KeySelection(torch.cat(local), tuple(cu_q), tuple(cu_local)),
+                          KeySelection(torch.cat(remote or [empty]), tuple(cu_rq),
+                                       tuple(cu_remote)),
+                          torch.cat(rows or [empty]))
