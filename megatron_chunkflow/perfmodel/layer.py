@@ -30,17 +30,24 @@ composes into per-op costs (recompute, launch floor), for a micro-batch of T tok
   [its sequence's earlier chunks ++ the chunk] (G = prefix + T tokens, whole), selects the keys
   each local piece reads (index_select: S = per piece the prefix and its segment up to the
   piece's end) and runs one varlen kernel, each piece bottom-right causal: its pairs are
-  charged per piece, the slowest rank's (the gather synchronizes them). The gather is not
-  overlapped: time = gather + kernel. The local Q, K, V, the kernel's output and log-sum-exp are
-  saved (not the gathered K/V), so the backward gathers again, runs the kernel backward from the
-  saved output and log-sum-exp and reduce-scatters dK/dV in fp32 (under bf16: twice the gather's
-  bytes): gather + bwd + reduce-scatter. That is the path of the flash-style kernels modelled here
-  (flash, varlen: attention/lse.py); a backend without that pair (te) would recompute the kernel
-  forward in the backward, which this model does not charge.
-  Collectives are rings on hw.link(layout.span("cp")), as the TP ones; cp_overlap does not apply.
-  With replicated state (--chunkflow-cp-kv replicated) a dependent chunk gathers only its own K/V
-  (G = T tokens) forward, keeps [prefix ++ chunk] whole (the cat, the selection and the relay on
-  whole chunks) and in the backward gathers nothing: bwd + reduce-scatter of its own dK/dV.
+  charged per piece, the slowest rank's (the gather synchronizes them). The local Q, K, V, the
+  kernel's output and log-sum-exp are saved (not the gathered K/V), so the backward gathers
+  again, runs the kernel backward from the saved output and log-sum-exp and reduce-scatters dK/dV
+  in fp32 (under bf16: twice the gather's bytes). The runtime's default overlaps the gather
+  (--chunkflow-cp-attention overlapped, what this model charges): the kernel first attends over
+  the keys the rank holds (its prefix shards, its earlier piece, the piece itself: own pairs,
+  pairs.zigzag_split_pairs) while the gather runs, then over the other ranks' keys (non-causal:
+  whole tiles) and merges the two by log-sum-exp; the backward likewise. Time = overlapped(own,
+  gather) + others (+ the reduce-scatter backward) + the merge's copies of query-side tensors
+  (OVERLAP_MERGE_BYTES), with cp_overlap as for the ring; the slowest rank's pairs and the
+  smallest own share. That is the path of the flash-style kernels modelled here (flash, varlen:
+  attention/lse.py); a backend without that pair (te) would gather first and recompute the
+  kernel forward in the backward, which this model does not charge.
+  Collectives are rings on hw.link(layout.span("cp")), as the TP ones. With replicated state
+  (--chunkflow-cp-kv replicated) a dependent chunk gathers only its own K/V (G = T tokens)
+  forward, not overlapped (before the relay), keeps [prefix ++ chunk] whole (the cat, the
+  selection and the relay on whole chunks) and in the backward gathers nothing: bwd +
+  reduce-scatter of its own dK/dV; its standalone chunks run the overlapped attention.
 - ChunkFlow's own traffic (runtime/state.py, every layer): a dependent chunk's forward and
   re-forward concatenate its sequence's stored prefix K/V with its own (torch.cat reads both and
   writes the copy, K and V); its backward adds the prefix part of the K/V gradient into each
@@ -78,7 +85,9 @@ attention.py, mlp.py; TE's LayerNormLinear fuses the norm with the linear):
   ChunkFlow under CP has no ring steps: forward +4 (stack, all-gather, the K and V selections),
   backward +13 (those 4; for K and for V the selection's gradient zero-filled, index-added and
   copied into the gathered shape; cast to fp32, reduce-scatter, cast back), +11 with replicated
-  state (no stack and gather again).
+  state (no stack and gather again); overlapped, forward +4 more (the queries' selection, the
+  second kernel, the merge's two) and backward +5 (three selections, the second kernel, the dq
+  add).
   Recompute re-launches what it re-runs: core_attn 1 (+3 per CP step; +4 for ChunkFlow's CP),
   mlp 3 (+2 collectives), layernorm 4 (two norms, two copies), full the forward's.
   A cross-check: the unfused local spec on CPU dispatches 55 ATen ops forward and 72 backward
@@ -100,6 +109,11 @@ from megatron_chunkflow.core.costs import (
 )
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.types import DataChunk
+from megatron_chunkflow.perfmodel.gemm import (  # noqa: F401  (re-exported)
+    gemm_efficiency,
+    gemm_shape_factor,
+    gemm_time,
+)
 from megatron_chunkflow.perfmodel.hardware import Hardware
 from megatron_chunkflow.perfmodel.pairs import (  # noqa: F401  (re-exported)
     attention_tiles,
@@ -107,52 +121,21 @@ from megatron_chunkflow.perfmodel.pairs import (  # noqa: F401  (re-exported)
     gather_extent,
     piece_pairs,
     zigzag_pairs,
+    zigzag_split_pairs,
 )
 
-GEMM_TILES = ((128, 256), (256, 128), (128, 128), (64, 128), (128, 64))
-SPLIT_K = (1, 2, 4, 8, 16)
-K_OVERHEAD = 128  # per-tile fill + epilogue, in K elements (about two 64-wide main-loop steps)
 ATTN_BWD_FLOPS = 2.5  # flash backward: 5 matmuls (QK^T again, dP, dV, dQ, dK) vs 2 forward
 KERNELS_FWD, KERNELS_BWD = 12, 22  # one layer, TE spec, fused (module docstring)
 TP_KERNELS_FWD, TP_KERNELS_BWD = 4, 6  # its collectives under TP > 1
 CP_KERNELS_PER_STEP = 3  # attention, send/receive, correction per extra ring step
 GATHER_KERNELS_FWD, GATHER_KERNELS_BWD = 4, 13  # ChunkFlow's CP attention (module docstring)
+OVERLAP_KERNELS = (4, 5)  # the overlapped attention's more, forward and backward (docstring)
+# the overlapped attention's merge, in query-side tensors ([t, heads, head dim]) read or written:
+# forward the queries' selection (2), both outputs read and the result written (3); backward
+# dout, q and out selected (6), the two dq added (3)
+OVERLAP_MERGE_BYTES = (5, 9)
 RECOMPUTE_KERNELS = {"core_attn": 1, "mlp": 3, "layernorm": 4}
 PARTS_CACHE = 50_000  # Parts kept per LayerModel
-
-
-@lru_cache(maxsize=65536)
-def gemm_shape_factor(m: int, n: int, k: int, num_sms: int) -> float:
-    """Tile x wave x k efficiency of an (m x k) @ (k x n) GEMM, in (0, 1]; 1 when num_sms = 0."""
-    if num_sms == 0:
-        return 1.0
-    best = 0.0
-    for tm, tn in GEMM_TILES:
-        tiles = math.ceil(m / tm) * math.ceil(n / tn)
-        tile_eff = m * n / (tiles * tm * tn)
-        for split in SPLIT_K:
-            k_slice = math.ceil(k / split)
-            if split > 1 and (k_slice < 4 * K_OVERHEAD or tiles >= num_sms):
-                break
-            units = tiles * split
-            wave_eff = units / (math.ceil(units / num_sms) * num_sms)
-            best = max(best, tile_eff * wave_eff * k_slice / (k_slice + K_OVERHEAD))
-    return best
-
-
-def gemm_efficiency(m: int, n: int, k: int, hw: Hardware) -> float:
-    """Fraction of peak an (m x k) @ (k x n) GEMM reaches on `hw` (<= hw.gemm_max_eff)."""
-    return hw.gemm_max_eff * gemm_shape_factor(m, n, k, hw.num_sms)
-
-
-def gemm_time(m: int, n: int, k: int, hw: Hardware) -> float:
-    """Seconds of an (m x k) @ (k x n) GEMM: compute- or memory-bound, whichever is slower."""
-    if m <= 0 or n <= 0 or k <= 0:
-        return 0.0
-    flops = 2.0 * m * n * k
-    nbytes = hw.dtype_bytes * (m * k + k * n + m * n)
-    return max(flops / (hw.peak_flops * gemm_efficiency(m, n, k, hw)),
-               nbytes / (hw.hbm_gb_s * 1e9 * hw.mem_eff))
 
 
 class Work(NamedTuple):
@@ -166,6 +149,7 @@ class Work(NamedTuple):
     gathered: int = 0  # ChunkFlow under CP: K/V tokens all-gathered per layer (prefix + chunk)
     selected: int = 0  # ChunkFlow under CP: K/V rows this rank's pieces read (the selection)
     replicated: bool = False  # ChunkFlow under CP, replicated state: `gathered` is the chunk's own
+    own_pairs: float = 0.0  # ChunkFlow under CP, overlapped: pairs over the rank's own keys
 
 
 def chunk_work(chunk: DataChunk, block: int, cp: int = 1, gather: bool | str = False) -> Work:
@@ -177,15 +161,22 @@ def chunk_work(chunk: DataChunk, block: int, cp: int = 1, gather: bool | str = F
     dep, prefix = chunk.is_dependent, chunk.prefix_len
     state = (prefix, chunk.index, chunk.index < chunk.num_siblings - 1) if dep else (0, 0, False)
     if gather and cp > 1:
-        per_rank = [0.0] * cp
+        replicated = dep and gather == "replicated"
+        per_rank, own = [0.0] * cp, [0.0] * cp
         for s in chunk.segments:
             assert s.computed_tokens % (2 * cp) == 0, "segments are padded to 2 x CP"
-            for r, pairs in enumerate(zigzag_pairs(prefix, s.computed_tokens, block, cp)):
-                per_rank[r] += pairs
+            if replicated:
+                for r, pairs in enumerate(zigzag_pairs(prefix, s.computed_tokens, block, cp)):
+                    per_rank[r] += pairs
+                continue
+            for r, (mine, others) in enumerate(zigzag_split_pairs(prefix, s.computed_tokens,
+                                                                  block, cp)):
+                per_rank[r] += mine + others
+                own[r] += mine
         gathered, selected = gather_extent(chunk, cp)
-        replicated = dep and gather == "replicated"
         return Work(chunk.computed_tokens // cp, max(per_rank), *state,
-                    chunk.computed_tokens if replicated else gathered, selected, replicated)
+                    chunk.computed_tokens if replicated else gathered, selected, replicated,
+                    min(own))
     pairs = sum(computed_pairs(prefix, s.computed_tokens, block, cp) for s in chunk.segments)
     return Work(math.ceil(chunk.computed_tokens / cp), pairs / cp, *state)
 
@@ -275,15 +266,24 @@ class LayerModel:
         return out
 
     def attention(self, tokens: int, pairs: float, gathered: int = 0,
-                  replicated: bool = False) -> tuple[float, float]:
+                  replicated: bool = False, own_pairs: float = 0.0) -> tuple[float, float]:
         """(forward, backward) seconds of one layer's attention core on one GPU for `tokens`
         tokens and `pairs` computed (query, key) pairs on it (chunk_work), CP included: Megatron's
         ring, or with `gathered` K/V tokens ChunkFlow's all-gather (module docstring), gathered
-        again in the backward unless the state is `replicated`."""
+        again in the backward unless the state is `replicated`, behind the kernel's `own_pairs`
+        where the attention is overlapped."""
         hw, cp = self.hw, self.layout.cp
         flops = pairs * attention_flops_per_pair_per_layer(self.shape, self.layout.tp)
         fwd = flops / (hw.peak_flops * hw.attn_fwd_eff)
         bwd = ATTN_BWD_FLOPS * flops / (hw.peak_flops * hw.attn_bwd_eff)
+        if cp > 1 and gathered and own_pairs:
+            gather, scatter = self.gather_times(gathered)
+            mine = own_pairs / pairs
+            merge = tokens * self.attn_width * hw.dtype_bytes / self.mem_bw
+            return (overlapped(mine * fwd, gather, hw.cp_overlap) + (1 - mine) * fwd
+                    + OVERLAP_MERGE_BYTES[0] * merge,
+                    overlapped(mine * bwd, gather, hw.cp_overlap) + (1 - mine) * bwd + scatter
+                    + OVERLAP_MERGE_BYTES[1] * merge)
         if cp > 1 and gathered:
             gather, scatter = self.gather_times(gathered)
             # backward from the saved lse; replicated state: from the saved [prefix ++ chunk]
@@ -343,16 +343,18 @@ class LayerModel:
 
     def _compute_parts(self, work: Work) -> Parts:
         d = self.dense(work.tokens)
-        a_fwd, a_bwd = self.attention(work.tokens, work.pairs, work.gathered, work.replicated)
+        a_fwd, a_bwd = self.attention(work.tokens, work.pairs, work.gathered, work.replicated,
+                                      work.own_pairs)
         s_fwd, s_bwd = self.state_traffic(work)
         cat_kernels = 2 if work.prefix else 0
         acc_kernels = 2 * work.prior + (4 if work.relayed else 0)
         mk = self.module_kernels
         fwd_k, bwd_k, attn_k = self.kernels_fwd, self.kernels_bwd, mk["core_attn"]
         if work.gathered:
-            fwd_k = self.base_kernels[0] + GATHER_KERNELS_FWD
-            bwd_k = self.base_kernels[1] + GATHER_KERNELS_BWD - 2 * work.replicated
-            attn_k = RECOMPUTE_KERNELS["core_attn"] + GATHER_KERNELS_FWD
+            extra = OVERLAP_KERNELS if work.own_pairs else (0, 0)
+            fwd_k = self.base_kernels[0] + GATHER_KERNELS_FWD + extra[0]
+            bwd_k = self.base_kernels[1] + GATHER_KERNELS_BWD - 2 * work.replicated + extra[1]
+            attn_k = RECOMPUTE_KERNELS["core_attn"] + GATHER_KERNELS_FWD + extra[0]
         modules = {"core_attn": (a_fwd + s_fwd, attn_k + cat_kernels),
                    "mlp": (d.mlp_fwd, mk["mlp"]), "layernorm": (d.norms_fwd, mk["layernorm"])}
         return Parts(d.fwd + a_fwd + s_fwd, d.bwd + a_bwd + s_bwd,

@@ -62,3 +62,29 @@ def gather_extent(chunk: DataChunk, cp: int) -> tuple[int, int]:
     selected = sum(2 * prefix + s.computed_tokens + s.computed_tokens // (2 * cp)
                    for s in chunk.segments)
     return prefix + chunk.computed_tokens, selected
+
+
+@lru_cache(maxsize=65536)
+def zigzag_split_pairs(prefix: int, num_q: int, block: int, cp: int) -> tuple[tuple[float,
+                                                                                 float], ...]:
+    """Per CP rank, (own, others) pairs of ChunkFlow's overlapped CP attention for one segment of
+    `num_q` tokens after `prefix` keys (sharded state: the rank holds prefix / CP of them):
+    each piece attends causally to the keys the rank holds (its prefix shards, its earlier piece,
+    itself) while the gather runs, then, not causally, to the other ranks' keys before it (whole
+    block x block tiles, as two kernel calls compute them)."""
+    piece, own_prefix = num_q // (2 * cp), prefix // cp
+    out = []
+    for r in range(cp):
+        own = (piece_pairs(own_prefix, piece, block)  # piece r: no earlier piece of its own
+               + piece_pairs(own_prefix + piece, piece, block))  # piece 2 cp - 1 - r: after r
+        others = sum(_full_pairs(piece, prefix - own_prefix + before * piece, block)
+                     for before in (r, 2 * cp - 2 - r))
+        out.append((own, others))
+    return tuple(out)
+
+
+def _full_pairs(num_q: int, num_k: int, block: int) -> float:
+    """Pairs of a non-causal kernel over num_q queries and num_k keys, whole tiles."""
+    if block == 0:
+        return float(num_q * num_k)
+    return float(math.ceil(num_q / block) * math.ceil(num_k / block) * block * block)

@@ -142,8 +142,8 @@ def test_hybrid_cp_baseline(capsys):
 
 def test_chunkflow_with_cp(capsys):
     """ChunkFlow's layout may use CP: shown like the stock ones, its per-GPU state halved
-    against the same layout with DP instead, its step the same at every CP overlap (its
-    gathers are not overlapped)."""
+    against the same layout with DP instead, its step faster where more of its overlapped
+    gathers is hidden."""
     argv = [*SMALL, "--baseline", "megatron-packed", "--megatron-parallel", "2,2,1,none",
             "--chunk-size", "8192"]
     rc, obj, err = run_json(capsys, *argv, "--chunkflow-parallel", "2,2,1,none",
@@ -166,7 +166,7 @@ def test_chunkflow_with_cp(capsys):
     assert auto["chunkflow"] == rep["chunkflow"] and "--chunkflow-cp-kv replicated" in err
     _, one, _ = run_json(capsys, *argv, "--chunkflow-parallel", "2,2,1,none",
                          "--chunkflow-cp-kv", "sharded", "--gpu-set", "cp_overlap=1")
-    assert one["chunkflow"]["step_s"] == cf["step_s"]
+    assert one["chunkflow"]["step_s"] < cf["step_s"]
     assert one["megatron"]["step_s"] < obj["megatron"]["step_s"]
 
 

@@ -28,10 +28,13 @@ from megatron_chunkflow.perfmodel.hardware import get_gpu, with_overrides
 from megatron_chunkflow.perfmodel.layer import (
     GATHER_KERNELS_BWD,
     GATHER_KERNELS_FWD,
+    OVERLAP_KERNELS,
+    OVERLAP_MERGE_BYTES,
     chunk_work,
     gather_extent,
     layer_model,
     zigzag_pairs,
+    zigzag_split_pairs,
 )
 from megatron_chunkflow.perfmodel.predict import (
     cp_padded_lengths,
@@ -132,6 +135,46 @@ def test_gather_bytes_and_backward_from_the_lse():
     assert lm.attention(tokens, pairs) != pytest.approx((fwd, bwd))
 
 
+def test_overlapped_attention_hides_the_gather_behind_the_own_keys():
+    """The default CP attention: a rank's own keys (its prefix shards, its earlier piece, the
+    piece itself) are 1/CP of the prefix pairs and, at CP 2 on a standalone segment, half of the
+    rank's pairs; the gather runs behind their kernel (cp_overlap of the shorter hidden), the
+    other keys' kernel after, and the backward's reduce-scatter stays exposed."""
+    p = 1024
+    for prefix, cp in ((0, 2), (8 * 4096, 2), (8 * 4096, 4)):
+        n = 2 * cp * p
+        split = zigzag_split_pairs(prefix, n, 0, cp)
+        assert [a + b for a, b in split] == list(zigzag_pairs(prefix, n, 0, cp))  # exact
+        for r, (own, _) in enumerate(split):
+            assert own == attention_pairs(prefix // cp, p) + attention_pairs(prefix // cp + p, p)
+    (own, others), _ = zigzag_split_pairs(0, 4 * p, 0, 2)
+    assert own == pytest.approx(others + p, rel=1e-12)  # rank 0 at CP 2: half, and its diagonal
+    layout = P(tp=2, cp=2)
+    lm = layer_model(Q7B, layout, H100)
+    tokens, pairs, own, gathered = 2048, 8.0e7, 4.0e7, 40960
+    gather, scatter = lm.gather_times(gathered)
+    compute_f, compute_b = layer_model(Q7B, P(tp=2), H100).attention(tokens, pairs)
+    merge = tokens * lm.attn_width * H100.dtype_bytes / lm.mem_bw
+    fwd, bwd = lm.attention(tokens, pairs, gathered, own_pairs=own)
+    hidden = H100.cp_overlap
+    assert fwd == pytest.approx(compute_f + gather - hidden * min(gather, compute_f / 2)
+                                + OVERLAP_MERGE_BYTES[0] * merge)
+    assert bwd == pytest.approx(compute_b + gather - hidden * min(gather, compute_b / 2)
+                                + scatter + OVERLAP_MERGE_BYTES[1] * merge)
+    serial = lm.attention(tokens, pairs, gathered)
+    assert fwd < serial[0] and bwd < serial[1]
+    # a 256K sequence whole at CP 2: the gather is all hidden (cp_overlap 1)
+    (seq,) = build_chunks([262144], 262144, 1, 1, Q7B, segment_multiple=4).chunks
+    w = chunk_work(seq, 128, 2, gather=True)
+    full = layer_model(Q7B, layout, with_overrides(H100, ["cp_overlap=1"]))
+    g, _ = full.gather_times(w.gathered)
+    f, _ = full.attention(w.tokens, w.pairs, w.gathered, own_pairs=w.own_pairs)
+    alone, _ = layer_model(Q7B, P(tp=2), H100).attention(w.tokens, w.pairs)  # compute alone
+    assert w.own_pairs > 0.49 * w.pairs and g < 0.1 * alone
+    assert f == pytest.approx(alone + OVERLAP_MERGE_BYTES[0] * w.tokens * full.attn_width
+                              * H100.dtype_bytes / full.mem_bw, rel=1e-9)
+
+
 def test_chunk_work_gathers_the_prefix():
     """A dependent chunk gathers its sequence's prefix and itself; its pieces read the prefix
     twice (one per piece) and their own segment up to their end; its kernels are the gather
@@ -146,8 +189,10 @@ def test_chunk_work_gathers_the_prefix():
     assert w.prior == last.index and not w.relayed and deps[0].prefix_len == 0
     parts = layer_model(Q7B, layout, H100).parts(w)
     base = layer_model(Q7B, P(), H100)
-    assert parts.fwd_kernels == base.kernels_fwd + GATHER_KERNELS_FWD + 2  # + the relay's cat
-    assert parts.bwd_kernels == base.kernels_bwd + GATHER_KERNELS_BWD + 2 * w.prior
+    # + the overlap's and the relay's cat
+    assert parts.fwd_kernels == base.kernels_fwd + GATHER_KERNELS_FWD + OVERLAP_KERNELS[0] + 2
+    assert parts.bwd_kernels == (base.kernels_bwd + GATHER_KERNELS_BWD + OVERLAP_KERNELS[1]
+                                 + 2 * w.prior)
     # the step: every layer's backward gathers again and reduce-scatters: B / F above CP 1's
     model = roofline(Q7B, layout, H100)
     f, b = model.chunk_costs(last, 1, gather=True)
@@ -250,11 +295,11 @@ def test_chain_floor_binds_on_deep_pipelines():
 
 def test_cp_prediction_is_consistent():
     """A CP layout's prediction: padding counted, model FLOPs those of the real tokens, the same
-    speed on any CP overlap."""
+    faster where more of the overlapped gather is hidden."""
     lay = P(tp=2, cp=2, dp=2)
     p = predict_chunkflow(LENGTHS, Q7B, H100, lay, 8192, 2)
     q = predict_chunkflow(LENGTHS, Q7B, dataclasses.replace(H100, cp_overlap=0.0), lay, 8192, 2)
-    assert p.step_s == q.step_s and p.layout.cp == 2 and p.num_tokens == sum(LENGTHS)
+    assert p.step_s < q.step_s and p.layout.cp == 2 and p.num_tokens == sum(LENGTHS)
     assert 0 < p.padding_fraction < 0.01
     base = predict_chunkflow(LENGTHS, Q7B, H100, P(tp=2, dp=4), 8192, 2)
     assert p.model_flops == base.model_flops and p.num_gpus == base.num_gpus
@@ -273,7 +318,8 @@ def test_replicated_state_gathers_the_chunk_only():
     sharded = chunk_work(seq, hw.attn_block, 4, "sharded")
     replicated = chunk_work(seq, hw.attn_block, 4, "replicated")
     assert (sharded.gathered, replicated.gathered) == (6 * 4096, 4096) and replicated.replicated
-    assert replicated._replace(gathered=0, replicated=False) == sharded._replace(gathered=0)
+    assert replicated._replace(gathered=0, replicated=False) == sharded._replace(gathered=0,
+                                                                                own_pairs=0)
     model = roofline(shape, lay, hw).layer
     gather, scatter = model.gather_times(4096)
     g6, s6 = model.gather_times(6 * 4096)  # [5 chunks of prefix ++ the chunk]
