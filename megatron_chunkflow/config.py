@@ -23,7 +23,7 @@ from megatron_chunkflow.recompute import (  # noqa: F401  (re-exported: one impo
 
 AttentionBackend = Literal["auto", "torch", "cpu_flash", "sdpa", "flex", "varlen", "flash", "te"]
 CpKvState = Literal["sharded", "replicated"]
-CpAttention = Literal["overlapped", "gather"]
+CpAttention = Literal["ring", "gather"]
 
 
 @dataclass(frozen=True)
@@ -52,11 +52,11 @@ class ChunkFlowConfig:
     """Under CP, a long sequence's K/V state: sharded (a chunk gathers [prefix ++ own] K/V, twice)
     or replicated (CP x the memory, whole on every rank; a chunk gathers its own, once)."""
 
-    cp_attention: CpAttention = field(default="overlapped",
+    cp_attention: CpAttention = field(default="ring",
                                       metadata={"flag": "--chunkflow-cp-attention"})
-    """Under CP, sharded state: overlapped (the K/V gather runs while the kernel attends over the
-    keys the rank holds, then the gathered ones; backends cpu_flash, torch, flash, varlen) or
-    gather (gather first, one kernel call)."""
+    """Under CP, where the attention needs other ranks' K/V: ring (each rank's K/V block passed
+    around the CP ranks while the kernel attends over the one at hand; backends cpu_flash, torch,
+    flash, varlen) or gather (all-gathered first, one kernel call)."""
 
     def __post_init__(self):
         if self.chunk_size < 1:
@@ -199,16 +199,24 @@ class ParallelConfig:
     @property
     def segment_multiple(self) -> int:
         """Under context parallelism every segment of a chunk is padded at its end to a multiple of
-        this, so that it cuts into 2 x CP equal pieces (each a multiple of TP under sequence
-        parallelism); 1 without CP. Megatron's CP needs the same of each sequence."""
-        return 2 * self.cp * self.pad_multiple if self.cp > 1 else 1
+        this, so that it cuts into 2 x CP equal pieces; 1 without CP. Megatron's CP needs the same
+        of each sequence."""
+        return 2 * self.cp if self.cp > 1 else 1
 
     @property
     def chunk_multiple(self) -> int:
         """ChunkFlow's chunk size must be a multiple of this: a full dependent chunk cannot be
-        padded (its K/V is state), so it must split as segments do under CP, and over TP under
-        sequence parallelism."""
-        return self.segment_multiple if self.cp > 1 else self.pad_multiple
+        padded (its K/V is state), so it must split as segments do under CP, each rank's share
+        over TP under sequence parallelism: 2 x CP x TP, or TP without CP."""
+        return 2 * self.cp * self.pad_multiple if self.cp > 1 else self.pad_multiple
+
+    @property
+    def chunk_padding(self) -> int:
+        """Under context parallelism every chunk is padded (its last segment) to a multiple of
+        chunk_multiple, so that each CP rank's share splits over TP under sequence parallelism;
+        1 without CP (sequence parallelism alone pads with a segment of its own,
+        runtime/inputs.py)."""
+        return self.chunk_multiple if self.cp > 1 else 1
 
     def check_chunk_size(self, chunk_size: int, flag: str = "--chunk-size",
                          naming: Literal["flags", "megatron-lm", "axes"] = "flags") -> None:

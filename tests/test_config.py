@@ -82,7 +82,9 @@ def test_a_simulated_layout_runs_sequence_parallel_whenever_tp_splits():
     assert (lay.tp, lay.cp, lay.pp, lay.dp, str(lay.recompute)) == (2, 2, 2, 4, "block:3")
     assert lay.degrees == ParallelConfig.layout(tp=2, cp=2, pp=2, dp=4)
     assert (lay.span("tp"), lay.span("cp"), lay.span("dp"), lay.span("pp")) == (2, 4, 16, 32)
-    assert lay.chunk_multiple == lay.segment_multiple == 8
+    # segments cut into 2 x CP pieces; a chunk's tokens, and so C, split 2 x CP x TP ways
+    assert (lay.segment_multiple, lay.chunk_multiple, lay.chunk_padding) == (4, 8, 8)
+    assert ParallelConfig.layout(tp=2).chunk_padding == 1  # SP alone: a padding segment
     assert ParallelConfig(recompute="full").recompute.kind == "full"  # text accepted
     with pytest.raises(ValueError, match=r"--flag 2,1,1,block:29: RECOMPUTE block:29: a pipeline "
                                          r"stage has only 28 layers"):

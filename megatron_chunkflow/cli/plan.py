@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
                                costs_for=costs, held_bytes_for=held_for,
                                state_bytes_for=state_for,
                                segment_multiple=parallel.segment_multiple,
-                               num_model_chunks=vpp)
+                               num_model_chunks=vpp, chunk_multiple=parallel.chunk_padding)
     try:
         bases = {b: plan_baseline(lengths, seq_length, args.pp, args.dp, shape, costs_for=costs,
                                   held_bytes_for=held_for, baseline=b, cp=cp,

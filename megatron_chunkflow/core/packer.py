@@ -123,17 +123,19 @@ def build_chunks(
     num_kept: int,
     shape: ModelShape,
     segment_multiple: int = 1,
+    chunk_multiple: int = 1,
 ) -> ChunkBatch:
     """Cut, pack and distribute one global batch over `num_dp_ranks`, balancing the ranks by the
     training FLOPs of `shape` with K chunks of a long sequence holding activations (unit_cost).
     Chunk ids: dependent chunks first (by sequence id, then index), then standalone chunks in
     packing order.
 
-    `segment_multiple` (context parallelism: 2 x CP, x TP under sequence parallelism): every
-    segment is padded at its end to a multiple of it (a sequence's last chunk; each short
-    sequence, packed by its padded length), so that it cuts into 2 x CP equal pieces; the chunk
-    size must be a multiple of it. The padding comes after the segment's tokens, so no real token
-    attends to it."""
+    `segment_multiple` (context parallelism: 2 x CP): every segment is padded at its end to a
+    multiple of it (each short sequence, packed by its padded length), so that it cuts into
+    2 x CP equal pieces; `chunk_multiple` (ParallelConfig.chunk_padding: 2 x CP x TP under
+    sequence parallelism) then pads every chunk's last segment so that the chunk's tokens are a
+    multiple of it (a sequence's last chunk: its one segment). The chunk size must be a multiple
+    of both. The padding comes after the segment's tokens, so no real token attends to it."""
     validate_lengths(seq_lengths)
     if chunk_size < 1:
         raise ValueError(f"chunk size must be >= 1, got {chunk_size}")
@@ -141,24 +143,33 @@ def build_chunks(
         raise ValueError(f"data-parallel size must be >= 1, got {num_dp_ranks}")
     if num_kept < 1:
         raise ValueError(f"K must be >= 1, got {num_kept}")
-    if segment_multiple < 1 or chunk_size % segment_multiple:
-        raise ValueError(f"chunk size {chunk_size} is not a multiple of the segment multiple "
-                         f"{segment_multiple} (2 x the context-parallel size)")
+    for multiple in (segment_multiple, chunk_multiple):
+        if multiple < 1 or chunk_size % multiple:
+            raise ValueError(f"chunk size {chunk_size} is not a multiple of the padding multiple "
+                             f"{multiple} (2 x the context-parallel size, x TP under sequence "
+                             "parallelism)")
 
     units: list[list[DataChunk]] = []
     next_id = 0
     short_ids = []
     for seq_id, n in enumerate(seq_lengths):
         if n > chunk_size:
-            units.append(split_long(seq_id, n, chunk_size, next_id, segment_multiple))
+            units.append(split_long(seq_id, n, chunk_size, next_id,
+                                    math.lcm(segment_multiple, chunk_multiple)))
             next_id += len(units[-1])
         else:
             short_ids.append(seq_id)
     short_sizes = [seq_lengths[i] for i in short_ids]
     padded = [n + -n % segment_multiple for n in short_sizes]
     for members in best_fit_decreasing(padded, short_ids, chunk_size):
-        segments = tuple(Segment(i, 0, seq_lengths[i], -seq_lengths[i] % segment_multiple)
-                         for i in members)
+        segments = [Segment(i, 0, seq_lengths[i], -seq_lengths[i] % segment_multiple)
+                    for i in members]
+        total = sum(s.computed_tokens for s in segments)
+        if total % chunk_multiple:
+            last = segments[-1]
+            segments[-1] = dataclasses.replace(last, padding=last.padding - total % chunk_multiple
+                                               + chunk_multiple)
+        segments = tuple(segments)
         units.append([DataChunk(id=next_id, kind="standalone", segments=segments)])
         next_id += 1
 

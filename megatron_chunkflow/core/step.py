@@ -90,13 +90,15 @@ def plan_chunkflow(seq_lengths: Sequence[int], chunk_size: int, num_kept: int, n
                    held_bytes_for: CostHook | None = None,
                    state_bytes_for: StateHook | None = None,
                    segment_multiple: int = 1,
-                   num_model_chunks: int = 1) -> tuple[ChunkBatch, RankPlans]:
+                   num_model_chunks: int = 1,
+                   chunk_multiple: int = 1) -> tuple[ChunkBatch, RankPlans]:
     """ChunkFlow's step: chunks built, distributed and planned with state-aware 1F1B per DP rank
     (interleaved over `num_model_chunks` virtual stages per rank), each plan replayed; bytes
     only from the hooks (see CostHook; costs and held bytes are asked for the PP x V virtual
-    stages). `segment_multiple`: context parallelism's padding of every segment
-    (core/packer.build_chunks)."""
-    batch = build_chunks(seq_lengths, chunk_size, num_dp_ranks, num_kept, shape, segment_multiple)
+    stages). `segment_multiple`, `chunk_multiple`: context parallelism's padding of every
+    segment and chunk (core/packer.build_chunks)."""
+    batch = build_chunks(seq_lengths, chunk_size, num_dp_ranks, num_kept, shape, segment_multiple,
+                         chunk_multiple)
     per_rank = tuple(tuple(batch.chunks_for_rank(r)) for r in range(num_dp_ranks))
     plans, sims, state = [], [], []
     for chunks in per_rank:

@@ -6,8 +6,9 @@ Both systems go through core/step.py (plan_baseline: megatron-sft, -packed or -u
 micro-batches, every sequence padded to a multiple of 2 x CP under CP, run with Megatron's 1F1B,
 interleaved over V model chunks per rank when the layout has virtual stages (ParallelConfig.vpp);
 plan_chunkflow: chunks with state-aware 1F1B, interleaved the same way; under CP every segment
-padded to a multiple of 2 x CP, x TP under sequence parallelism, as core/packer pads it, and
-ChunkFlow's all-gather CP attention, perfmodel/layer.py) and core/simulate.py, with per-op seconds
+padded to a multiple of 2 x CP and every chunk to 2 x CP x TP under sequence parallelism, as
+core/packer pads them, and ChunkFlow's ring CP attention, perfmodel/layer.py) and
+core/simulate.py, with per-op seconds
 from perfmodel/roofline.py (recompute, launch floor, each system's pipeline sends) and bytes
 (activations held, per virtual stage, and the long sequence's state, as core/step.py's memory
 hooks) from perfmodel/footprint.py; memory and the step end are per pipeline rank.
@@ -202,7 +203,8 @@ def predict_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware,
                       layout: ParallelConfig, chunk_size: int, num_kept: int,
                       cp_kv: str = "sharded") -> Prediction:
     """ChunkFlow: chunks of `chunk_size`, K chunks of a long sequence holding activations; under
-    CP every segment padded to ParallelConfig.segment_multiple and ChunkFlow's CP attention
+    CP every segment padded to ParallelConfig.segment_multiple, every chunk to chunk_padding, and
+    ChunkFlow's CP attention
     (all-gathered K/V, gathered again in the backward; perfmodel/layer.py), the long sequence's
     K/V state `cp_kv`: "sharded", or "replicated" (whole on every CP rank, only a chunk's own
     K/V gathered, not again in the backward; --chunkflow-cp-kv)."""
@@ -219,7 +221,8 @@ def predict_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware,
         padded, chunk_size, num_kept, layout.pp, layout.dp, shape,
         lambda chunks, p: model.stage_costs(real(chunks), p, chunk_size, "async", gather),
         lambda chunks, p: held_for(real(chunks), p),
-        lambda chunks, p: state_for(real(chunks), p), num_model_chunks=layout.vpp)
+        lambda chunks, p: state_for(real(chunks), p), num_model_chunks=layout.vpp,
+        chunk_multiple=layout.chunk_padding)
     out = _finish("chunkflow", rp, model, shape, hw, lengths,
                   [real(c) for c in rp.chunks] if m > 1 else None,
                   chunk_size=chunk_size, num_kept=num_kept, cp_kv=cp_kv)

@@ -257,12 +257,11 @@ def best_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_
 
     def time_of(cand) -> float:
         lay, c, kk, kv = cand
-        m = lay.segment_multiple
+        m = (lay.segment_multiple, lay.chunk_padding)
         key = (c, lay.dp, kk, m, lay.cp, kv)
         if key not in work:
             if key[:4] not in chunkings:
-                chunkings[key[:4]] = build_chunks(lengths, c, lay.dp, kk, shape,
-                                                  segment_multiple=m).chunks
+                chunkings[key[:4]] = build_chunks(lengths, c, lay.dp, kk, shape, *m).chunks
             work[key] = chunk_work_items(chunkings[key[:4]], hw.attn_block, lay.cp, kk,
                                          gather=kv)
         return floors.time(key, work[key], lay)

@@ -47,7 +47,8 @@ def plan_step(sequences: Sequence[TokenSequence], chunkflow: ChunkFlowConfig,
     """This DP rank's step of the global batch `sequences` (the same on every rank) for the
     layout `parallel`; under context parallelism (parallel.cp > 1) this CP rank's share of it."""
     batch = build_chunks(batch_lengths(sequences), chunkflow.chunk_size, ranks.dp,
-                         chunkflow.num_kept, shape, segment_multiple=parallel.segment_multiple)
+                         chunkflow.num_kept, shape, segment_multiple=parallel.segment_multiple,
+                         chunk_multiple=parallel.chunk_padding)
     chunks = batch.chunks_for_rank(ranks.dp_rank)
     costs = OpCosts.from_model(chunks, shape, parallel.num_virtual_stages)
     plan = state_aware_plan(chunks, parallel.pp, chunkflow.num_kept, costs, parallel.vpp)
