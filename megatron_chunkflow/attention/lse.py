@@ -79,7 +79,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """chunk_attention's output (no autograd graph) and the backend's log-sum-exp. `causal`
     False: every query sees all of its segment's keys (any lk >= 1), the part of a query's keys
-    that all precede it (runtime/cp.py's overlapped attention)."""
+    that all precede it (runtime/cp.py's ring attention)."""
     pair, cu_q, cu_kv, scale = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_kv, softmax_scale,
                                         backend, causal)
     if q.shape[0] == 0:

@@ -20,13 +20,15 @@ Megatron's menu (none, selective, selective:mlp+layernorm, full, block:N) and PP
 V virtual stages per pipeline rank (Megatron's interleaved 1F1B for the baselines, ChunkFlow's
 interleaved plan; "4,1,4x2,full"); DP is what --gpus leaves; "auto" (the default) searches every
 layout (V included, for both systems) and recompute option for the fastest that fits.
-ChunkFlow's CP (runtime/cp.py) pads every segment of a chunk to 2 x CP (x TP under sequence
-parallelism), all-gathers K/V in every layer, forward and again backward, where the kernel's
+ChunkFlow's CP (runtime/cp.py) pads every segment of a chunk to 2 x CP (the chunk to 2 x CP x TP
+under sequence parallelism), all-gathers K/V in every layer, behind the attention over the keys a
+rank holds, forward and again backward, where the kernel's
 backward runs from the saved log-sum-exp (perfmodel/layer.py); a long sequence's K/V state is
 sharded over the CP ranks, or replicated on each so that a chunk gathers only its own K/V, once
-(--chunkflow-cp-kv; auto tries both); its --chunk-size must be a multiple of 2 x CP (x TP). Every stock prediction is repeated with CP overlap 0 and 1
-(Hardware.cp_overlap's range, searched again when the layout was); ChunkFlow's CP gathers are
-not overlapped, so it does not change ChunkFlow's. Sequences
+(--chunkflow-cp-kv; auto tries both); its --chunk-size must be a multiple of 2 x CP (x TP).
+Every stock prediction is repeated with CP overlap 0 and 1 (Hardware.cp_overlap's range,
+searched again when the layout was), ChunkFlow's too (its ring hides its K/V the same way).
+Sequences
 longer than --seq-length are truncated to it for every system (the context limit of the run).
 """
 

@@ -24,30 +24,29 @@ composes into per-op costs (recompute, launch floor), for a micro-batch of T tok
   their gradients backward) beside the attention compute; Hardware.cp_overlap is the hidden
   fraction: time = compute + transfer - cp_overlap * min(compute, transfer). Every sequence is
   split into 2*CP pieces (load-balanced causal), so tiles are charged on pieces of L / (2 CP).
-- CP, ChunkFlow (runtime/cp.py): every segment of a chunk is padded to a multiple of 2*CP (x TP
-  under SP) and cut into 2*CP pieces, rank r holding pieces r and 2*CP-1-r (zigzag), so each
-  rank computes T/CP tokens. Per layer and chunk each rank all-gathers the K/V shards of
-  [its sequence's earlier chunks ++ the chunk] (G = prefix + T tokens, whole), selects the keys
-  each local piece reads (index_select: S = per piece the prefix and its segment up to the
-  piece's end) and runs one varlen kernel, each piece bottom-right causal: its pairs are
-  charged per piece, the slowest rank's (the gather synchronizes them). The local Q, K, V, the
-  kernel's output and log-sum-exp are saved (not the gathered K/V), so the backward gathers
-  again, runs the kernel backward from the saved output and log-sum-exp and reduce-scatters dK/dV
-  in fp32 (under bf16: twice the gather's bytes). The runtime's default overlaps the gather
-  (--chunkflow-cp-attention overlapped, what this model charges): the kernel first attends over
-  the keys the rank holds (its prefix shards, its earlier piece, the piece itself: own pairs,
-  pairs.zigzag_split_pairs) while the gather runs, then over the other ranks' keys (non-causal:
-  whole tiles) and merges the two by log-sum-exp; the backward likewise. Time = overlapped(own,
-  gather) + others (+ the reduce-scatter backward) + the merge's copies of query-side tensors
-  (OVERLAP_MERGE_BYTES), with cp_overlap as for the ring; the slowest rank's pairs and the
-  smallest own share. That is the path of the flash-style kernels modelled here (flash, varlen:
+- CP, ChunkFlow (runtime/cp.py): every segment of a chunk is padded to a multiple of 2*CP (the
+  chunk to 2*CP*TP under SP) and cut into 2*CP pieces, rank r holding pieces r and 2*CP-1-r
+  (zigzag), so each rank computes T/CP tokens. Per layer and chunk the K/V shards of [its
+  sequence's earlier chunks ++ the chunk] (G = prefix + T tokens, whole) go around the CP ranks
+  in CP - 1 steps (--chunkflow-cp-attention ring, the default and what this model charges):
+  each step's kernel attends the local pieces over the keys of the block at hand (the own block
+  bottom-right causal, the others' keys all before the pieces: whole tiles,
+  pairs.zigzag_split_pairs; the slowest rank's pairs) while the next block travels, the partial
+  results merged by log-sum-exp. The local Q, K, V, the output and log-sum-exp are saved, so the
+  backward runs the ring again, each step's kernel backward from them, and each block's fp32
+  gradient travels the ring back to its owner (under bf16: twice the K/V bytes). Time =
+  overlapped(kernel, transfer, cp_overlap) as for Megatron's ring, the last step's gradient block
+  exposed, plus per step after the first the merge's copies of query-side tensors
+  (RING_MERGE_BYTES). That is the path of the flash-style kernels modelled here (flash, varlen:
   attention/lse.py); a backend without that pair (te) would gather first and recompute the
-  kernel forward in the backward, which this model does not charge.
+  kernel forward in the backward, which this model does not charge. `gather` (all-gather
+  first, one kernel call, reduce-scatter after: gather + kernel, gather + bwd + reduce-scatter)
+  is the path of replicated state's own-chunk gather below.
   Collectives are rings on hw.link(layout.span("cp")), as the TP ones. With replicated state
   (--chunkflow-cp-kv replicated) a dependent chunk gathers only its own K/V (G = T tokens)
   forward, not overlapped (before the relay), keeps [prefix ++ chunk] whole (the cat, the
   selection and the relay on whole chunks) and in the backward gathers nothing: bwd +
-  reduce-scatter of its own dK/dV; its standalone chunks run the overlapped attention.
+  reduce-scatter of its own dK/dV; its standalone chunks run the ring.
 - ChunkFlow's own traffic (runtime/state.py, every layer): a dependent chunk's forward and
   re-forward concatenate its sequence's stored prefix K/V with its own (torch.cat reads both and
   writes the copy, K and V); its backward adds the prefix part of the K/V gradient into each
@@ -85,9 +84,9 @@ attention.py, mlp.py; TE's LayerNormLinear fuses the norm with the linear):
   ChunkFlow under CP has no ring steps: forward +4 (stack, all-gather, the K and V selections),
   backward +13 (those 4; for K and for V the selection's gradient zero-filled, index-added and
   copied into the gathered shape; cast to fp32, reduce-scatter, cast back), +11 with replicated
-  state (no stack and gather again); overlapped, forward +4 more (the queries' selection, the
-  second kernel, the merge's two) and backward +5 (three selections, the second kernel, the dq
-  add).
+  state (no stack and gather again); the ring, per step after the first, forward +4 more (the
+  queries' selection, the kernel, the merge's two) and backward +5 (three selections, the
+  kernel, the dq add).
   Recompute re-launches what it re-runs: core_attn 1 (+3 per CP step; +4 for ChunkFlow's CP),
   mlp 3 (+2 collectives), layernorm 4 (two norms, two copies), full the forward's.
   A cross-check: the unfused local spec on CPU dispatches 55 ATen ops forward and 72 backward
@@ -129,11 +128,11 @@ KERNELS_FWD, KERNELS_BWD = 12, 22  # one layer, TE spec, fused (module docstring
 TP_KERNELS_FWD, TP_KERNELS_BWD = 4, 6  # its collectives under TP > 1
 CP_KERNELS_PER_STEP = 3  # attention, send/receive, correction per extra ring step
 GATHER_KERNELS_FWD, GATHER_KERNELS_BWD = 4, 13  # ChunkFlow's CP attention (module docstring)
-OVERLAP_KERNELS = (4, 5)  # the overlapped attention's more, forward and backward (docstring)
-# the overlapped attention's merge, in query-side tensors ([t, heads, head dim]) read or written:
+RING_KERNELS_PER_STEP = (4, 5)  # the ring's, per step after the first (module docstring)
+# the ring's merge per step, in query-side tensors ([t, heads, head dim]) read or written:
 # forward the queries' selection (2), both outputs read and the result written (3); backward
 # dout, q and out selected (6), the two dq added (3)
-OVERLAP_MERGE_BYTES = (5, 9)
+RING_MERGE_BYTES = (5, 9)
 RECOMPUTE_KERNELS = {"core_attn": 1, "mlp": 3, "layernorm": 4}
 PARTS_CACHE = 50_000  # Parts kept per LayerModel
 
@@ -149,7 +148,7 @@ class Work(NamedTuple):
     gathered: int = 0  # ChunkFlow under CP: K/V tokens all-gathered per layer (prefix + chunk)
     selected: int = 0  # ChunkFlow under CP: K/V rows this rank's pieces read (the selection)
     replicated: bool = False  # ChunkFlow under CP, replicated state: `gathered` is the chunk's own
-    own_pairs: float = 0.0  # ChunkFlow under CP, overlapped: pairs over the rank's own keys
+    ring: bool = False  # ChunkFlow under CP: the ring attention (else gathered first)
 
 
 def chunk_work(chunk: DataChunk, block: int, cp: int = 1, gather: bool | str = False) -> Work:
@@ -162,7 +161,7 @@ def chunk_work(chunk: DataChunk, block: int, cp: int = 1, gather: bool | str = F
     state = (prefix, chunk.index, chunk.index < chunk.num_siblings - 1) if dep else (0, 0, False)
     if gather and cp > 1:
         replicated = dep and gather == "replicated"
-        per_rank, own = [0.0] * cp, [0.0] * cp
+        per_rank = [0.0] * cp
         for s in chunk.segments:
             assert s.computed_tokens % (2 * cp) == 0, "segments are padded to 2 x CP"
             if replicated:
@@ -172,11 +171,10 @@ def chunk_work(chunk: DataChunk, block: int, cp: int = 1, gather: bool | str = F
             for r, (mine, others) in enumerate(zigzag_split_pairs(prefix, s.computed_tokens,
                                                                   block, cp)):
                 per_rank[r] += mine + others
-                own[r] += mine
         gathered, selected = gather_extent(chunk, cp)
         return Work(chunk.computed_tokens // cp, max(per_rank), *state,
                     chunk.computed_tokens if replicated else gathered, selected, replicated,
-                    min(own))
+                    not replicated)
     pairs = sum(computed_pairs(prefix, s.computed_tokens, block, cp) for s in chunk.segments)
     return Work(math.ceil(chunk.computed_tokens / cp), pairs / cp, *state)
 
@@ -266,24 +264,22 @@ class LayerModel:
         return out
 
     def attention(self, tokens: int, pairs: float, gathered: int = 0,
-                  replicated: bool = False, own_pairs: float = 0.0) -> tuple[float, float]:
+                  replicated: bool = False, ring: bool = False) -> tuple[float, float]:
         """(forward, backward) seconds of one layer's attention core on one GPU for `tokens`
         tokens and `pairs` computed (query, key) pairs on it (chunk_work), CP included: Megatron's
         ring, or with `gathered` K/V tokens ChunkFlow's all-gather (module docstring), gathered
-        again in the backward unless the state is `replicated`, behind the kernel's `own_pairs`
-        where the attention is overlapped."""
+        again in the backward unless the state is `replicated`, or passed around the `ring`."""
         hw, cp = self.hw, self.layout.cp
         flops = pairs * attention_flops_per_pair_per_layer(self.shape, self.layout.tp)
         fwd = flops / (hw.peak_flops * hw.attn_fwd_eff)
         bwd = ATTN_BWD_FLOPS * flops / (hw.peak_flops * hw.attn_bwd_eff)
-        if cp > 1 and gathered and own_pairs:
-            gather, scatter = self.gather_times(gathered)
-            mine = own_pairs / pairs
-            merge = tokens * self.attn_width * hw.dtype_bytes / self.mem_bw
-            return (overlapped(mine * fwd, gather, hw.cp_overlap) + (1 - mine) * fwd
-                    + OVERLAP_MERGE_BYTES[0] * merge,
-                    overlapped(mine * bwd, gather, hw.cp_overlap) + (1 - mine) * bwd + scatter
-                    + OVERLAP_MERGE_BYTES[1] * merge)
+        if cp > 1 and gathered and ring:
+            gather, scatter = self.gather_times(gathered)  # the same bytes, in CP - 1 steps
+            last = scatter / (cp - 1)  # the last step's gradient block: nothing left to hide it
+            merge = (cp - 1) * tokens * self.attn_width * hw.dtype_bytes / self.mem_bw
+            return (overlapped(fwd, gather, hw.cp_overlap) + RING_MERGE_BYTES[0] * merge,
+                    overlapped(bwd, gather + scatter - last, hw.cp_overlap) + last
+                    + RING_MERGE_BYTES[1] * merge)
         if cp > 1 and gathered:
             gather, scatter = self.gather_times(gathered)
             # backward from the saved lse; replicated state: from the saved [prefix ++ chunk]
@@ -344,14 +340,15 @@ class LayerModel:
     def _compute_parts(self, work: Work) -> Parts:
         d = self.dense(work.tokens)
         a_fwd, a_bwd = self.attention(work.tokens, work.pairs, work.gathered, work.replicated,
-                                      work.own_pairs)
+                                      work.ring)
         s_fwd, s_bwd = self.state_traffic(work)
         cat_kernels = 2 if work.prefix else 0
         acc_kernels = 2 * work.prior + (4 if work.relayed else 0)
         mk = self.module_kernels
         fwd_k, bwd_k, attn_k = self.kernels_fwd, self.kernels_bwd, mk["core_attn"]
         if work.gathered:
-            extra = OVERLAP_KERNELS if work.own_pairs else (0, 0)
+            extra = ((RING_KERNELS_PER_STEP[0] * (self.layout.cp - 1),
+                      RING_KERNELS_PER_STEP[1] * (self.layout.cp - 1)) if work.ring else (0, 0))
             fwd_k = self.base_kernels[0] + GATHER_KERNELS_FWD + extra[0]
             bwd_k = self.base_kernels[1] + GATHER_KERNELS_BWD - 2 * work.replicated + extra[1]
             attn_k = RECOMPUTE_KERNELS["core_attn"] + GATHER_KERNELS_FWD + extra[0]

@@ -67,11 +67,11 @@ def gather_extent(chunk: DataChunk, cp: int) -> tuple[int, int]:
 @lru_cache(maxsize=65536)
 def zigzag_split_pairs(prefix: int, num_q: int, block: int, cp: int) -> tuple[tuple[float,
                                                                                  float], ...]:
-    """Per CP rank, (own, others) pairs of ChunkFlow's overlapped CP attention for one segment of
+    """Per CP rank, (own, others) pairs of ChunkFlow's ring CP attention for one segment of
     `num_q` tokens after `prefix` keys (sharded state: the rank holds prefix / CP of them):
     each piece attends causally to the keys the rank holds (its prefix shards, its earlier piece,
-    itself) while the gather runs, then, not causally, to the other ranks' keys before it (whole
-    block x block tiles, as two kernel calls compute them)."""
+    itself), and without a mask to the other ranks' keys before it (whole block x block tiles;
+    counted as one call, where the ring makes CP - 1)."""
     piece, own_prefix = num_q // (2 * cp), prefix // cp
     out = []
     for r in range(cp):

@@ -1,47 +1,51 @@
-"""Context parallelism (CP) for ChunkFlow: zigzag shards of every chunk, all-gathered K/V, the gather
-overlapped with the attention over the keys a rank already holds.
+"""Context parallelism (CP) for ChunkFlow: zigzag shards of every chunk; attention over the other
+ranks' K/V passed around a ring behind the kernel, or all-gathered first.
 
-Layout. core/packer pads every segment of a chunk to a multiple of 2 x CP tokens (2 x CP x TP
-under sequence parallelism). A segment is cut into 2 x CP equal pieces and CP rank r holds pieces
-r and 2 x CP - 1 - r, segment after segment (runtime/cp_keys.py `shard_ranges`). This is
-Megatron's THD layout: megatron-core's RoPE picks the same rows from the chunk's positions
-(rope_utils, its per-token CASE 1), and every rank's share of a causal segment's attention is
-equal. A long sequence's earlier chunks were held the same way, so its K/V state and gradient
-accumulators (runtime/state.py) are, per rank, 1/CP of the sequence's.
+Layout. core/packer pads every segment of a chunk to a multiple of 2 x CP tokens, and the chunk
+(its last segment) to 2 x CP x TP under sequence parallelism. A segment is cut into 2 x CP equal
+pieces and CP rank r holds pieces r and 2 x CP - 1 - r, segment after segment
+(runtime/cp_keys.py `shard_ranges`). This is Megatron's THD layout: megatron-core's RoPE picks the
+same rows from the chunk's positions (rope_utils, its per-token CASE 1), and every rank's share
+of a causal segment's attention is equal. A long sequence's earlier chunks were held the same
+way, so its K/V state and gradient accumulators (runtime/state.py) are, per rank, 1/CP of the
+sequence's.
 
-Attention (`cp_attention`), in every layer: the rank's shards of [earlier chunks' K/V ++ the
-chunk's own] are all-gathered over the CP group (one collective for K and V); the keys each local
-query piece reads are selected in sequence order and one varlen kernel call runs the pieces as
-segments, each attending bottom-right causally to its segment's keys up to its own last token (in
-a dependent chunk: the whole prefix too). Every query sees exactly the keys it sees without CP, for
-any packing and prefix. The backward reduce-scatters dK/dV back to the ranks holding those K/V,
-the sum over ranks taken in fp32 under half precision.
+Attention (`cp_attention`), in every layer. Every query must see exactly the keys it sees without
+CP, for any packing and prefix: its segment's keys up to its own (in a dependent chunk, the whole
+prefix too). Two ways:
 
-Overlap (--chunkflow-cp-attention overlapped, the default; backends with the log-sum-exp pair).
-The gather is issued asynchronously, and while it runs the kernel attends each piece over the keys
-this rank holds (its shards of the prefix, its earlier piece, the piece itself last: bottom-right
-causal still; cp_keys.split_selection); then, for the pieces that have any, over the other ranks'
-keys, all of which precede the piece (one non-causal call); the two results merge by log-sum-exp
-(attention/lse.py merge_lse). The backward issues the gather again behind the own keys' backward
-(from the merged output and log-sum-exp, as ring attention does: exact), runs the others' keys'
-backward, and reduce-scatters one fp32 buffer holding both gradients. Traffic is the gather
-path's; on a GPU the collective runs on NCCL's stream beside the kernel. At CP 2 a rank's own keys
-are half its pairs on a standalone segment (and 1/CP of a prefix), so a long sequence left whole
-hides its gather entirely. `gather` gathers first and runs one call (_LseAttention).
+- ring (--chunkflow-cp-attention ring, the default; backends with the log-sum-exp pair). Each
+  rank's block, its shards of [earlier chunks' K/V ++ the chunk's own] (K and V stacked), goes
+  around the CP ranks in CP - 1 steps (batch_isend_irecv to the next rank, from the previous);
+  step s attends the local pieces over the block of rank (r - s) mod CP while the next block
+  travels: the own block bottom-right causally (each piece's own keys last), every other block
+  without a mask (cp_keys.ring_selection: the keys a piece reads from it all precede it), for
+  the pieces that read any of it. The partial results merge by log-sum-exp (attention/lse.py
+  merge_lse), exactly. The backward runs the ring again, each step's kernel backward from the
+  merged output and log-sum-exp (exact, as in ring attention); a block's gradient (fp32 under
+  half precision) starts at the rank after its owner, gathers each rank's share as the ring
+  turns and reaches its owner after the last step, which adds its own.
+- gather (--chunkflow-cp-attention gather, and backends without the pair): the blocks are
+  all-gathered (one collective), the keys each piece reads selected in sequence order
+  (key_selection) and one varlen kernel call runs the pieces as segments; the backward
+  reduce-scatters dK/dV, the sum over ranks in fp32 under half precision.
 
-Memory and traffic. The gather and the index are redone in the backward, not saved: the local q
-and [prefix ++ own] K/V shards are saved, with the kernel's output and log-sum-exp where the
-backend has a forward/backward pair (attention/lse.py: cpu_flash, torch, flash, varlen); the
-backward gathers again, selects under autograd and runs the kernel's backward from the saved
-output and log-sum-exp, with no attention forward (`_LseAttention`). The output is the projection's
-input, which Megatron saves anyway (one storage), so the extra is the log-sum-exp, one float32 per
-head and local token under half precision. Backends without the pair (sdpa, flex, te) save only q, k, v
-and recompute the local attention forward in the backward before its backward
-(`_RecomputedAttention`). Per rank, layer and chunk it receives (CP - 1)/CP x (prefix + chunk)
-tokens of K and V forward and twice that backward (the gather again, the reduce-scatter), and holds
-transiently the gathered K/V and the selection (about 2 x prefix + 1.25 x chunk tokens of K and V
-at CP = 2). Activations and state per rank are ~1/CP of CP = 1's; the price is the second gather
-(and, without the pair, one more attention forward per layer).
+Both move the same bytes: per rank, layer and chunk (CP - 1)/CP x (prefix + chunk) tokens of K
+and V forward, that again backward and the gradient's. The ring hides them behind the kernels
+(but the last gradient block) and holds two blocks at a time instead of the gathered whole.
+
+Memory. Neither the other ranks' K/V nor the selections are saved: the local q and [prefix ++ own]
+K/V shards are saved, with the kernel's output and log-sum-exp where the backend has a
+forward/backward pair (attention/lse.py: cpu_flash, torch, flash, varlen); the backward brings
+the K/V again (ring or gather) and runs the kernel's backward from the saved output and
+log-sum-exp, with no attention forward (`_RingAttention`, `_LseAttention`). The output is the
+projection's input, which Megatron saves anyway (one storage), so the extra is the log-sum-exp,
+one float32 per head and local token under half precision. Backends without the pair (sdpa, flex, te) save
+only q, k, v and recompute the local attention forward in the backward before its backward
+(`_RecomputedAttention`). The gather path holds transiently the gathered K/V and the selection
+(about 2 x prefix + 1.25 x chunk tokens of K and V at CP = 2), the ring two blocks and a step's
+selection. Activations and state per rank are ~1/CP of CP = 1's; the price is the K/V sent again
+in the backward (and, without the pair, one more attention forward per layer).
 
 Replicated state (`--chunkflow-cp-kv replicated`, ChunkMeta.cp_kv). A dependent chunk's own K/V
 shards are all-gathered first (`gather_chunk_kv`, in every layer), and the relay then works on
@@ -72,7 +76,7 @@ from megatron_chunkflow.attention import (
     merge_lse,
     resolve_backend,
 )
-from megatron_chunkflow.runtime.cp_keys import KeySelection, SplitSelection
+from megatron_chunkflow.runtime.cp_keys import KeySelection, RingSelection
 
 
 class Traffic:
@@ -88,22 +92,21 @@ class Traffic:
         return t.numel() * t.element_size() * (size - 1) // size
 
 
-def cp_attention(q, k, v, selection: KeySelection | SplitSelection, group, softmax_scale: float,
+def cp_attention(q, k, v, selection: KeySelection | RingSelection, group, softmax_scale: float,
                  backend: str, traffic: Traffic | None = None) -> torch.Tensor:
     """This rank's attention output [t, np, hn] for its queries q [t, np, hn], given its shards k,
     v [s, ng, hn] of [prefix ++ chunk] K/V (module docstring), or with `group` None the whole
     [prefix ++ chunk] K/V of replicated state (nothing gathered here); `traffic` counts the
-    bytes. A SplitSelection overlaps the gather with the attention over the rank's own keys
-    (backends with the pair); else the backward runs from the saved log-sum-exp where the
-    backend has the pair (attention/lse.py), or recomputes the forward."""
+    bytes. A RingSelection runs the ring (backends with the pair); else the backward runs from
+    the saved log-sum-exp where the backend has the pair (attention/lse.py), or recomputes the
+    forward."""
     has_pair = lse_pair(resolve_backend(backend, q.device.type, q.dtype)) is not None
-    if isinstance(selection, SplitSelection):
+    if isinstance(selection, RingSelection):
         if not has_pair or group is None:
-            raise ValueError(f"the overlapped CP attention needs sharded state and a backend "
-                             f"with the log-sum-exp pair; {backend!r} has none here "
+            raise ValueError(f"the ring CP attention needs sharded state and a backend with the "
+                             f"log-sum-exp pair; {backend!r} has none here "
                              "(--chunkflow-cp-attention gather)")
-        return _OverlappedAttention.apply(q, k, v, selection, group, softmax_scale, backend,
-                                          traffic)
+        return _RingAttention.apply(q, k, v, selection, group, softmax_scale, backend, traffic)
     if has_pair:
         return _LseAttention.apply(q, k, v, selection, group, softmax_scale, backend, traffic)
     return _RecomputedAttention.apply(q, k, v, selection, group, softmax_scale, backend, traffic)
@@ -136,79 +139,114 @@ class _LseAttention(torch.autograd.Function):
         return dq, k.grad, v.grad, None, None, None, None, None
 
 
-class _OverlappedAttention(torch.autograd.Function):
-    """The gather runs while the kernel attends over the rank's own keys (SplitSelection.local);
-    then the gathered keys of other ranks (non-causal) for the pieces that have them, merged by
-    log-sum-exp. Saves q, k, v, the merged output and log-sum-exp. Backward: the gather again
-    behind the own keys' backward, the other keys' backward, one reduce-scatter of dK/dV (the
-    own keys' gradient added into this rank's block first)."""
+class _RingAttention(torch.autograd.Function):
+    """The ring (module docstring): step s attends over the block of rank (rank - s) mod CP while
+    the next block travels; partial results merge by log-sum-exp. Saves q, k, v, the merged
+    output and log-sum-exp. The backward runs the ring again, each step's backward from the
+    merged output and log-sum-exp; a block's fp32 gradient travels with the ring, each rank
+    adding its share, and arrives at the block's owner after the last step."""
 
     @staticmethod
-    def forward(ctx, q, k, v, split, group, softmax_scale, backend, traffic):
-        pending = _GatheredKV(k, v, group, traffic)
-        local = split.local
-        out, lse = attention_with_lse(q, k.index_select(0, local.index),
-                                      v.index_select(0, local.index), local.cu_q, local.cu_kv,
-                                      softmax_scale=softmax_scale, backend=backend)
-        kv = pending.wait()
-        if split.rows.numel():
-            out_b, lse_b = attention_with_lse(
-                q.index_select(0, split.rows), *_remote_kv(kv, split), split.remote.cu_q,
-                split.remote.cu_kv, softmax_scale=softmax_scale, backend=backend, causal=False)
-            merge_lse(out, lse, split.rows, out_b, lse_b)
+    def forward(ctx, q, k, v, ring, group, softmax_scale, backend, traffic):
+        peers = _Peers(group)
+        kv, out, lse = torch.stack([k, v], dim=1), None, None
+        for step, block in enumerate(ring.blocks):
+            arriving = peers.exchange(kv, traffic, "gathered") if step + 1 < peers.size else None
+            if block.rows.numel():
+                rows = None if step == 0 else block.rows  # the own block: every query reads it
+                k_b, v_b = _block_kv(kv, block, k, v, step)
+                part = attention_with_lse(_rows(q, rows), k_b, v_b, block.keys.cu_q,
+                                          block.keys.cu_kv, softmax_scale=softmax_scale,
+                                          backend=backend, causal=step == 0)
+                if step == 0:
+                    out, lse = part
+                else:
+                    merge_lse(out, lse, block.rows, *part)
+            if arriving is not None:
+                kv = arriving.wait()
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (split, group, softmax_scale, backend, traffic)
+        ctx.args = (ring, group, softmax_scale, backend, traffic)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        split, group, softmax_scale, backend, traffic = ctx.args
-        pending = _GatheredKV(k, v, group, traffic)
-        local, rows = split.local, split.rows
-        dq, dk_local, dv_local = attention_backward(
-            grad_out, q, k.index_select(0, local.index), v.index_select(0, local.index), out,
-            lse, local.cu_q, local.cu_kv, softmax_scale=softmax_scale, backend=backend)
-        kv = pending.wait()
-        size, rank, held = pending.size, pending.rank, k.size(0)
+        ring, group, softmax_scale, backend, traffic = ctx.args
+        peers = _Peers(group)
         wide = torch.float32 if k.dtype in (torch.float16, torch.bfloat16) else k.dtype
-        grad = kv.new_zeros(kv.shape, dtype=wide)  # [cp * held, 2, ng, hn]
-        mine = local.index + rank * held
-        grad[:, 0].index_add_(0, mine, dk_local.to(wide))
-        grad[:, 1].index_add_(0, mine, dv_local.to(wide))
-        if rows.numel():
-            dq_b, dk_b, dv_b = attention_backward(
-                grad_out.index_select(0, rows), q.index_select(0, rows), *_remote_kv(kv, split),
-                out.index_select(0, rows), lse.index_select(-1, rows), split.remote.cu_q,
-                split.remote.cu_kv, softmax_scale=softmax_scale, backend=backend, causal=False)
-            dq.index_add_(0, rows, dq_b)
-            grad[:, 0].index_add_(0, split.remote.index, dk_b.to(wide))
-            grad[:, 1].index_add_(0, split.remote.index, dv_b.to(wide))
-        mine = _reduce_scatter(grad, group, size, rank, traffic).to(k.dtype)
-        return dq, mine[:, 0], mine[:, 1], None, None, None, None, None
+        kv = torch.stack([k, v], dim=1)
+        dq = torch.zeros_like(q, dtype=wide)
+        own = incoming = None
+        for step, block in enumerate(ring.blocks):
+            arriving = peers.exchange(kv, traffic, "gathered") if step + 1 < peers.size else None
+            grad = kv.new_zeros(kv.shape, dtype=wide)  # this block's gradient from our queries
+            if block.rows.numel():
+                rows = None if step == 0 else block.rows
+                k_b, v_b = _block_kv(kv, block, k, v, step)
+                dq_b, dk_b, dv_b = attention_backward(
+                    _rows(grad_out, rows), _rows(q, rows), k_b, v_b, _rows(out, rows),
+                    lse if rows is None else lse.index_select(-1, rows), block.keys.cu_q,
+                    block.keys.cu_kv, softmax_scale=softmax_scale, backend=backend,
+                    causal=step == 0)
+                dq.index_add_(0, block.rows, dq_b.to(wide))
+                grad[:, 0].index_add_(0, block.keys.index, dk_b.to(wide))
+                grad[:, 1].index_add_(0, block.keys.index, dv_b.to(wide))
+            if step == 0:
+                own = grad  # kept: the other ranks' shares come back after the last step
+            else:
+                if incoming is not None:
+                    grad += incoming.wait()  # the ranks before us on the ring
+                incoming = peers.exchange(grad, traffic, "reduce_scattered")
+            if arriving is not None:
+                kv = arriving.wait()
+        own += incoming.wait()
+        return (dq.to(q.dtype), own[:, 0].to(k.dtype), own[:, 1].to(v.dtype), None, None, None,
+                None, None)
 
 
-def _remote_kv(kv, split: SplitSelection):
-    selected = kv.index_select(0, split.remote.index)  # contiguous, as the kernels take them
+def _rows(x, rows):
+    return x if rows is None else x.index_select(0, rows)
+
+
+def _block_kv(kv, block, k, v, step):
+    """The keys and values a step reads (contiguous, as the kernels take them)."""
+    if step == 0:
+        return k.index_select(0, block.keys.index), v.index_select(0, block.keys.index)
+    selected = kv.index_select(0, block.keys.index)
     return selected[:, 0], selected[:, 1]
 
 
-class _GatheredKV:
-    """An all-gather of this rank's K and V shards (stacked [s, 2, ng, hn]) under way: wait()
-    returns [cp * s, 2, ng, hn], rank after rank."""
+class _Peers:
+    """This rank's ring neighbours in `group`: exchange() sends to the next rank and receives
+    from the previous one (one batch_isend_irecv, as NCCL needs a ring's sends and receives
+    grouped); wait() returns what arrived. Every rank issues the same exchanges in the same
+    order, so the sends and receives between two ranks pair up in order."""
 
-    def __init__(self, k, v, group, traffic: Traffic | None):
-        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.kv = torch.stack([k, v], dim=1)  # held until the collective is done with it
-        self.out = self.kv.new_empty((self.size * self.kv.size(0), *self.kv.shape[1:]))
-        self.work = _ALL_GATHER(self.out, self.kv, group=group, async_op=True)
+    def __init__(self, group):
+        self.size, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.group = group
+        self.next = dist.get_global_rank(group, (rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (rank - 1) % self.size)
+
+    def exchange(self, tensor, traffic: Traffic | None, counter: str):
+        return _Exchange(self, tensor.contiguous(), traffic, counter)
+
+
+class _Exchange:
+    def __init__(self, peers: _Peers, tensor, traffic, counter):
+        self.sent, self.received = tensor, torch.empty_like(tensor)  # both held until done
+        self.works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, tensor, peers.next, peers.group),
+            dist.P2POp(dist.irecv, self.received, peers.prev, peers.group)])
         if traffic is not None:
-            traffic.gathered += Traffic.received(self.out, self.size)
+            setattr(traffic, counter, getattr(traffic, counter)
+                    + self.received.numel() * self.received.element_size())
 
     def wait(self) -> torch.Tensor:
-        self.work.wait()
-        self.kv = None
-        return self.out
+        for work in self.works:
+            work.wait()
+        self.sent = None
+        return self.received
 
 
 class _RecomputedAttention(torch.autograd.Function):

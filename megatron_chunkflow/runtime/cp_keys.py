@@ -1,7 +1,7 @@
 """Which keys each query piece of a CP rank reads under ChunkFlow's context parallelism
 (runtime/cp.py): the zigzag shards a rank holds, and the rows of the gathered K/V its pieces
 select, in one list (key_selection) or split into the rank's own and the others'
-(split_selection, for the overlapped attention). Host-side index arithmetic, cached per chunk
+(ring_selection, for the ring attention). Host-side index arithmetic, cached per chunk
 shape.
 """
 
@@ -85,39 +85,49 @@ def key_selection(cu_seqlens: tuple[int, ...], prefix_chunks: int, chunk_size: i
     return KeySelection(torch.cat(rows), tuple(cu_q), tuple(cu_kv))
 
 
-class SplitSelection(NamedTuple):
-    """The overlapped attention's keys (sharded state): `local` indexes this rank's own shards
-    (the keys it holds; each piece's own keys last, bottom-right causal), `remote` the gathered
-    K/V (keys of other ranks, all before the piece: every query sees all of them) for the query
-    rows `rows` (the pieces that have such keys)."""
+class BlockKeys(NamedTuple):
+    """The keys of one rank's K/V block (its shards of [prefix ++ chunk]) that this rank's query
+    pieces read: `keys` indexes the block, for the query rows `rows` (the pieces that read any
+    of it), as the kernel's segments."""
 
-    local: KeySelection
-    remote: KeySelection
+    keys: KeySelection
     rows: torch.Tensor
 
 
+class RingSelection(NamedTuple):
+    """The ring attention's keys (sharded state), one BlockKeys per step s = 0 .. CP - 1: the
+    block of rank (rank - s) mod CP. Step 0 is the rank's own block, read bottom-right causally
+    (each piece's own keys last); every other block holds only keys before the pieces that read
+    it, read without a mask."""
+
+    blocks: tuple[BlockKeys, ...]
+
+
 @lru_cache(maxsize=8)
-def split_selection(cu_seqlens: tuple[int, ...], prefix_chunks: int, chunk_size: int, cp: int,
-                    rank: int) -> SplitSelection:
-    """key_selection's keys of each local query piece, split into the rank's own and the rest."""
+def ring_selection(cu_seqlens: tuple[int, ...], prefix_chunks: int, chunk_size: int, cp: int,
+                   rank: int) -> RingSelection:
+    """key_selection's keys of each local query piece, split by the rank that holds them, in
+    the order a ring brings the blocks (own first, then the previous rank's, ...)."""
     prefix = prefix_chunks * chunk_size
     row = _gathered_rows(cu_seqlens, prefix_chunks, chunk_size, cp, False)
-    held = row.numel() // cp  # every rank holds as many rows: rank r's are [r held, (r+1) held)
-    local, remote, rows = [], [], []
-    cu_q, cu_local, cu_rq, cu_remote = [0], [0], [0], [0]
-    for lo, hi, first in _pieces(cu_seqlens, prefix, cp, rank):
-        keys = row[first:prefix + hi]
-        mine = (keys >= rank * held) & (keys < (rank + 1) * held)
-        local.append(keys[mine] - rank * held)
-        cu_q.append(cu_q[-1] + hi - lo)
-        cu_local.append(cu_local[-1] + local[-1].numel())
-        if not mine.all():
-            remote.append(keys[~mine])
-            rows.append(torch.arange(cu_q[-2], cu_q[-1]))
-            cu_rq.append(cu_rq[-1] + hi - lo)
-            cu_remote.append(cu_remote[-1] + remote[-1].numel())
+    held = row.numel() // cp  # every rank holds as many rows: rank j's are [j held, (j+1) held)
+    pieces = list(_pieces(cu_seqlens, prefix, cp, rank))
+    starts = [0]
+    for lo, hi, _ in pieces:
+        starts.append(starts[-1] + hi - lo)
     empty = torch.zeros(0, dtype=torch.long)
-    return SplitSelection(KeySelection(torch.cat(local), tuple(cu_q), tuple(cu_local)),
-                          KeySelection(torch.cat(remote or [empty]), tuple(cu_rq),
-                                       tuple(cu_remote)),
-                          torch.cat(rows or [empty]))
+    blocks = []
+    for step in range(cp):
+        j = (rank - step) % cp
+        index, rows, cu_q, cu_kv = [], [], [0], [0]
+        for (lo, hi, first), q0, q1 in zip(pieces, starts[:-1], starts[1:]):
+            keys = row[first:prefix + hi]
+            keys = keys[(keys >= j * held) & (keys < (j + 1) * held)] - j * held
+            if keys.numel():
+                index.append(keys)
+                rows.append(torch.arange(q0, q1))
+                cu_q.append(cu_q[-1] + q1 - q0)
+                cu_kv.append(cu_kv[-1] + keys.numel())
+        blocks.append(BlockKeys(KeySelection(torch.cat(index or [empty]), tuple(cu_q),
+                                             tuple(cu_kv)), torch.cat(rows or [empty])))
+    return RingSelection(tuple(blocks))

@@ -28,7 +28,7 @@ import torch
 
 from megatron_chunkflow.attention import chunk_attention, lse_pair, resolve_backend
 from megatron_chunkflow.runtime.cp import cp_attention, gather_chunk_kv
-from megatron_chunkflow.runtime.cp_keys import KeySelection, key_selection, split_selection
+from megatron_chunkflow.runtime.cp_keys import KeySelection, key_selection, ring_selection
 from megatron_chunkflow.runtime.state import ChunkMeta, KVStateStore
 
 
@@ -91,12 +91,12 @@ class ChunkCoreAttention(torch.nn.Module):
                                    f"{meta.cp_size}, but this is rank {rank} of the model's "
                                    f"{size}-rank context-parallel group (plan_step's cp_rank)")
             prefix_chunks = meta.index if meta.dependent else 0
-            if not replicated and self._overlapped(meta, query):
-                split = split_selection(meta.cu_seqlens, prefix_chunks, meta.chunk_size,
-                                        meta.cp_size, meta.cp_rank)
-                keys = split._replace(local=_on_device(split.local, query.device),
-                                      remote=_on_device(split.remote, query.device),
-                                      rows=split.rows.to(query.device))
+            if not replicated and self._ring(meta, query):
+                ring = ring_selection(meta.cu_seqlens, prefix_chunks, meta.chunk_size,
+                                      meta.cp_size, meta.cp_rank)
+                keys = ring._replace(blocks=tuple(
+                    b._replace(keys=_on_device(b.keys, query.device),
+                               rows=b.rows.to(query.device)) for b in ring.blocks))
             else:
                 keys = _on_device(key_selection(meta.cu_seqlens, prefix_chunks, meta.chunk_size,
                                                 meta.cp_size, meta.cp_rank, replicated),
@@ -106,11 +106,11 @@ class ChunkCoreAttention(torch.nn.Module):
                            self.softmax_scale, self.backend, self.store.cp_traffic)
         return out.reshape(t, -1)
 
-    def _overlapped(self, meta: ChunkMeta, query) -> bool:
-        """The overlapped attention (--chunkflow-cp-attention overlapped) where the backend has
-        the log-sum-exp pair; the others (sdpa, flex, te) gather first."""
+    def _ring(self, meta: ChunkMeta, query) -> bool:
+        """The ring attention (--chunkflow-cp-attention ring) where the backend has the
+        log-sum-exp pair; the others (sdpa, flex, te) gather first."""
         backend = resolve_backend(self.backend, query.device.type, query.dtype)
-        return meta.cp_attention == "overlapped" and lse_pair(backend) is not None
+        return meta.cp_attention == "ring" and lse_pair(backend) is not None
 
 
 def _on_device(keys: KeySelection, device) -> KeySelection:

@@ -58,7 +58,7 @@ class ChunkMeta:
     cp_size: int = 1  # context parallelism: this rank holds 1/cp_size of the chunk (runtime/cp.py)
     cp_rank: int = 0
     cp_kv: str = "sharded"  # dependent chunks under CP: "replicated" keeps the whole prefix here
-    cp_attention: str = "overlapped"  # under CP: the gather behind the own keys' attention
+    cp_attention: str = "ring"  # under CP: K/V blocks passed around a ring behind the kernel
 
     @property
     def dependent(self) -> bool:

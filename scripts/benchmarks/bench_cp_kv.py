@@ -1,7 +1,13 @@
-"""ChunkFlow's CP attention on this CPU, CP 2: a long sequence's K/V state sharded (every chunk
-all-gathers [prefix ++ chunk] K/V in every layer, again in the backward) against replicated (every
-CP rank keeps the whole prefix; a chunk gathers only its own K/V, once, and reduce-scatters only
-its gradient), in one job (~2 minutes on 2 cores).
+"""ChunkFlow's CP attention on this CPU, CP 2, three ways in one job (~3 minutes on 2 cores):
+- sharded, gather first (--chunkflow-cp-attention gather): every chunk all-gathers [prefix ++
+  chunk] K/V in every layer, then attends; again in the backward;
+- sharded, ring (the default): the same bytes, each rank's K/V block passed around the CP ranks
+  while the kernel attends over the block at hand, partial results merged by log-sum-exp, the
+  gradient blocks passed back around the ring;
+- replicated (--chunkflow-cp-kv replicated): every CP rank keeps the whole prefix; a chunk gathers
+  only its own K/V, once, and reduce-scatters only its gradient.
+With --chunk-size >= --long the long sequence is one chunk (no prefix: replicated state is then
+the sharded ring).
 
     python scripts/benchmarks/bench_cp_kv.py                  # table on stdout
     python scripts/benchmarks/bench_cp_kv.py --json out.json --steps 5
@@ -12,7 +18,9 @@ float32 on the `tiny-bench` model, stepped as `chunkflow train` steps them (mcor
 Adam). Per system and step: the step's wall time, the bytes this rank received in K/V all-gathers
 and dK/dV reduce-scatters (runtime/cp.py Traffic, the count NCCL's ring would move), and the bytes
 of the long sequence's K/V state at its largest (runtime/state.py, stored K/V and accumulators).
-Medians over --steps steps after one warm-up step, with the load average the run saw. The
+The systems take turns step by step (each its own model, built first), so a change of load
+falls on all three. Medians over --steps steps after one warm-up step, with the load average the
+run saw. The
 simulator's prediction for the same batch and layout on this CPU is not printed: its CPU device is
 fitted by `chunkflow bench`, not here.
 """
@@ -26,7 +34,8 @@ import statistics
 import sys
 import time
 
-SYSTEMS = ("sharded", "replicated")
+SYSTEMS = (("sharded", "gather"), ("sharded", "ring"), ("replicated", "ring"))
+NAMES = ("sharded, gather first", "sharded, ring", "replicated")
 
 
 def batch_lengths(long: int) -> list[int]:
@@ -49,21 +58,22 @@ def _job(lengths, chunk_size: int, steps: int, model: str, threads: int) -> list
     torch.set_num_threads(threads)
     shape = get_model_shape(model)
     sequences = make_sequences(lengths, shape.vocab_size, seed=7)
-    out = []
-    for cp_kv in SYSTEMS:
-        parallel = ParallelConfig(cp=2)
+    runs, parallel = [], ParallelConfig(cp=2)
+    init_distributed(parallel, 3)  # one set of groups: the three models live side by side
+    for name, (cp_kv, cp_attention) in zip(NAMES, SYSTEMS):
+        torch.manual_seed(3)
+        config = ChunkFlowConfig(chunk_size, 1, cp_kv=cp_kv, cp_attention=cp_attention)
         s = TrainSettings(shape=shape, model_name=model, system="chunkflow", parallel=parallel,
-                          chunkflow=ChunkFlowConfig(chunk_size, 1, cp_kv=cp_kv),
+                          chunkflow=config,
                           train_iters=steps + 1, global_batch_size=len(lengths),
                           seq_length=max(lengths),
                           optimizer=OptimizerConfig(lr=1e-4, min_lr=1e-5, lr_warmup_iters=0),
                           dtype="float32", seed=3)
-        init_distributed(parallel, s.seed)
         tr = build_training(s)
-        store = tr.chunkflow_model.store
-        peak = state_peak(store)
-        rows = []
-        for it in range(steps + 1):
+        runs.append((name, cp_kv, cp_attention, s, tr, state_peak(tr.chunkflow_model.store), []))
+    for it in range(steps + 1):  # the systems take turns, step by step: the same load for each
+        for name, cp_kv, cp_attention, s, tr, peak, rows in runs:
+            store = tr.chunkflow_model.store
             before = (store.cp_traffic.gathered, store.cp_traffic.reduce_scattered)
             peak.bytes = 0
             start = time.perf_counter()
@@ -73,7 +83,10 @@ def _job(lengths, chunk_size: int, steps: int, model: str, threads: int) -> list
                 rows.append((seconds, store.cp_traffic.gathered - before[0],
                              store.cp_traffic.reduce_scattered - before[1], peak.bytes,
                              outcome.num_chunks))
-        out.append({"cp_kv": cp_kv, "step_s": statistics.median(r[0] for r in rows),
+    out = []
+    for name, cp_kv, cp_attention, s, tr, peak, rows in runs:
+        out.append({"system": name, "cp_kv": cp_kv, "cp_attention": cp_attention,
+                    "step_s": statistics.median(r[0] for r in rows),
                     "steps_s": [r[0] for r in rows], "gathered_bytes": rows[-1][1],
                     "reduce_scattered_bytes": rows[-1][2], "state_peak_bytes": rows[-1][3],
                     "chunks": rows[-1][4]})
@@ -127,17 +140,19 @@ def main(argv=None) -> int:
     print(f"# CP 2 on this CPU: {len(lengths)} sequences, {sum(lengths)} tokens (one of "
           f"{args.long}), model {args.model}, C {args.chunk_size}, K 1, float32; median of "
           f"{args.steps} steps; load average {load[0]:.2f} before, {after[0]:.2f} after")
-    print("| K/V state | step (s) | K/V all-gathered (MiB / rank) | dK/dV reduce-scattered "
+    print("| CP attention | step (s) | K/V all-gathered (MiB / rank) | dK/dV reduce-scattered "
           "(MiB / rank) | state peak (MiB / rank) |")
     print("|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['cp_kv']} | {r['step_s']:.3f} | {r['gathered_bytes'] / mib:.1f} | "
+        print(f"| {r['system']} | {r['step_s']:.3f} | {r['gathered_bytes'] / mib:.1f} | "
               f"{r['reduce_scattered_bytes'] / mib:.1f} | {r['state_peak_bytes'] / mib:.1f} |")
-    shard, rep = results
-    moved = {r["cp_kv"]: r["gathered_bytes"] + r["reduce_scattered_bytes"] for r in results}
-    print(f"replicated / sharded: step {rep['step_s'] / shard['step_s']:.2f}x, traffic "
-          f"{moved['replicated'] / moved['sharded']:.2f}x, state "
-          f"{rep['state_peak_bytes'] / shard['state_peak_bytes']:.2f}x")
+    gather = results[0]
+    for r in results[1:]:
+        moved = [x["gathered_bytes"] + x["reduce_scattered_bytes"] for x in (r, gather)]
+        state = (f"{r['state_peak_bytes'] / gather['state_peak_bytes']:.2f}x"
+                 if gather["state_peak_bytes"] else "none (no dependent chunk)")
+        print(f"{r['system']} / sharded, gather first: step {r['step_s'] / gather['step_s']:.2f}x,"
+              f" traffic {moved[0] / moved[1]:.2f}x, state {state}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"results": results, "load_average": [load, after], "lengths": lengths},

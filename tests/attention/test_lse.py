@@ -155,7 +155,7 @@ def test_non_causal_pair_float64(backend, heads):
 def test_merged_parts_equal_the_whole(backend):
     """A segment's keys cut in two, the ones before its queries (non-causal) and the rest
     (causal): merge_lse of the parts is the whole attention, and each part's backward from the
-    merged output and log-sum-exp adds up to the whole backward (as the overlapped CP attention
+    merged output and log-sum-exp adds up to the whole backward (as the ring CP attention
     uses them), in some rows only (`rows`: the queries the second part has)."""
     nh, ng, hd = RANDOM["gqa"]
     lq, lk = [10, 6], [25, 6]  # segment 0 has 15 prefix keys, segment 1 none

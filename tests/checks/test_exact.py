@@ -48,7 +48,7 @@ LAYOUTS = {
     "pp4": (4, 1, 4, False, (1, 2), [MIXED, SINGLE_CHUNK, DEPENDENT]),
     "tp2_pp2": (4, 2, 2, True, (2,), [MIXED, STANDALONE]),
     "dp2_pp2": (4, 1, 2, False, (1,), [MIXED, DEPENDENT]),
-    # context parallelism: zigzag shards, sharded K/V state, overlapped attention (runtime/cp.py)
+    # context parallelism: zigzag shards, sharded K/V state, ring attention (runtime/cp.py)
     "cp2": (2, 1, 1, False, (1, 2), STEPS, 2),
     "cp2_cpu_flash_recompute": (2, 1, 1, False, (2,), [MIXED], 2, "selective", "auto"),
     "cp2_full_recompute": (2, 1, 1, False, (1,), [MIXED], 2, "full"),
@@ -69,8 +69,8 @@ LAYOUTS = {
     "cp4_replicated": (4, 1, 1, False, (1, 2), [MIXED, DEPENDENT], 4),
     "tp2_cp2_sequence_parallel_replicated": (4, 2, 1, True, (1, 2), [MIXED, DEPENDENT], 2),
     "cp2_pp2_replicated": (4, 1, 2, False, (1,), [MIXED, DEPENDENT], 2),
-    # sharded state runs the overlapped attention (the gather behind the rank's own keys) by
-    # default; the gather-first path (--chunkflow-cp-attention gather) and CP 4
+    # sharded state runs the ring attention by default; the gather-first path
+    # (--chunkflow-cp-attention gather) and the ring at CP 4
     "cp2_gather": (2, 1, 1, False, (1, 2), [MIXED, DEPENDENT], 2),
     "cp4": (4, 1, 1, False, (1,), [MIXED, DEPENDENT], 4),
 }
@@ -114,7 +114,7 @@ def _run_layout(name):
                               vpp=VIRTUAL.get(name, 1))
     shape = get_model_shape(MODELS.get(name, "tiny"))
     cp_kv = "replicated" if name.endswith(("_replicated", "_replicated_sdpa")) else "sharded"
-    cp_attention = "gather" if name.endswith("_gather") else "overlapped"
+    cp_attention = "gather" if name.endswith("_gather") else "ring"
     config = {k: ChunkFlowConfig(C, k, backend, cp_kv=cp_kv, cp_attention=cp_attention)
               for k in ks}
     out = {k: _summary(run_verify(shape, steps, config[k], parallel, seed=2))

@@ -1,8 +1,8 @@
 """ChunkFlow with context parallelism in the cost and memory model (perfmodel/layer.py,
 footprint.py, predict.py, floors.py, search.py), as runtime/cp.py runs it: segments padded to
-2 x CP (x TP) and zigzag-sharded, K/V all-gathered per layer and chunk (not overlapped), gathered
-again in the backward, which runs from the saved log-sum-exp (no second attention forward) and
-reduce-scatters dK/dV in fp32, state 1/CP per rank."""
+2 x CP (chunks to 2 x CP x TP) and zigzag-sharded, K/V passed around a ring per layer and chunk
+behind the kernels, again in the backward, which runs from the saved log-sum-exp (no second
+attention forward) and passes dK/dV back in fp32, state 1/CP per rank."""
 
 import dataclasses
 
@@ -28,8 +28,8 @@ from megatron_chunkflow.perfmodel.hardware import get_gpu, with_overrides
 from megatron_chunkflow.perfmodel.layer import (
     GATHER_KERNELS_BWD,
     GATHER_KERNELS_FWD,
-    OVERLAP_KERNELS,
-    OVERLAP_MERGE_BYTES,
+    RING_KERNELS_PER_STEP,
+    RING_MERGE_BYTES,
     chunk_work,
     gather_extent,
     layer_model,
@@ -60,22 +60,32 @@ LENGTHS = [min(n, 8000) for n in sample_lengths("B", 120, seed=2)] + [LONG]
 
 def chunks_for(layout: ParallelConfig, chunk_size: int, k: int = 1, lengths=LENGTHS):
     return build_chunks(lengths, chunk_size, layout.dp, k, Q7B,
-                        segment_multiple=layout.segment_multiple).chunks
+                        segment_multiple=layout.segment_multiple,
+                        chunk_multiple=layout.chunk_padding).chunks
 
 
 def test_padding_matches_the_runtime_packer():
-    """predict_chunkflow cuts and packs padded lengths (core/step.plan_chunkflow takes no
-    multiple) and turns the rounding back into padding: the same chunks as core/packer's."""
+    """predict_chunkflow cuts and packs padded lengths (the segments' multiple given to the
+    lengths, the chunks' to the packer) and turns the rounding back into padding: the same chunks
+    as core/packer's. Segments are padded to 2 x CP (as Megatron pads each sequence), chunks to
+    2 x CP x TP under sequence parallelism (each rank's share splits over TP), by their last
+    segment."""
     for layout in (P(tp=2, cp=2), P(tp=1, cp=4, dp=2), P(tp=4, cp=2)):
-        m = layout.segment_multiple
-        assert m == 2 * layout.cp * (layout.tp if layout.tp > 1 else 1)
+        m, whole = layout.segment_multiple, layout.chunk_padding
+        assert (m, whole) == (2 * layout.cp, 2 * layout.cp * layout.tp)
         ours = with_padding(build_chunks(cp_padded_lengths(LENGTHS, m), 4096, layout.dp, 2,
-                                         Q7B).chunks, LENGTHS)
+                                         Q7B, chunk_multiple=whole).chunks, LENGTHS)
         assert ours == list(chunks_for(layout, 4096, 2))
         for c in ours:
-            for s in c.segments:
+            assert c.computed_tokens % whole == 0
+            for s in c.segments[:-1]:
                 assert s.computed_tokens % m == 0 and s.padding < m
+            assert c.segments[-1].computed_tokens % m == 0 and c.segments[-1].padding < whole
         assert sum(c.num_tokens for c in ours) == sum(LENGTHS)
+        if layout.tp > 1:  # less padding than segments padded to 2 x CP x TP each
+            old = build_chunks(LENGTHS, 4096, layout.dp, 2, Q7B, segment_multiple=whole).chunks
+            assert (sum(c.computed_tokens for c in ours)
+                    < sum(c.computed_tokens for c in old))
 
 
 def test_cp2_halves_dense_tokens_and_activations_per_rank():
@@ -135,44 +145,46 @@ def test_gather_bytes_and_backward_from_the_lse():
     assert lm.attention(tokens, pairs) != pytest.approx((fwd, bwd))
 
 
-def test_overlapped_attention_hides_the_gather_behind_the_own_keys():
-    """The default CP attention: a rank's own keys (its prefix shards, its earlier piece, the
-    piece itself) are 1/CP of the prefix pairs and, at CP 2 on a standalone segment, half of the
-    rank's pairs; the gather runs behind their kernel (cp_overlap of the shorter hidden), the
-    other keys' kernel after, and the backward's reduce-scatter stays exposed."""
+def test_ring_hides_its_transfers_as_megatron_ring_does():
+    """The default CP attention, a ring: its pairs are each rank's own block's (causal) and the
+    other blocks' (whole tiles), exactly the zigzag pairs without tiles; its K/V and gradient
+    blocks travel behind the kernels as Megatron's ring's do (cp_overlap of the shorter hidden),
+    but for the last gradient block; each step after the first merges (query-side copies)."""
     p = 1024
     for prefix, cp in ((0, 2), (8 * 4096, 2), (8 * 4096, 4)):
         n = 2 * cp * p
         split = zigzag_split_pairs(prefix, n, 0, cp)
         assert [a + b for a, b in split] == list(zigzag_pairs(prefix, n, 0, cp))  # exact
-        for r, (own, _) in enumerate(split):
+        for own, _ in split:  # the rank's prefix shards, its two pieces
             assert own == attention_pairs(prefix // cp, p) + attention_pairs(prefix // cp + p, p)
-    (own, others), _ = zigzag_split_pairs(0, 4 * p, 0, 2)
-    assert own == pytest.approx(others + p, rel=1e-12)  # rank 0 at CP 2: half, and its diagonal
-    layout = P(tp=2, cp=2)
-    lm = layer_model(Q7B, layout, H100)
-    tokens, pairs, own, gathered = 2048, 8.0e7, 4.0e7, 40960
-    gather, scatter = lm.gather_times(gathered)
-    compute_f, compute_b = layer_model(Q7B, P(tp=2), H100).attention(tokens, pairs)
-    merge = tokens * lm.attn_width * H100.dtype_bytes / lm.mem_bw
-    fwd, bwd = lm.attention(tokens, pairs, gathered, own_pairs=own)
-    hidden = H100.cp_overlap
-    assert fwd == pytest.approx(compute_f + gather - hidden * min(gather, compute_f / 2)
-                                + OVERLAP_MERGE_BYTES[0] * merge)
-    assert bwd == pytest.approx(compute_b + gather - hidden * min(gather, compute_b / 2)
-                                + scatter + OVERLAP_MERGE_BYTES[1] * merge)
-    serial = lm.attention(tokens, pairs, gathered)
-    assert fwd < serial[0] and bwd < serial[1]
-    # a 256K sequence whole at CP 2: the gather is all hidden (cp_overlap 1)
+    for cp in (2, 4, 8):
+        layout = P(tp=2, cp=cp)
+        lm = layer_model(Q7B, layout, H100)
+        tokens, pairs, gathered = 2048, 8.0e7, 40960
+        gather, scatter = lm.gather_times(gathered)
+        compute_f, compute_b = layer_model(Q7B, P(tp=2), H100).attention(tokens, pairs)
+        merge = (cp - 1) * tokens * lm.attn_width * H100.dtype_bytes / lm.mem_bw
+        fwd, bwd = lm.attention(tokens, pairs, gathered, ring=True)
+        hidden, last = H100.cp_overlap, scatter / (cp - 1)
+        moved = gather + scatter - last
+        assert fwd == pytest.approx(compute_f + gather - hidden * min(gather, compute_f)
+                                    + RING_MERGE_BYTES[0] * merge)
+        assert bwd == pytest.approx(compute_b + moved - hidden * min(moved, compute_b) + last
+                                    + RING_MERGE_BYTES[1] * merge)
+        serial = lm.attention(tokens, pairs, gathered)  # gathered first
+        assert fwd < serial[0] and bwd < serial[1]
+    # a 256K sequence whole at CP 2: all of its K/V traffic is hidden at cp_overlap 1
     (seq,) = build_chunks([262144], 262144, 1, 1, Q7B, segment_multiple=4).chunks
     w = chunk_work(seq, 128, 2, gather=True)
-    full = layer_model(Q7B, layout, with_overrides(H100, ["cp_overlap=1"]))
-    g, _ = full.gather_times(w.gathered)
-    f, _ = full.attention(w.tokens, w.pairs, w.gathered, own_pairs=w.own_pairs)
-    alone, _ = layer_model(Q7B, P(tp=2), H100).attention(w.tokens, w.pairs)  # compute alone
-    assert w.own_pairs > 0.49 * w.pairs and g < 0.1 * alone
-    assert f == pytest.approx(alone + OVERLAP_MERGE_BYTES[0] * w.tokens * full.attn_width
-                              * H100.dtype_bytes / full.mem_bw, rel=1e-9)
+    assert w.ring and chunk_work(seq, 128, 2, gather="replicated").ring  # standalone: both
+    full = layer_model(Q7B, P(tp=2, cp=2), with_overrides(H100, ["cp_overlap=1"]))
+    g, sc = full.gather_times(w.gathered)
+    f, b = full.attention(w.tokens, w.pairs, w.gathered, ring=True)
+    alone_f, alone_b = layer_model(Q7B, P(tp=2), H100).attention(w.tokens, w.pairs)
+    per = w.tokens * full.attn_width * H100.dtype_bytes / full.mem_bw
+    assert g < 0.1 * alone_f
+    assert f == pytest.approx(alone_f + RING_MERGE_BYTES[0] * per, rel=1e-9)
+    assert b == pytest.approx(alone_b + sc + RING_MERGE_BYTES[1] * per, rel=1e-9)
 
 
 def test_chunk_work_gathers_the_prefix():
@@ -189,9 +201,9 @@ def test_chunk_work_gathers_the_prefix():
     assert w.prior == last.index and not w.relayed and deps[0].prefix_len == 0
     parts = layer_model(Q7B, layout, H100).parts(w)
     base = layer_model(Q7B, P(), H100)
-    # + the overlap's and the relay's cat
-    assert parts.fwd_kernels == base.kernels_fwd + GATHER_KERNELS_FWD + OVERLAP_KERNELS[0] + 2
-    assert parts.bwd_kernels == (base.kernels_bwd + GATHER_KERNELS_BWD + OVERLAP_KERNELS[1]
+    # + the ring's second step and the relay's cat
+    assert parts.fwd_kernels == base.kernels_fwd + GATHER_KERNELS_FWD + RING_KERNELS_PER_STEP[0] + 2
+    assert parts.bwd_kernels == (base.kernels_bwd + GATHER_KERNELS_BWD + RING_KERNELS_PER_STEP[1]
                                  + 2 * w.prior)
     # the step: every layer's backward gathers again and reduce-scatters: B / F above CP 1's
     model = roofline(Q7B, layout, H100)
@@ -319,7 +331,7 @@ def test_replicated_state_gathers_the_chunk_only():
     replicated = chunk_work(seq, hw.attn_block, 4, "replicated")
     assert (sharded.gathered, replicated.gathered) == (6 * 4096, 4096) and replicated.replicated
     assert replicated._replace(gathered=0, replicated=False) == sharded._replace(gathered=0,
-                                                                                own_pairs=0)
+                                                                                ring=False)
     model = roofline(shape, lay, hw).layer
     gather, scatter = model.gather_times(4096)
     g6, s6 = model.gather_times(6 * 4096)  # [5 chunks of prefix ++ the chunk]

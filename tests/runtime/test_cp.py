@@ -15,8 +15,8 @@ from megatron_chunkflow.core.packer import build_chunks
 from megatron_chunkflow.runtime.cp_keys import (
     key_selection,
     local_index,
+    ring_selection,
     shard_ranges,
-    split_selection,
 )
 
 
@@ -85,10 +85,12 @@ def test_every_query_sees_its_unsplit_keys(cp, case, replicated):
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
 @pytest.mark.parametrize("case", ["standalone", "dependent"])
-def test_split_keys_are_the_rank_own_then_the_gathered(cp, case):
-    """split_selection: each piece's own keys (from the rank's shards, its own piece last:
-    causal) and the others' (from the gathered K/V, all before the piece: non-causal), merged,
-    give every query its unsplit attention; rows lists exactly the pieces with others' keys."""
+def test_ring_blocks_give_every_query_its_unsplit_keys(cp, case):
+    """ring_selection: step s reads the block of rank (r - s) mod CP (its shards of [prefix ++
+    chunk]); the own block bottom-right causal (each piece's own keys last), the others without
+    a mask (all their keys precede the pieces that read them); merged step by step by
+    log-sum-exp, every query gets its unsplit attention, and the blocks hold each selected key
+    once."""
     torch.manual_seed(1)
     c = 8 * cp
     cu, prefix_chunks = ((0, 2 * cp, 4 * cp, c), 0) if case == "standalone" else ((0, 4 * cp), 2)
@@ -100,42 +102,47 @@ def test_split_keys_are_the_rank_own_then_the_gathered(cp, case):
     else:
         whole = chunk_attention(q, k, v, list(cu), list(cu), backend="sdpa")
     blocks = [((0, c), i * c) for i in range(prefix_chunks)] + [(cu, prefix)]
-    held = [torch.cat([local_index(b, cp, r) + off for b, off in blocks]) for r in range(cp)]
-    gathered = torch.cat(held)
+    held = [torch.cat([local_index(b, cp, j) + off for b, off in blocks]) for j in range(cp)]
     for r in range(cp):
-        split = split_selection(cu, prefix_chunks, c, cp, r)
+        ring = ring_selection(cu, prefix_chunks, c, cp, r)
         full = key_selection(cu, prefix_chunks, c, cp, r)
-        assert split.local.index.numel() + split.remote.index.numel() == full.index.numel()
+        assert sum(b.keys.index.numel() for b in ring.blocks) == full.index.numel()
         q_local = q[prefix + local_index(cu, cp, r)]
-        mine = held[r]
-        out, lse = attention_with_lse(q_local, k[mine][split.local.index],
-                                      v[mine][split.local.index], split.local.cu_q,
-                                      split.local.cu_kv, backend="torch")
-        rows = split.rows
-        if rows.numel():
-            remote = gathered[split.remote.index]
-            assert not set(remote.tolist()) & set(mine.tolist())
-            out_b, lse_b = attention_with_lse(q_local[rows], k[remote], v[remote],
-                                              split.remote.cu_q, split.remote.cu_kv,
-                                              backend="torch", causal=False)
-            merge_lse(out, lse, rows, out_b, lse_b)
-        # only rank 0's first piece of each standalone segment sees no other rank's key
-        expect = 0 if prefix or r else sum((b - a) // (2 * cp) for a, b in zip(cu[:-1], cu[1:]))
-        assert q_local.shape[0] - rows.numel() == expect
+        assert ring.blocks[0].rows.tolist() == list(range(q_local.shape[0]))
+        out = lse = None
+        for step, block in enumerate(ring.blocks):
+            j = (r - step) % cp
+            if not block.rows.numel():
+                continue
+            rows = held[j][block.keys.index]
+            part = attention_with_lse(q_local[block.rows], k[rows], v[rows], block.keys.cu_q,
+                                      block.keys.cu_kv, backend="torch", causal=step == 0)
+            if step == 0:
+                out, lse = part
+            else:
+                merge_lse(out, lse, block.rows, *part)
         torch.testing.assert_close(out, whole[local_index(cu, cp, r)], rtol=1e-12, atol=1e-12)
+    # rank 0's first piece of a standalone segment reads no other rank's keys
+    if not prefix:
+        ring = ring_selection(cu, 0, c, cp, 0)
+        assert all(0 not in b.rows.tolist() for b in ring.blocks[1:])
 
 
 def test_packer_pads_every_segment_for_the_split():
     shape = get_model_shape("tiny")
-    batch = build_chunks([70, 5, 33, 1, 16], 16, 1, 1, shape, segment_multiple=4)
+    batch = build_chunks([70, 5, 33, 1, 16], 16, 1, 1, shape, segment_multiple=4,
+                         chunk_multiple=8)  # CP 2, TP 2 under sequence parallelism
     for chunk in batch.chunks:
         assert all(s.computed_tokens % 4 == 0 for s in chunk.segments)
-        assert chunk.computed_tokens <= 16
+        assert chunk.computed_tokens <= 16 and chunk.computed_tokens % 8 == 0
         if chunk.is_dependent and chunk.index + 1 < chunk.num_siblings:
             assert chunk.segments[0].padding == 0  # full chunks hold state: never padded
     assert sum(c.num_tokens for c in batch.chunks) == 70 + 5 + 33 + 1 + 16  # nothing lost
     with pytest.raises(ValueError, match="chunk size 18 is not a multiple"):
         build_chunks([70], 18, 1, 1, shape, segment_multiple=4)
+    with pytest.raises(ValueError, match="chunk size 12 is not a multiple of the padding "
+                                         "multiple 8"):
+        build_chunks([70], 12, 1, 1, shape, segment_multiple=4, chunk_multiple=8)
 
 
 def _cp_backward_on_rank(cases):
@@ -171,8 +178,8 @@ def _cp_backward_on_rank(cases):
              "sdpa": (cp_module.cp_attention, "sdpa"),
              "cpu_flash recompute": (cp_module._RecomputedAttention.apply, "cpu_flash"),
              "torch recompute": (cp_module._RecomputedAttention.apply, "torch"),
-             "cpu_flash overlapped": (cp_module.cp_attention, "cpu_flash"),
-             "torch overlapped": (cp_module.cp_attention, "torch")}
+             "cpu_flash ring": (cp_module.cp_attention, "cpu_flash"),
+             "torch ring": (cp_module.cp_attention, "torch")}
     out = []
     try:
         for cu, prefix_chunks, c in cases:
@@ -193,12 +200,12 @@ def _cp_backward_on_rank(cases):
             whole.backward(dout)
             ref = (whole.detach()[rows], qf.grad[prefix + rows], kf.grad[mine], vf.grad[mine])
             layout = key_selection(cu, prefix_chunks, c, cp, rank)
-            split = split_selection(cu, prefix_chunks, c, cp, rank)
+            ring = ring_selection(cu, prefix_chunks, c, cp, rank)
             grads, forwards = {}, {}
             for path, (fn, backend) in paths.items():
                 ql, kl, vl = (x.clone().requires_grad_() for x in (q[prefix + rows], k[mine],
                                                                    v[mine]))
-                o = fn(ql, kl, vl, split if "overlapped" in path else layout, group, 8 ** -0.5,
+                o = fn(ql, kl, vl, ring if path.endswith("ring") else layout, group, 8 ** -0.5,
                        backend, None)
                 before = dict(calls)
                 o.backward(dout[rows])
@@ -222,15 +229,16 @@ def test_cp_backward_from_the_lse_runs_no_forward_and_is_exact(gloo):
     """CP 2 over gloo, float64: a standalone chunk of three segments and a dependent chunk over two
     chunks of prefix. cpu_flash and torch take the backward from the saved log-sum-exp: their
     gradients equal unsharded attention's and the recompute path's within 1e-12, and their
-    backward runs no attention forward; sdpa (no pair) recomputes it. The overlapped attention
-    (the gather behind the rank's own keys, merged by log-sum-exp) likewise, output included."""
+    backward runs no attention forward; sdpa (no pair) recomputes it. The ring attention (K/V
+    blocks passed around, merged by log-sum-exp; gradients passed back) likewise, output
+    included."""
     cases = [((0, 4, 12, 20), 0, 20), ((0, 16), 2, 16)]
     for per_case in zip(*gloo.run(_cp_backward_on_rank, 2, cases)):
         for rank_result in per_case:
             for path, (vs_whole, vs_recompute, forwards) in rank_result.items():
                 assert vs_whole <= 1e-12 and vs_recompute <= 1e-12, (path, vs_whole, vs_recompute)
                 backend = path.split()[0]
-                if path in ("cpu_flash", "torch") or "overlapped" in path:
+                if path in ("cpu_flash", "torch") or path.endswith("ring"):
                     assert forwards == {"cpu_flash": 0, "torch": 0, "sdpa": 0}, (path, forwards)
                 else:  # the recompute path: one forward of its backend in the backward
                     assert forwards[backend] > 0, (path, forwards)
