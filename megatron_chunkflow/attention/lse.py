@@ -121,23 +121,28 @@ def lse_by_token(lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return lse.reshape(n, t).t()
 
 
-def merge_lse(out: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, out_b: torch.Tensor,
-              lse_b: torch.Tensor) -> None:
+def merge_lse(out: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor | None,
+              out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
     """In place: `out` [T, N, H] and `lse` (a pair's layout), attention over keys A, become
-    attention over keys A and B in the token `rows`, given out_b [len(rows), N, H] and lse_b,
-    attention of those queries over keys B (log-sum-exp weights, computed in float32 at
-    least)."""
-    if rows.numel() == 0:
+    attention over keys A and B in the token `rows` (None: every token), given out_b
+    [len(rows), N, H] and lse_b, attention of those queries over keys B (log-sum-exp weights,
+    computed in float32 at least)."""
+    if rows is not None and rows.numel() == 0:
         return
     lse_tn, lse_b_tn = lse_by_token(lse, out), lse_by_token(lse_b, out_b)
     wide = torch.promote_types(lse_tn.dtype, torch.float32)
-    a, la = out.index_select(0, rows).to(wide), lse_tn.index_select(0, rows).to(wide)
+    a = out if rows is None else out.index_select(0, rows)
+    la = (lse_tn if rows is None else lse_tn.index_select(0, rows)).to(wide)
     lb = lse_b_tn.to(wide)
     merged_lse = torch.logaddexp(la, lb)
-    merged = (a * torch.exp(la - merged_lse).unsqueeze(-1)
+    merged = (a.to(wide) * torch.exp(la - merged_lse).unsqueeze(-1)
               + out_b.to(wide) * torch.exp(lb - merged_lse).unsqueeze(-1))
-    out.index_copy_(0, rows, merged.to(out.dtype))
-    lse.view(-1, out.shape[0]).index_copy_(1, rows, merged_lse.t().to(lse.dtype))
+    if rows is None:
+        out.copy_(merged)
+        lse_tn.copy_(merged_lse)
+    else:
+        out.index_copy_(0, rows, merged.to(out.dtype))
+        lse.view(-1, out.shape[0]).index_copy_(1, rows, merged_lse.t().to(lse.dtype))
 
 
 def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_kv, softmax_scale, backend, causal=True):

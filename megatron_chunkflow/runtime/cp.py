@@ -153,7 +153,7 @@ class _RingAttention(torch.autograd.Function):
         for step, block in enumerate(ring.blocks):
             arriving = peers.exchange(kv, traffic, "gathered") if step + 1 < peers.size else None
             if block.rows.numel():
-                rows = None if step == 0 else block.rows  # the own block: every query reads it
+                rows = _subset(block, q, step)
                 k_b, v_b = _block_kv(kv, block, k, v, step)
                 part = attention_with_lse(_rows(q, rows), k_b, v_b, block.keys.cu_q,
                                           block.keys.cu_kv, softmax_scale=softmax_scale,
@@ -161,7 +161,7 @@ class _RingAttention(torch.autograd.Function):
                 if step == 0:
                     out, lse = part
                 else:
-                    merge_lse(out, lse, block.rows, *part)
+                    merge_lse(out, lse, rows, *part)
             if arriving is not None:
                 kv = arriving.wait()
         ctx.save_for_backward(q, k, v, out, lse)
@@ -181,14 +181,17 @@ class _RingAttention(torch.autograd.Function):
             arriving = peers.exchange(kv, traffic, "gathered") if step + 1 < peers.size else None
             grad = kv.new_zeros(kv.shape, dtype=wide)  # this block's gradient from our queries
             if block.rows.numel():
-                rows = None if step == 0 else block.rows
+                rows = _subset(block, q, step)
                 k_b, v_b = _block_kv(kv, block, k, v, step)
                 dq_b, dk_b, dv_b = attention_backward(
                     _rows(grad_out, rows), _rows(q, rows), k_b, v_b, _rows(out, rows),
                     lse if rows is None else lse.index_select(-1, rows), block.keys.cu_q,
                     block.keys.cu_kv, softmax_scale=softmax_scale, backend=backend,
                     causal=step == 0)
-                dq.index_add_(0, block.rows, dq_b.to(wide))
+                if rows is None:
+                    dq += dq_b
+                else:
+                    dq.index_add_(0, rows, dq_b.to(wide))
                 grad[:, 0].index_add_(0, block.keys.index, dk_b.to(wide))
                 grad[:, 1].index_add_(0, block.keys.index, dv_b.to(wide))
             if step == 0:
@@ -202,6 +205,12 @@ class _RingAttention(torch.autograd.Function):
         own += incoming.wait()
         return (dq.to(q.dtype), own[:, 0].to(k.dtype), own[:, 1].to(v.dtype), None, None, None,
                 None, None)
+
+
+def _subset(block, q, step):
+    """The query rows a step reads for, None when it is all of them (the own block, and any
+    block every piece reads: a dependent chunk's, whose prefix precedes every piece)."""
+    return None if step == 0 or block.rows.numel() == q.shape[0] else block.rows
 
 
 def _rows(x, rows):

@@ -15,8 +15,9 @@ the sharded ring).
 One job of 2 processes (CP 2, DP 1), one global batch: one long sequence of --long tokens cut
 into chunks of --chunk-size, K = 1, and 16 short ones drawn from profile A at 1/4 scale (seed 0), in
 float32 on the `tiny-bench` model, stepped as `chunkflow train` steps them (mcore/step.py, Megatron's
-Adam). Per system and step: the step's wall time, the bytes this rank received in K/V all-gathers
-and dK/dV reduce-scatters (runtime/cp.py Traffic, the count NCCL's ring would move), and the bytes
+Adam). Per system and step: the step's wall time, the bytes this rank received of K/V and of dK/dV
+(all-gathers and reduce-scatters, or the ring's sends: runtime/cp.py Traffic, the count NCCL's
+ring would move), and the bytes
 of the long sequence's K/V state at its largest (runtime/state.py, stored K/V and accumulators).
 The systems take turns step by step (each its own model, built first), so a change of load
 falls on all three. Medians over --steps steps after one warm-up step, with the load average the
@@ -140,8 +141,8 @@ def main(argv=None) -> int:
     print(f"# CP 2 on this CPU: {len(lengths)} sequences, {sum(lengths)} tokens (one of "
           f"{args.long}), model {args.model}, C {args.chunk_size}, K 1, float32; median of "
           f"{args.steps} steps; load average {load[0]:.2f} before, {after[0]:.2f} after")
-    print("| CP attention | step (s) | K/V all-gathered (MiB / rank) | dK/dV reduce-scattered "
-          "(MiB / rank) | state peak (MiB / rank) |")
+    print("| CP attention | step (s) | K/V received (MiB / rank) | dK/dV received (MiB / rank) "
+          "| state peak (MiB / rank) |")
     print("|---|---|---|---|---|")
     for r in results:
         print(f"| {r['system']} | {r['step_s']:.3f} | {r['gathered_bytes'] / mib:.1f} | "

@@ -192,3 +192,20 @@ def test_lse_by_token_names_a_foreign_layout():
     assert lse_by_token(torch.arange(8.0).view(2, 4), out)[1].tolist() == [1.0, 5.0]
     with pytest.raises(ValueError, match="layout differs"):
         lse_by_token(torch.zeros(1, 2, 6), out)
+
+
+def test_merge_over_every_row_equals_the_indexed_merge():
+    """merge_lse with rows None (every token) is the indexed merge over all the rows."""
+    lq, lk = [6, 5], [9, 5]
+    q, k, v, _ = make_inputs(lq, lk, 4, 2, 8, torch.float64, seed=7)
+    halves = [(k[i::2], v[i::2]) for i in (0, 1)]  # two key sets of every segment's keys
+    results = []
+    for rows in (None, torch.arange(sum(lq))):
+        out, lse = attention_with_lse(q, *halves[0], cumsum(lq), [0, 5, 7], backend="torch",
+                                      causal=False)
+        out_b, lse_b = attention_with_lse(q, *halves[1], cumsum(lq), [0, 4, 7], backend="torch",
+                                          causal=False)
+        merge_lse(out, lse, rows, out_b, lse_b)
+        results.append((out, lse))
+    for every, indexed in zip(*results, strict=True):  # the same arithmetic, other memory order
+        torch.testing.assert_close(every, indexed, rtol=1e-14, atol=1e-14)
