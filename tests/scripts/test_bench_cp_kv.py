@@ -1,6 +1,6 @@
-"""scripts/benchmarks/bench_cp_kv.py on a small batch: both K/V states train, replicated state moves
-less and keeps CP times the state (the measured run is the script's job; its numbers are in
-docs/benchmarks.md)."""
+"""scripts/benchmarks/bench_cp_kv.py on a small batch: the gather-first path, the ring and replicated
+state train; the ring moves the gather's bytes, replicated state less, keeping CP times the state
+(the measured run is the script's job; its numbers are in docs/benchmarks.md)."""
 
 import json
 import subprocess
@@ -20,8 +20,11 @@ def test_small_run(tmp_path):
                           "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "| replicated |" in run.stdout
-    shard, rep = json.loads(out.read_text())["results"]
-    assert (shard["cp_kv"], rep["cp_kv"]) == ("sharded", "replicated")
+    shard, ring, rep = json.loads(out.read_text())["results"]
+    assert [(r["cp_kv"], r["cp_attention"]) for r in (shard, ring, rep)] == [
+        ("sharded", "gather"), ("sharded", "ring"), ("replicated", "ring")]
+    for key in ("gathered_bytes", "reduce_scattered_bytes", "state_peak_bytes"):
+        assert ring[key] == shard[key] > 0
     assert rep["gathered_bytes"] < shard["gathered_bytes"]
     assert rep["reduce_scattered_bytes"] < shard["reduce_scattered_bytes"]
     assert rep["state_peak_bytes"] == 2 * shard["state_peak_bytes"]  # CP 2
