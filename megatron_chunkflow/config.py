@@ -24,6 +24,7 @@ from megatron_chunkflow.recompute import (  # noqa: F401  (re-exported: one impo
 AttentionBackend = Literal["auto", "torch", "cpu_flash", "sdpa", "flex", "varlen", "flash", "te"]
 CpKvState = Literal["sharded", "replicated"]
 CpAttention = Literal["ring", "gather"]
+CpPlacement = Literal["hybrid", "split"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,12 @@ class ChunkFlowConfig:
     around the CP ranks while the kernel attends over the one at hand; backends cpu_flash, torch,
     flash, varlen) or gather (all-gathered first, one kernel call)."""
 
+    cp_placement: CpPlacement = field(default="hybrid",
+                                      metadata={"flag": "--chunkflow-cp-placement"})
+    """Under CP, a packed chunk's segments: hybrid (each kept whole on one CP rank where the
+    ranks stay balanced, its attention local; only segments too long to place, and every long
+    sequence's chunks, cut into zigzag pieces over the ranks) or split (every segment cut)."""
+
     def __post_init__(self):
         if self.chunk_size < 1:
             raise ValueError(f"--chunk-size must be >= 1, got {self.chunk_size}")
@@ -65,6 +72,7 @@ class ChunkFlowConfig:
             raise ValueError(f"--chunkflow-k must be >= 1, got {self.num_kept}")
         for flag, value, kind in (("--chunkflow-cp-kv", self.cp_kv, CpKvState),
                                   ("--chunkflow-cp-attention", self.cp_attention, CpAttention),
+                                  ("--chunkflow-cp-placement", self.cp_placement, CpPlacement),
                                   ("--attention-backend", self.attention_backend,
                                    AttentionBackend)):
             if value not in typing.get_args(kind):

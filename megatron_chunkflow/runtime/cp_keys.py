@@ -12,12 +12,20 @@ from typing import NamedTuple
 
 import torch
 
+from megatron_chunkflow.core.cp_place import SPLIT
 
-def shard_ranges(cu_seqlens, cp: int, rank: int) -> list[tuple[int, int]]:
+
+def shard_ranges(cu_seqlens, cp: int, rank: int, owners=()) -> list[tuple[int, int]]:
     """The [lo, hi) token ranges of a chunk with segment boundaries `cu_seqlens` that CP rank
-    `rank` holds, in its local order: pieces rank and 2 cp - 1 - rank of each segment."""
-    out = []
-    for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+    `rank` holds, in its local order: under a hybrid placement (`owners`, core/cp_place.py) the
+    segments it holds whole first, then of every split segment (all of them without `owners`)
+    pieces rank and 2 cp - 1 - rank."""
+    bounds = list(zip(cu_seqlens[:-1], cu_seqlens[1:]))
+    owners = owners or (SPLIT,) * len(bounds)
+    out = [(a, b) for (a, b), o in zip(bounds, owners) if o == rank]
+    for (a, b), o in zip(bounds, owners):
+        if o != SPLIT:
+            continue
         if (b - a) % (2 * cp):
             raise ValueError(f"segment [{a}, {b}) has {b - a} tokens, which do not cut into "
                              f"2 x CP = {2 * cp} equal pieces (core/packer pads segments)")
@@ -26,10 +34,26 @@ def shard_ranges(cu_seqlens, cp: int, rank: int) -> list[tuple[int, int]]:
     return out
 
 
-def local_index(cu_seqlens, cp: int, rank: int) -> torch.Tensor:
+def local_index(cu_seqlens, cp: int, rank: int, owners=()) -> torch.Tensor:
     """Indices (into the whole chunk) of the tokens CP rank `rank` holds, in its local order."""
-    ranges = shard_ranges(cu_seqlens, cp, rank)
+    ranges = shard_ranges(cu_seqlens, cp, rank, owners)
     return torch.cat([torch.arange(lo, hi) for lo, hi in ranges] or [torch.zeros(0, dtype=torch.long)])
+
+
+@lru_cache(maxsize=8)
+def hybrid_cu(cu_seqlens: tuple[int, ...], owners: tuple[int, ...],
+              rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Under a hybrid placement: the boundaries of the segments rank `rank` holds whole (its
+    first local tokens, attended on their own) and of the split segments (a chunk of their own
+    for the CP attention), each packed from 0."""
+    lengths = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    local, split = [0], [0]
+    for n, o in zip(lengths, owners):
+        if o == rank:
+            local.append(local[-1] + n)
+        elif o == SPLIT:
+            split.append(split[-1] + n)
+    return tuple(local), tuple(split)
 
 
 class KeySelection(NamedTuple):

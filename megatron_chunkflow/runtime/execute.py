@@ -54,7 +54,8 @@ def plan_step(sequences: Sequence[TokenSequence], chunkflow: ChunkFlowConfig,
     plan = state_aware_plan(chunks, parallel.pp, chunkflow.num_kept, costs, parallel.vpp)
     step = build_step(plan, sequences, chunkflow.chunk_size, device=device,
                       pad_multiple=parallel.pad_multiple, batch=batch, costs=costs,
-                      cp_size=parallel.cp, cp_rank=ranks.cp_rank)
+                      cp_size=parallel.cp, cp_rank=ranks.cp_rank,
+                      cp_placement=chunkflow.cp_placement)
     if parallel.cp > 1:
         step.metas = {i: dataclasses.replace(m, cp_kv=chunkflow.cp_kv,
                                              cp_attention=chunkflow.cp_attention)

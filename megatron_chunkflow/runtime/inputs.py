@@ -8,7 +8,9 @@ next chunk, so no target is lost at chunk boundaries.
 Megatron shapes: tokens/labels/loss_mask/position_ids [b=1, t]; THD PackedSeqParams with the chunk's
 own segment boundaries (the core attention adds the K/V prefix itself). Under context parallelism a
 rank's inputs are its zigzag shard of the chunk (runtime/cp.py: t = chunk tokens / CP), while the
-PackedSeqParams keep the whole chunk's boundaries, as Megatron's THD RoPE expects.
+PackedSeqParams keep the whole chunk's boundaries, as Megatron's THD RoPE expects; under a hybrid
+placement (core/cp_place.py) the rank's segments held whole come first, then its zigzag pieces of
+the split ones.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_chunkflow.core.costs import OpCosts
+from megatron_chunkflow.core.cp_place import place_segments
 from megatron_chunkflow.core.types import ChunkBatch, DataChunk, PipelinePlan
 from megatron_chunkflow.data.sequence import TokenSequence
 from megatron_chunkflow.runtime.state import ChunkMeta
@@ -59,21 +62,32 @@ class ChunkedStep:
 
 
 def chunk_meta(chunk: DataChunk, chunk_size: int, pad_multiple: int = 1, cp_size: int = 1,
-               cp_rank: int = 0) -> ChunkMeta:
+               cp_rank: int = 0, cp_placement: str = "hybrid") -> ChunkMeta:
     """`pad_multiple`: pad the chunk to a multiple of this many tokens (the TP size under sequence
     parallelism) with a padding segment that attends only to itself and has no loss. `cp_size`,
     `cp_rank`: this rank's share under context parallelism (the chunk's segments are already
-    padded to 2 x CP pieces by core/packer)."""
+    padded to 2 x CP pieces by core/packer); `cp_placement` hybrid keeps a standalone chunk's
+    segments whole on one rank where they fit (core/cp_place.py), each rank's shortfall padded
+    with a segment of its own; split cuts every segment over every rank."""
     computed = chunk.computed_tokens
     num_padding = -computed % pad_multiple
     assert not (num_padding and chunk.is_dependent and chunk.index + 1 < chunk.num_siblings), \
         "only a sequence's last chunk can need padding (C is a multiple of the TP size)"
     cu = chunk.cu_seqlens() + ([computed + num_padding] if num_padding else [])
-    pos = torch.tensor(chunk.position_ids() + list(range(num_padding)), dtype=torch.long)
+    pads, owners = [num_padding] if num_padding else [], ()
+    if cp_size > 1 and cp_placement == "hybrid" and not chunk.is_dependent:
+        placed = place_segments([b - a for a, b in zip(cu[:-1], cu[1:])], cp_size, pad_multiple)
+        if placed is not None:
+            pads = [n for n in placed.padding if n]
+            owners = placed.owners + tuple(r for r, n in enumerate(placed.padding) if n)
+            num_padding += sum(pads)
+            for n in pads:
+                cu.append(cu[-1] + n)
+    positions = chunk.position_ids() + [p for n in pads for p in range(n)]
     return ChunkMeta(
         chunk_id=chunk.id,
         cu_seqlens=tuple(cu),
-        position_ids=pos,
+        position_ids=torch.tensor(positions, dtype=torch.long),
         seq_id=chunk.parent if chunk.is_dependent else None,
         index=chunk.index if chunk.is_dependent else 0,
         num_siblings=chunk.num_siblings if chunk.is_dependent else 1,
@@ -81,6 +95,7 @@ def chunk_meta(chunk: DataChunk, chunk_size: int, pad_multiple: int = 1, cp_size
         num_padding=num_padding,
         cp_size=cp_size,
         cp_rank=cp_rank,
+        cp_owners=owners,
     )
 
 
@@ -99,7 +114,10 @@ def chunk_input(chunk: DataChunk, sequences: Sequence[TokenSequence], meta: Chun
         mask.append(seq.loss_mask[seg.start:seg.end])
         _pad(tokens, labels, mask, seg.padding)  # a baseline's padding, part of the segment
     _pad(tokens, labels, mask, meta.num_padding)  # a segment of its own
-    cu = torch.tensor(meta.cu_seqlens, dtype=torch.int32, device=device)
+    # Megatron's THD RoPE under CP picks each segment's zigzag pieces of these boundaries; a
+    # hybrid chunk's rank holds other tokens, so it sees one segment (runtime/model.py's RoPE)
+    cu = torch.tensor(meta.cu_seqlens if not meta.cp_owners else (0, meta.num_tokens),
+                      dtype=torch.int32, device=device)
     max_len = int((cu[1:] - cu[:-1]).max())
     packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                              max_seqlen_q=max_len, max_seqlen_kv=max_len)
@@ -107,7 +125,7 @@ def chunk_input(chunk: DataChunk, sequences: Sequence[TokenSequence], meta: Chun
     if meta.cp_size > 1:
         from megatron_chunkflow.runtime.cp_keys import local_index
 
-        mine = local_index(meta.cu_seqlens, meta.cp_size, meta.cp_rank)
+        mine = local_index(meta.cu_seqlens, meta.cp_size, meta.cp_rank, meta.cp_owners)
         columns = [c[mine] for c in columns]
     tokens, labels, mask, positions = (c.view(1, -1).to(device) for c in columns)
     return ChunkInput(tokens=tokens, labels=labels, loss_mask=mask, position_ids=positions,
@@ -125,10 +143,12 @@ def _pad(tokens: list, labels: list, mask: list, n: int) -> None:
 
 def build_step(plan: PipelinePlan, sequences: Sequence[TokenSequence], chunk_size: int,
                device=None, pad_multiple: int = 1, batch: ChunkBatch | None = None,
-               costs: OpCosts | None = None, cp_size: int = 1, cp_rank: int = 0) -> ChunkedStep:
+               costs: OpCosts | None = None, cp_size: int = 1, cp_rank: int = 0,
+               cp_placement: str = "hybrid") -> ChunkedStep:
     """The ChunkedStep of `plan` (one DP rank's chunks) over `sequences` (the global batch), this
     CP rank's share of it."""
-    metas = {c.id: chunk_meta(c, chunk_size, pad_multiple, cp_size, cp_rank) for c in plan.chunks}
+    metas = {c.id: chunk_meta(c, chunk_size, pad_multiple, cp_size, cp_rank, cp_placement)
+             for c in plan.chunks}
     inputs = {c.id: chunk_input(c, sequences, metas[c.id], device) for c in plan.chunks}
     return ChunkedStep(plan, metas, inputs, batch=batch, costs=costs)
 

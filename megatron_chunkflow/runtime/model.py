@@ -28,7 +28,13 @@ import torch
 
 from megatron_chunkflow.attention import chunk_attention, lse_pair, resolve_backend
 from megatron_chunkflow.runtime.cp import cp_attention, gather_chunk_kv
-from megatron_chunkflow.runtime.cp_keys import KeySelection, key_selection, ring_selection
+from megatron_chunkflow.runtime.cp_keys import (
+    KeySelection,
+    hybrid_cu,
+    key_selection,
+    local_index,
+    ring_selection,
+)
 from megatron_chunkflow.runtime.state import ChunkMeta, KVStateStore
 
 
@@ -74,15 +80,11 @@ class ChunkCoreAttention(torch.nn.Module):
 
     def _forward_cp(self, query, key, value, meta: ChunkMeta):
         """This CP rank's shard of the chunk (runtime/cp.py); with replicated state a dependent
-        chunk's K/V are gathered whole before the relay, and attention gathers nothing more."""
+        chunk's K/V are gathered whole before the relay, and attention gathers nothing more.
+        Under a hybrid placement the segments this rank holds whole (its first tokens) attend
+        here alone, and only the split ones go through the CP attention."""
         t = query.size(0)
-        replicated = meta.dependent and meta.cp_kv == "replicated"
-        if replicated:
-            key, value = gather_chunk_kv(key, value, self.cp_group, self.store.cp_traffic)
-        if meta.dependent:
-            key, value = self.store.kv_with_state(self.layer_number, key, value)
-        keys = self.store.cp_keys
-        if keys is None:  # the chunk's first layer on this stage: check, then build once
+        if self.store.cp_keys is None:  # the chunk's first layer on this stage: check once
             import torch.distributed as dist
 
             size, rank = _cp_size(self.cp_group), dist.get_rank(self.cp_group)
@@ -90,21 +92,45 @@ class ChunkCoreAttention(torch.nn.Module):
                 raise RuntimeError(f"the chunk was planned for CP rank {meta.cp_rank} of "
                                    f"{meta.cp_size}, but this is rank {rank} of the model's "
                                    f"{size}-rank context-parallel group (plan_step's cp_rank)")
+        if not meta.cp_owners:
+            return self._split_attention(query, key, value, meta, meta.cu_seqlens).reshape(t, -1)
+        local, split = hybrid_cu(meta.cu_seqlens, meta.cp_owners, meta.cp_rank)
+        n = local[-1]
+        parts = []
+        if n:
+            cu = torch.tensor(local, dtype=torch.int32)
+            parts.append(chunk_attention(query[:n], key[:n], value[:n], cu, cu,
+                                         softmax_scale=self.softmax_scale, backend=self.backend))
+        if n < t:
+            parts.append(self._split_attention(query[n:], key[n:], value[n:], meta, split))
+        elif self.store.cp_keys is None:
+            self.store.cp_keys = ()  # checked; no split segment, no keys to select
+        return torch.cat([p.reshape(p.size(0), -1) for p in parts])  # [t, np * hn]
+
+    def _split_attention(self, query, key, value, meta: ChunkMeta, cu_seqlens):
+        """The CP attention of the split segments with boundaries `cu_seqlens` (the whole chunk
+        unless placed hybrid): this rank's zigzag pieces of them."""
+        replicated = meta.dependent and meta.cp_kv == "replicated"
+        if replicated:
+            key, value = gather_chunk_kv(key, value, self.cp_group, self.store.cp_traffic)
+        if meta.dependent:
+            key, value = self.store.kv_with_state(self.layer_number, key, value)
+        keys = self.store.cp_keys
+        if keys is None:  # the chunk's first layer on this stage: build once
             prefix_chunks = meta.index if meta.dependent else 0
             if not replicated and self._ring(meta, query):
-                ring = ring_selection(meta.cu_seqlens, prefix_chunks, meta.chunk_size,
+                ring = ring_selection(cu_seqlens, prefix_chunks, meta.chunk_size,
                                       meta.cp_size, meta.cp_rank)
                 keys = ring._replace(blocks=tuple(
                     b._replace(keys=_on_device(b.keys, query.device),
                                rows=b.rows.to(query.device)) for b in ring.blocks))
             else:
-                keys = _on_device(key_selection(meta.cu_seqlens, prefix_chunks, meta.chunk_size,
+                keys = _on_device(key_selection(cu_seqlens, prefix_chunks, meta.chunk_size,
                                                 meta.cp_size, meta.cp_rank, replicated),
                                   query.device)
             self.store.cp_keys = keys
-        out = cp_attention(query, key, value, keys, None if replicated else self.cp_group,
-                           self.softmax_scale, self.backend, self.store.cp_traffic)
-        return out.reshape(t, -1)
+        return cp_attention(query, key, value, keys, None if replicated else self.cp_group,
+                            self.softmax_scale, self.backend, self.store.cp_traffic)
 
     def _ring(self, meta: ChunkMeta, query) -> bool:
         """The ring attention (--chunkflow-cp-attention ring) where the backend has the
@@ -215,7 +241,17 @@ def _patch_rope(rope, store: KVStateStore) -> None:
             return original(max_seq_len, offset, packed_seq, cp_group)
         pos = meta.position_ids  # the whole chunk's (every CP rank's): RoPE picks this rank's
         emb = original(int(pos.max()) + 1, 0, True, cp_group)  # [max_pos + 1, 1, 1, d]
-        return emb[pos.to(emb.device)]  # [t, 1, 1, d]: one row per token
+        if not meta.cp_owners:
+            return emb[pos.to(emb.device)]  # [t, 1, 1, d]: one row per token
+        # hybrid: Megatron's THD RoPE takes the zigzag pieces (rank r and 2 CP - 1 - r) of one
+        # segment of every rank's tokens (runtime/inputs.py); this rank's rows go there
+        mine = pos[local_index(meta.cu_seqlens, meta.cp_size, meta.cp_rank, meta.cp_owners)]
+        half, r = mine.numel() // 2, meta.cp_rank
+        whole = emb.new_zeros(meta.num_tokens, *emb.shape[1:])
+        whole[r * half:(r + 1) * half] = emb[mine[:half].to(emb.device)]
+        end = meta.num_tokens - r * half
+        whole[end - half:end] = emb[mine[half:].to(emb.device)]
+        return whole
 
     rope.forward = forward
 

@@ -59,6 +59,7 @@ class ChunkMeta:
     cp_rank: int = 0
     cp_kv: str = "sharded"  # dependent chunks under CP: "replicated" keeps the whole prefix here
     cp_attention: str = "ring"  # under CP: K/V blocks passed around a ring behind the kernel
+    cp_owners: tuple[int, ...] = ()  # hybrid CP: per segment, the rank holding it whole or -1
 
     @property
     def dependent(self) -> bool:

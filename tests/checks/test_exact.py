@@ -17,6 +17,9 @@ MIXED = [70, 5, 33, 100, 12, 64, 1, 16, 48, 9]  # not multiples of C, 1 token, C
 STANDALONE = [5, 9, 16, 3, 11]
 DEPENDENT = [100, 37, 17]
 SINGLE_CHUNK = [5, 7]  # one standalone chunk: fewer chunks than stages
+# at C = 64 under CP 2 (core/cp_place.py): a chunk whose 28-token segment is split while the
+# others stay whole on one rank, one rank padded; a chunk held whole (no CP attention); 2 chunks
+HYBRID = [28, 4, 7, 10, 15, 3, 70]
 STEPS = [MIXED, STANDALONE, DEPENDENT, SINGLE_CHUNK]
 
 # PP = 1, one process: name -> (model, steps, K, dtype, backend, fully masked sequences[, recompute])
@@ -73,7 +76,13 @@ LAYOUTS = {
     # (--chunkflow-cp-attention gather) and the ring at CP 4
     "cp2_gather": (2, 1, 1, False, (1, 2), [MIXED, DEPENDENT], 2),
     "cp4": (4, 1, 1, False, (1,), [MIXED, DEPENDENT], 4),
+    # hybrid placement (the default) where it places segments: C = 64 (HYBRID_CHUNK)
+    "cp2_hybrid": (2, 1, 1, False, (1, 2), [HYBRID, MIXED], 2),
+    "tp2_cp2_sequence_parallel_hybrid": (4, 2, 1, True, (1,), [HYBRID], 2),
+    "cp2_pp2_hybrid": (4, 1, 2, False, (1,), [HYBRID], 2),
+    "cp2_split": (2, 1, 1, False, (1,), [HYBRID], 2),  # --chunkflow-cp-placement split
 }
+HYBRID_CHUNK = ("cp2_hybrid", "tp2_cp2_sequence_parallel_hybrid", "cp2_pp2_hybrid", "cp2_split")
 MODELS = {"qwen3_tp2_cp2_sequence_parallel": "tiny-qwen3", "llama3_cp2_pp2": "tiny-llama3"}
 VIRTUAL = {"pp2_vpp2": 2, "pp2_vpp2_full_recompute": 2, "tp2_pp2_vpp2_sequence_parallel": 2,
            "cp2_pp2_vpp2": 2}  # virtual stages per pipeline rank
@@ -115,7 +124,9 @@ def _run_layout(name):
     shape = get_model_shape(MODELS.get(name, "tiny"))
     cp_kv = "replicated" if name.endswith(("_replicated", "_replicated_sdpa")) else "sharded"
     cp_attention = "gather" if name.endswith("_gather") else "ring"
-    config = {k: ChunkFlowConfig(C, k, backend, cp_kv=cp_kv, cp_attention=cp_attention)
+    placement = "split" if name.endswith("_split") else "hybrid"
+    config = {k: ChunkFlowConfig(64 if name in HYBRID_CHUNK else C, k, backend, cp_kv=cp_kv,
+                                 cp_attention=cp_attention, cp_placement=placement)
               for k in ks}
     out = {k: _summary(run_verify(shape, steps, config[k], parallel, seed=2))
            for k in ks}

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from megatron_chunkflow.attention import attention_with_lse, chunk_attention, merge_lse
+from megatron_chunkflow.core.cp_place import SPLIT
 from megatron_chunkflow.core.models import get_model_shape
 from megatron_chunkflow.core.packer import build_chunks
 from megatron_chunkflow.runtime.cp_keys import (
+    hybrid_cu,
     key_selection,
     local_index,
     ring_selection,
@@ -242,3 +244,30 @@ def test_cp_backward_from_the_lse_runs_no_forward_and_is_exact(gloo):
                     assert forwards == {"cpu_flash": 0, "torch": 0, "sdpa": 0}, (path, forwards)
                 else:  # the recompute path: one forward of its backend in the backward
                     assert forwards[backend] > 0, (path, forwards)
+
+
+def test_a_hybrid_placement_holds_whole_segments_first_then_the_split_pieces():
+    """Under a hybrid placement (core/cp_place.py) each rank holds its whole segments, then its
+    zigzag pieces of the split ones; all ranks together hold every token once, and hybrid_cu
+    packs the two parts from 0 (the split part as a chunk of its own for the CP attention)."""
+    cu, owners = (0, 28, 44, 56, 64, 68), (SPLIT, 0, 1, 1, 0)  # the last: rank 0's padding
+    assert shard_ranges(cu, 2, 0, owners) == [(28, 44), (64, 68), (0, 7), (21, 28)]
+    assert shard_ranges(cu, 2, 1, owners) == [(44, 56), (56, 64), (7, 14), (14, 21)]
+    shards = [local_index(cu, 2, r, owners) for r in range(2)]
+    assert sorted(torch.cat(shards).tolist()) == list(range(68))
+    assert [s.numel() for s in shards] == [34, 34]
+    assert hybrid_cu(cu, owners, 0) == ((0, 16, 20), (0, 28))
+    assert hybrid_cu(cu, owners, 1) == ((0, 12, 20), (0, 28))
+
+
+def test_chunk_meta_places_standalone_chunks_only_when_hybrid():
+    from megatron_chunkflow.runtime.inputs import chunk_meta
+
+    batch = build_chunks([28, 4, 7, 10, 15, 3, 70], 64, 1, 1, get_model_shape("tiny"),
+                         segment_multiple=4, chunk_multiple=4)
+    metas = {p: [chunk_meta(c, 64, 1, 2, 1, p) for c in batch.chunks] for p in ("hybrid", "split")}
+    assert [m.cp_owners for m in metas["hybrid"]] == [(), (), (SPLIT, 0, 1, 1, 0), (0, 1)]
+    assert [m.cu_seqlens for m in metas["hybrid"]][2] == (0, 28, 44, 56, 64, 68)  # rank 0 padded
+    assert metas["hybrid"][2].num_padding == 4 and metas["hybrid"][2].local_tokens == 34
+    assert all(not m.cp_owners for m in metas["split"])
+    assert [m.num_tokens for m in metas["split"]] == [64, 8, 64, 8]
