@@ -93,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="ChunkFlow's layout (under CP, --chunk-size a multiple of 2 x CP, x TP "
                         "when TP > 1), or auto (default: auto)")
     g = parser.add_argument_group("chunkflow")
-    add_config_arguments(g, ChunkFlowConfig, fields=("chunk_size", "num_kept"))
+    add_config_arguments(g, ChunkFlowConfig, fields=("chunk_size", "num_kept", "cp_placement"))
     g.add_argument("--auto", action="store_true",
                    help="choose (chunk size, K) instead: the fastest that fits in memory")
     g.add_argument("--chunkflow-cp-kv", choices=["auto", *CP_KV], default="auto",
@@ -172,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
     preds = {name: stock(name, hw) for name in names}
     cf = best_chunkflow(lengths, shape, hw, args.gpus, args.seq_length, cf_layout,
                         cfg.chunk_size, cfg.num_kept, auto_chunking=args.auto,
-                        cp_kv=None if args.chunkflow_cp_kv == "auto" else args.chunkflow_cp_kv)
+                        cp_kv=None if args.chunkflow_cp_kv == "auto" else args.chunkflow_cp_kv,
+                        cp_placement=cfg.cp_placement)
     speedups = {name: speedup_of(p, cf) for name, p in preds.items()}
     ratios = {name: p.step_s / cf.step_s for name, p in preds.items()}
     ends = {}  # CP overlap 0 and 1: the stock systems again (ChunkFlow's CP does not overlap)

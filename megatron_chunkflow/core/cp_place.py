@@ -9,7 +9,8 @@ one shape per chunk), padded with a segment of its own where the placement leave
 
 Placement, the same on every rank: segments longest first, each to the rank holding the fewest
 tokens (longest-processing-time order); a segment longer than a rank's share is split. If the
-placement pads the ranks by more than SLACK of the chunk's tokens, the longest placed segment is
+placement pads the ranks by more than SLACK of the tokens it keeps whole (padding is computed
+like any token: it must cost far less than the traffic it saves), the longest placed segment is
 split instead and the rest placed again, down to none placed (the plain zigzag layout).
 """
 
@@ -19,7 +20,7 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
-SLACK = 1 / 16  # the padding a placement may add, as a fraction of the chunk's tokens
+SLACK = 1 / 16  # the padding a placement may add, as a fraction of the tokens it keeps whole
 SPLIT = -1  # owner of a segment cut into zigzag pieces over every CP rank
 
 
@@ -59,7 +60,7 @@ def place_segments(lengths: Sequence[int], cp: int, multiple: int = 1,
                 loads[r] += lengths[i]
         size = -(-(max(loads) + shared) // step) * step
         padding = tuple(size - load - shared for load in loads)
-        if sum(padding) <= slack * total:
+        if sum(padding) <= slack * (total - shared * cp):
             return Placement(tuple(owners), padding, size)
         split.add(next(i for i in order if i not in split))
     return None

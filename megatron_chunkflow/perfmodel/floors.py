@@ -56,12 +56,13 @@ MODULES = ("core_attn", "mlp", "layernorm")
 
 
 def chunk_work_items(chunks: Sequence[DataChunk], block: int, cp: int = 1, num_kept: int = 1,
-                     gather: bool | str = False) -> list[tuple[int, bool, Work, int | None]]:
+                     gather: bool | str = False, multiple: int = 1,
+                     placement: str = "hybrid") -> list[tuple[int, bool, Work, int | None]]:
     """(DP rank, re-forwarded, Work, long sequence or None) per chunk: what time_floor needs,
-    independent of TP, PP and recompute, so a search computes it once per chunking (and CP);
-    `gather`: ChunkFlow's CP."""
-    return [(c.dp_rank, is_reforwarded(c, num_kept), chunk_work(c, block, cp, gather), c.parent)
-            for c in chunks]
+    independent of PP and recompute, so a search computes it once per chunking (and CP);
+    `gather`, `multiple`, `placement`: ChunkFlow's CP (perfmodel/layer.py chunk_work)."""
+    return [(c.dp_rank, is_reforwarded(c, num_kept),
+             chunk_work(c, block, cp, gather, multiple, placement), c.parent) for c in chunks]
 
 
 @dataclass
@@ -342,8 +343,7 @@ def megatron_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: Par
                           dtype_bytes: int, inflight: list | None = None) -> float:
     """A lower bound of stock Megatron's peak memory per GPU, without planning. With `inflight`
     (inflight_tokens of the baseline's micro-batches on this layout) the peak itself (see there);
-    without, the micro-batch of the longest sequence (padded to 2 x CP under CP) is held on every
-    stage at some point."""
+    without, the longest sequence's micro-batch (padded to 2 x CP) is held on every stage once."""
     static, per_token, transient = _stage_bytes(shape, layout, dtype_bytes)
     head, last_virtual = head_activation_bytes(shape, layout, dtype_bytes), len(per_token) - 1
     body = [per_token[s] - head * (s == last_virtual) for s in range(layout.pp)]  # model chunk 0

@@ -79,6 +79,7 @@ from collections.abc import Callable, Sequence
 
 from megatron_chunkflow.config import NO_RECOMPUTE, ParallelConfig, Recompute
 from megatron_chunkflow.core.costs import layers_per_stage, linear_weights_per_layer
+from megatron_chunkflow.core.cp_place import place_segments
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.types import DataChunk
 from megatron_chunkflow.perfmodel.layer import gather_extent
@@ -204,24 +205,31 @@ def per_token_bytes(shape: ModelShape, layout: ParallelConfig, dtype_bytes: int,
     return out
 
 
-def chunk_tokens(chunk: DataChunk, cp: int = 1) -> int:
-    """Tokens a micro-batch computes on one of its CP ranks (padding included)."""
+def chunk_tokens(chunk: DataChunk, cp: int = 1, hybrid_multiple: int = 0) -> int:
+    """Tokens a micro-batch computes on one of its CP ranks (padding included); with
+    `hybrid_multiple` (ChunkFlow's hybrid CP: TP under sequence parallelism, else 1) a standalone
+    chunk's tokens as core/cp_place.py places its segments (each rank padded to the busiest)."""
+    if hybrid_multiple and cp > 1 and not chunk.is_dependent:
+        placed = place_segments([s.computed_tokens for s in chunk.segments], cp, hybrid_multiple)
+        if placed is not None:
+            return placed.local_tokens
     return math.ceil(chunk.computed_tokens / cp)
 
 
-def chunk_bytes_fn(chunks: Sequence[DataChunk], per_token: Sequence[float],
-                   cp: int = 1) -> Callable[[int, int], float]:
+def chunk_bytes_fn(chunks: Sequence[DataChunk], per_token: Sequence[float], cp: int = 1,
+                   hybrid_multiple: int = 0) -> Callable[[int, int], float]:
     """held_bytes(chunk id, stage) for core.simulate.simulate: `per_token[stage]` bytes (modelled
-    or measured) for each of the chunk's computed tokens on this GPU (after CP)."""
-    tokens = {c.id: chunk_tokens(c, cp) for c in chunks}
+    or measured) for each of the chunk's computed tokens on this GPU (after CP, chunk_tokens)."""
+    tokens = {c.id: chunk_tokens(c, cp, hybrid_multiple) for c in chunks}
     return lambda chunk, stage: per_token[stage] * tokens[chunk]
 
 
 def held_bytes_fn(chunks: Sequence[DataChunk], shape: ModelShape, layout: ParallelConfig,
-                  dtype_bytes: int, num_stages: int) -> Callable[[int, int], float]:
-    """chunk_bytes_fn on this model's per_token_bytes."""
+                  dtype_bytes: int, num_stages: int,
+                  hybrid: bool = False) -> Callable[[int, int], float]:
+    """chunk_bytes_fn on this model's per_token_bytes; `hybrid`: ChunkFlow's hybrid CP."""
     return chunk_bytes_fn(chunks, per_token_bytes(shape, layout, dtype_bytes, num_stages),
-                          layout.cp)
+                          layout.cp, layout.pad_multiple if hybrid else 0)
 
 
 def transient_bytes(max_tokens: int, shape: ModelShape, layout: ParallelConfig, dtype_bytes: int,
@@ -308,13 +316,15 @@ def gather_transient_bytes(chunks: Sequence[DataChunk], shape: ModelShape, layou
                            dtype_bytes: int) -> float:
     """ChunkFlow under CP: the largest transient of one layer's attention among `chunks` on one
     GPU (module docstring): max(2 S x dtype, G x (dtype + 4 under half precision)) bytes per
-    K/V element; 0 without CP."""
+    K/V element; 0 without CP. Every segment counted as split: under the hybrid placement a
+    standalone chunk gathers less (a bound; a long sequence's chunks, split, set the peak)."""
     if layout.cp == 1 or not chunks:
         return 0.0
     kv = kv_state_bytes_per_token(shape, 1, dtype_bytes, layout.tp, with_grad=False)
     wide = 4 if dtype_bytes < 4 else 0  # the reduce-scatter's fp32 copy
     return max(max(2 * selected, gathered * (dtype_bytes + wide) / dtype_bytes) * kv
-               for gathered, selected in (gather_extent(c, layout.cp) for c in chunks))
+               for gathered, selected in (gather_extent(c.prefix_len, c.computed_tokens, layout.cp)
+                                          for c in chunks))
 
 
 def longest_cut_sequence(chunks: Sequence[DataChunk]) -> int:
@@ -332,9 +342,12 @@ def chunkflow_state_bytes(chunks: Sequence[DataChunk], shape: ModelShape, layout
 
 
 def memory_hooks(shape: ModelShape, layout: ParallelConfig, dtype_bytes: int, chunk_size: int = 0,
-                 num_kept: int = 1, cp_kv: str = "sharded") -> tuple[Callable, Callable]:
+                 num_kept: int = 1, cp_kv: str = "sharded",
+                 cp_placement: str = "split") -> tuple[Callable, Callable]:
     """(held_bytes_for, state_bytes_for): this memory model as core/step.py's hooks, for a plan
-    of `chunk_size`-token chunks with K = `num_kept` (the state hook is for plan_chunkflow only)."""
-    return (lambda chunks, p: held_bytes_fn(chunks, shape, layout, dtype_bytes, p),
+    of `chunk_size`-token chunks with K = `num_kept` (the state hook is for plan_chunkflow only),
+    ChunkFlow's standalone chunks placed `cp_placement` under CP."""
+    hybrid = cp_placement == "hybrid"
+    return (lambda chunks, p: held_bytes_fn(chunks, shape, layout, dtype_bytes, p, hybrid),
             lambda chunks, p: chunkflow_state_bytes(chunks, shape, layout, dtype_bytes, p,
                                                     chunk_size, num_kept, cp_kv))

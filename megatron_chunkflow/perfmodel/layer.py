@@ -46,7 +46,12 @@ composes into per-op costs (recompute, launch floor), for a micro-batch of T tok
   (--chunkflow-cp-kv replicated) a dependent chunk gathers only its own K/V (G = T tokens)
   forward, not overlapped (before the relay), keeps [prefix ++ chunk] whole (the cat, the
   selection and the relay on whole chunks) and in the backward gathers nothing: bwd +
-  reduce-scatter of its own dK/dV; its standalone chunks run the ring.
+  reduce-scatter of its own dK/dV; its standalone chunks run the ring. Under the hybrid
+  placement (--chunkflow-cp-placement hybrid, the default: core/cp_place.py) a standalone
+  chunk's segments held whole attend on their rank alone: the chunk's tokens per rank are the
+  placement's (padding included), its pairs the busiest rank's, and only the split segments
+  are gathered (G) and merged; a chunk with none split runs as without CP (HYBRID_KERNELS: the
+  whole segments' own kernel and the join beside a ring).
 - ChunkFlow's own traffic (runtime/state.py, every layer): a dependent chunk's forward and
   re-forward concatenate its sequence's stored prefix K/V with its own (torch.cat reads both and
   writes the copy, K and V); its backward adds the prefix part of the K/V gradient into each
@@ -97,7 +102,6 @@ attention.py, mlp.py; TE's LayerNormLinear fuses the norm with the linear):
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
@@ -107,7 +111,6 @@ from megatron_chunkflow.core.costs import (
     attention_flops_per_pair_per_layer,
 )
 from megatron_chunkflow.core.models import ModelShape
-from megatron_chunkflow.core.types import DataChunk
 from megatron_chunkflow.perfmodel.gemm import (  # noqa: F401  (re-exported)
     gemm_efficiency,
     gemm_shape_factor,
@@ -122,6 +125,7 @@ from megatron_chunkflow.perfmodel.pairs import (  # noqa: F401  (re-exported)
     zigzag_pairs,
     zigzag_split_pairs,
 )
+from megatron_chunkflow.perfmodel.work import Work, chunk_work  # noqa: F401  (re-exported)
 
 ATTN_BWD_FLOPS = 2.5  # flash backward: 5 matmuls (QK^T again, dP, dV, dQ, dK) vs 2 forward
 KERNELS_FWD, KERNELS_BWD = 12, 22  # one layer, TE spec, fused (module docstring)
@@ -133,50 +137,9 @@ RING_KERNELS_PER_STEP = (4, 5)  # the ring's, per step after the first (module d
 # forward the queries' selection (2), both outputs read and the result written (3); backward
 # dout, q and out selected (6), the two dq added (3)
 RING_MERGE_BYTES = (5, 9)
+HYBRID_KERNELS = (2, 3)  # hybrid CP beside the split segments: local attention, join (+ slices)
 RECOMPUTE_KERNELS = {"core_attn": 1, "mlp": 3, "layernorm": 4}
 PARTS_CACHE = 50_000  # Parts kept per LayerModel
-
-
-class Work(NamedTuple):
-    """What a chunk's op costs depend on, on one of its CP ranks."""
-
-    tokens: int  # computed tokens (padding included) on this GPU
-    pairs: float  # computed attention pairs on this GPU
-    prefix: int = 0  # ChunkFlow: K/V tokens of the earlier chunks it concatenates
-    prior: int = 0  # ChunkFlow: earlier chunks whose fp32 accumulators its backward updates
-    relayed: bool = False  # ChunkFlow: its own accumulator is added to its gradient
-    gathered: int = 0  # ChunkFlow under CP: K/V tokens all-gathered per layer (prefix + chunk)
-    selected: int = 0  # ChunkFlow under CP: K/V rows this rank's pieces read (the selection)
-    replicated: bool = False  # ChunkFlow under CP, replicated state: `gathered` is the chunk's own
-    ring: bool = False  # ChunkFlow under CP: the ring attention (else gathered first)
-
-
-def chunk_work(chunk: DataChunk, block: int, cp: int = 1, gather: bool | str = False) -> Work:
-    """Work of a chunk on one of its CP ranks: computed tokens and pairs (a segment's padding is
-    attended as part of it), and a dependent chunk's K/V state. `gather`: ChunkFlow's CP
-    (all-gathered K/V, zigzag pieces, segments padded to 2 x CP: predict.cp_padded_lengths), its
-    K/V state sharded (True or "sharded") or "replicated" (a dependent chunk gathers only its own
-    K/V); else Megatron's ring."""
-    dep, prefix = chunk.is_dependent, chunk.prefix_len
-    state = (prefix, chunk.index, chunk.index < chunk.num_siblings - 1) if dep else (0, 0, False)
-    if gather and cp > 1:
-        replicated = dep and gather == "replicated"
-        per_rank = [0.0] * cp
-        for s in chunk.segments:
-            assert s.computed_tokens % (2 * cp) == 0, "segments are padded to 2 x CP"
-            if replicated:
-                for r, pairs in enumerate(zigzag_pairs(prefix, s.computed_tokens, block, cp)):
-                    per_rank[r] += pairs
-                continue
-            for r, (mine, others) in enumerate(zigzag_split_pairs(prefix, s.computed_tokens,
-                                                                  block, cp)):
-                per_rank[r] += mine + others
-        gathered, selected = gather_extent(chunk, cp)
-        return Work(chunk.computed_tokens // cp, max(per_rank), *state,
-                    chunk.computed_tokens if replicated else gathered, selected, replicated,
-                    not replicated)
-    pairs = sum(computed_pairs(prefix, s.computed_tokens, block, cp) for s in chunk.segments)
-    return Work(math.ceil(chunk.computed_tokens / cp), pairs / cp, *state)
 
 
 def ring_time(nbytes: float, n: int, link: tuple[float, float]) -> float:
@@ -264,19 +227,23 @@ class LayerModel:
         return out
 
     def attention(self, tokens: int, pairs: float, gathered: int = 0,
-                  replicated: bool = False, ring: bool = False) -> tuple[float, float]:
+                  replicated: bool = False, ring: bool = False,
+                  whole: int = 0) -> tuple[float, float]:
         """(forward, backward) seconds of one layer's attention core on one GPU for `tokens`
         tokens and `pairs` computed (query, key) pairs on it (chunk_work), CP included: Megatron's
         ring, or with `gathered` K/V tokens ChunkFlow's all-gather (module docstring), gathered
-        again in the backward unless the state is `replicated`, or passed around the `ring`."""
+        again in the backward unless the state is `replicated`, or passed around the `ring`;
+        under hybrid CP the `whole` tokens of segments held here attend without CP."""
         hw, cp = self.hw, self.layout.cp
         flops = pairs * attention_flops_per_pair_per_layer(self.shape, self.layout.tp)
         fwd = flops / (hw.peak_flops * hw.attn_fwd_eff)
         bwd = ATTN_BWD_FLOPS * flops / (hw.peak_flops * hw.attn_bwd_eff)
+        if cp > 1 and whole >= tokens:  # hybrid CP, every segment here whole: no traffic
+            return fwd, bwd
         if cp > 1 and gathered and ring:
             gather, scatter = self.gather_times(gathered)  # the same bytes, in CP - 1 steps
             last = scatter / (cp - 1)  # the last step's gradient block: nothing left to hide it
-            merge = (cp - 1) * tokens * self.attn_width * hw.dtype_bytes / self.mem_bw
+            merge = (cp - 1) * (tokens - whole) * self.attn_width * hw.dtype_bytes / self.mem_bw
             return (overlapped(fwd, gather, hw.cp_overlap) + RING_MERGE_BYTES[0] * merge,
                     overlapped(bwd, gather + scatter - last, hw.cp_overlap) + last
                     + RING_MERGE_BYTES[1] * merge)
@@ -340,18 +307,23 @@ class LayerModel:
     def _compute_parts(self, work: Work) -> Parts:
         d = self.dense(work.tokens)
         a_fwd, a_bwd = self.attention(work.tokens, work.pairs, work.gathered, work.replicated,
-                                      work.ring)
+                                      work.ring, work.whole)
         s_fwd, s_bwd = self.state_traffic(work)
         cat_kernels = 2 if work.prefix else 0
         acc_kernels = 2 * work.prior + (4 if work.relayed else 0)
         mk = self.module_kernels
         fwd_k, bwd_k, attn_k = self.kernels_fwd, self.kernels_bwd, mk["core_attn"]
-        if work.gathered:
+        if work.whole and not work.gathered:  # hybrid CP, every segment whole: no CP kernels
+            fwd_k, bwd_k, attn_k = *self.base_kernels, RECOMPUTE_KERNELS["core_attn"]
+        elif work.gathered:
             extra = ((RING_KERNELS_PER_STEP[0] * (self.layout.cp - 1),
                       RING_KERNELS_PER_STEP[1] * (self.layout.cp - 1)) if work.ring else (0, 0))
             fwd_k = self.base_kernels[0] + GATHER_KERNELS_FWD + extra[0]
             bwd_k = self.base_kernels[1] + GATHER_KERNELS_BWD - 2 * work.replicated + extra[1]
             attn_k = RECOMPUTE_KERNELS["core_attn"] + GATHER_KERNELS_FWD + extra[0]
+            if work.whole:  # hybrid CP: the whole segments' own kernel, the outputs joined
+                fwd_k, bwd_k, attn_k = (fwd_k + HYBRID_KERNELS[0], bwd_k + HYBRID_KERNELS[1],
+                                        attn_k + HYBRID_KERNELS[0])
         modules = {"core_attn": (a_fwd + s_fwd, attn_k + cat_kernels),
                    "mlp": (d.mlp_fwd, mk["mlp"]), "layernorm": (d.norms_fwd, mk["layernorm"])}
         return Parts(d.fwd + a_fwd + s_fwd, d.bwd + a_bwd + s_bwd,

@@ -10,7 +10,6 @@ import math
 from functools import lru_cache
 
 from megatron_chunkflow.core.costs import attention_pairs
-from megatron_chunkflow.core.types import DataChunk
 
 
 def attention_tiles(prefix: int, num_q: int, block: int) -> int:
@@ -53,15 +52,15 @@ def computed_pairs(prefix: int, num_q: int, block: int, cp: int = 1) -> float:
     return float((full + pieces * attention_tiles(0, piece, block)) * block * block)
 
 
-def gather_extent(chunk: DataChunk, cp: int) -> tuple[int, int]:
-    """(gathered, selected) K/V tokens of ChunkFlow's CP attention for `chunk` (runtime/cp.py):
-    the whole [prefix ++ chunk], and the rows a rank's two pieces of each segment read, the
-    prefix and the segment up to the piece's end: 2 prefix + (2 CP + 1) / (2 CP) x segment (the
-    same on every rank)."""
-    prefix = chunk.prefix_len
-    selected = sum(2 * prefix + s.computed_tokens + s.computed_tokens // (2 * cp)
-                   for s in chunk.segments)
-    return prefix + chunk.computed_tokens, selected
+def gather_extent(prefix: int, tokens: int, cp: int) -> tuple[int, int]:
+    """(gathered, selected) K/V tokens of ChunkFlow's CP attention for a chunk of `tokens` split
+    tokens (its segments cut over the CP ranks; a dependent chunk's one) after `prefix` keys
+    (runtime/cp.py): the whole [prefix ++ chunk], and the rows a rank's two pieces of each
+    segment read, the prefix and the segment up to the piece's end: 2 prefix + (2 CP + 1) /
+    (2 CP) x segment (the same on every rank; a dependent chunk has one segment)."""
+    if not tokens:
+        return 0, 0
+    return prefix + tokens, 2 * prefix + tokens + tokens // (2 * cp)
 
 
 @lru_cache(maxsize=65536)

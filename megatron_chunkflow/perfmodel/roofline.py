@@ -147,13 +147,14 @@ class Roofline:
         return self._ends[key]
 
     # ---- per chunk, per stage ----------------------------------------------------------------
-    def chunk_costs(self, chunk: DataChunk, num_stages: int,
-                    gather: bool | str = False) -> tuple[list[float], list[float]]:
+    def chunk_costs(self, chunk: DataChunk, num_stages: int, gather: bool | str = False,
+                    placement: str = "hybrid") -> tuple[list[float], list[float]]:
         """Forward (F and R) and backward (B, recompute included) seconds per stage; `gather`:
         ChunkFlow's CP attention instead of Megatron's ring, its state sharded (True) or
-        "replicated" (perfmodel/layer.py chunk_work)."""
-        return self.work_costs(chunk_work(chunk, self.hw.attn_block, self.layout.cp, gather),
-                               num_stages)
+        "replicated", a standalone chunk's segments placed `placement` (perfmodel/layer.py
+        chunk_work)."""
+        return self.work_costs(chunk_work(chunk, self.hw.attn_block, self.layout.cp, gather,
+                                          self.layout.pad_multiple, placement), num_stages)
 
     def work_costs(self, work: Work, num_stages: int) -> tuple[list[float], list[float]]:
         """chunk_costs of a chunk doing `work` (perfmodel/layer.py: chunk_work)."""
@@ -183,16 +184,17 @@ class Roofline:
         return self.pp_link[1] + self.p2p_bytes_time(tokens)
 
     def stage_costs(self, chunks, num_stages: int, p2p_tokens: int,
-                    sends: str = "async", gather: bool | str = False) -> StageCosts:
+                    sends: str = "async", gather: bool | str = False,
+                    placement: str = "hybrid") -> StageCosts:
         """StageCosts of `chunks`; `sends` (SENDS, module docstring): "async" messages of
         `p2p_tokens` tokens a receiver waits for, or Megatron's blocking sends of the fixed
         `p2p_tokens` shape or of each chunk's own computed shape after a handshake; `gather`:
-        ChunkFlow's CP attention (chunk_costs)."""
+        ChunkFlow's CP attention, `placement` its standalone chunks' (chunk_costs)."""
         if sends not in SENDS:
             raise ValueError(f"sends must be one of {', '.join(SENDS)}, got {sends!r}")
         fwd, bwd = {}, {}
         for c in chunks:
-            fwd[c.id], bwd[c.id] = self.chunk_costs(c, num_stages, gather)
+            fwd[c.id], bwd[c.id] = self.chunk_costs(c, num_stages, gather, placement)
         if sends == "async" or self.layout.pp == 1:
             return StageCosts(fwd, bwd, comm=self.p2p_time(p2p_tokens))
         latency = self.pp_link[1]

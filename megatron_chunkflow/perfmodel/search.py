@@ -235,13 +235,15 @@ def best_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_g
 def best_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_gpus: int,
                    seq_length: int, layout: ParallelConfig | None = None, chunk_size: int = 8192,
                    num_kept: int = 1, auto_chunking: bool = False,
-                   cp_kv: str | None = None) -> Prediction:
+                   cp_kv: str | None = None, cp_placement: str = "hybrid") -> Prediction:
     """ChunkFlow on `layout` (or the fastest fitting layout and recompute option) with
     (chunk_size, num_kept), or with the fastest fitting (chunk size, K) when `auto_chunking`;
-    under CP its K/V state `cp_kv` ("sharded" or "replicated"), or (None) the faster that fits."""
+    under CP its K/V state `cp_kv` ("sharded" or "replicated"), or (None) the faster that fits,
+    and standalone chunks' segments placed `cp_placement` (predict_chunkflow)."""
     kv_modes = CP_KV if cp_kv is None else (cp_kv,)
     if layout is not None and not auto_chunking and (layout.cp == 1 or len(kv_modes) == 1):
-        return predict_chunkflow(lengths, shape, hw, layout, chunk_size, num_kept, kv_modes[0])
+        return predict_chunkflow(lengths, shape, hw, layout, chunk_size, num_kept, kv_modes[0],
+                                 cp_placement)
     # under CP a core_attn recompute is what the option without it runs (runtime_layout): the
     # search keeps the option without it, whose time floor is the exact one
     layouts = [layout] if layout else [
@@ -263,11 +265,12 @@ def best_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_
             if key[:4] not in chunkings:
                 chunkings[key[:4]] = build_chunks(lengths, c, lay.dp, kk, shape, *m).chunks
             work[key] = chunk_work_items(chunkings[key[:4]], hw.attn_block, lay.cp, kk,
-                                         gather=kv)
+                                         kv, lay.pad_multiple, cp_placement)
         return floors.time(key, work[key], lay)
 
     # the memory floor is sharded state's, a lower bound of replicated's too
-    return search(candidates, lambda cand: predict_chunkflow(lengths, shape, hw, *cand), time_of,
+    return search(candidates,
+                  lambda cand: predict_chunkflow(lengths, shape, hw, *cand, cp_placement), time_of,
                   lambda cand: chunkflow_memory_floor(lengths, shape, cand[0], hw.dtype_bytes,
                                                      *cand[1:3]),
                   hw.usable_bytes)

@@ -1,11 +1,14 @@
-"""ChunkFlow's CP attention on this CPU, CP 2, three ways in one job (~3 minutes on 2 cores):
+"""ChunkFlow's CP attention on this CPU, CP 2, four ways in one job (~4 minutes on 2 cores):
 - sharded, gather first (--chunkflow-cp-attention gather): every chunk all-gathers [prefix ++
   chunk] K/V in every layer, then attends; again in the backward;
 - sharded, ring (the default): the same bytes, each rank's K/V block passed around the CP ranks
   while the kernel attends over the block at hand, partial results merged by log-sum-exp, the
   gradient blocks passed back around the ring;
 - replicated (--chunkflow-cp-kv replicated): every CP rank keeps the whole prefix; a chunk gathers
-  only its own K/V, once, and reduce-scatters only its gradient.
+  only its own K/V, once, and reduce-scatters only its gradient;
+- sharded, ring, every segment split (--chunkflow-cp-placement split): the ring without the
+  hybrid placement, which the three above use (a packed chunk's short sequences held whole on
+  one rank each, attended there with no traffic).
 With --chunk-size >= --long the long sequence is one chunk (no prefix: replicated state is then
 the sharded ring).
 
@@ -20,7 +23,7 @@ Adam). Per system and step: the step's wall time, the bytes this rank received o
 ring would move), and the bytes
 of the long sequence's K/V state at its largest (runtime/state.py, stored K/V and accumulators).
 The systems take turns step by step (each its own model, built first), so a change of load
-falls on all three. Medians over --steps steps after one warm-up step, with the load average the
+falls on all four. Medians over --steps steps after one warm-up step, with the load average the
 run saw. The
 simulator's prediction for the same batch and layout on this CPU is not printed: its CPU device is
 fitted by `chunkflow bench`, not here.
@@ -35,8 +38,10 @@ import statistics
 import sys
 import time
 
-SYSTEMS = (("sharded", "gather"), ("sharded", "ring"), ("replicated", "ring"))
-NAMES = ("sharded, gather first", "sharded, ring", "replicated")
+SYSTEMS = (("sharded", "gather", "hybrid"), ("sharded", "ring", "hybrid"),
+           ("replicated", "ring", "hybrid"), ("sharded", "ring", "split"))
+NAMES = ("sharded, gather first", "sharded, ring", "replicated",
+         "sharded, ring, every segment split")
 
 
 def batch_lengths(long: int) -> list[int]:
@@ -60,10 +65,11 @@ def _job(lengths, chunk_size: int, steps: int, model: str, threads: int) -> list
     shape = get_model_shape(model)
     sequences = make_sequences(lengths, shape.vocab_size, seed=7)
     runs, parallel = [], ParallelConfig(cp=2)
-    init_distributed(parallel, 3)  # one set of groups: the three models live side by side
-    for name, (cp_kv, cp_attention) in zip(NAMES, SYSTEMS):
+    init_distributed(parallel, 3)  # one set of groups: the four models live side by side
+    for name, (cp_kv, cp_attention, placement) in zip(NAMES, SYSTEMS):
         torch.manual_seed(3)
-        config = ChunkFlowConfig(chunk_size, 1, cp_kv=cp_kv, cp_attention=cp_attention)
+        config = ChunkFlowConfig(chunk_size, 1, cp_kv=cp_kv, cp_attention=cp_attention,
+                                 cp_placement=placement)
         s = TrainSettings(shape=shape, model_name=model, system="chunkflow", parallel=parallel,
                           chunkflow=config,
                           train_iters=steps + 1, global_batch_size=len(lengths),
@@ -71,9 +77,9 @@ def _job(lengths, chunk_size: int, steps: int, model: str, threads: int) -> list
                           optimizer=OptimizerConfig(lr=1e-4, min_lr=1e-5, lr_warmup_iters=0),
                           dtype="float32", seed=3)
         tr = build_training(s)
-        runs.append((name, cp_kv, cp_attention, s, tr, state_peak(tr.chunkflow_model.store), []))
+        runs.append((name, config, s, tr, state_peak(tr.chunkflow_model.store), []))
     for it in range(steps + 1):  # the systems take turns, step by step: the same load for each
-        for name, cp_kv, cp_attention, s, tr, peak, rows in runs:
+        for name, config, s, tr, peak, rows in runs:
             store = tr.chunkflow_model.store
             before = (store.cp_traffic.gathered, store.cp_traffic.reduce_scattered)
             peak.bytes = 0
@@ -85,8 +91,9 @@ def _job(lengths, chunk_size: int, steps: int, model: str, threads: int) -> list
                              store.cp_traffic.reduce_scattered - before[1], peak.bytes,
                              outcome.num_chunks))
     out = []
-    for name, cp_kv, cp_attention, s, tr, peak, rows in runs:
-        out.append({"system": name, "cp_kv": cp_kv, "cp_attention": cp_attention,
+    for name, config, s, tr, peak, rows in runs:
+        out.append({"system": name, "cp_kv": config.cp_kv, "cp_attention": config.cp_attention,
+                    "cp_placement": config.cp_placement,
                     "step_s": statistics.median(r[0] for r in rows),
                     "steps_s": [r[0] for r in rows], "gathered_bytes": rows[-1][1],
                     "reduce_scattered_bytes": rows[-1][2], "state_peak_bytes": rows[-1][3],
@@ -126,7 +133,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="measured steps (default 3)")
     parser.add_argument("--long", type=int, default=8192,
                         help="tokens of the long sequence (default 8192)")
-    parser.add_argument("--chunk-size", type=int, default=512, help="C (default 512)")
+    parser.add_argument("--chunk-size", type=int, default=1024, help="C (default 1024)")
     parser.add_argument("--model", default="tiny-bench", help="model preset (default tiny-bench)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
@@ -154,6 +161,10 @@ def main(argv=None) -> int:
                  if gather["state_peak_bytes"] else "none (no dependent chunk)")
         print(f"{r['system']} / sharded, gather first: step {r['step_s'] / gather['step_s']:.2f}x,"
               f" traffic {moved[0] / moved[1]:.2f}x, state {state}")
+    ring, split = results[1], results[3]
+    moved = [x["gathered_bytes"] + x["reduce_scattered_bytes"] for x in (ring, split)]
+    print(f"hybrid placement: {ring['system']} / {split['system']}: step "
+          f"{ring['step_s'] / split['step_s']:.2f}x, traffic {moved[0] / moved[1]:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"results": results, "load_average": [load, after], "lengths": lengths},

@@ -17,9 +17,10 @@ MIXED = [70, 5, 33, 100, 12, 64, 1, 16, 48, 9]  # not multiples of C, 1 token, C
 STANDALONE = [5, 9, 16, 3, 11]
 DEPENDENT = [100, 37, 17]
 SINGLE_CHUNK = [5, 7]  # one standalone chunk: fewer chunks than stages
-# at C = 64 under CP 2 (core/cp_place.py): a chunk whose 28-token segment is split while the
-# others stay whole on one rank, one rank padded; a chunk held whole (no CP attention); 2 chunks
-HYBRID = [28, 4, 7, 10, 15, 3, 70]
+# at C = 128 under CP 2 (core/cp_place.py): a chunk whose first segment is split while the
+# others stay whole on one rank, one rank padded; a chunk held whole (no CP attention); a
+# chunk split whole; under TP 2 x CP 2 with sequence parallelism the same kinds
+HYBRID = [42, 9, 25, 29, 31, 19, 58, 12, 11, 100]
 STEPS = [MIXED, STANDALONE, DEPENDENT, SINGLE_CHUNK]
 
 # PP = 1, one process: name -> (model, steps, K, dtype, backend, fully masked sequences[, recompute])
@@ -76,7 +77,7 @@ LAYOUTS = {
     # (--chunkflow-cp-attention gather) and the ring at CP 4
     "cp2_gather": (2, 1, 1, False, (1, 2), [MIXED, DEPENDENT], 2),
     "cp4": (4, 1, 1, False, (1,), [MIXED, DEPENDENT], 4),
-    # hybrid placement (the default) where it places segments: C = 64 (HYBRID_CHUNK)
+    # hybrid placement (the default) where it places segments: C = 128 (HYBRID_CHUNK)
     "cp2_hybrid": (2, 1, 1, False, (1, 2), [HYBRID, MIXED], 2),
     "tp2_cp2_sequence_parallel_hybrid": (4, 2, 1, True, (1,), [HYBRID], 2),
     "cp2_pp2_hybrid": (4, 1, 2, False, (1,), [HYBRID], 2),
@@ -125,7 +126,7 @@ def _run_layout(name):
     cp_kv = "replicated" if name.endswith(("_replicated", "_replicated_sdpa")) else "sharded"
     cp_attention = "gather" if name.endswith("_gather") else "ring"
     placement = "split" if name.endswith("_split") else "hybrid"
-    config = {k: ChunkFlowConfig(64 if name in HYBRID_CHUNK else C, k, backend, cp_kv=cp_kv,
+    config = {k: ChunkFlowConfig(128 if name in HYBRID_CHUNK else C, k, backend, cp_kv=cp_kv,
                                  cp_attention=cp_attention, cp_placement=placement)
               for k in ks}
     out = {k: _summary(run_verify(shape, steps, config[k], parallel, seed=2))

@@ -16,16 +16,24 @@ def _check(lengths, cp, multiple, placed):
     assert all(o == SPLIT or 0 <= o < cp for o in placed.owners)
     assert [w + shared + p for w, p in zip(whole, placed.padding)] == [placed.local_tokens] * cp
     assert placed.local_tokens % max(2, multiple) == 0 and min(placed.padding) >= 0
-    assert sum(placed.padding) <= SLACK * sum(lengths)
+    assert sum(placed.padding) <= SLACK * sum(whole)
     assert placed.local_tokens * cp == sum(lengths) + sum(placed.padding)  # nothing lost
     return whole, shared
 
 
 def test_short_segments_stay_whole_and_a_long_one_is_split():
-    lengths = (28, 16, 12, 8)  # CP 2: 28 > 64 / 2 is split, the others balance 16 | 12 + 8
+    lengths = (100, 24, 20, 16, 12, 8, 4)  # CP 2: 100 > 184 / 2 is split, the rest 44 | 40
     placed = place_segments(lengths, 2)
-    assert placed.owners == (SPLIT, 0, 1, 1) and placed.padding == (4, 0)
-    assert _check(lengths, 2, 1, placed) == ([16, 20], 14)
+    assert placed.owners == (SPLIT, 0, 1, 1, 0, 0, 1) and placed.padding == (0, 4)
+    assert _check(lengths, 2, 1, placed) == ([44, 40], 50)
+
+
+def test_padding_is_weighed_against_the_tokens_kept_whole():
+    # 28 split, 16 | 12 + 8 would pad rank 0 by 4 to keep 36 tokens whole (> 36 / 16): 16,
+    # then 12 split in turn, and 8 alone cannot balance: the chunk keeps the zigzag layout
+    assert place_segments((28, 16, 12, 8), 2) is None
+    # 60 | 44 + 20 + 4: all whole, no padding, nothing to send
+    assert place_segments((60, 44, 20, 4), 2).owners == (0, 1, 1, 0)
 
 
 def test_equal_segments_spread_without_padding():
@@ -35,7 +43,7 @@ def test_equal_segments_spread_without_padding():
 
 def test_the_longest_placed_segment_is_split_when_padding_would_exceed_the_slack():
     # 24 | 20 + 16 leaves rank 0 12 short of 36 (> 60 / 16); splitting 24 then 20 leaves 16
-    # alone on one rank: nothing can be placed, so the chunk keeps the zigzag layout
+    # alone on one rank: nothing can be placed
     assert place_segments((24, 20, 16), 2) is None
     # with a fourth segment the split of 24 balances 20 | 16 + 4
     placed = place_segments((24, 20, 16, 4), 2)

@@ -33,6 +33,7 @@ from megatron_chunkflow.perfmodel.layer import (
     chunk_work,
     gather_extent,
     layer_model,
+    piece_pairs,
     zigzag_pairs,
     zigzag_split_pairs,
 )
@@ -89,13 +90,13 @@ def test_padding_matches_the_runtime_packer():
 
 
 def test_cp2_halves_dense_tokens_and_activations_per_rank():
-    """Each CP rank computes 1/CP of every chunk's tokens: per-rank GEMM work and the
-    activations a chunk holds halve at CP 2 on the same padded chunks."""
+    """Each CP rank computes 1/CP of every chunk's tokens (every segment split): per-rank GEMM
+    work and the activations a chunk holds halve at CP 2 on the same padded chunks."""
     cp1, cp2 = P(tp=2), P(tp=2, cp=2)
     for c in chunks_for(cp2, 8192):
-        w = chunk_work(c, 128, 2, gather=True)
+        w = chunk_work(c, 128, 2, gather=True, placement="split")
         assert 2 * w.tokens == c.computed_tokens == chunk_work(c, 128).tokens
-        assert chunk_tokens(c, 2) == w.tokens
+        assert chunk_tokens(c, 2) == w.tokens and w.whole == 0
     dense1 = layer_model(Q7B, cp1, H100).dense(8192)
     dense2 = layer_model(Q7B, cp2, H100).dense(4096)
     assert dense2.fwd < 0.6 * dense1.fwd
@@ -197,7 +198,7 @@ def test_chunk_work_gathers_the_prefix():
     w = chunk_work(last, 128, 2, gather=True)
     assert w.gathered == last.prefix_len + last.computed_tokens == LONG + last.segments[0].padding
     assert w.selected == 2 * last.prefix_len + last.computed_tokens * 5 // 4
-    assert (w.gathered, w.selected) == gather_extent(last, 2)
+    assert (w.gathered, w.selected) == gather_extent(last.prefix_len, last.computed_tokens, 2)
     assert w.prior == last.index and not w.relayed and deps[0].prefix_len == 0
     parts = layer_model(Q7B, layout, H100).parts(w)
     base = layer_model(Q7B, P(), H100)
@@ -225,7 +226,7 @@ def test_state_per_rank_halves_at_cp2():
     chunks = chunks_for(layout, C, lengths=[L])
     last = chunks[-1]
     kv = kv_state_bytes_per_token(Q7B, 1, 2, 2, with_grad=False)
-    g, s = gather_extent(last, 2)
+    g, s = gather_extent(last.prefix_len, last.computed_tokens, 2)
     assert gather_transient_bytes(chunks, Q7B, layout, 2) == pytest.approx(max(2 * s, 3 * g) * kv)
     assert gather_transient_bytes(chunks, Q7B, P(tp=2), 2) == 0.0
     p1 = predict_chunkflow([L], Q7B, H100, P(tp=2), C, 1)
@@ -363,3 +364,34 @@ def test_core_attn_recompute_under_cp_is_what_the_runtime_runs():
         assert a.layout == lay
     flat = P(tp=2, dp=2, recompute="selective")
     assert runtime_layout(flat) == flat  # without CP Megatron's checkpoint runs
+
+
+def test_hybrid_placement_moves_nothing_for_segments_held_whole():
+    """--chunkflow-cp-placement hybrid (core/cp_place.py): a chunk of short sequences keeps each
+    whole on one rank: no K/V traffic, no ring kernels, its attention the compute alone; a chunk
+    with one long segment splits only that one, the merges charged on its rows alone; the
+    prediction charges the busiest rank's tokens and is faster than splitting every segment."""
+    layout = P(tp=2, cp=2)
+    short = build_chunks([1000] * 8, 8192, 1, 1, Q7B, segment_multiple=4,
+                         chunk_multiple=8).chunks[0]
+    w = chunk_work(short, 128, 2, gather=True, multiple=2)
+    assert (w.gathered, w.selected, w.ring, w.whole) == (0, 0, False, w.tokens)
+    assert w.tokens == 4000 and w.pairs == 4 * piece_pairs(0, 1000, 128)
+    model = layer_model(Q7B, layout, H100)
+    parts, base = model.parts(w), layer_model(Q7B, P(tp=2), H100)
+    assert (parts.fwd_kernels, parts.bwd_kernels) == base.base_kernels
+    slow = dataclasses.replace(H100, cp_overlap=0.0)
+    assert layer_model(Q7B, layout, slow).attention(w.tokens, w.pairs, 0, False, False,
+                                                    w.whole) == model.attention(
+        w.tokens, w.pairs, 0, False, False, w.whole)
+    split = chunk_work(short, 128, 2, gather=True, multiple=2, placement="split")
+    assert split.gathered == 8000 and model.parts(split).fwd > parts.fwd
+
+    mixed = build_chunks([6000, 1000, 1000], 8192, 1, 1, Q7B, segment_multiple=4,
+                         chunk_multiple=8).chunks[0]
+    m = chunk_work(mixed, 128, 2, gather=True, multiple=2)
+    assert (m.gathered, m.whole, m.tokens, m.ring) == (6000, 1000, 4000, True)
+    assert chunk_tokens(mixed, 2, 2) == m.tokens
+    hybrid = predict_chunkflow(LENGTHS, Q7B, H100, layout, 8192, 1)
+    every = predict_chunkflow(LENGTHS, Q7B, H100, layout, 8192, 1, cp_placement="split")
+    assert hybrid.step_s < every.step_s and hybrid.to_json()["cp_placement"] == "hybrid"

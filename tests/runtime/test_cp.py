@@ -263,11 +263,15 @@ def test_a_hybrid_placement_holds_whole_segments_first_then_the_split_pieces():
 def test_chunk_meta_places_standalone_chunks_only_when_hybrid():
     from megatron_chunkflow.runtime.inputs import chunk_meta
 
-    batch = build_chunks([28, 4, 7, 10, 15, 3, 70], 64, 1, 1, get_model_shape("tiny"),
-                         segment_multiple=4, chunk_multiple=4)
-    metas = {p: [chunk_meta(c, 64, 1, 2, 1, p) for c in batch.chunks] for p in ("hybrid", "split")}
-    assert [m.cp_owners for m in metas["hybrid"]] == [(), (), (SPLIT, 0, 1, 1, 0), (0, 1)]
-    assert [m.cu_seqlens for m in metas["hybrid"]][2] == (0, 28, 44, 56, 64, 68)  # rank 0 padded
-    assert metas["hybrid"][2].num_padding == 4 and metas["hybrid"][2].local_tokens == 34
+    batch = build_chunks([42, 9, 25, 29, 31, 19, 58, 12, 11, 100], 128, 1, 1,
+                         get_model_shape("tiny"), segment_multiple=4, chunk_multiple=4)
+    metas = {p: [chunk_meta(c, 128, 1, 2, 1, p) for c in batch.chunks]
+             for p in ("hybrid", "split")}
+    # 100 | 28: the 28 alone would leave the other rank 28 short, so the chunk stays split;
+    # 60 | 44 + 20, rank 0 padded by 4; 32 split, 32 | 12 + 12 + 12, rank 0 padded by 4
+    assert [m.cp_owners for m in metas["hybrid"]] == [(), (0, 1, 1, 0), (SPLIT, 0, 1, 1, 1, 0)]
+    assert metas["hybrid"][1].cu_seqlens == (0, 60, 104, 124, 128)
+    assert [m.num_padding for m in metas["hybrid"]] == [0, 4, 4]
+    assert [m.local_tokens for m in metas["hybrid"]] == [64, 64, 52]
     assert all(not m.cp_owners for m in metas["split"])
-    assert [m.num_tokens for m in metas["split"]] == [64, 8, 64, 8]
+    assert [m.num_tokens for m in metas["split"]] == [128, 124, 100]
