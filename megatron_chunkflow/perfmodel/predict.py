@@ -128,9 +128,11 @@ def _finish(system: str, rp: RankPlans, model: Roofline, shape: ModelShape, hw: 
     opt = [model.optimizer_time(p) for p in params]
     rank_chunks = rp.chunks if rank_chunks is None else rank_chunks
     gather = system == "chunkflow" and layout.cp > 1
+    placed = layout.pad_multiple if gather and extra.get("cp_placement") == "hybrid" else 0
     step, worst_mem, memory = 0.0, -1.0, {}
     for r, sim in enumerate(rp.sims):
-        max_tokens = max((chunk_tokens(c, layout.cp) for c in rank_chunks[r]), default=0)
+        max_tokens = max((chunk_tokens(c, layout.cp, placed) for c in rank_chunks[r]),
+                         default=0)
         gathered = (gather_transient_bytes(rank_chunks[r], shape, layout, hw.dtype_bytes)
                     if gather else 0.0)
         for s in range(layout.pp):
