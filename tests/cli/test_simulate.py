@@ -168,6 +168,11 @@ def test_chunkflow_with_cp(capsys):
                          "--chunkflow-cp-kv", "sharded", "--gpu-set", "cp_overlap=1")
     assert one["chunkflow"]["step_s"] < cf["step_s"]
     assert one["megatron"]["step_s"] < obj["megatron"]["step_s"]
+    # every segment split (--chunkflow-cp-placement split) instead of short ones held whole
+    _, split, _ = run_json(capsys, *argv, "--chunkflow-parallel", "2,2,1,none",
+                           "--chunkflow-cp-kv", "sharded", "--chunkflow-cp-placement", "split")
+    assert (split["chunkflow"]["cp_placement"], cf["cp_placement"]) == ("split", "hybrid")
+    assert split["chunkflow"]["step_s"] > cf["step_s"]
 
 
 def test_does_not_fit_is_reported(tmp_path, capsys):
