@@ -52,6 +52,8 @@ def train(s: TrainSettings, dataset, on_step=None) -> list[dict]:
 
 def train_step(s: TrainSettings, tr: Training, sequences, it: int) -> dict:
     """One optimizer step on the global batch `sequences`; its metrics."""
+    traffic = tr.chunkflow_model.store.cp_traffic if s.parallel.cp > 1 else None
+    before = (traffic.gathered, traffic.reduce_scattered) if traffic else None
     t0 = time.perf_counter()
     out = training_step(s, tr, sequences, it)
     loss_sum, count = global_loss(out.reports)
@@ -64,6 +66,9 @@ def train_step(s: TrainSettings, tr: Training, sequences, it: int) -> dict:
         "peak_mem_bytes": peak_memory_bytes(), "num_chunks": out.num_chunks,
         "lr": out.lr, "grad_norm": out.grad_norm, "step_s": elapsed,
     }
+    if traffic:  # what this rank received in ChunkFlow's CP attention (runtime/cp.py Traffic)
+        metrics.update(cp_kv_received_bytes=traffic.gathered - before[0],
+                       cp_grad_received_bytes=traffic.reduce_scattered - before[1])
     if s.sparse.enabled:  # approximate: say so in every record
         metrics.update(_sparse_metrics(s, out.backward))
     return metrics

@@ -6,6 +6,7 @@ TensorBoard scalars.
 
 Each record holds the loss, tokens/s, model TFLOP/s (attention counted per sequence, recompute not
 counted), peak memory, chunks per step, the learning rate the step applied and the gradient norm;
+under context parallelism the K/V and dK/dV bytes this rank received in ChunkFlow's CP attention;
 SpaCO runs label every record approximate.
 """
 
@@ -20,7 +21,8 @@ from megatron_chunkflow.flags import check_output_dir, check_output_file
 
 FIELDS = ("step", "loss", "loss_tokens", "tokens", "tokens_per_s", "model_tflops",
           "peak_mem_bytes", "num_chunks", "lr", "grad_norm", "step_s", "approximate",
-          "sparse_backward", "backward_chunks", "dependent_chunks")
+          "sparse_backward", "backward_chunks", "dependent_chunks", "cp_kv_received_bytes",
+          "cp_grad_received_bytes")
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ class StepLog:
             print(f"step {m['step']:>4}/{self.total} [{'#' * done}{'.' * (20 - done)}] "
                   f"loss {m['loss']:.4f} | {m['tokens_per_s']:,.0f} tok/s | "
                   f"{m['model_tflops']:.3f} TFLOP/s | peak {m['peak_mem_bytes'] / 2**30:.2f} GiB | "
-                  f"{m['num_chunks']} chunks | lr {m['lr']:.2e}{_sparse_note(m)}",
+                  f"{m['num_chunks']} chunks | lr {m['lr']:.2e}{_cp_note(m)}{_sparse_note(m)}",
                   file=sys.stderr, flush=True)
         row = {k: m[k] for k in FIELDS if k in m}
         if self.json_file:
@@ -77,6 +79,13 @@ class StepLog:
             self.json_file.close()
         if self.tb:
             self.tb.close()
+
+
+def _cp_note(m: dict) -> str:
+    if "cp_kv_received_bytes" not in m:
+        return ""
+    moved = m["cp_kv_received_bytes"] + m["cp_grad_received_bytes"]
+    return f" | CP received {moved / 2**20:.1f} MiB"
 
 
 def _sparse_note(m: dict) -> str:
