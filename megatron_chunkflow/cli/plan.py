@@ -150,10 +150,12 @@ def run(args: argparse.Namespace) -> int:
     layout = ParallelConfig.layout(pp=args.pp, dp=args.dp, cp=cp, vpp=vpp)
     if vpp > 1:
         layout.check_model(shape)  # V divides the layers per stage, naming --vpp
-    held_for, state_for = memory_hooks(shape, layout, BF16_BYTES, cfg.chunk_size, cfg.num_kept)
+    held_for, _ = memory_hooks(shape, layout, BF16_BYTES)  # the baselines' micro-batches
+    cf_held_for, state_for = memory_hooks(shape, layout, BF16_BYTES, cfg.chunk_size, cfg.num_kept,
+                                          cp_placement="hybrid")  # the runtime's default
     costs = _per_gpu_flops(shape, cp)
     batch, cf = plan_chunkflow(lengths, cfg.chunk_size, cfg.num_kept, args.pp, args.dp, shape,
-                               costs_for=costs, held_bytes_for=held_for,
+                               costs_for=costs, held_bytes_for=cf_held_for,
                                state_bytes_for=state_for,
                                segment_multiple=parallel.segment_multiple,
                                num_model_chunks=vpp, chunk_multiple=parallel.chunk_padding)

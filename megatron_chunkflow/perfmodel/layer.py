@@ -50,8 +50,9 @@ composes into per-op costs (recompute, launch floor), for a micro-batch of T tok
   placement (--chunkflow-cp-placement hybrid, the default: core/cp_place.py) a standalone
   chunk's segments held whole attend on their rank alone: the chunk's tokens per rank are the
   placement's (padding included), its pairs the busiest rank's, and only the split segments
-  are gathered (G) and merged; a chunk with none split runs as without CP (HYBRID_KERNELS: the
-  whole segments' own kernel and the join beside a ring).
+  are gathered (G) and merged; the whole segments' kernel runs before the ring starts, so none
+  of it hides the ring's transfers; a chunk with none split runs as without CP (HYBRID_KERNELS:
+  the whole segments' own kernel and the join beside a ring).
 - ChunkFlow's own traffic (runtime/state.py, every layer): a dependent chunk's forward and
   re-forward concatenate its sequence's stored prefix K/V with its own (torch.cat reads both and
   writes the copy, K and V); its backward adds the prefix part of the K/V gradient into each
@@ -227,13 +228,14 @@ class LayerModel:
         return out
 
     def attention(self, tokens: int, pairs: float, gathered: int = 0,
-                  replicated: bool = False, ring: bool = False,
-                  whole: int = 0) -> tuple[float, float]:
+                  replicated: bool = False, ring: bool = False, whole: int = 0,
+                  whole_pairs: float = 0.0) -> tuple[float, float]:
         """(forward, backward) seconds of one layer's attention core on one GPU for `tokens`
         tokens and `pairs` computed (query, key) pairs on it (chunk_work), CP included: Megatron's
         ring, or with `gathered` K/V tokens ChunkFlow's all-gather (module docstring), gathered
         again in the backward unless the state is `replicated`, or passed around the `ring`;
-        under hybrid CP the `whole` tokens of segments held here attend without CP."""
+        under hybrid CP the `whole` tokens of segments held here attend without CP, their
+        `whole_pairs` before the ring starts (nothing of it overlaps the ring's transfers)."""
         hw, cp = self.hw, self.layout.cp
         flops = pairs * attention_flops_per_pair_per_layer(self.shape, self.layout.tp)
         fwd = flops / (hw.peak_flops * hw.attn_fwd_eff)
@@ -244,9 +246,11 @@ class LayerModel:
             gather, scatter = self.gather_times(gathered)  # the same bytes, in CP - 1 steps
             last = scatter / (cp - 1)  # the last step's gradient block: nothing left to hide it
             merge = (cp - 1) * (tokens - whole) * self.attn_width * hw.dtype_bytes / self.mem_bw
-            return (overlapped(fwd, gather, hw.cp_overlap) + RING_MERGE_BYTES[0] * merge,
-                    overlapped(bwd, gather + scatter - last, hw.cp_overlap) + last
-                    + RING_MERGE_BYTES[1] * merge)
+            alone = whole_pairs / pairs if pairs else 0.0  # the whole segments' share: no overlap
+            return (alone * fwd + overlapped((1 - alone) * fwd, gather, hw.cp_overlap)
+                    + RING_MERGE_BYTES[0] * merge,
+                    alone * bwd + overlapped((1 - alone) * bwd, gather + scatter - last,
+                                             hw.cp_overlap) + last + RING_MERGE_BYTES[1] * merge)
         if cp > 1 and gathered:
             gather, scatter = self.gather_times(gathered)
             # backward from the saved lse; replicated state: from the saved [prefix ++ chunk]
@@ -307,7 +311,7 @@ class LayerModel:
     def _compute_parts(self, work: Work) -> Parts:
         d = self.dense(work.tokens)
         a_fwd, a_bwd = self.attention(work.tokens, work.pairs, work.gathered, work.replicated,
-                                      work.ring, work.whole)
+                                      work.ring, work.whole, work.whole_pairs)
         s_fwd, s_bwd = self.state_traffic(work)
         cat_kernels = 2 if work.prefix else 0
         acc_kernels = 2 * work.prior + (4 if work.relayed else 0)

@@ -34,6 +34,7 @@ class Work(NamedTuple):
     replicated: bool = False  # ChunkFlow under CP, replicated state: `gathered` is the chunk's own
     ring: bool = False  # ChunkFlow under CP: the ring attention (else gathered first)
     whole: int = 0  # ChunkFlow under hybrid CP: `tokens` in segments held whole (attended here)
+    whole_pairs: float = 0.0  # ... and the busiest rank's pairs of them (the rest: the ring's)
 
 
 def chunk_work(chunk: DataChunk, block: int, cp: int = 1, gather: bool | str = False,
@@ -44,7 +45,8 @@ def chunk_work(chunk: DataChunk, block: int, cp: int = 1, gather: bool | str = F
     K/V state sharded (True or "sharded") or "replicated" (a dependent chunk gathers only its own
     K/V); else Megatron's ring. Under ChunkFlow's CP a standalone chunk's `placement` "hybrid"
     keeps segments whole on one rank as core/cp_place.py places them (each rank's tokens a
-    multiple of `multiple`: TP under sequence parallelism), the busiest rank's pairs counted."""
+    multiple of `multiple`: TP under sequence parallelism): the ranks attend their whole segments
+    first (the busiest rank's pairs), then the split ones (the busiest rank's pieces)."""
     dep, prefix = chunk.is_dependent, chunk.prefix_len
     state = (prefix, chunk.index, chunk.index < chunk.num_siblings - 1) if dep else (0, 0, False)
     if gather and cp > 1:
@@ -53,11 +55,11 @@ def chunk_work(chunk: DataChunk, block: int, cp: int = 1, gather: bool | str = F
         placed = (place_segments(lengths, cp, multiple)
                   if placement == "hybrid" and not dep else None)
         owners = placed.owners if placed else (SPLIT,) * len(lengths)
-        per_rank = [0.0] * cp
+        per_rank, whole = [0.0] * cp, [0.0] * cp
         for n, o in zip(lengths + list(placed.padding if placed else ()),
                         list(owners) + list(range(cp))):
             if o != SPLIT:  # a whole segment (or a rank's padding), attended on its rank alone
-                per_rank[o] += piece_pairs(0, n, block)
+                whole[o] += piece_pairs(0, n, block)
                 continue
             assert n % (2 * cp) == 0, "segments are padded to 2 x CP"
             if replicated:
@@ -69,8 +71,9 @@ def chunk_work(chunk: DataChunk, block: int, cp: int = 1, gather: bool | str = F
         split = sum(n for n, o in zip(lengths, owners) if o == SPLIT)
         gathered, selected = gather_extent(prefix, split, cp)
         tokens = placed.local_tokens if placed else chunk.computed_tokens // cp
-        return Work(tokens, max(per_rank), *state,
+        # the ranks attend their whole segments, then meet in the ring over the split ones
+        return Work(tokens, max(whole) + max(per_rank), *state,
                     chunk.computed_tokens if replicated else gathered, selected, replicated,
-                    not replicated and split > 0, tokens - split // cp)
+                    not replicated and split > 0, tokens - split // cp, max(whole))
     pairs = sum(computed_pairs(prefix, s.computed_tokens, block, cp) for s in chunk.segments)
     return Work(math.ceil(chunk.computed_tokens / cp), pairs / cp, *state)

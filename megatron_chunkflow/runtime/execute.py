@@ -135,7 +135,8 @@ def check_same_plan(step: ChunkedStep, group) -> None:
         return
     text = repr([[(op.kind, op.chunk, op.model_chunk) for op in ops]
                  for ops in step.plan.stages]) + repr(
-        sorted((c, m.cu_seqlens, m.seq_id, m.index, m.grad_weight) for c, m in step.metas.items()))
+        sorted((c, m.cu_seqlens, m.cp_owners, m.seq_id, m.index, m.grad_weight)
+               for c, m in step.metas.items()))
     digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
     from megatron_chunkflow.runtime.p2p import comm_device
 

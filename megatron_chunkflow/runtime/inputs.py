@@ -77,12 +77,13 @@ def chunk_meta(chunk: DataChunk, chunk_size: int, pad_multiple: int = 1, cp_size
     pads, owners = [num_padding] if num_padding else [], ()
     if cp_size > 1 and cp_placement == "hybrid" and not chunk.is_dependent:
         placed = place_segments([b - a for a, b in zip(cu[:-1], cu[1:])], cp_size, pad_multiple)
-        if placed is not None:
-            pads = [n for n in placed.padding if n]
+        if placed is not None:  # each rank's shortfall: a padding segment of its own
+            mine = [n for n in placed.padding if n]
             owners = placed.owners + tuple(r for r, n in enumerate(placed.padding) if n)
-            num_padding += sum(pads)
-            for n in pads:
+            num_padding += sum(mine)
+            for n in mine:
                 cu.append(cu[-1] + n)
+            pads += mine
     positions = chunk.position_ids() + [p for n in pads for p in range(n)]
     return ChunkMeta(
         chunk_id=chunk.id,

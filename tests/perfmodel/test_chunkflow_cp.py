@@ -392,6 +392,12 @@ def test_hybrid_placement_moves_nothing_for_segments_held_whole():
     m = chunk_work(mixed, 128, 2, gather=True, multiple=2)
     assert (m.gathered, m.whole, m.tokens, m.ring) == (6000, 1000, 4000, True)
     assert chunk_tokens(mixed, 2, 2) == m.tokens
+    # the whole segments attend before the ring starts: none of their kernel hides its transfers
+    assert 0 < m.whole_pairs < m.pairs
+    args = (m.tokens, m.pairs, m.gathered, False, True, m.whole)
+    slow_link = layer_model(Q7B, layout, dataclasses.replace(H100, nvlink_gb_s=2.0))
+    alone, hidden = slow_link.attention(*args, m.whole_pairs), slow_link.attention(*args, 0.0)
+    assert alone[0] > hidden[0] and alone[1] > hidden[1]
     hybrid = predict_chunkflow(LENGTHS, Q7B, H100, layout, 8192, 1)
     every = predict_chunkflow(LENGTHS, Q7B, H100, layout, 8192, 1, cp_placement="split")
     assert hybrid.step_s < every.step_s and hybrid.to_json()["cp_placement"] == "hybrid"

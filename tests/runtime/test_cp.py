@@ -275,3 +275,16 @@ def test_chunk_meta_places_standalone_chunks_only_when_hybrid():
     assert [m.local_tokens for m in metas["hybrid"]] == [64, 64, 52]
     assert all(not m.cp_owners for m in metas["split"])
     assert [m.num_tokens for m in metas["split"]] == [128, 124, 100]
+
+
+def test_a_hybrid_chunk_keeps_the_sequence_parallel_padding_positions():
+    """A chunk padded for sequence parallelism (a segment of its own) and then placed: every
+    token, the padding segments' included, has a position (chunk_meta called with a pad multiple
+    the packer did not pad to)."""
+    from megatron_chunkflow.runtime.inputs import chunk_meta
+
+    chunk = build_chunks([32, 28, 24, 20, 16, 4], 128, 1, 1, get_model_shape("tiny"),
+                         segment_multiple=4, chunk_multiple=4).chunks[0]
+    meta = chunk_meta(chunk, 128, 8, 2, 0)
+    assert meta.cp_owners and meta.position_ids.numel() == meta.cu_seqlens[-1]
+    assert meta.num_padding == meta.cu_seqlens[-1] - chunk.computed_tokens
