@@ -34,8 +34,11 @@ def shard_ranges(cu_seqlens, cp: int, rank: int, owners=()) -> list[tuple[int, i
     return out
 
 
-def local_index(cu_seqlens, cp: int, rank: int, owners=()) -> torch.Tensor:
-    """Indices (into the whole chunk) of the tokens CP rank `rank` holds, in its local order."""
+@lru_cache(maxsize=8)  # the inputs and every stage's RoPE ask for the chunk being run
+def local_index(cu_seqlens: tuple[int, ...], cp: int, rank: int,
+                owners: tuple[int, ...] = ()) -> torch.Tensor:
+    """Indices (into the whole chunk) of the tokens CP rank `rank` holds, in its local order
+    (shared: read, never written)."""
     ranges = shard_ranges(cu_seqlens, cp, rank, owners)
     return torch.cat([torch.arange(lo, hi) for lo, hi in ranges] or [torch.zeros(0, dtype=torch.long)])
 

@@ -33,7 +33,6 @@ from megatron_chunkflow.perfmodel.layer import (
     chunk_work,
     gather_extent,
     layer_model,
-    piece_pairs,
     zigzag_pairs,
     zigzag_split_pairs,
 )
@@ -365,39 +364,3 @@ def test_core_attn_recompute_under_cp_is_what_the_runtime_runs():
     flat = P(tp=2, dp=2, recompute="selective")
     assert runtime_layout(flat) == flat  # without CP Megatron's checkpoint runs
 
-
-def test_hybrid_placement_moves_nothing_for_segments_held_whole():
-    """--chunkflow-cp-placement hybrid (core/cp_place.py): a chunk of short sequences keeps each
-    whole on one rank: no K/V traffic, no ring kernels, its attention the compute alone; a chunk
-    with one long segment splits only that one, the merges charged on its rows alone; the
-    prediction charges the busiest rank's tokens and is faster than splitting every segment."""
-    layout = P(tp=2, cp=2)
-    short = build_chunks([1000] * 8, 8192, 1, 1, Q7B, segment_multiple=4,
-                         chunk_multiple=8).chunks[0]
-    w = chunk_work(short, 128, 2, gather=True, multiple=2)
-    assert (w.gathered, w.selected, w.ring, w.whole) == (0, 0, False, w.tokens)
-    assert w.tokens == 4000 and w.pairs == 4 * piece_pairs(0, 1000, 128)
-    model = layer_model(Q7B, layout, H100)
-    parts, base = model.parts(w), layer_model(Q7B, P(tp=2), H100)
-    assert (parts.fwd_kernels, parts.bwd_kernels) == base.base_kernels
-    slow = dataclasses.replace(H100, cp_overlap=0.0)
-    assert layer_model(Q7B, layout, slow).attention(w.tokens, w.pairs, 0, False, False,
-                                                    w.whole) == model.attention(
-        w.tokens, w.pairs, 0, False, False, w.whole)
-    split = chunk_work(short, 128, 2, gather=True, multiple=2, placement="split")
-    assert split.gathered == 8000 and model.parts(split).fwd > parts.fwd
-
-    mixed = build_chunks([6000, 1000, 1000], 8192, 1, 1, Q7B, segment_multiple=4,
-                         chunk_multiple=8).chunks[0]
-    m = chunk_work(mixed, 128, 2, gather=True, multiple=2)
-    assert (m.gathered, m.whole, m.tokens, m.ring) == (6000, 1000, 4000, True)
-    assert chunk_tokens(mixed, 2, 2) == m.tokens
-    # the whole segments attend before the ring starts: none of their kernel hides its transfers
-    assert 0 < m.whole_pairs < m.pairs
-    args = (m.tokens, m.pairs, m.gathered, False, True, m.whole)
-    slow_link = layer_model(Q7B, layout, dataclasses.replace(H100, nvlink_gb_s=2.0))
-    alone, hidden = slow_link.attention(*args, m.whole_pairs), slow_link.attention(*args, 0.0)
-    assert alone[0] > hidden[0] and alone[1] > hidden[1]
-    hybrid = predict_chunkflow(LENGTHS, Q7B, H100, layout, 8192, 1)
-    every = predict_chunkflow(LENGTHS, Q7B, H100, layout, 8192, 1, cp_placement="split")
-    assert hybrid.step_s < every.step_s and hybrid.to_json()["cp_placement"] == "hybrid"
