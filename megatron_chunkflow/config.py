@@ -25,6 +25,8 @@ AttentionBackend = Literal["auto", "torch", "cpu_flash", "sdpa", "flex", "varlen
 CpKvState = Literal["sharded", "replicated"]
 CpAttention = Literal["ring", "gather"]
 CpPlacement = Literal["hybrid", "split"]
+ReforwardAttention = Literal["recompute", "keep", "offload"]
+LSE_BACKENDS = ("auto", "torch", "cpu_flash", "varlen", "flash")  # attention/lse.py's pairs
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,15 @@ class ChunkFlowConfig:
     ranks stay balanced, its attention local; only segments too long to place, and every long
     sequence's chunks, cut into zigzag pieces over the ranks) or split (every segment cut)."""
 
+    reforward_attention: ReforwardAttention = field(
+        default="recompute", metadata={"flag": "--chunkflow-reforward-attention"})
+    """A re-forwarded chunk's attention: recompute (its re-forward runs the whole layer again);
+    keep (its first forward keeps each layer's attention output and log-sum-exp on the GPU, and
+    the re-forward runs only the rest of the layer, the attention backward starting from them;
+    CP moves no K/V in a re-forward); offload (the same, kept in host memory and copied back).
+    keep and offload need a backend with the log-sum-exp pair: auto, torch, cpu_flash, varlen,
+    flash."""
+
     def __post_init__(self):
         if self.chunk_size < 1:
             raise ValueError(f"--chunk-size must be >= 1, got {self.chunk_size}")
@@ -73,11 +84,18 @@ class ChunkFlowConfig:
         for flag, value, kind in (("--chunkflow-cp-kv", self.cp_kv, CpKvState),
                                   ("--chunkflow-cp-attention", self.cp_attention, CpAttention),
                                   ("--chunkflow-cp-placement", self.cp_placement, CpPlacement),
+                                  ("--chunkflow-reforward-attention", self.reforward_attention,
+                                   ReforwardAttention),
                                   ("--attention-backend", self.attention_backend,
                                    AttentionBackend)):
             if value not in typing.get_args(kind):
                 raise ValueError(f"{flag} {value!r}: choose from "
                                  f"{', '.join(typing.get_args(kind))}")
+        if self.reforward_attention != "recompute" and self.attention_backend not in LSE_BACKENDS:
+            raise ValueError(f"--chunkflow-reforward-attention {self.reforward_attention} needs "
+                             "an attention backend with a backward from the log-sum-exp ("
+                             f"{', '.join(LSE_BACKENDS)}); --attention-backend "
+                             f"{self.attention_backend} has none")
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,12 @@ from megatron_chunkflow.perfmodel.hardware import (
 )
 from megatron_chunkflow.perfmodel.hybrid_cp import best_hybrid_cp
 from megatron_chunkflow.perfmodel.predict import GIB, Prediction
-from megatron_chunkflow.perfmodel.search import CP_KV, best_chunkflow, best_megatron
+from megatron_chunkflow.perfmodel.search import (
+    CP_KV,
+    REFORWARD,
+    best_chunkflow,
+    best_megatron,
+)
 
 SCENARIO = dict(model="qwen2.5-7b", global_batch_size=2048)  # README, "Defaults"
 STRONGEST = "megatron-packed"  # what the JSON's "megatron" and "speedup" keep reporting
@@ -99,6 +104,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chunkflow-cp-kv", choices=["auto", *CP_KV], default="auto",
                    help="under CP, a long sequence's K/V state: sharded over the CP ranks or "
                         "replicated on each (runtime/cp.py); auto tries both (default: auto)")
+    g.add_argument("--chunkflow-reforward-attention", choices=["auto", *REFORWARD],
+                   default="recompute",
+                   help="a re-forwarded chunk's attention: recompute it, keep its output from the "
+                        "first forward on the GPU, or offload it to host memory; auto tries all "
+                        "three (default: recompute, as `train`)")
     g = parser.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
@@ -110,6 +120,8 @@ def _row(name: str, p: Prediction, usable: float) -> str:
     layout = f"{lay.tp} {cp} {pp} {lay.dp} {lay.recompute}"
     if p.system == "chunkflow":
         layout += f"  C={p.chunk_size} K={p.num_kept}"
+        if p.reforward_attention != "recompute":
+            layout += f" {p.reforward_attention}"
         if lay.cp > 1:
             layout += f" kv={p.cp_kv}"
     if p.max_seqlen_per_rank:
@@ -173,7 +185,9 @@ def run(args: argparse.Namespace) -> int:
     cf = best_chunkflow(lengths, shape, hw, args.gpus, args.seq_length, cf_layout,
                         cfg.chunk_size, cfg.num_kept, auto_chunking=args.auto,
                         cp_kv=None if args.chunkflow_cp_kv == "auto" else args.chunkflow_cp_kv,
-                        cp_placement=cfg.cp_placement)
+                        cp_placement=cfg.cp_placement,
+                        reforward=(None if args.chunkflow_reforward_attention == "auto"
+                                   else args.chunkflow_reforward_attention))
     speedups = {name: speedup_of(p, cf) for name, p in preds.items()}
     ratios = {name: p.step_s / cf.step_s for name, p in preds.items()}
     ends = {}  # CP overlap 0 and 1: the stock systems again (ChunkFlow's CP does not overlap)
@@ -221,6 +235,8 @@ def run(args: argparse.Namespace) -> int:
         chosen.append(f"--chunk-size {cf.chunk_size} --chunkflow-k {cf.num_kept}")
     if cf.layout.cp > 1 and args.chunkflow_cp_kv == "auto":
         chosen.append(f"--chunkflow-cp-kv {cf.cp_kv}")
+    if args.chunkflow_reforward_attention == "auto":
+        chosen.append(f"--chunkflow-reforward-attention {cf.reforward_attention}")
     if chosen:
         out.say("chosen by search (fastest that fits): " + "; ".join(chosen))
 

@@ -126,9 +126,9 @@ class RankSums:
 
 
 def floor_sums(items: Sequence[tuple[int, bool, Work, int | None]],
-               model: Roofline) -> dict[int, RankSums]:
-    """Per DP rank, the sums time_floor combines; they depend on the parallel layout, not on
-    recompute, so a search shares them between every recompute option of a layout."""
+               model: Roofline, kept: str = "recompute") -> dict[int, RankSums]:
+    """Per DP rank, the sums time_floor combines (re-forwards as `kept` runs them); they depend
+    on the layout, not on recompute, so a search shares them between every recompute option."""
     pp, nv, launch = model.layout.pp, model.layout.num_virtual_stages, model.launch_s
     host = model.hw.op_overhead_us * 1e-6
     rows: dict[int, RankSums] = {}
@@ -137,15 +137,15 @@ def floor_sums(items: Sequence[tuple[int, bool, Work, int | None]],
         (emb_f, emb_b), (head_f, head_b), layers = model.ends(work.tokens, nv)
         f_layer = max(parts.fwd, parts.fwd_kernels * launch)
         b_layer = max(parts.bwd, parts.bwd_kernels * launch)
+        f_layer, r_layer = (model.kept_layer_times(parts, kept) if reforward and kept != "recompute"
+                            else (f_layer, f_layer))  # F's and the re-forward's layer
         r = rows.setdefault(rank, RankSums(f_pre=[math.inf] * pp, b_pre=[math.inf] * pp))
         times = 2 if reforward else 1
-        r.ops += times
+        r.ops, r.emb_bwd, r.head_bwd = r.ops + times, r.emb_bwd + emb_b, r.head_bwd + head_b
         r.chunks += 1
-        r.fwd += times * f_layer
+        r.fwd += f_layer + (r_layer if reforward else 0.0)
         r.emb_fwd += times * emb_f
         r.head_fwd += times * head_f
-        r.emb_bwd += emb_b
-        r.head_bwd += head_b
         _add_roofline(r, parts)
         every = [parts.modules[m] for m in MODULES]  # the costliest selective option
         r.max_fwd = max(r.max_fwd, f_layer)
@@ -153,7 +153,7 @@ def floor_sums(items: Sequence[tuple[int, bool, Work, int | None]],
                         (parts.bwd_kernels + parts.fwd_kernels) * launch,
                         (parts.bwd_kernels + sum(e[1] for e in every)) * launch)
         r.max_ends = tuple(map(max, r.max_ends, (emb_f, emb_b, head_f, head_b)))
-        r.least = tuple(map(min, r.least, (f_layer, b_layer, emb_f, emb_b)))
+        r.least = tuple(map(min, r.least, (min(f_layer, r_layer), b_layer, emb_f, emb_b)))
         if parent is not None:
             ch = r.chains.setdefault(parent, ChainSums())
             ch.n += 1
@@ -162,7 +162,7 @@ def floor_sums(items: Sequence[tuple[int, bool, Work, int | None]],
             ch.ends_f = (ch.ends_f[0] + emb_f, ch.ends_f[1] + head_f)
             ch.ends_b = (ch.ends_b[0] + emb_b, ch.ends_b[1] + head_b)
             if reforward:
-                ch.refwd += f_layer
+                ch.refwd += r_layer
                 ch.num_refwd += 1
                 ch.ends_r = (ch.ends_r[0] + emb_f, ch.ends_r[1] + head_f)
             own = (f_layer, b_layer, emb_f, emb_b, head_f, head_b)

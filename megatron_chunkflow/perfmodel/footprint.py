@@ -260,16 +260,18 @@ def kv_state_bytes_per_token(shape: ModelShape, num_layers: int, dtype_bytes: in
 
 
 def long_sequence_state_bytes(longest: int, chunk_size: int, num_kept: int, kv: float, acc: float,
-                              hidden: float, copy_kv: float | None = None) -> float:
+                              hidden: float, copy_kv: float | None = None,
+                              attention: float = 0.0) -> float:
     """An upper bound of the state one stage keeps for a long sequence of `longest` tokens cut
     into C = `chunk_size` token chunks, K = `num_kept` of them holding activations, as the plugin
     keeps it (docs/exactness.md, "Memory"). Per-token bytes of the stage: `kv` (u) its stored K/V,
     `acc` (a) their gradient accumulators, `hidden` (h) the stage input kept for each
     re-forwarded chunk (0 on the first stage, which re-reads its input), `copy_kv` (c, default u)
-    the cat(prefix, own) copies held (less than u when recompute re-creates some layers'). With
-    n = ceil(L / C):
+    the cat(prefix, own) copies held (less than u when recompute re-creates some layers'),
+    `attention` (o) each re-forwarded chunk's attention output and log-sum-exp kept for its
+    re-forward (--chunkflow-reforward-attention keep; 0 otherwise). With n = ceil(L / C):
 
-        L (u + a)  +  c * sum over the last K chunks j of min((j+1) C, L)  +  (n - K) C h
+        L (u + a)  +  c * sum over the last K chunks j of min((j+1) C, L)  +  (n - K) C (h + o)
 
     the stored K/V and accumulators, the cat(prefix, own) K/V copy the attention of each chunk
     holding activations saves, the inputs of the n - K re-forwarded (full) chunks. For K = 1 the
@@ -282,19 +284,22 @@ def long_sequence_state_bytes(longest: int, chunk_size: int, num_kept: int, kv: 
     n = math.ceil(longest / chunk_size)
     first_kept = max(0, n - num_kept)
     copies = sum(min((j + 1) * chunk_size, longest) for j in range(first_kept, n))
-    return longest * (kv + acc) + copies * copy_kv + first_kept * chunk_size * hidden
+    return (longest * (kv + acc) + copies * copy_kv
+            + first_kept * chunk_size * (hidden + attention))
 
 
 def sequence_state_bytes(longest: int, chunk_size: int, num_kept: int, shape: ModelShape,
                          layout: ParallelConfig, dtype_bytes: int, num_stages: int,
-                         cp_kv: str = "sharded") -> list[float]:
+                         cp_kv: str = "sharded", reforward: str = "recompute") -> list[float]:
     """long_sequence_state_bytes per stage (pipeline rank), on per-token bytes modelled from the
     shape: K/V in `dtype_bytes`, fp32 accumulators, stage inputs of hidden_size / TP elements,
     each 1/CP on a rank under CP (but K/V, accumulators and prefix copies whole on every rank
     with `cp_kv` "replicated"). Layers whose core attention is recomputed hold no prefix copy;
     the one they re-create in the backward (at most the whole sequence's, one layer at a time)
     is added. With V virtual stages per rank (layout.vpp) a rank keeps the K/V of all its layers
-    and a stage input per model chunk (but virtual stage 0's), recompute applying per chunk."""
+    and a stage input per model chunk (but virtual stage 0's), recompute applying per chunk.
+    `reforward` keep: each re-forwarded chunk's attention output (heads x head dim / TP in the
+    compute dtype) and log-sum-exp (fp32 under half precision) per layer and local token."""
     out = []
     rc, tp, cp, v = layout.recompute, layout.tp, layout.cp, layout.vpp
     for s, layers in enumerate(layers_per_stage(shape.num_layers, num_stages)):
@@ -304,8 +309,12 @@ def sequence_state_bytes(longest: int, chunk_size: int, num_kept: int, shape: Mo
         h = dtype_bytes * shape.hidden_size / tp / cp * (v if s > 0 else v - 1)
         recomputed = v * rc.layers_recomputed(layers // v)
         saving = 0 if "core_attn" in rc.modules else layers - recomputed
+        heads = shape.num_attention_heads // tp
+        o = (layers * heads * (shape.head_dim * dtype_bytes + (4 if dtype_bytes < 4 else
+                                                               dtype_bytes)) / cp
+             if reforward == "keep" else 0.0)
         state = long_sequence_state_bytes(longest, chunk_size, num_kept, u, a, h,
-                                          u * saving / layers)
+                                          u * saving / layers, o)
         if saving < layers and longest > chunk_size:
             state += longest * u / layers
         out.append(state)
@@ -334,20 +343,23 @@ def longest_cut_sequence(chunks: Sequence[DataChunk]) -> int:
 
 def chunkflow_state_bytes(chunks: Sequence[DataChunk], shape: ModelShape, layout: ParallelConfig,
                           dtype_bytes: int, num_stages: int, chunk_size: int,
-                          num_kept: int, cp_kv: str = "sharded") -> list[float]:
+                          num_kept: int, cp_kv: str = "sharded",
+                          reforward: str = "recompute") -> list[float]:
     """sequence_state_bytes of the longest long sequence on this DP rank (one sequence's state
     lives at a time)."""
     return sequence_state_bytes(longest_cut_sequence(chunks), chunk_size, num_kept, shape, layout,
-                                dtype_bytes, num_stages, cp_kv)
+                                dtype_bytes, num_stages, cp_kv, reforward)
 
 
 def memory_hooks(shape: ModelShape, layout: ParallelConfig, dtype_bytes: int, chunk_size: int = 0,
                  num_kept: int = 1, cp_kv: str = "sharded",
-                 cp_placement: str = "split") -> tuple[Callable, Callable]:
+                 cp_placement: str = "split",
+                 reforward: str = "recompute") -> tuple[Callable, Callable]:
     """(held_bytes_for, state_bytes_for): this memory model as core/step.py's hooks, for a plan
     of `chunk_size`-token chunks with K = `num_kept` (the state hook is for plan_chunkflow only),
-    ChunkFlow's standalone chunks placed `cp_placement` under CP."""
+    ChunkFlow's standalone chunks placed `cp_placement` under CP, re-forwarded chunks'
+    attention kept by `reforward` (--chunkflow-reforward-attention)."""
     hybrid = cp_placement == "hybrid"
     return (lambda chunks, p: held_bytes_fn(chunks, shape, layout, dtype_bytes, p, hybrid),
             lambda chunks, p: chunkflow_state_bytes(chunks, shape, layout, dtype_bytes, p,
-                                                    chunk_size, num_kept, cp_kv))
+                                                    chunk_size, num_kept, cp_kv, reforward))

@@ -90,6 +90,9 @@ class Hardware:
     """Per-GPU bandwidth to other nodes, one direction."""
     gpus_per_node: int = 8
     """GPUs sharing the fast intra-node links."""
+    host_gb_s: float = 50.0
+    """Per-GPU bandwidth to pinned host memory, one direction, as a copy reaches it (PCIe):
+    --chunkflow-reforward-attention offload's copies."""
     num_sms: int = 0
     """Streaming multiprocessors for wave quantization; 0 turns tile/wave quantization off (CPU)."""
     gemm_max_eff: float = 0.75
@@ -126,7 +129,8 @@ class Hardware:
             if f.name != "name" and not v >= 0:
                 raise ValueError(f"hardware {self.name}: {f.name} must be >= 0, got {v}")
         for f in ("peak_tflops", "hbm_gb", "hbm_gb_s", "nvlink_gb_s", "network_gb_s",
-                  "gemm_max_eff", "attn_fwd_eff", "attn_bwd_eff", "mem_eff", "comm_eff"):
+                  "host_gb_s", "gemm_max_eff", "attn_fwd_eff", "attn_bwd_eff", "mem_eff",
+                  "comm_eff"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"hardware {self.name}: {f} must be > 0")
         for f in ("gemm_max_eff", "attn_fwd_eff", "attn_bwd_eff", "mem_eff", "comm_eff"):
@@ -168,8 +172,8 @@ _HOPPER = dict(num_sms=132, gemm_max_eff=0.75, attn_fwd_eff=0.6, attn_bwd_eff=0.
 GPUS = {
     "h100": Hardware("h100", 989.4, 80, 3350, 450, 50, **_HOPPER),
     "h200": Hardware("h200", 989.4, 141, 4800, 450, 50, **_HOPPER),
-    "a100": Hardware("a100", 312.0, 80, 2039, 300, 25, num_sms=108, gemm_max_eff=0.85,
-                     attn_fwd_eff=0.6, attn_bwd_eff=0.45),
+    "a100": Hardware("a100", 312.0, 80, 2039, 300, 25, host_gb_s=25.0, num_sms=108,
+                     gemm_max_eff=0.85, attn_fwd_eff=0.6, attn_bwd_eff=0.45),
 }
 
 
@@ -248,7 +252,8 @@ def hardware_from_measurements(gemm_flops: float, attn_fwd_flops: float, attn_bw
     return Hardware(
         name=name, peak_tflops=peak / 1e12, hbm_gb=memory_bytes / GB,
         hbm_gb_s=mem_bytes_per_s / GB, nvlink_gb_s=p2p_bytes_per_s / GB,
-        network_gb_s=p2p_bytes_per_s / GB, gpus_per_node=1 << 20, num_sms=0,
+        network_gb_s=p2p_bytes_per_s / GB, gpus_per_node=1 << 20,
+        host_gb_s=mem_bytes_per_s / GB, num_sms=0,
         gemm_max_eff=gemm_flops / peak, attn_fwd_eff=attn_fwd_flops / peak,
         attn_bwd_eff=attn_bwd_flops / peak, attn_block=0, mem_eff=1.0,
         comm_eff=1.0, nvlink_latency_us=p2p_latency_s * 1e6,

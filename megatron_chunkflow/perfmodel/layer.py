@@ -170,6 +170,13 @@ class Parts:
     fwd_kernels: int
     bwd_kernels: int
     modules: dict  # module -> (seconds, kernels)
+    # what a re-forward that skips attention (--chunkflow-reforward-attention keep / offload)
+    # leaves out: the attention core's forward seconds (its CP exchange included; replicated
+    # state still gathers the chunk's own K/V) and kernels; and what it keeps per layer (bytes
+    # of the output and log-sum-exp on this GPU)
+    skipped: float = 0.0
+    skipped_kernels: int = 0
+    kept_bytes: float = 0.0
 
 
 class LayerModel:
@@ -330,8 +337,13 @@ class LayerModel:
                                         attn_k + HYBRID_KERNELS[0])
         modules = {"core_attn": (a_fwd + s_fwd, attn_k + cat_kernels),
                    "mlp": (d.mlp_fwd, mk["mlp"]), "layernorm": (d.norms_fwd, mk["layernorm"])}
+        own_gather = self.gather_times(work.gathered)[0] if work.replicated else 0.0
+        heads = self.shape.num_attention_heads // self.layout.tp
+        kept = work.tokens * (self.attn_width * self.hw.dtype_bytes + heads * self.grad_bytes)
         return Parts(d.fwd + a_fwd + s_fwd, d.bwd + a_bwd + s_bwd,
-                     fwd_k + cat_kernels, bwd_k + acc_kernels, modules)
+                     fwd_k + cat_kernels, bwd_k + acc_kernels, modules,
+                     a_fwd - own_gather, attn_k - 1 - (GATHER_KERNELS_FWD if work.replicated
+                                                      else 0), kept)
 
 
 @lru_cache(maxsize=256)

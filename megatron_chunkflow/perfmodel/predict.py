@@ -81,6 +81,7 @@ class Prediction:
     max_seqlen_per_rank: int | None = None  # megatron-hybrid-cp: --max-seqlen-per-dp-cp-rank
     cp_kv: str = "sharded"  # ChunkFlow under CP: where a long sequence's K/V state lives
     cp_placement: str = "hybrid"  # ChunkFlow under CP: standalone chunks' segments (cp_place.py)
+    reforward_attention: str = "recompute"  # ChunkFlow: a re-forward's attention (reforward.py)
 
     @property
     def fits(self) -> bool:
@@ -111,7 +112,8 @@ class Prediction:
             out["max_seqlen_per_dp_cp_rank"] = self.max_seqlen_per_rank
         if self.system == "chunkflow":
             out.update(chunk_size=self.chunk_size, k=self.num_kept,
-                       recompute_chunks=self.recompute_chunks)
+                       recompute_chunks=self.recompute_chunks,
+                       reforward_attention=self.reforward_attention)
             if self.layout.cp > 1:
                 out.update(cp_kv=self.cp_kv, cp_placement=self.cp_placement)
         return out
@@ -204,7 +206,8 @@ def with_padding(chunks: Sequence[DataChunk], lengths: Sequence[int]) -> list[Da
 
 def predict_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware,
                       layout: ParallelConfig, chunk_size: int, num_kept: int,
-                      cp_kv: str = "sharded", cp_placement: str = "hybrid") -> Prediction:
+                      cp_kv: str = "sharded", cp_placement: str = "hybrid",
+                      reforward: str = "recompute") -> Prediction:
     """ChunkFlow: chunks of `chunk_size`, K chunks of a long sequence holding activations; under
     CP every segment padded to ParallelConfig.segment_multiple, every chunk to chunk_padding, and
     ChunkFlow's CP attention
@@ -212,12 +215,15 @@ def predict_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware,
     K/V state `cp_kv`: "sharded", or "replicated" (whole on every CP rank, only a chunk's own
     K/V gathered, not again in the backward; --chunkflow-cp-kv), standalone chunks' segments
     placed `cp_placement` (--chunkflow-cp-placement: "hybrid" keeps them whole on one rank where
-    core/cp_place.py can, "split" cuts every one)."""
+    core/cp_place.py can, "split" cuts every one), re-forwarded chunks' attention `reforward`
+    (--chunkflow-reforward-attention: "recompute", or "keep" / "offload", whose re-forwards skip
+    the attention core, keep holding its output on the GPU, offload copying it to the host and
+    back: roofline.kept_attention_costs)."""
     layout.check_chunk_size(chunk_size, naming="axes")
     asked, layout = layout, runtime_layout(layout)
     model = roofline(shape, layout, hw)
     held_for, state_for = memory_hooks(shape, layout, hw.dtype_bytes, chunk_size, num_kept, cp_kv,
-                                       cp_placement)
+                                       cp_placement, reforward)
     m, gather = layout.segment_multiple, (cp_kv if layout.cp > 1 else False)
     if m == 1:
         padded, real = lengths, (lambda chunks: chunks)
@@ -226,14 +232,14 @@ def predict_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware,
     _, rp = plan_chunkflow(
         padded, chunk_size, num_kept, layout.pp, layout.dp, shape,
         lambda chunks, p: model.stage_costs(real(chunks), p, chunk_size, "async", gather,
-                                            cp_placement),
+                                            cp_placement, (reforward, num_kept)),
         lambda chunks, p: held_for(real(chunks), p),
         lambda chunks, p: state_for(real(chunks), p), num_model_chunks=layout.vpp,
         chunk_multiple=layout.chunk_padding)
     out = _finish("chunkflow", rp, model, shape, hw, lengths,
                   [real(c) for c in rp.chunks] if m > 1 else None,
                   chunk_size=chunk_size, num_kept=num_kept, cp_kv=cp_kv,
-                  cp_placement=cp_placement)
+                  cp_placement=cp_placement, reforward_attention=reforward)
     return dataclasses.replace(out, layout=asked)
 
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.core.costs import layers_per_stage
 from megatron_chunkflow.core.models import ModelShape
+from megatron_chunkflow.core.schedule import is_reforwarded
 from megatron_chunkflow.core.types import DataChunk
 from megatron_chunkflow.perfmodel.hardware import Hardware
 from megatron_chunkflow.perfmodel.layer import (  # noqa: F401  (re-exported: older imports)
@@ -70,11 +71,14 @@ class StageCosts:
     backward: dict[int, list[float]]
     comm: float = 0.0  # one point-to-point message between neighbouring stages
     send: dict[int, float] | None = None
+    reforward: dict[int, list[float]] | None = None  # R where it is not F's (kept attention)
 
     def __call__(self, kind: str, chunk: int, stage: int) -> float:
         if kind == "B":
             out = self.backward[chunk][stage]
             return out + self.send[chunk] if self.send and stage > 0 else out
+        if kind == "R" and self.reforward and chunk in self.reforward:
+            return self.reforward[chunk][stage]
         out = self.forward[chunk][stage]
         if kind == "F" and self.send and stage < len(self.forward[chunk]) - 1:
             out += self.send[chunk]
@@ -170,6 +174,29 @@ class Roofline:
         fwd[-1], bwd[-1] = fwd[-1] + head[0], bwd[-1] + head[1]
         return fwd, bwd
 
+    def kept_attention_costs(self, work: Work, num_stages: int,
+                             mode: str) -> tuple[list[float], list[float]]:
+        """(F, R) seconds per stage of a re-forwarded chunk doing `work` whose attention is kept
+        (--chunkflow-reforward-attention `mode`, runtime/reforward.py): R runs each layer but its
+        attention core; offload adds a copy of the kept output and log-sum-exp to host memory in
+        F and back in R, on the compute stream (not overlapped)."""
+        emb, head, layers = self.ends(work.tokens, num_stages)
+        first, again = self.kept_layer_times(self.layer.parts(work), mode)
+        host = self.hw.op_overhead_us * 1e-6
+        fwd, refwd = [n * first + host for n in layers], [n * again + host for n in layers]
+        for out in (fwd, refwd):
+            out[0] += emb[0]
+            out[-1] += head[0]
+        return fwd, refwd
+
+    def kept_layer_times(self, parts: Parts, mode: str) -> tuple[float, float]:
+        """(F, R) seconds of one layer of a re-forwarded chunk with these Parts whose attention
+        is kept `mode` (keep or offload; launch floor applied)."""
+        copy = parts.kept_bytes / (self.hw.host_gb_s * 1e9) if mode == "offload" else 0.0
+        return (max(parts.fwd, parts.fwd_kernels * self.launch_s) + copy,
+                max(parts.fwd - parts.skipped,
+                    (parts.fwd_kernels - parts.skipped_kernels) * self.launch_s) + copy)
+
     def p2p_bytes_time(self, tokens: int) -> float:
         """Transfer time of one stage-to-stage send of a micro-batch of `tokens` (whole, before
         CP and SP), latency excluded."""
@@ -185,18 +212,25 @@ class Roofline:
 
     def stage_costs(self, chunks, num_stages: int, p2p_tokens: int,
                     sends: str = "async", gather: bool | str = False,
-                    placement: str = "hybrid") -> StageCosts:
+                    placement: str = "hybrid", kept: tuple[str, int] | None = None
+                    ) -> StageCosts:
         """StageCosts of `chunks`; `sends` (SENDS, module docstring): "async" messages of
         `p2p_tokens` tokens a receiver waits for, or Megatron's blocking sends of the fixed
         `p2p_tokens` shape or of each chunk's own computed shape after a handshake; `gather`:
-        ChunkFlow's CP attention, `placement` its standalone chunks' (chunk_costs)."""
+        ChunkFlow's CP attention, `placement` its standalone chunks' (chunk_costs); `kept`:
+        (--chunkflow-reforward-attention, K), the re-forwarded chunks' F and R when it is keep
+        or offload (kept_attention_costs)."""
         if sends not in SENDS:
             raise ValueError(f"sends must be one of {', '.join(SENDS)}, got {sends!r}")
-        fwd, bwd = {}, {}
+        fwd, bwd, refwd = {}, {}, {}
         for c in chunks:
             fwd[c.id], bwd[c.id] = self.chunk_costs(c, num_stages, gather, placement)
+            if kept is not None and kept[0] != "recompute" and is_reforwarded(c, kept[1]):
+                work = chunk_work(c, self.hw.attn_block, self.layout.cp, gather,
+                                  self.layout.pad_multiple, placement)
+                fwd[c.id], refwd[c.id] = self.kept_attention_costs(work, num_stages, kept[0])
         if sends == "async" or self.layout.pp == 1:
-            return StageCosts(fwd, bwd, comm=self.p2p_time(p2p_tokens))
+            return StageCosts(fwd, bwd, comm=self.p2p_time(p2p_tokens), reforward=refwd)
         latency = self.pp_link[1]
         if sends == "fixed":
             fixed = self.p2p_bytes_time(p2p_tokens)

@@ -9,10 +9,11 @@ block 1 .. layers - 1, full); ChunkFlow's option applies inside every chunk. Bot
 V: stock Megatron runs its interleaved 1F1B there, skipped where Megatron refuses the micro-batch
 count (core/schedule.py interleaving_problem); ChunkFlow's interleaved plan takes any chunk
 count. Under CP ChunkFlow also tries both places for a long sequence's K/V state (CP_KV:
-sharded, or replicated on every CP rank: more memory, less traffic; --chunkflow-cp-kv). For --auto, every chunk size
-2K..seq_length (powers of two) that splits as the layout needs (ParallelConfig.chunk_multiple:
-2 x CP, x TP under sequence parallelism) with K = 1, 2, 4, 8 while K is below the longest sequence's
-number of chunks.
+sharded, or replicated on every CP rank: more memory, less traffic; --chunkflow-cp-kv), and
+asked to, every way of running a re-forward's attention (REFORWARD: recompute, keep, offload;
+--chunkflow-reforward-attention). For --auto, every chunk size 2K..seq_length (powers of two)
+that splits as the layout needs (ParallelConfig.chunk_multiple: 2 x CP, x TP under sequence
+parallelism) with K = 1, 2, 4, 8 while K is below the longest sequence's number of chunks.
 
 The search is exhaustive but prunes exactly, with two lower bounds computed without planning
 (perfmodel/floors.py): a memory floor drops candidates that cannot fit (for stock Megatron it is
@@ -26,9 +27,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from collections.abc import Callable, Sequence
 
-from megatron_chunkflow.config import ParallelConfig, Recompute
+from megatron_chunkflow.config import ParallelConfig, Recompute, ReforwardAttention
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.packer import build_chunks
 from megatron_chunkflow.core.schedule import interleaving_problem
@@ -57,6 +59,7 @@ KS = (1, 2, 4, 8)
 # virtual stages per rank searched (V = 2 with PP >= 2): on qwen2.5-32b at 32K, V = 4 won 0.1-0.4%
 # over V = 2 and doubled the search time again (each V multiplies a plan's ops)
 MAX_VPP = 2
+REFORWARD = typing.get_args(ReforwardAttention)  # --chunkflow-reforward-attention, searched
 CP_KV = ("sharded", "replicated")  # ChunkFlow's K/V state under CP (--chunkflow-cp-kv), searched
 
 
@@ -155,11 +158,13 @@ class _Floors:
     def __init__(self, shape: ModelShape, hw: Hardware):
         self.shape, self.hw, self.sums = shape, hw, {}
 
-    def time(self, key, items, layout: ParallelConfig) -> float:
+    def time(self, key, items, layout: ParallelConfig, kept: str = "recompute") -> float:
         flat = dataclasses.replace(layout.degrees, vpp=1)  # V only splits the same sums
-        if (key, flat) not in self.sums:
-            self.sums[key, flat] = floor_sums(items, roofline(self.shape, flat, self.hw))
-        return time_floor(items, roofline(self.shape, layout, self.hw), self.sums[key, flat])
+        if (key, flat, kept) not in self.sums:
+            self.sums[key, flat, kept] = floor_sums(items, roofline(self.shape, flat, self.hw),
+                                                    kept)
+        return time_floor(items, roofline(self.shape, layout, self.hw),
+                          self.sums[key, flat, kept])
 
 
 def unsupported_interleaving(microbatches: Sequence[DataChunk],
@@ -235,30 +240,35 @@ def best_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_g
 def best_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_gpus: int,
                    seq_length: int, layout: ParallelConfig | None = None, chunk_size: int = 8192,
                    num_kept: int = 1, auto_chunking: bool = False,
-                   cp_kv: str | None = None, cp_placement: str = "hybrid") -> Prediction:
+                   cp_kv: str | None = None, cp_placement: str = "hybrid",
+                   reforward: str | None = "recompute") -> Prediction:
     """ChunkFlow on `layout` (or the fastest fitting layout and recompute option) with
     (chunk_size, num_kept), or with the fastest fitting (chunk size, K) when `auto_chunking`;
     under CP its K/V state `cp_kv` ("sharded" or "replicated"), or (None) the faster that fits,
-    and standalone chunks' segments placed `cp_placement` (predict_chunkflow)."""
+    standalone chunks' segments placed `cp_placement`, re-forwarded chunks' attention
+    `reforward` (REFORWARD), or (None) the fastest that fits (predict_chunkflow)."""
     kv_modes = CP_KV if cp_kv is None else (cp_kv,)
-    if layout is not None and not auto_chunking and (layout.cp == 1 or len(kv_modes) == 1):
+    modes = REFORWARD if reforward is None else (reforward,)
+    if layout is not None and not auto_chunking and (layout.cp == 1 or len(kv_modes) == 1) \
+            and len(modes) == 1:
         return predict_chunkflow(lengths, shape, hw, layout, chunk_size, num_kept, kv_modes[0],
-                                 cp_placement)
+                                 cp_placement, modes[0])
     # under CP a core_attn recompute is what the option without it runs (runtime_layout): the
     # search keeps the option without it, whose time floor is the exact one
     layouts = [layout] if layout else [
         lay for lay in candidate_layouts(shape, hw, num_gpus, allow_cp=True)
         if runtime_layout(lay) == lay]
-    candidates = [(lay, c, kk, kv) for lay in layouts
+    candidates = [(lay, c, kk, kv, ra) for lay in layouts
                   for c, kk in (chunking_candidates(lengths, seq_length, lay.chunk_multiple)
                                 if auto_chunking else [(chunk_size, num_kept)]
                                 if chunk_size % lay.chunk_multiple == 0 else [])
-                  for kv in (kv_modes if lay.cp > 1 else kv_modes[:1])]
+                  for kv in (kv_modes if lay.cp > 1 else kv_modes[:1])
+                  for ra in modes]
     chunkings, work = {}, {}  # (chunk size, DP, K, padding) -> chunks; (.., CP, K/V) -> work
     floors = _Floors(shape, hw)
 
     def time_of(cand) -> float:
-        lay, c, kk, kv = cand
+        lay, c, kk, kv, ra = cand
         m = (lay.segment_multiple, lay.chunk_padding)
         key = (c, lay.dp, kk, m, lay.cp, kv)
         if key not in work:
@@ -266,11 +276,12 @@ def best_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_
                 chunkings[key[:4]] = build_chunks(lengths, c, lay.dp, kk, shape, *m).chunks
             work[key] = chunk_work_items(chunkings[key[:4]], hw.attn_block, lay.cp, kk,
                                          kv, lay.pad_multiple, cp_placement)
-        return floors.time(key, work[key], lay)
+        return floors.time(key, work[key], lay, ra)
 
     # the memory floor is sharded state's, a lower bound of replicated's too
     return search(candidates,
-                  lambda cand: predict_chunkflow(lengths, shape, hw, *cand, cp_placement), time_of,
+                  lambda cand: predict_chunkflow(lengths, shape, hw, *cand[:4], cp_placement,
+                                                 cand[4]), time_of,
                   lambda cand: chunkflow_memory_floor(lengths, shape, cand[0], hw.dtype_bytes,
                                                      *cand[1:3]),
                   hw.usable_bytes)

@@ -93,22 +93,30 @@ class Traffic:
 
 
 def cp_attention(q, k, v, selection: KeySelection | RingSelection, group, softmax_scale: float,
-                 backend: str, traffic: Traffic | None = None) -> torch.Tensor:
+                 backend: str, traffic: Traffic | None = None, *, kept=None,
+                 sink: list | None = None) -> torch.Tensor:
     """This rank's attention output [t, np, hn] for its queries q [t, np, hn], given its shards k,
     v [s, ng, hn] of [prefix ++ chunk] K/V (module docstring), or with `group` None the whole
     [prefix ++ chunk] K/V of replicated state (nothing gathered here); `traffic` counts the
     bytes. A RingSelection runs the ring (backends with the pair); else the backward runs from
     the saved log-sum-exp where the backend has the pair (attention/lse.py), or recomputes the
-    forward."""
+    forward. A re-forward that skips attention (runtime/reforward.py) passes `kept`, the (out,
+    lse) of the chunk's first forward: nothing is computed or moved forward, the backward is as
+    always; that first forward passes `sink`, a list the (out, lse) it computes is appended to."""
     has_pair = lse_pair(resolve_backend(backend, q.device.type, q.dtype)) is not None
     if isinstance(selection, RingSelection):
         if not has_pair or group is None:
             raise ValueError(f"the ring CP attention needs sharded state and a backend with the "
                              f"log-sum-exp pair; {backend!r} has none here "
                              "(--chunkflow-cp-attention gather)")
-        return _RingAttention.apply(q, k, v, selection, group, softmax_scale, backend, traffic)
+        return _RingAttention.apply(q, k, v, selection, group, softmax_scale, backend, traffic,
+                                    kept, sink)
     if has_pair:
-        return _LseAttention.apply(q, k, v, selection, group, softmax_scale, backend, traffic)
+        return _LseAttention.apply(q, k, v, selection, group, softmax_scale, backend, traffic,
+                                   kept, sink)
+    if kept is not None or sink is not None:
+        raise ValueError(f"--chunkflow-reforward-attention keep/offload needs a backend with the "
+                         f"log-sum-exp pair; {backend!r} has none here")
     return _RecomputedAttention.apply(q, k, v, selection, group, softmax_scale, backend, traffic)
 
 
@@ -117,13 +125,18 @@ class _LseAttention(torch.autograd.Function):
     K/V again (under autograd) and runs the backend's backward from them, no forward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, selection, group, softmax_scale, backend, traffic):
-        k_sel, v_sel = _select(k, v, selection, group, traffic)
-        out, lse = attention_with_lse(q, k_sel, v_sel, selection.cu_q, selection.cu_kv,
-                                      softmax_scale=softmax_scale, backend=backend)
+    def forward(ctx, q, k, v, selection, group, softmax_scale, backend, traffic, kept, sink):
+        if kept is not None:
+            out, lse = kept
+        else:
+            k_sel, v_sel = _select(k, v, selection, group, traffic)
+            out, lse = attention_with_lse(q, k_sel, v_sel, selection.cu_q, selection.cu_kv,
+                                          softmax_scale=softmax_scale, backend=backend)
+        if sink is not None:
+            sink.append((out, lse))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (selection, group, softmax_scale, backend, traffic)
-        return out
+        return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -136,7 +149,7 @@ class _LseAttention(torch.autograd.Function):
             grad_out, q, k_sel.detach(), v_sel.detach(), out, lse, selection.cu_q,
             selection.cu_kv, softmax_scale=softmax_scale, backend=backend)
         torch.autograd.backward((k_sel, v_sel), (dk_sel, dv_sel))
-        return dq, k.grad, v.grad, None, None, None, None, None
+        return dq, k.grad, v.grad, None, None, None, None, None, None, None
 
 
 class _RingAttention(torch.autograd.Function):
@@ -147,26 +160,14 @@ class _RingAttention(torch.autograd.Function):
     adding its share, and arrives at the block's owner after the last step."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring, group, softmax_scale, backend, traffic):
-        peers = _Peers(group)
-        kv, out, lse = torch.stack([k, v], dim=1), None, None
-        for step, block in enumerate(ring.blocks):
-            arriving = peers.exchange(kv, traffic, "gathered") if step + 1 < peers.size else None
-            if block.rows.numel():
-                rows = _subset(block, q, step)
-                k_b, v_b = _block_kv(kv, block, k, v, step)
-                part = attention_with_lse(_rows(q, rows), k_b, v_b, block.keys.cu_q,
-                                          block.keys.cu_kv, softmax_scale=softmax_scale,
-                                          backend=backend, causal=step == 0)
-                if step == 0:
-                    out, lse = part
-                else:
-                    merge_lse(out, lse, rows, *part)
-            if arriving is not None:
-                kv = arriving.wait()
+    def forward(ctx, q, k, v, ring, group, softmax_scale, backend, traffic, kept, sink):
+        out, lse = kept if kept is not None else _ring_forward(q, k, v, ring, group,
+                                                               softmax_scale, backend, traffic)
+        if sink is not None:
+            sink.append((out, lse))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (ring, group, softmax_scale, backend, traffic)
-        return out
+        return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -204,7 +205,28 @@ class _RingAttention(torch.autograd.Function):
                 kv = arriving.wait()
         own += incoming.wait()
         return (dq.to(q.dtype), own[:, 0].to(k.dtype), own[:, 1].to(v.dtype), None, None, None,
-                None, None)
+                None, None, None, None)
+
+
+def _ring_forward(q, k, v, ring, group, softmax_scale, backend, traffic):
+    """The ring's forward (module docstring): (out, lse) of this rank's queries."""
+    peers = _Peers(group)
+    kv, out, lse = torch.stack([k, v], dim=1), None, None
+    for step, block in enumerate(ring.blocks):
+        arriving = peers.exchange(kv, traffic, "gathered") if step + 1 < peers.size else None
+        if block.rows.numel():
+            rows = _subset(block, q, step)
+            k_b, v_b = _block_kv(kv, block, k, v, step)
+            part = attention_with_lse(_rows(q, rows), k_b, v_b, block.keys.cu_q,
+                                      block.keys.cu_kv, softmax_scale=softmax_scale,
+                                      backend=backend, causal=step == 0)
+            if step == 0:
+                out, lse = part
+            else:
+                merge_lse(out, lse, rows, *part)
+        if arriving is not None:
+            kv = arriving.wait()
+    return out, lse
 
 
 def _subset(block, q, step):

@@ -62,6 +62,10 @@ def plan_step(sequences: Sequence[TokenSequence], chunkflow: ChunkFlowConfig,
                       for i, m in step.metas.items()}
     if sparse is not None and sparse.enabled:
         step = sparsify(step, sparse.sparse_backward, seed, step_index)
+    if chunkflow.reforward_attention != "recompute":  # runtime/reforward.py
+        step.metas = {i: dataclasses.replace(m, reforward_attention=chunkflow.reforward_attention)
+                      if i in step.plan.recomputed and i not in step.forward_only else m
+                      for i, m in step.metas.items()}
     return step
 
 
@@ -135,7 +139,8 @@ def check_same_plan(step: ChunkedStep, group) -> None:
         return
     text = repr([[(op.kind, op.chunk, op.model_chunk) for op in ops]
                  for ops in step.plan.stages]) + repr(
-        sorted((c, m.cu_seqlens, m.cp_owners, m.seq_id, m.index, m.grad_weight)
+        sorted((c, m.cu_seqlens, m.cp_owners, m.seq_id, m.index, m.grad_weight,
+                m.reforward_attention)
                for c, m in step.metas.items()))
     digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
     from megatron_chunkflow.runtime.p2p import comm_device

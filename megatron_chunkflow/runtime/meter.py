@@ -14,8 +14,9 @@ Megatron's own, through runtime/observe.py's observing_megatron) use it.
 - Total = live saved bytes + store.nbytes() (stored K/V, gradient accumulators) + stage inputs kept
   for re-forwards, sampled at every rise (save, growth, kept input, store change), just before every
   fall (free, shrink) and around every forward and backward. store.nbytes() is read again only after
-  the store may have changed: in kv_with_state (wrapped for the contexts) and after the relay's
-  backward (a hook on its autograd node); a store without kv_with_state is read at every sample.
+  the store may have changed: in kv_with_state (wrapped for the contexts), after the relay's
+  backward (a hook on its autograd node) and when its `version` moved (kept attention,
+  runtime/reforward.py); a store without kv_with_state is read at every sample.
 - Split: activation (saved storages but prefix copies); state (store, prefix copies: storages in
   store.prefix_copies that are still the tensors kv_with_state returned, kept inputs); recompute
   cuts across both: storages first saved (or regrown) inside a backward. Running maxima:
@@ -91,6 +92,7 @@ class ActivationMeter(StepObserver):
         self._forward_bytes = 0
         self._in_backward = False
         self._store_bytes, self._store_dirty = 0, True
+        self._store_version = 0  # store.version when last read: kept attention changes it
         self._store_watched = hasattr(store, "kv_with_state")  # else read at every sample
         self._prefix_made: dict[int, weakref.ref] = {}  # prefix copies kv_with_state returned
         self._patched = 0
@@ -300,8 +302,11 @@ class ActivationMeter(StepObserver):
 
     def _sample(self, fresh: bool = False) -> None:
         """Take the peaks at this moment; the store is read if it may have changed (or `fresh`)."""
-        if self.store is not None and (fresh or self._store_dirty or not self._store_watched):
-            self._store_bytes, self._store_dirty = self.store.nbytes(), False
+        store = self.store
+        if store is not None and (fresh or self._store_dirty or not self._store_watched
+                                  or getattr(store, "version", 0) != self._store_version):
+            self._store_bytes, self._store_dirty = store.nbytes(), False
+            self._store_version = getattr(store, "version", 0)
         act, prefix, recompute, kept = self._bytes
         state = prefix + self._store_bytes + kept
         self.peak_activation = max(self.peak_activation, act)

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 import torch
 
 from megatron_chunkflow.attention import chunk_attention, lse_pair, resolve_backend
+from megatron_chunkflow.runtime import reforward
 from megatron_chunkflow.runtime.cp import cp_attention, gather_chunk_kv
 from megatron_chunkflow.runtime.cp_keys import (
     KeySelection,
@@ -71,6 +72,10 @@ class ChunkCoreAttention(torch.nn.Module):
             cu_q = torch.tensor([0, real, t][: 3 if meta.num_padding else 2], dtype=torch.int32)
             cu_kv = torch.tensor([0, prefix + real, prefix + t][: 3 if meta.num_padding else 2],
                                  dtype=torch.int32)
+            if reforward.phase(self.store, meta) is not None:
+                return reforward.attention(self.store, self.layer_number, meta, query, key, value,
+                                           cu_q, cu_kv, self.softmax_scale,
+                                           self.backend).reshape(t, -1)
         else:
             cu_q = cu_kv = torch.tensor(meta.cu_seqlens, dtype=torch.int32)
         # offsets stay on the host: the kernels read them as lists and copy what they need
@@ -129,8 +134,19 @@ class ChunkCoreAttention(torch.nn.Module):
                                                 meta.cp_size, meta.cp_rank, replicated),
                                   query.device)
             self.store.cp_keys = keys
-        return cp_attention(query, key, value, keys, None if replicated else self.cp_group,
-                            self.softmax_scale, self.backend, self.store.cp_traffic)
+        kept = reforward.phase(self.store, meta)
+        if kept is None:
+            return cp_attention(query, key, value, keys, None if replicated else self.cp_group,
+                                self.softmax_scale, self.backend, self.store.cp_traffic)
+        given = reforward.take(self.store, self.layer_number, query.device) \
+            if kept == "use" else None
+        sink = [] if kept == "keep" else None
+        out = cp_attention(query, key, value, keys, None if replicated else self.cp_group,
+                           self.softmax_scale, self.backend, self.store.cp_traffic,
+                           kept=given, sink=sink)
+        if sink:
+            reforward.keep(self.store, self.layer_number, meta, *sink[0])
+        return out
 
     def _ring(self, meta: ChunkMeta, query) -> bool:
         """The ring attention (--chunkflow-cp-attention ring) where the backend has the

@@ -6,7 +6,9 @@ Each op of core/schedule.py's plan for this stage, in order (Megatron letters: a
   output to the next stage. A chunk re-forwarded later runs F under torch.no_grad: only its K/V
   state is kept (runtime/state.py) and, on stages after the first, its received input, from which
   R re-runs the stage's layers without communicating.
-- R: the re-forward with grad, right before the chunk's B.
+- R: the re-forward with grad, right before the chunk's B. With --chunkflow-reforward-attention
+  keep / offload, F keeps each layer's attention output and R skips the attention
+  (runtime/reforward.py); the store drops what is left after the chunk's B on the stage.
 - B: receive the output gradient from the next stage (stages before the last), Megatron's
   backward_step inside DDP's no_sync for all but the stage's last backward, send the input
   gradient to the previous stage.
@@ -83,8 +85,11 @@ class StageRun:
         keep = not self.forward_only and not (
             op.kind == "F" and (chunk in self.recomputed or dropped))
         input_tensor = self._forward_input(op, k)
+        # the first forward of a chunk re-forwarded later keeps its attention for the re-forward
+        # under --chunkflow-reforward-attention keep / offload (runtime/reforward.py)
+        keeps_attention = op.kind == "F" and not keep and not dropped and not self.forward_only
         output, num_tokens = self._run_forward(i, op, input_tensor, keep, is_last, record=(
-            keep or self.forward_only or dropped))
+            keep or self.forward_only or dropped), keeps_attention=keeps_attention)
         if op.kind == "F" and not is_last:
             with observing(self.observers, "communicate", "send_forward", op):
                 self.link.send_forward(output)
@@ -115,14 +120,15 @@ class StageRun:
                 observer.input_kept(key, tensor)
         return tensor
 
-    def _run_forward(self, i: int, op, input_tensor, keep: bool, is_last: bool, record: bool):
+    def _run_forward(self, i: int, op, input_tensor, keep: bool, is_last: bool, record: bool,
+                     keeps_attention: bool = False):
         from megatron.core.pipeline_parallel.schedules import forward_step
 
         meta = self.step.metas[op.chunk]
         step_func = self.forward_step_func if meta.grad_weight == 1 else \
             _weighted_loss(self.forward_step_func, meta.grad_weight)
         vp_stage = op.model_chunk if len(self.models) > 1 else None
-        self.store.begin(meta, reforward=op.kind == "R")
+        self.store.begin(meta, reforward=op.kind == "R", keep_attention=keeps_attention)
         try:
             with observing(self.observers, "forward", op, keep), \
                     (contextlib.nullcontext() if keep else torch.no_grad()):
@@ -155,6 +161,7 @@ class StageRun:
                                            self.config)
         finally:
             self.store.end()
+        self.store.release_attention(self.step.metas[op.chunk])
         if k > 0:
             with observing(self.observers, "communicate", "send_backward", op):
                 self.link.send_backward(input_grad)

@@ -35,10 +35,20 @@ probability): its loss by the schedule, the gradient relayed into its K/V here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from megatron_chunkflow.runtime.cp import Traffic
+
+
+class Kept(NamedTuple):
+    """One layer's attention of a re-forwarded chunk, kept from its first forward: the output
+    [t, np, hn] and the backend's log-sum-exp, in host memory when `host` (offload)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    host: bool = False
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,7 @@ class ChunkMeta:
     cp_kv: str = "sharded"  # dependent chunks under CP: "replicated" keeps the whole prefix here
     cp_attention: str = "ring"  # under CP: K/V blocks passed around a ring behind the kernel
     cp_owners: tuple[int, ...] = ()  # hybrid CP: per segment, the rank holding it whole or -1
+    reforward_attention: str = "recompute"  # re-forwarded chunks: "keep", "offload" (reforward.py)
 
     @property
     def dependent(self) -> bool:
@@ -92,18 +103,51 @@ class KVStateStore:
         self.prefix_copies: set[int] = set()  # storages of cat(prefix, own) made in this forward
         self.cp_traffic = Traffic()  # context parallelism: bytes this rank's K/V collectives move
         self.cp_keys = None  # runtime/cp.py's key selection of the chunk being run
+        self.keeping = False  # this forward keeps its attention for the re-forward (reforward.py)
+        # (seq, index) -> layer -> Kept: re-forwarded chunks' attention (runtime/reforward.py)
+        self._attention: dict[tuple[int, int], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.version = 0  # bumped when kept attention changes (runtime/meter.py re-reads nbytes)
 
     # ---- chunk context (set by the schedule around each forward) --------------------------------
-    def begin(self, meta: ChunkMeta, reforward: bool = False) -> None:
-        """Enter a chunk's forward; a re-forward reads the state but stores nothing."""
+    def begin(self, meta: ChunkMeta, reforward: bool = False, keep_attention: bool = False) -> None:
+        """Enter a chunk's forward; a re-forward reads the state but stores nothing.
+        `keep_attention`: the first forward of a chunk re-forwarded later, under
+        meta.reforward_attention keep or offload: its attention output is kept for the re-forward
+        (runtime/reforward.py)."""
         assert self.current is None, "nested data chunk forwards"
         self.current = meta
         self.reforward = reforward
+        self.keeping = keep_attention
         self.prefix_copies.clear()
         self.cp_keys = None  # runtime/cp.py's key selection of this chunk, built by its first layer
 
     def end(self) -> None:
         self.current = None
+        self.keeping = False
+
+    # ---- kept attention (runtime/reforward.py) --------------------------------------------------
+    def keep_attention(self, layer: int, kept: Kept) -> None:
+        meta = self.current
+        self._attention.setdefault((meta.seq_id, meta.index), {})[layer] = kept
+        self.version += 1
+
+    def kept_attention(self, layer: int, release: bool) -> Kept:
+        """The current chunk's kept attention of `layer`; `release`: handed over (to the graph of
+        the re-forward whose backward reads it), no longer held here."""
+        meta = self.current
+        layers = self._attention.get((meta.seq_id, meta.index), {})
+        if layer not in layers:
+            raise RuntimeError(f"no kept attention for layer {layer} of chunk {meta.index} of "
+                               f"sequence {meta.seq_id}: its first forward did not keep it")
+        if not release:
+            return layers[layer]
+        self.version += 1
+        return layers.pop(layer)
+
+    def release_attention(self, meta: ChunkMeta) -> None:
+        """After the chunk's backward on this stage: drop what no re-forward took."""
+        if self._attention.pop((meta.seq_id, meta.index), None) is not None:
+            self.version += 1
 
     # ---- the relay ------------------------------------------------------------------------------
     def kv_with_state(self, layer: int, k: torch.Tensor, v: torch.Tensor):
@@ -131,18 +175,30 @@ class KVStateStore:
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     def nbytes(self) -> int:
-        """Bytes held now: stored K/V plus gradient accumulators."""
+        """Bytes held now on the model's device: stored K/V, gradient accumulators and kept
+        attention (not what `offload` keeps in host memory: kept_host_bytes)."""
         tensors = [t for pair in (*self._kv.values(), *self._grad.values()) for t in pair]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in tensors) + self._kept_bytes(host=False)
+
+    def kept_host_bytes(self) -> int:
+        """Bytes of attention kept in host memory (--chunkflow-reforward-attention offload)."""
+        return self._kept_bytes(host=True)
+
+    def _kept_bytes(self, host: bool) -> int:
+        return sum(t.numel() * t.element_size() for layers in self._attention.values()
+                   for kept in layers.values() if kept.host == host for t in kept[:2])
 
     def is_empty(self) -> bool:
-        return not self._kv and not self._grad
+        return not self._kv and not self._grad and not self._attention
 
     def clear(self) -> None:
         """Drop everything (after a forward-only pass, or to recover from an error)."""
         self._kv.clear()
         self._grad.clear()
+        self._attention.clear()
+        self.version += 1
         self.current = None
+        self.keeping = False
 
 
 class _ChunkKV(torch.autograd.Function):

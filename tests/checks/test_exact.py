@@ -41,6 +41,11 @@ SINGLE = {
     # the other families' switches: Qwen3's QK norm and head dim, Llama 3's scaled RoPE
     "qwen3_k2_cpu_flash": ("tiny-qwen3", [MIXED, DEPENDENT], 2, torch.float64, "auto", ()),
     "llama3_k1": ("tiny-llama3", STEPS, 1, torch.float64, "torch", ()),
+    # re-forwards that skip attention (REFORWARD: --chunkflow-reforward-attention)
+    "keep_k1": ("tiny", STEPS, 1, torch.float64, "torch", ()),
+    "offload_k2_cpu_flash": ("tiny", [MIXED, DEPENDENT], 2, torch.float64, "auto", ()),
+    "keep_selective": ("tiny", [MIXED, DEPENDENT], 1, torch.float64, "torch", (), "selective"),
+    "keep_full_recompute": ("tiny", [MIXED, DEPENDENT], 2, torch.float64, "auto", (), "full"),
 }
 # several processes: name -> (world, TP, PP, sequence parallel, K values, steps[, CP, recompute,
 # backend])
@@ -82,8 +87,21 @@ LAYOUTS = {
     "tp2_cp2_sequence_parallel_hybrid": (4, 2, 1, True, (1,), [HYBRID], 2),
     "cp2_pp2_hybrid": (4, 1, 2, False, (1,), [HYBRID], 2),
     "cp2_split": (2, 1, 1, False, (1,), [HYBRID], 2),  # --chunkflow-cp-placement split
+    # re-forwards that skip attention (REFORWARD)
+    "pp2_keep": (2, 1, 2, False, (1, 2), [MIXED, DEPENDENT]),
+    "cp2_keep": (2, 1, 1, False, (1, 2), [MIXED, DEPENDENT], 2),
+    "cp2_pp2_keep": (4, 1, 2, False, (1, 2), [MIXED, DEPENDENT], 2),
+    "tp2_cp2_sequence_parallel_offload": (4, 2, 1, True, (1, 2), [MIXED, DEPENDENT], 2),
+    "cp2_keep_gather": (2, 1, 1, False, (1,), [DEPENDENT], 2),
+    "cp2_keep_replicated": (2, 1, 1, False, (2,), [MIXED, DEPENDENT], 2),
+    "cp2_full_recompute_keep": (2, 1, 1, False, (1,), [DEPENDENT], 2, "full"),
 }
 HYBRID_CHUNK = ("cp2_hybrid", "tp2_cp2_sequence_parallel_hybrid", "cp2_pp2_hybrid", "cp2_split")
+REFORWARD = {"keep_k1": "keep", "offload_k2_cpu_flash": "offload", "keep_selective": "keep",
+             "keep_full_recompute": "keep", "pp2_keep": "keep", "cp2_keep": "keep",
+             "cp2_pp2_keep": "keep", "tp2_cp2_sequence_parallel_offload": "offload",
+             "cp2_keep_gather": "keep", "cp2_keep_replicated": "keep",
+             "cp2_full_recompute_keep": "keep"}
 MODELS = {"qwen3_tp2_cp2_sequence_parallel": "tiny-qwen3", "llama3_cp2_pp2": "tiny-llama3"}
 VIRTUAL = {"pp2_vpp2": 2, "pp2_vpp2_full_recompute": 2, "tp2_pp2_vpp2_sequence_parallel": 2,
            "cp2_pp2_vpp2": 2}  # virtual stages per pipeline rank
@@ -106,7 +124,9 @@ def _run_single():
     for name, (model, steps, k, dtype, backend, masked, *recompute) in SINGLE.items():
         parallel = ParallelConfig(recompute=recompute[0] if recompute else "none")
         out[name] = _summary(run_verify(get_model_shape(model), steps,
-                                        ChunkFlowConfig(C, k, backend), parallel, dtype,
+                                        ChunkFlowConfig(C, k, backend,
+                                                        reforward_attention=REFORWARD.get(
+                                                            name, "recompute")), parallel, dtype,
                                         seed=1, fully_masked=masked))
     shutdown()
     return out
@@ -127,7 +147,8 @@ def _run_layout(name):
     cp_attention = "gather" if name.endswith("_gather") else "ring"
     placement = "split" if name.endswith("_split") else "hybrid"
     config = {k: ChunkFlowConfig(128 if name in HYBRID_CHUNK else C, k, backend, cp_kv=cp_kv,
-                                 cp_attention=cp_attention, cp_placement=placement)
+                                 cp_attention=cp_attention, cp_placement=placement,
+                                 reforward_attention=REFORWARD.get(name, "recompute"))
               for k in ks}
     out = {k: _summary(run_verify(shape, steps, config[k], parallel, seed=2))
            for k in ks}
