@@ -158,7 +158,14 @@ class _Planner:
         order = sorted(groups.values(), key=lambda g: (-sum(chunks[i].num_tokens for i in g),
                                                         chunks[g[0]].parent))
         self.dep_queue = deque(i for g in order for i in g)
-        self.sa_queue = deque(pos_of[c.id] for c in chunks if not c.is_dependent)
+        standalone = [pos_of[c.id] for c in chunks if not c.is_dependent]
+        if p == 1 and v == 1 and len(standalone) > 1:
+            # no pipeline: the last op is the last standalone chunk's B, and DP's gradient
+            # reduce-scatter (launched as its buckets fill) hides behind it: the costliest last
+            last = max(reversed(standalone), key=lambda i: costs("B", chunks[i].id, 0))
+            standalone.remove(last)
+            standalone.append(last)
+        self.sa_queue = deque(standalone)
         self.arrived = [deque() for _ in range(n)]  # stages > 0: forwards received, in order
         self.fwd_rank = [0] * m  # order of F on the first stage (B tie-break)
         self.num_fwd = 0

@@ -9,8 +9,8 @@ reach it, 128K, against each stock baseline (megatron-sft, -packed, -unpacked, -
 
 Per (model, context): `chunkflow simulate --baseline all --auto` (every layout, virtual stages
 per pipeline rank V included, and recompute option searched for each stock baseline, ChunkFlow's
-layout, V, recompute and (chunk size, K) searched too, each stock prediction again at CP overlap 0
-and 1), run in-process through the CLI;
+layout, V, recompute, (chunk size, K) and --chunkflow-reforward-attention searched too, each stock
+prediction again at CP overlap 0 and 1), run in-process through the CLI;
 then, per baseline, the pinned command that reproduces its row, run once more and checked to
 give the same numbers. GPUs per model and the global batch (64 sequences per GPU, at least 2048;
 profile B, seed 0) are fixed below.
@@ -84,6 +84,8 @@ def layout_cell(p: dict, chunkflow: bool = False) -> str:
         cell += f", {p['chunk_size'] // 1024}K, {p['k']}"
         if p.get("cp_kv") == "replicated":
             cell += ", K/V replicated"
+        if p.get("reforward_attention", "recompute") != "recompute":
+            cell += f", attention {p['reforward_attention']}"
     return cell
 
 
@@ -94,7 +96,8 @@ def speedup_cell(x: float | None) -> str:
 def rows_for(model: str, seq: int, gpus: int, gpu: str) -> list[dict]:
     """One row per baseline: the searched predictions and the pinned command, checked."""
     setup = setup_args(model, seq, gpus, gpu)
-    found = simulate([*setup, "--baseline", "all", "--auto"])
+    found = simulate([*setup, "--baseline", "all", "--auto",
+                      "--chunkflow-reforward-attention", "auto"])
     cf = found["chunkflow"]
     rows = []
     for name in NAMES:
@@ -106,6 +109,8 @@ def rows_for(model: str, seq: int, gpus: int, gpu: str) -> list[dict]:
             argv += [MAX_SEQLEN_FLAG, str(mg["max_seqlen_per_dp_cp_rank"])]
         if "cp_kv" in cf:
             argv += ["--chunkflow-cp-kv", cf["cp_kv"]]
+        if cf["reforward_attention"] != "recompute":
+            argv += ["--chunkflow-reforward-attention", cf["reforward_attention"]]
         again = simulate(argv)
         for got, want in ((again["baselines"][name], found["baselines"][name]),
                           (again["chunkflow"], cf)):

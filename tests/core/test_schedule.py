@@ -38,6 +38,22 @@ def test_algorithm_2_pp1():
         ("R", 2), ("B", 2), ("R", 1), ("B", 1), ("R", 0), ("B", 0)])
 
 
+def test_pp1_ends_with_the_costliest_backward():
+    """Without a pipeline the step's last op is a standalone chunk's B, behind which DP's gradient
+    reduce-scatter runs: the one with the costliest backward goes last (the others in order)."""
+    plan, costs = plan_for([50, 3, 9, 10, 2, 8], 10, k=1, p=1)
+    standalone = [c for c in plan.chunks if not c.is_dependent]
+    costliest = max(standalone, key=lambda c: costs("B", c.id, 0))
+    assert costliest is not standalone[-1]
+    ops = plan.stages[0]
+    assert ops[-1] == Op("B", costliest.id) and ops[-2] == Op("F", costliest.id)
+    others = [op.chunk for op in ops if op.kind == "F" and op.chunk != costliest.id
+              and not plan.chunks[op.chunk].is_dependent]
+    assert others == [c.id for c in standalone if c is not costliest]
+    piped, _ = plan_for([50, 3, 9, 10, 2, 8], 10, k=1, p=2)  # a pipeline keeps its order
+    assert piped.stages[-1][-1] != Op("B", costliest.id)
+
+
 def test_k_at_least_n_keeps_everything():
     plan, _ = plan_for([35], 10, k=4, p=1)
     assert [op.kind for op in plan.stages[0]] == ["F"] * 4 + ["B"] * 4
