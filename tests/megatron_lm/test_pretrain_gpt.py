@@ -91,8 +91,9 @@ def _megatron_losses(log: str) -> list[float]:
 
 # TP, PP, CP[, virtual stages per pipeline rank]
 LAYOUTS = {"pp1": (1, 1, 1), "pp2": (1, 2, 1), "tp2": (2, 1, 1), "cp2": (1, 1, 2),
-           "pp2_vpp2": (1, 2, 1, 2), "cp2_replicated": (1, 1, 2)}
-EXTRA = {"cp2_replicated": ["--chunkflow-cp-kv", "replicated"]}  # the same in both commands
+           "pp2_vpp2": (1, 2, 1, 2), "cp2_replicated": (1, 1, 2), "cp2_offload": (1, 1, 2)}
+EXTRA = {"cp2_replicated": ["--chunkflow-cp-kv", "replicated"],  # the same in both commands
+         "cp2_offload": ["--chunkflow-reforward-attention", "offload"]}
 
 
 @needs_megatron_lm
