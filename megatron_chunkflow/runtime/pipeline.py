@@ -161,7 +161,8 @@ class StageRun:
                                            self.config)
         finally:
             self.store.end()
-        self.store.release_attention(self.step.metas[op.chunk])
+        if op.model_chunk == 0:  # the chunk's last backward on this rank (its V model chunks)
+            self.store.release_attention(self.step.metas[op.chunk])
         if k > 0:
             with observing(self.observers, "communicate", "send_backward", op):
                 self.link.send_backward(input_grad)

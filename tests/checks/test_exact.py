@@ -95,16 +95,17 @@ LAYOUTS = {
     "cp2_keep_gather": (2, 1, 1, False, (1,), [DEPENDENT], 2),
     "cp2_keep_replicated": (2, 1, 1, False, (2,), [MIXED, DEPENDENT], 2),
     "cp2_full_recompute_keep": (2, 1, 1, False, (1,), [DEPENDENT], 2, "full"),
+    "pp2_vpp2_keep": (2, 1, 2, False, (1, 2), [MIXED, DEPENDENT]),
 }
 HYBRID_CHUNK = ("cp2_hybrid", "tp2_cp2_sequence_parallel_hybrid", "cp2_pp2_hybrid", "cp2_split")
 REFORWARD = {"keep_k1": "keep", "offload_k2_cpu_flash": "offload", "keep_selective": "keep",
              "keep_full_recompute": "keep", "pp2_keep": "keep", "cp2_keep": "keep",
              "cp2_pp2_keep": "keep", "tp2_cp2_sequence_parallel_offload": "offload",
              "cp2_keep_gather": "keep", "cp2_keep_replicated": "keep",
-             "cp2_full_recompute_keep": "keep"}
+             "cp2_full_recompute_keep": "keep", "pp2_vpp2_keep": "keep"}
 MODELS = {"qwen3_tp2_cp2_sequence_parallel": "tiny-qwen3", "llama3_cp2_pp2": "tiny-llama3"}
 VIRTUAL = {"pp2_vpp2": 2, "pp2_vpp2_full_recompute": 2, "tp2_pp2_vpp2_sequence_parallel": 2,
-           "cp2_pp2_vpp2": 2}  # virtual stages per pipeline rank
+           "cp2_pp2_vpp2": 2, "pp2_vpp2_keep": 2}  # virtual stages per pipeline rank
 BOUND = {torch.float64: 1e-10, torch.float32: 1e-4}
 MEDIUM = ("pp2", "cp2", "pp2_vpp2")  # `make test-medium`'s share of the layouts
 
