@@ -72,7 +72,7 @@ class ChunkFlowConfig:
     """A re-forwarded chunk's attention: recompute (its re-forward runs the whole layer again);
     keep (its first forward keeps each layer's attention output and log-sum-exp on the GPU, and
     the re-forward runs only the rest of the layer, the attention backward starting from them;
-    CP moves no K/V in a re-forward); offload (the same, kept in host memory and copied back).
+    under CP a re-forward moves no K/V but, with replicated state, its own); offload (the same, kept in host memory and copied back).
     keep and offload need a backend with the log-sum-exp pair: auto, torch, cpu_flash, varlen,
     flash."""
 

@@ -71,6 +71,7 @@ def measure_one_sequence(shape, length: int, chunkflow: ChunkFlowConfig, dtype, 
                                         with_grad=False)
                for nbytes in (torch.finfo(dtype).bits // 8, 8 if dtype == torch.float64 else 4))
     formula = (kv_state_formula(length, chunkflow.chunk_size, kv, acc)
-               if chunkflow.num_kept == 1 and cp == 1 else None)
+               if chunkflow.num_kept == 1 and cp == 1 and chunkflow.reforward_attention != "keep"
+               else None)
     return MemoryRow(meter.peak_activation, meter.peak_state, formula, meter.peak_total,
                      store.cp_traffic.gathered, store.cp_traffic.reduce_scattered)

@@ -225,7 +225,7 @@ def _run_memory(s: VerifySettings, as_json: bool) -> int:
                unchunked.activation + unchunked.state, "state_bytes": chunked.state,
                "state_formula_bytes": chunked.state_formula}
         rows.append(row)
-        formula = "n/a (K > 1)" if row["state_formula_bytes"] is None else \
+        formula = "n/a" if row["state_formula_bytes"] is None else \
             f"{row['state_formula_bytes']:,.0f}"
         out.say(f"{n:>8} {row['chunked_bytes']:>14,} {row['unchunked_bytes']:>14,} "
                 f"{row['state_bytes']:>14,} {formula:>14}")

@@ -234,9 +234,11 @@ class Roofline:
         latency = self.pp_link[1]
         if sends == "fixed":
             fixed = self.p2p_bytes_time(p2p_tokens)
-            return StageCosts(fwd, bwd, comm=latency, send={c.id: fixed for c in chunks})
+            return StageCosts(fwd, bwd, comm=latency, send={c.id: fixed for c in chunks},
+                              reforward=refwd)
         return StageCosts(fwd, bwd, comm=2 * latency,
-                          send={c.id: self.p2p_bytes_time(c.computed_tokens) for c in chunks})
+                          send={c.id: self.p2p_bytes_time(c.computed_tokens) for c in chunks},
+                          reforward=refwd)
 
     # ---- step end: data-parallel collectives and optimizer -----------------------------------
     def dp_times(self, stage_params: float) -> tuple[float, float]:

@@ -47,7 +47,7 @@ class Breakdown:
 
     activation: int = 0  # saved storages, prefix copies excluded
     prefix_copies: int = 0  # saved storages registered by the K/V store as cat(prefix, own)
-    kv_store: int = 0  # store.nbytes(): stored K/V and gradient accumulators
+    kv_store: int = 0  # store.nbytes(): stored K/V, gradient accumulators, kept attention
     kept_inputs: int = 0  # stage inputs kept for re-forwards
     recompute: int = 0  # saved storages first saved (or regrown) inside a backward
 

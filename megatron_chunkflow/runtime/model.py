@@ -141,6 +141,8 @@ class ChunkCoreAttention(torch.nn.Module):
         given = reforward.take(self.store, self.layer_number, query.device) \
             if kept == "use" else None
         sink = [] if kept == "keep" else None
+        if sink is not None:
+            reforward.check_pair(self.backend, query)
         out = cp_attention(query, key, value, keys, None if replicated else self.cp_group,
                            self.softmax_scale, self.backend, self.store.cp_traffic,
                            kept=given, sink=sink)

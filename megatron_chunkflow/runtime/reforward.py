@@ -30,7 +30,12 @@ from __future__ import annotations
 
 import torch
 
-from megatron_chunkflow.attention import attention_backward, attention_with_lse
+from megatron_chunkflow.attention import (
+    attention_backward,
+    attention_with_lse,
+    lse_pair,
+    resolve_backend,
+)
 from megatron_chunkflow.runtime.state import ChunkMeta, Kept, KVStateStore
 
 
@@ -53,9 +58,20 @@ def keep(store: KVStateStore, layer: int, meta: ChunkMeta, out: torch.Tensor,
     store.keep_attention(layer, Kept(out, lse, host))
 
 
+def check_pair(backend: str, q: torch.Tensor) -> None:
+    """keep / offload need the backend's backward from the log-sum-exp (attention/lse.py)."""
+    name = resolve_backend(backend, q.device.type, q.dtype)
+    if lse_pair(name) is None:
+        raise ValueError(f"--chunkflow-reforward-attention keep/offload needs an attention "
+                         f"backend with a backward from the log-sum-exp; {name!r} has none for "
+                         f"{q.dtype} on {q.device.type} (attention/lse.py)")
+
+
 def take(store: KVStateStore, layer: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The current chunk's kept (out, lse) of `layer` on `device`; a forward that builds a graph
-    takes them over from the store."""
+    takes them over from the store. (Megatron's checkpoints run their first pass without grad,
+    which only reads, and take them in the backward's recompute; a checkpoint that kept grad on
+    in its first pass would take them too early.)"""
     kept = store.kept_attention(layer, release=torch.is_grad_enabled())
     if not kept.host:
         return kept.out, kept.lse
@@ -73,6 +89,7 @@ def attention(store: KVStateStore, layer: int, meta: ChunkMeta, q, k, v, cu_q, c
     """Without CP: the attention of a chunk whose attention is kept (phase not None), q [t, np,
     hn] over its [prefix ++ own] k, v, bottom-right causal per segment (chunk_attention's)."""
     if phase(store, meta) == "keep":
+        check_pair(backend, q)
         out, lse = attention_with_lse(q, k, v, cu_q, cu_kv, softmax_scale=softmax_scale,
                                       backend=backend)
         keep(store, layer, meta, out, lse)

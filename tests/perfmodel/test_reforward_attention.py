@@ -5,6 +5,7 @@ runtime/reforward.py runs them."""
 import dataclasses
 
 import pytest
+import torch
 
 from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
 from megatron_chunkflow.core.models import ModelShape, get_model_shape
@@ -115,3 +116,10 @@ def test_keep_needs_a_backend_with_the_lse_pair():
                                          "recompute, keep, offload"):
         ChunkFlowConfig(reforward_attention="all")
     ChunkFlowConfig(reforward_attention="offload", attention_backend="auto")
+    # the runtime checks the resolved backend again (auto may resolve to one without the pair)
+    from megatron_chunkflow.runtime.reforward import check_pair
+
+    check_pair("auto", torch.zeros(2, 1, 4))  # cpu_flash
+    with pytest.raises(ValueError, match="--chunkflow-reforward-attention keep/offload needs an "
+                                         "attention backend .*'sdpa' has none"):
+        check_pair("sdpa", torch.zeros(2, 1, 4))

@@ -1,5 +1,6 @@
 """Re-forwards that skip attention (runtime/reforward.py, --chunkflow-reforward-attention): on real
-megatron-core under CP 2 (gloo, float64), what each mode keeps and moves, to the byte.
+megatron-core under CP 2 and without CP (gloo, float64), what each mode keeps and moves, to the
+byte.
 
 Two long sequences at C = 16, K = 1: every chunk is a dependent one, all but each sequence's last
 re-forwarded. Per rank, layer and chunk the ring receives (CP - 1) / CP x (prefix + chunk) tokens
@@ -12,10 +13,10 @@ import torch
 
 pytestmark = pytest.mark.slow
 
-C, LENGTHS, CP = 16, [100, 37], 2
+C, LENGTHS = 16, [100, 37]
 
 
-def _run(modes, backend):
+def _run(modes, backend, cp):
     from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.data.synthetic import make_sequences
@@ -27,7 +28,7 @@ def _run(modes, backend):
     from megatron_chunkflow.runtime.ranks import Ranks
 
     shape = get_model_shape("tiny")
-    parallel = ParallelConfig(cp=CP)
+    parallel = ParallelConfig(cp=cp)
     init_distributed(parallel, 0)
     sequences = make_sequences(LENGTHS, shape.vocab_size, 0)
     out = {}
@@ -59,20 +60,21 @@ def _run(modes, backend):
     return out
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu_flash"])
-def test_bytes_moved_and_kept_equal_the_formula(gloo, backend):
+@pytest.mark.parametrize("backend, cp", [("torch", 2), ("cpu_flash", 2), ("torch", 1)])
+def test_bytes_moved_and_kept_equal_the_formula(gloo, backend, cp):
     from megatron_chunkflow.core.models import get_model_shape
 
     shape = get_model_shape("tiny")
     layers, groups, heads = shape.num_layers, shape.num_query_groups, shape.num_attention_heads
     hn = shape.hidden_size // heads
     kv_token = 2 * groups * hn * 8  # K and V of one token, float64
-    for per_rank in gloo.run(_run, CP, ("recompute", "keep", "offload"), backend, timeout=600):
+    for per_rank in gloo.run(_run, cp, ("recompute", "keep", "offload"), backend, cp,
+                             timeout=600):
         chunks, ops = per_rank["recompute"][3], per_rank["recompute"][6]
         assert all(dependent for *_, dependent in chunks.values())
         reforwarded = {i: c for i, c in chunks.items() if c[1]}
         assert len(reforwarded) == len(chunks) - len(LENGTHS)
-        unit = layers * kv_token * (CP - 1) // CP
+        unit = layers * kv_token * (cp - 1) // cp
         forward = sum(keys for keys, *_ in chunks.values()) * unit
         refwd = sum(keys for keys, *_ in reforwarded.values()) * unit
         # kept from a re-forwarded chunk's F to its R (whose graph then holds it), per layer its
