@@ -16,31 +16,25 @@ from megatron_chunkflow.runtime.ranks import Ranks
 
 def kv_state_formula(length: int, chunk_size: int, kv_bytes_per_token: float,
                      acc_bytes_per_token: float) -> float:
-    """Peak K/V-sized bytes for one sequence with K = 1 (docs/exactness.md, "Memory").
+    """Peak K/V-sized bytes for one sequence (docs/exactness.md, "Memory"), any K.
 
     N = ceil(L / C) chunks, u = K/V bytes per token (2 x kv heads x head dim x layers x dtype),
-    a = the same for the gradient accumulators (fp32, or fp64 in fp64 runs). The peak is the larger
-    of (a) after the last chunk's forward: stored K/V of chunks 0..N-2 plus its prefix copy of all L
-    tokens, ((N-1)C + L) u; (b) after re-forwarding chunk N-2: stored K/V of chunks 0..N-3, its prefix
-    copy ((N-1)C tokens) and accumulators for chunks 0..N-2: ((N-2)C + (N-1)C) u + (N-1)C a.
-    Later steps each drop one chunk from all three terms.
+    a = the same for the gradient accumulators (fp32, or fp64 in fp64 runs). Chunk 0's forward
+    allocates the sequence's K/V buffer of L tokens (runtime/state.py), the first backward the
+    accumulator over the prefix of the last chunk, (N - 1) C tokens; chunk 0's backward drops both:
+    L u + (N - 1) C a.
     """
     n = -(-length // chunk_size)
     if n <= 1:
         return 0.0
-    c = chunk_size
-    after_last_forward = ((n - 1) * c + length) * kv_bytes_per_token
-    prefix_copy = (n - 1) * c if n >= 3 else 0  # chunk 0 attends without a prefix copy
-    after_first_reforward = ((n - 2) * c + prefix_copy) * kv_bytes_per_token \
-        + (n - 1) * c * acc_bytes_per_token
-    return max(after_last_forward, after_first_reforward)
+    return length * kv_bytes_per_token + (n - 1) * chunk_size * acc_bytes_per_token
 
 
 @dataclass
 class MemoryRow:
-    activation: int  # peak bytes saved for backward, K/V-sized prefix copies excluded
-    state: int  # peak K/V state: stored K/V, gradient accumulators, prefix copies
-    state_formula: float | None  # K = 1, CP = 1 only
+    activation: int  # peak bytes saved for backward, views of the K/V buffers excluded
+    state: int  # peak K/V state: K/V buffers, gradient accumulators
+    state_formula: float | None  # CP = 1 only
     total: int = 0  # peak of activation + state together
     cp_gathered: int = 0  # context parallelism: bytes this rank received in K/V all-gathers
     cp_reduce_scattered: int = 0  # and in dK/dV reduce-scatters
@@ -71,7 +65,7 @@ def measure_one_sequence(shape, length: int, chunkflow: ChunkFlowConfig, dtype, 
                                         with_grad=False)
                for nbytes in (torch.finfo(dtype).bits // 8, 8 if dtype == torch.float64 else 4))
     formula = (kv_state_formula(length, chunkflow.chunk_size, kv, acc)
-               if chunkflow.num_kept == 1 and cp == 1 and chunkflow.reforward_attention != "keep"
+               if cp == 1 and chunkflow.reforward_attention != "keep"
                else None)
     return MemoryRow(meter.peak_activation, meter.peak_state, formula, meter.peak_total,
                      store.cp_traffic.gathered, store.cp_traffic.reduce_scattered)

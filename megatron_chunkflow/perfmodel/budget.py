@@ -5,7 +5,7 @@ Inputs are *measured* bytes per token (bench/systems.py probes a micro-batch thr
 under every option of Megatron's recompute menu with runtime/meter.py's exact meter), so the rules
 below hold for whatever the model saves. "Activation memory" is what that meter counts: bytes saved
 for backward from their save until autograd frees them (weights excluded), plus ChunkFlow's K/V
-state (stored K/V, fp32 gradient accumulators, prefix copies, stage inputs kept for re-forwards),
+state (K/V buffers, fp32 gradient accumulators, stage inputs kept for re-forwards),
 per pipeline stage, the worst stage counting.
 
 The modelled peak of a plan under a recompute option, on stage s: the plan replayed with each
@@ -16,11 +16,10 @@ plus for ChunkFlow an upper bound of the state of the longest sequence,
 perfmodel/footprint.py's long_sequence_state_bytes on the measured K/V, accumulator and
 hidden-state bytes per token of the stage:
 
-    L (u + a)  +  u * sum over the last K chunks j of min((j+1) C, L)  +  (n - K) C h
+    L u  +  (n - 1) C a  +  (n - K) C h
 
-(stored K/V and accumulators, the cat(prefix, own) copies of the K chunks holding activations,
-the inputs kept for the n - K re-forwarded chunks on stages > 0; n = ceil(L / C)). For K = 1
-the K/V part is 2 L u + L a, above docs/exactness.md's exact peak.
+(the sequence's K/V buffer, the accumulator of its last chunk's prefix, the inputs kept for the
+n - K re-forwarded chunks on stages > 0; n = ceil(L / C)): docs/exactness.md's exact peak.
 
 The rule, the same for every system: among the configurations whose modelled peak fits in the
 budget, the fastest by the simulator calibrated on this machine (`predict_s`); predictions within

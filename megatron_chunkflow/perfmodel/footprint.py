@@ -49,22 +49,20 @@ logits count instead if larger.
 ChunkFlow adds, per stage, the state of the one long sequence in flight (long_sequence_state_bytes,
 the one formula for it, on per-token bytes: modelled here from shape, layout and dtype, measured
 by `chunkflow bench` in perfmodel/budget.py) and, after the first stage, the stage inputs saved
-for its re-forwards. The cat(prefix, own) K/V copy that each held chunk's attention saves is held
-only by layers whose core attention is not recomputed (core_attn, full or block recompute re-create
-it in the backward, one layer at a time: one layer's copy of the sequence is added for that).
+for its re-forwards. A chunk's attention reads its prefix and its own K/V as one view of the
+sequence's K/V buffer (runtime/state.py), written in place: nothing K/V-sized is copied per chunk,
+with or without recompute.
 
 ChunkFlow under CP (runtime/cp.py) keeps all of that as 1/CP shards on each rank: activations of
-T/CP tokens (the chunks come padded, predict.cp_padded_lengths), the stored K/V, fp32
-accumulators, the cat(prefix, own) copies (its attention saves the local shards) and
-the re-forward inputs, so the per-token bytes of the state are divided by CP. What is whole on
-every rank is its attention's transient, one layer at a time (gather_transient_bytes): the
-gathered K/V of [prefix ++ chunk] (G tokens) and the selection its pieces read (S >= G tokens)
-in the forward; in the backward the selection made again and its gradient (2 S), then the
-gradient scattered back into the gathered shape with its fp32 copy for the reduce-scatter (G x
-(1 + 4 / dtype_bytes) under half precision); the larger counts. Its attention also saves the
-kernel's output (the projection's input: counted once, as proj_input) and log-sum-exp (the lse
-term), for a backward that runs from them (runtime/cp.py), as without CP: the activation terms
-are unchanged.
+T/CP tokens (the chunks come padded, predict.cp_padded_lengths), the K/V buffer, fp32 accumulators
+and the re-forward inputs, so the per-token bytes of the state are divided by CP. What is whole on
+every rank is its attention's transient, one layer at a time (gather_transient_bytes): the gathered
+K/V of [prefix ++ chunk] (G tokens) and the selection its pieces read (S >= G tokens) in the
+forward; in the backward the selection made again and its gradient (2 S), then the gradient
+scattered back into the gathered shape with its fp32 copy for the reduce-scatter (G x (1 + 4 /
+dtype_bytes) under half precision); the larger counts. Its attention also saves the kernel's output
+(the projection's input: counted once, as proj_input) and log-sum-exp (the lse term), for a backward
+that runs from them (runtime/cp.py), as without CP: the activation terms are unchanged.
 
 Every function takes the bytes per element of weights and activations (`dtype_bytes`: 2 for
 bf16, 4 for fp32; a device's Hardware.dtype_bytes); nothing else about the device matters here.
@@ -260,31 +258,26 @@ def kv_state_bytes_per_token(shape: ModelShape, num_layers: int, dtype_bytes: in
 
 
 def long_sequence_state_bytes(longest: int, chunk_size: int, num_kept: int, kv: float, acc: float,
-                              hidden: float, copy_kv: float | None = None,
-                              attention: float = 0.0) -> float:
-    """An upper bound of the state one stage keeps for a long sequence of `longest` tokens cut
-    into C = `chunk_size` token chunks, K = `num_kept` of them holding activations, as the plugin
-    keeps it (docs/exactness.md, "Memory"). Per-token bytes of the stage: `kv` (u) its stored K/V,
-    `acc` (a) their gradient accumulators, `hidden` (h) the stage input kept for each
-    re-forwarded chunk (0 on the first stage, which re-reads its input), `copy_kv` (c, default u)
-    the cat(prefix, own) copies held (less than u when recompute re-creates some layers'),
-    `attention` (o) each re-forwarded chunk's attention output and log-sum-exp kept for its
-    re-forward (--chunkflow-reforward-attention keep; 0 otherwise). With n = ceil(L / C):
+                              hidden: float, attention: float = 0.0) -> float:
+    """The state one stage keeps for a long sequence of `longest` tokens cut into C = `chunk_size`
+    token chunks, K = `num_kept` of them holding activations, at its peak, as the plugin keeps it
+    (runtime/state.py; docs/exactness.md, "Memory"). Per-token bytes of the stage: `kv` (u) its
+    K/V, `acc` (a) their gradient accumulators, `hidden` (h) the stage input kept for each
+    re-forwarded chunk (0 on the first stage, which re-reads its input), `attention` (o) each
+    re-forwarded chunk's attention output and log-sum-exp kept for its re-forward
+    (--chunkflow-reforward-attention keep; 0 otherwise). With n = ceil(L / C):
 
-        L (u + a)  +  c * sum over the last K chunks j of min((j+1) C, L)  +  (n - K) C (h + o)
+        L u  +  (n - 1) C a  +  (n - K) C (h + o)
 
-    the stored K/V and accumulators, the cat(prefix, own) K/V copy the attention of each chunk
-    holding activations saves, the inputs of the n - K re-forwarded (full) chunks. For K = 1 the
-    K/V part is 2 L u + L a, above the exact peak docs/exactness.md derives,
-    max(((n-1) C + L) u, ((n-2) C + (n-1) C) u + (n-1) C a) (its second prefix-copy term is 0
-    when n = 2). Zero for a sequence that is not cut."""
+    the sequence's K/V buffer (allocated by chunk 0's forward), the accumulator over
+    the last chunk's prefix (allocated by the first backward; both held until chunk 0's backward),
+    the inputs of the n - K re-forwarded (full) chunks; K does not change the K/V terms (a held
+    chunk's attention saves a view of the buffer, not a copy). Zero for a sequence not cut."""
     if longest <= chunk_size:
         return 0.0
-    copy_kv = kv if copy_kv is None else copy_kv
     n = math.ceil(longest / chunk_size)
     first_kept = max(0, n - num_kept)
-    copies = sum(min((j + 1) * chunk_size, longest) for j in range(first_kept, n))
-    return (longest * (kv + acc) + copies * copy_kv
+    return (longest * kv + (n - 1) * chunk_size * acc
             + first_kept * chunk_size * (hidden + attention))
 
 
@@ -292,32 +285,24 @@ def sequence_state_bytes(longest: int, chunk_size: int, num_kept: int, shape: Mo
                          layout: ParallelConfig, dtype_bytes: int, num_stages: int,
                          cp_kv: str = "sharded", reforward: str = "recompute") -> list[float]:
     """long_sequence_state_bytes per stage (pipeline rank), on per-token bytes modelled from the
-    shape: K/V in `dtype_bytes`, fp32 accumulators, stage inputs of hidden_size / TP elements,
-    each 1/CP on a rank under CP (but K/V, accumulators and prefix copies whole on every rank
-    with `cp_kv` "replicated"). Layers whose core attention is recomputed hold no prefix copy;
-    the one they re-create in the backward (at most the whole sequence's, one layer at a time)
-    is added. With V virtual stages per rank (layout.vpp) a rank keeps the K/V of all its layers
-    and a stage input per model chunk (but virtual stage 0's), recompute applying per chunk.
+    shape: K/V in `dtype_bytes`, fp32 accumulators, stage inputs of hidden_size / TP elements, each
+    1/CP on a rank under CP (but K/V and accumulators whole on every rank with `cp_kv`
+    "replicated"). With V virtual stages per rank (layout.vpp) a rank keeps the K/V of all its
+    layers and a stage input per model chunk (but virtual stage 0's). Recompute changes none of it.
     `reforward` keep: each re-forwarded chunk's attention output (heads x head dim / TP in the
     compute dtype) and log-sum-exp (fp32 under half precision) per layer and local token."""
     out = []
-    rc, tp, cp, v = layout.recompute, layout.tp, layout.cp, layout.vpp
+    tp, cp, v = layout.tp, layout.cp, layout.vpp
     for s, layers in enumerate(layers_per_stage(shape.num_layers, num_stages)):
         whole = 1 if cp_kv == "replicated" else cp
         u = kv_state_bytes_per_token(shape, layers, dtype_bytes, tp, with_grad=False) / whole
         a = kv_state_bytes_per_token(shape, layers, dtype_bytes, tp) / whole - u
         h = dtype_bytes * shape.hidden_size / tp / cp * (v if s > 0 else v - 1)
-        recomputed = v * rc.layers_recomputed(layers // v)
-        saving = 0 if "core_attn" in rc.modules else layers - recomputed
         heads = shape.num_attention_heads // tp
         o = (layers * heads * (shape.head_dim * dtype_bytes + (4 if dtype_bytes < 4 else
                                                                dtype_bytes)) / cp
              if reforward == "keep" else 0.0)
-        state = long_sequence_state_bytes(longest, chunk_size, num_kept, u, a, h,
-                                          u * saving / layers, o)
-        if saving < layers and longest > chunk_size:
-            state += longest * u / layers
-        out.append(state)
+        out.append(long_sequence_state_bytes(longest, chunk_size, num_kept, u, a, h, o))
     return out
 
 

@@ -15,6 +15,7 @@ the split ones.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -150,6 +151,12 @@ def build_step(plan: PipelinePlan, sequences: Sequence[TokenSequence], chunk_siz
     CP rank's share of it."""
     metas = {c.id: chunk_meta(c, chunk_size, pad_multiple, cp_size, cp_rank, cp_placement)
              for c in plan.chunks}
+    seq_tokens: dict[int, int] = {}  # a long sequence's chunks all run on this DP rank
+    for m in metas.values():
+        if m.dependent:
+            seq_tokens[m.seq_id] = seq_tokens.get(m.seq_id, 0) + m.num_tokens
+    metas = {i: dataclasses.replace(m, seq_tokens=seq_tokens[m.seq_id]) if m.dependent else m
+             for i, m in metas.items()}
     inputs = {c.id: chunk_input(c, sequences, metas[c.id], device) for c in plan.chunks}
     return ChunkedStep(plan, metas, inputs, batch=batch, costs=costs)
 

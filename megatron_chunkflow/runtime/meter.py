@@ -11,18 +11,18 @@ Megatron's own, through runtime/observe.py's observing_megatron) use it.
   the model's parameters and buffers never, a storage its current size: resizes while saved are
   followed (Megatron's CheckpointWithoutOutput, selective layernorm recompute, frees outputs with
   resize_(0) and restores them in the backward), so a 0-byte storage counts nothing.
-- Total = live saved bytes + store.nbytes() (stored K/V, gradient accumulators) + stage inputs kept
+- Total = live saved bytes + store.nbytes() (K/V buffers, gradient accumulators) + stage inputs kept
   for re-forwards, sampled at every rise (save, growth, kept input, store change), just before every
   fall (free, shrink) and around every forward and backward. store.nbytes() is read again only after
   the store may have changed: in kv_with_state (wrapped for the contexts), after the relay's
   backward (a hook on its autograd node) and when its `version` moved (kept attention,
   runtime/reforward.py); a store without kv_with_state is read at every sample.
-- Split: activation (saved storages but prefix copies); state (store, prefix copies: storages in
-  store.prefix_copies that are still the tensors kv_with_state returned, kept inputs); recompute
-  cuts across both: storages first saved (or regrown) inside a backward. Running maxima:
-  peak_total, peak_activation, peak_state, peak_recompute; at_peak: the split when peak_total was
-  reached; max_chunk_activation: the most one forward's own activation storages reached (what one
-  micro-batch's forward saves; with no recompute, its whole footprint).
+- Split: activation (saved storages); state (store, kept inputs). A saved view of the store's K/V
+  buffer (a storage in store.storages: what kv_with_state returns, saved by attention) is state,
+  counted once in store.nbytes(). Recompute: storages first saved (or regrown) inside a backward.
+  Running maxima: peak_total, peak_activation, peak_state, peak_recompute; at_peak: the split when
+  peak_total was reached; max_chunk_activation: the most one forward's own activation storages
+  reached (what one micro-batch's forward saves; with no recompute, its whole footprint).
 
 Only saves the meter's hooks see count: hooks installed inside its contexts (a second meter,
 torch.utils.checkpoint's non-reentrant mode) hide saves from it.
@@ -31,29 +31,27 @@ torch.utils.checkpoint's non-reentrant mode) hide saves from it.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from dataclasses import dataclass
 
 import torch
 
 from megatron_chunkflow.runtime.observe import StepObserver
 
-_PREFIX, _BACKWARD = 1, 2  # a live storage's kind: a registered prefix copy; saved in a backward
+_STATE, _BACKWARD = 1, 2  # a live storage's kind: the store's K/V buffer; saved in a backward
 
 
 @dataclass(frozen=True)
 class Breakdown:
-    """Bytes live at one moment, by kind (recompute is part of activation or prefix_copies)."""
+    """Bytes live at one moment, by kind (recompute is part of activation)."""
 
-    activation: int = 0  # saved storages, prefix copies excluded
-    prefix_copies: int = 0  # saved storages registered by the K/V store as cat(prefix, own)
-    kv_store: int = 0  # store.nbytes(): stored K/V, gradient accumulators, kept attention
+    activation: int = 0  # saved storages but the store's K/V buffers
+    kv_store: int = 0  # store.nbytes(): K/V buffers, gradient accumulators, kept attention
     kept_inputs: int = 0  # stage inputs kept for re-forwards
     recompute: int = 0  # saved storages first saved (or regrown) inside a backward
 
     @property
     def state(self) -> int:
-        return self.prefix_copies + self.kv_store + self.kept_inputs
+        return self.kv_store + self.kept_inputs
 
     @property
     def total(self) -> int:
@@ -80,13 +78,13 @@ def _unpack(packed):
 class ActivationMeter(StepObserver):
     """Peak saved-tensor and state bytes of one stage over a step (see the module docstring).
     `model`: its parameters and buffers are never counted; `store`: runtime/state.py's
-    KVStateStore (or anything with `nbytes()` and `prefix_copies`), or None."""
+    KVStateStore (or anything with `nbytes()` and `storages`), or None."""
 
     def __init__(self, model, store=None):
         self.model, self.store = model, store
         self._excluded = self._weights()
         self._live: dict[int, list] = {}  # storage -> [saved refs, bytes now, kind]
-        self._bytes = [0, 0, 0, 0]  # live: activation, prefix copies, backward-saved; kept inputs
+        self._bytes = [0, 0, 0]  # live: activation, backward-saved; kept inputs
         self._kept: dict[int, int] = {}  # chunk -> bytes of its kept stage input
         self._forward: dict[int, int] | None = None  # the open forward's activation storages
         self._forward_bytes = 0
@@ -94,7 +92,6 @@ class ActivationMeter(StepObserver):
         self._store_bytes, self._store_dirty = 0, True
         self._store_version = 0  # store.version when last read: kept attention changes it
         self._store_watched = hasattr(store, "kv_with_state")  # else read at every sample
-        self._prefix_made: dict[int, weakref.ref] = {}  # prefix copies kv_with_state returned
         self._patched = 0
         self.peak_total = self.peak_activation = self.peak_state = self.peak_recompute = 0
         self.max_chunk_activation = 0
@@ -129,13 +126,13 @@ class ActivationMeter(StepObserver):
             self._in_backward = outer
 
     def input_kept(self, key: tuple[int, int], tensor: torch.Tensor) -> None:
-        self._bytes[3] += tensor.numel() * tensor.element_size() - self._kept.get(key, 0)
+        self._bytes[2] += tensor.numel() * tensor.element_size() - self._kept.get(key, 0)
         self._kept[key] = tensor.numel() * tensor.element_size()
         self._sample(fresh=True)
 
     def input_released(self, key: tuple[int, int]) -> None:
         self._sample(fresh=True)
-        self._bytes[3] -= self._kept.pop(key, 0)
+        self._bytes[2] -= self._kept.pop(key, 0)
 
     def step_ended(self) -> None:
         self._sample(fresh=True)
@@ -143,9 +140,9 @@ class ActivationMeter(StepObserver):
     @property
     def live(self) -> Breakdown:
         """The bytes live now, by kind."""
-        act, prefix, recompute, kept = self._bytes
+        act, recompute, kept = self._bytes
         store = self.store.nbytes() if self.store is not None else 0
-        return Breakdown(act, prefix, store, kept, recompute)
+        return Breakdown(act, store, kept, recompute)
 
     # ---- hooks ----------------------------------------------------------------------------------
     def _weights(self) -> set[int]:
@@ -214,10 +211,6 @@ class ActivationMeter(StepObserver):
         def kv_with_state(*args, **kwargs):
             k, v = inner(*args, **kwargs)
             meter._store_dirty = True
-            for t in (k, v):
-                ptr = t.untyped_storage().data_ptr()
-                if ptr in store.prefix_copies:
-                    meter._prefix_made[ptr] = weakref.ref(t)
             if k.grad_fn is not None:
                 k.grad_fn.register_hook(changed)
             return k, v
@@ -227,7 +220,6 @@ class ActivationMeter(StepObserver):
         try:
             yield
         finally:
-            self._prefix_made.clear()
             if own is None:
                 del store.kv_with_state
             else:
@@ -247,28 +239,18 @@ class ActivationMeter(StepObserver):
         key, nbytes = storage._cdata, storage.nbytes()
         entry = self._live.get(key)
         if entry is None:
-            prefix = nbytes > 0 and self._is_prefix_copy(storage.data_ptr())
-            entry = self._live[key] = [0, nbytes, kind | (_PREFIX if prefix else 0)]
-            self._add(entry[2], nbytes)
+            if self.store is not None and storage.data_ptr() in self.store.storages:
+                entry = self._live[key] = [0, 0, _STATE]  # counted in store.nbytes()
+            else:
+                entry = self._live[key] = [0, nbytes, kind]
+                self._add(kind, nbytes)
         entry[0] += 1
-        if self._forward is not None and not entry[2] & _PREFIX and key not in self._forward:
+        if self._forward is not None and not entry[2] & _STATE and key not in self._forward:
             self._forward[key] = entry[1]
             self._forward_bytes += entry[1]
             self.max_chunk_activation = max(self.max_chunk_activation, self._forward_bytes)
         self._sample()
         return _Saved(tensor.detach(), self, key)
-
-    def _is_prefix_copy(self, ptr: int) -> bool:
-        """Registered in store.prefix_copies and, for a watched store, still the very tensor
-        kv_with_state returned (the set holds addresses: a prefix copy made and freed under
-        no_grad, as in a recompute's first pass, leaves its address to the next allocation)."""
-        if self.store is None or ptr not in self.store.prefix_copies:
-            return False
-        if not self._store_watched:
-            return True
-        made = self._prefix_made.get(ptr)
-        tensor = made() if made is not None else None
-        return tensor is not None and tensor.untyped_storage().data_ptr() == ptr
 
     def _unref(self, key: int) -> None:
         entry = self._live.get(key)
@@ -296,9 +278,11 @@ class ActivationMeter(StepObserver):
         self._sample()
 
     def _add(self, kind: int, nbytes: int) -> None:
-        self._bytes[1 if kind & _PREFIX else 0] += nbytes
+        if kind & _STATE:
+            return
+        self._bytes[0] += nbytes
         if kind & _BACKWARD:
-            self._bytes[2] += nbytes
+            self._bytes[1] += nbytes
 
     def _sample(self, fresh: bool = False) -> None:
         """Take the peaks at this moment; the store is read if it may have changed (or `fresh`)."""
@@ -307,11 +291,11 @@ class ActivationMeter(StepObserver):
                                   or getattr(store, "version", 0) != self._store_version):
             self._store_bytes, self._store_dirty = store.nbytes(), False
             self._store_version = getattr(store, "version", 0)
-        act, prefix, recompute, kept = self._bytes
-        state = prefix + self._store_bytes + kept
+        act, recompute, kept = self._bytes
+        state = self._store_bytes + kept
         self.peak_activation = max(self.peak_activation, act)
         self.peak_state = max(self.peak_state, state)
         self.peak_recompute = max(self.peak_recompute, recompute)
         if act + state > self.peak_total:
             self.peak_total = act + state
-            self.at_peak = Breakdown(act, prefix, self._store_bytes, kept, recompute)
+            self.at_peak = Breakdown(act, self._store_bytes, kept, recompute)

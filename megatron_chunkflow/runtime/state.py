@@ -1,33 +1,45 @@
 """The K/V state of long sequences and the gradient relay between their data chunks.
 
-Shapes (THD, per TP rank): k, v [t, ng, hn]; a dependent chunk's attention reads
-cat(K_0, ..., K_{j-1}, K_j) along t, where K_i are the post-RoPE keys of earlier chunks i < j of the
-same sequence (already rotated, never re-rotated).
+Shapes (THD, per TP rank): k, v [t, ng, hn]; a dependent chunk's attention reads K_0, ..., K_{j-1},
+K_j one after another along t, where K_i are the post-RoPE keys of earlier chunks i < j of the same
+sequence (already rotated, never re-rotated).
 
-The relay (docs/design.md). Chunk j's K/V are stored *detached*: a later chunk's forward reads them
+The buffer. A sequence's K/V of one layer live in one tensor [2, L_t, ...] (K, V; the L tokens of
+its N chunks as they reach this layer: whole, or 1/CP per rank; chunks of C_t = C or C / CP tokens
+but the last), allocated by chunk 0's first forward. Chunk j's first forward writes its own K/V into
+rows [j C_t, j C_t + own) in place and its attention reads the view of rows [0, j C_t + own): no
+concatenation and no copy of the prefix per chunk. Rows are written once and never change while any
+view of them is saved: the writes go through a second tensor over the same storage (its own version
+counter), so a later chunk's write does not invalidate an earlier chunk's saved view of rows before
+it.
+
+The relay (docs/design.md). The stored K/V are *detached*: a later chunk's forward reads them
 without a graph edge back into chunk j. `_ChunkKV` is the autograd Function that glues it together:
-- forward: returns cat(stored prefix, own k/v) and, on the chunk's first forward, stores the own k/v
-  for later chunks (a re-forward stores nothing: later chunks already read the first values);
-- backward: the prefix part of the incoming gradient is added, in fp32, to each earlier chunk's
-  accumulator; the own part gets this chunk's accumulator added (the gradient later chunks sent it).
-Backward runs in descending chunk order, so an accumulator is complete when its chunk's backward
-reads it. There are no extra backward roots: Megatron's backward_step works unchanged.
+- forward: writes the own k/v into the buffer on the chunk's first forward (a re-forward, or a
+  recompute inside the backward, writes nothing: the rows hold the first values) and returns the
+  view of the prefix and its own rows;
+- backward: the prefix part of the incoming gradient is added, in one add, to the sequence's fp32
+  accumulator (one tensor over the prefix of the first chunk back-propagated); the own part gets
+  this chunk's rows of the accumulator added (the gradient later chunks sent it).
+Backward runs in descending chunk order, so a chunk's rows of the accumulator are complete when its
+backward reads them. There are no extra backward roots: Megatron's backward_step works unchanged.
 
-Freeing: chunk j's stored K/V are last read by the final forward of chunk j+1, so chunk j+1's backward
-frees them; each backward frees its own accumulator. After chunk 0's backward nothing of the
-sequence remains.
+Freeing: the buffer and the accumulator stay until the sequence's last reader is done, the backward
+of its lowest back-propagated chunk (chunk 0 without SpaCO), which drops both: the state's peak,
+L_t K/V rows plus (N-1) C_t accumulator rows, is reached at the first backward and held to the
+last (docs/exactness.md, "Memory").
 
-Under context parallelism (runtime/cp.py) k, v and everything stored or accumulated here are this
-CP rank's shard of each chunk; cat(K_0, ..., K_j) is then this rank's shards, which the attention
+Under context parallelism (runtime/cp.py) k, v and everything stored or accumulated here are this CP
+rank's shard of each chunk; the rows K_0, ..., K_j are then this rank's shards, which the attention
 all-gathers, and the gradient it returns is this rank's shard of dK/dV (reduce-scattered). With
 replicated state (ChunkMeta.cp_kv) the chunk's K/V are gathered first, so k, v, the stored K/V and
-the accumulators are whole chunks on every CP rank; an accumulator then holds this rank's queries'
+the accumulator are whole chunks on every CP rank; the accumulator then holds this rank's queries'
 share of the gradient, and the reduce-scatter after the relay sums the shares.
 
 SpaCO (runtime/sparse.py, docs/sparse.md): a chunk in `meta.dropped` runs forward only.
-Nothing accumulates for it (the gradient that would reach its K/V is cut); the backward of chunk j
-frees the stored K/V of j-1 and of every chunk below it down to the next back-propagated one; the
-forward of the last chunk, when it is dropped, frees the K/V that only dropped chunks still read.
+Its rows of the accumulator are never read (the gradient that would reach its K/V is cut); the
+state is dropped by the backward of the lowest back-propagated chunk, or, when no chunk of the
+sequence is back-propagated, by the last chunk's forward.
 A back-propagated chunk's whole backward is scaled by `meta.grad_weight` (1 / its inclusion
 probability): its loss by the schedule, the gradient relayed into its K/V here.
 """
@@ -62,6 +74,8 @@ class ChunkMeta:
     index: int = 0  # dependent chunks: position among the sequence's chunks
     num_siblings: int = 1
     chunk_size: int = 0  # tokens per dependent chunk (all but the last have exactly this many)
+    seq_tokens: int = 0  # dependent chunks: the sequence's tokens over all its chunks (padding
+    #                      included); 0 when unknown: its K/V buffer then holds N whole chunks
     num_padding: int = 0  # trailing padding tokens (a segment of their own; sequence parallelism)
     grad_weight: float = 1.0  # SpaCO: this chunk's backward is scaled by this (1 / inclusion prob.)
     dropped: frozenset[int] = frozenset()  # SpaCO: indices of this sequence's forward-only chunks
@@ -91,16 +105,35 @@ class ChunkMeta:
         return self.index * self.chunk_size if self.dependent else 0
 
 
+class _SequenceKV:
+    """One layer's K/V of one long sequence (the module docstring): `kv` [2, L_t, ...],
+    written through `writer` (the same storage, its own version counter); `acc` the fp32 (fp64 in
+    fp64 runs) gradient accumulator over the prefix of the first chunk back-propagated."""
+
+    __slots__ = ("kv", "writer", "stride", "acc")
+
+    def __init__(self, k: torch.Tensor, meta: ChunkMeta):
+        self.stride = k.size(0)  # C, C / CP (sharded), as chunk 0 reaches this layer
+        rows = (meta.seq_tokens * self.stride // meta.num_tokens if meta.seq_tokens
+                else meta.num_siblings * self.stride)
+        self.kv = k.new_empty((2, rows, *k.shape[1:]))
+        self.writer = k.new_empty(0).set_(self.kv.untyped_storage(), self.kv.storage_offset(),
+                                          self.kv.shape, self.kv.stride())
+        self.acc: torch.Tensor | None = None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.kv, self.acc) if t is not None)
+
+
 class KVStateStore:
-    """Per (layer_number, seq_id, chunk index): detached K/V, and gradient accumulators in fp32
-    (fp64 when training in fp64)."""
+    """Per (layer_number, seq_id): the sequence's K/V buffer, written in place by its chunks, and
+    their gradient accumulator in fp32 (fp64 when training in fp64)."""
 
     def __init__(self):
         self.current: ChunkMeta | None = None
         self.reforward = False
-        self._kv: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._grad: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.prefix_copies: set[int] = set()  # storages of cat(prefix, own) made in this forward
+        self._kv: dict[tuple[int, int], _SequenceKV] = {}
+        self.storages: set[int] = set()  # the K/V buffers' storages (runtime/meter.py: state)
         self.cp_traffic = Traffic()  # context parallelism: bytes this rank's K/V collectives move
         self.cp_keys = None  # runtime/cp.py's key selection of the chunk being run
         self.keeping = False  # this forward keeps its attention for the re-forward (reforward.py)
@@ -118,7 +151,6 @@ class KVStateStore:
         self.current = meta
         self.reforward = reforward
         self.keeping = keep_attention
-        self.prefix_copies.clear()
         self.cp_keys = None  # runtime/cp.py's key selection of this chunk, built by its first layer
 
     def end(self) -> None:
@@ -151,34 +183,38 @@ class KVStateStore:
 
     # ---- the relay ------------------------------------------------------------------------------
     def kv_with_state(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """For the current dependent chunk: (cat(prefix k, k), cat(prefix v, v)), relayed."""
+        """For the current dependent chunk: (K, V) of its prefix and its own tokens, relayed."""
         meta = self.current
         assert meta is not None and meta.dependent
         return _ChunkKV.apply(self, layer, meta, k, v)
 
-    def _prefix(self, layer: int, seq: int, index: int):
-        ks, vs = [], []
-        for j in range(index):
-            k, v = self._kv[(layer, seq, j)]
-            ks.append(k)
-            vs.append(v)
-        return ks, vs
+    def _sequence(self, layer: int, meta: ChunkMeta, k: torch.Tensor) -> _SequenceKV:
+        key = (layer, meta.seq_id)
+        entry = self._kv.get(key)
+        if entry is None:
+            if meta.index or self.reforward:
+                raise RuntimeError(f"no stored K/V for layer {layer} of sequence {meta.seq_id}: "
+                                   f"chunk {meta.index} ran before the sequence's chunk 0")
+            entry = self._kv[key] = _SequenceKV(k, meta)
+            self.storages.add(entry.kv.untyped_storage().data_ptr())
+        lo = meta.index * entry.stride
+        if lo + k.size(0) > entry.kv.size(1) or (meta.index + 1 < meta.num_siblings
+                                                 and k.size(0) != entry.stride):
+            raise RuntimeError(f"chunk {meta.index} of sequence {meta.seq_id} has {k.size(0)} "
+                               f"tokens here, its chunk 0 {entry.stride}: only the last chunk "
+                               "may be shorter")
+        return entry
 
-    def _accumulate(self, key, gk: torch.Tensor, gv: torch.Tensor) -> None:
-        acc = self._grad.get(key)
-        if acc is None:
-            dtype = torch.float64 if gk.dtype == torch.float64 else torch.float32
-            self._grad[key] = (gk.to(dtype, copy=True), gv.to(dtype, copy=True))
-        else:
-            acc[0].add_(gk)
-            acc[1].add_(gv)
+    def _drop(self, key) -> None:
+        entry = self._kv.pop(key, None)
+        if entry is not None:
+            self.storages.discard(entry.kv.untyped_storage().data_ptr())
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     def nbytes(self) -> int:
         """Bytes held now on the model's device: stored K/V, gradient accumulators and kept
         attention (not what `offload` keeps in host memory: kept_host_bytes)."""
-        tensors = [t for pair in (*self._kv.values(), *self._grad.values()) for t in pair]
-        return sum(t.numel() * t.element_size() for t in tensors) + self._kept_bytes(host=False)
+        return sum(e.nbytes() for e in self._kv.values()) + self._kept_bytes(host=False)
 
     def kept_host_bytes(self) -> int:
         """Bytes of attention kept in host memory (--chunkflow-reforward-attention offload)."""
@@ -189,12 +225,12 @@ class KVStateStore:
                    for kept in layers.values() if kept.host == host for t in kept[:2])
 
     def is_empty(self) -> bool:
-        return not self._kv and not self._grad and not self._attention
+        return not self._kv and not self._attention
 
     def clear(self) -> None:
         """Drop everything (after a forward-only pass, or to recover from an error)."""
         self._kv.clear()
-        self._grad.clear()
+        self.storages.clear()
         self._attention.clear()
         self.version += 1
         self.current = None
@@ -202,54 +238,41 @@ class KVStateStore:
 
 
 class _ChunkKV(torch.autograd.Function):
-    """Identity on the chunk's own K/V, concatenated after its sequence's stored prefix."""
+    """Identity on the chunk's own K/V, returned after its sequence's stored prefix (one view of
+    the sequence's buffer)."""
 
     @staticmethod
     def forward(ctx, store, layer, meta, k, v):
-        seq, index, dropped = meta.seq_id, meta.index, meta.dropped
-        key = (layer, seq, index)
-        last = index + 1 == meta.num_siblings
-        if not last and not store.reforward:
-            # contiguous: V is a view of Megatron's fused QKV output, whose whole buffer (query
-            # heads included) a stored view would keep alive
-            store._kv[key] = (k.detach().contiguous(), v.detach().contiguous())
-        ks, vs = store._prefix(layer, seq, index)
-        if last and index in dropped and not store.reforward:
-            # SpaCO: chunks from the last back-propagated one on are read only by forwards (done)
-            first = max((j for j in range(index) if j not in dropped), default=0)
-            for j in range(first, index):
-                store._kv.pop((layer, seq, j), None)
-        ctx.store, ctx.key = store, key
-        ctx.weight, ctx.dropped = meta.grad_weight, dropped
-        ctx.lengths = [t.size(0) for t in ks]
-        if not ks:
-            return k.view_as(k), v.view_as(v)
-        k_all, v_all = torch.cat([*ks, k], dim=0), torch.cat([*vs, v], dim=0)
-        store.prefix_copies.update((k_all.untyped_storage().data_ptr(),
-                                    v_all.untyped_storage().data_ptr()))
-        return k_all, v_all
+        entry = store._sequence(layer, meta, k)
+        lo, index, dropped = meta.index * entry.stride, meta.index, meta.dropped
+        hi = lo + k.size(0)
+        if not store.reforward:
+            entry.writer[0, lo:hi].copy_(k)
+            entry.writer[1, lo:hi].copy_(v)
+        back = [j for j in range(meta.num_siblings) if j not in dropped]
+        if not back and index + 1 == meta.num_siblings and not store.reforward:
+            store._drop((layer, meta.seq_id))  # SpaCO: no chunk of it back-propagated
+        ctx.store, ctx.key, ctx.index, ctx.stride = store, (layer, meta.seq_id), index, entry.stride
+        ctx.weight, ctx.last_reader = meta.grad_weight, bool(back) and index == back[0]
+        return entry.kv[0, :hi], entry.kv[1, :hi]
 
     @staticmethod
     def backward(ctx, gk_all, gv_all):
-        store, (layer, seq, index) = ctx.store, ctx.key
-        offsets = [0]
-        for n in ctx.lengths:
-            offsets.append(offsets[-1] + n)
-        for j in range(index):
-            if j not in ctx.dropped:
-                lo, hi = offsets[j], offsets[j + 1]
-                store._accumulate((layer, seq, j), gk_all[lo:hi], gv_all[lo:hi])
-        p = offsets[-1]
+        store = ctx.store
+        entry = store._kv[ctx.key]
+        p = ctx.index * ctx.stride
+        if p:
+            if entry.acc is None:  # the first chunk back-propagated: its prefix is the largest
+                dtype = torch.float64 if gk_all.dtype == torch.float64 else torch.float32
+                entry.acc = gk_all.new_zeros((2, p, *gk_all.shape[1:]), dtype=dtype)
+            entry.acc[0, :p].add_(gk_all[:p])
+            entry.acc[1, :p].add_(gv_all[:p])
         gk, gv = gk_all[p:], gv_all[p:]
-        relayed = store._grad.pop(ctx.key, None)
-        if relayed is not None:
-            w = ctx.weight
-            gk = gk + (relayed[0].to(gk.dtype) if w == 1 else relayed[0].to(gk.dtype) * w)
-            gv = gv + (relayed[1].to(gv.dtype) if w == 1 else relayed[1].to(gv.dtype) * w)
-        j = index - 1  # the predecessor's K/V were last read by this chunk's final forward,
-        while j >= 0:  # and so were those of chunks below a dropped (forward-only) one
-            store._kv.pop((layer, seq, j), None)
-            if j not in ctx.dropped:
-                break
-            j -= 1
+        if entry.acc is not None and p < entry.acc.size(1):  # what later chunks sent it
+            w, n = ctx.weight, gk.size(0)
+            relayed = entry.acc[:, p:p + n].to(gk.dtype)
+            gk = gk + (relayed[0] if w == 1 else relayed[0] * w)
+            gv = gv + (relayed[1] if w == 1 else relayed[1] * w)
+        if ctx.last_reader:
+            store._drop(ctx.key)
         return None, None, None, gk, gv

@@ -5,8 +5,8 @@
 
 With C x K fixed, the last K chunks of the long sequence hold the same number of tokens and the
 same tokens are re-forwarded (L - C K), so activations and recompute FLOPs stay about equal; what
-changes is the number of chunks (per-op overhead, pipeline fill), the K prefix copies of the held
-chunks and the kernels' efficiency at size C. Same batch and meters as sweep_chunk_size.py.
+changes is the number of chunks (per-op overhead, pipeline fill) and the kernels' efficiency at
+size C (the held chunks' attention reads views of the one K/V buffer, whatever K). Same batch and meters as sweep_chunk_size.py.
 """
 
 from __future__ import annotations

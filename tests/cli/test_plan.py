@@ -99,7 +99,7 @@ def test_lengths_file_and_png(tmp_path, capsys):
 def test_memory_is_the_simulators_model(tmp_path, capsys):
     """The printed peaks are perfmodel/footprint.py's bf16 model. One 100,000-token sequence on
     PP=1: stock Megatron holds it whole; ChunkFlow (K=1) holds one 8K chunk at a time beside the
-    state 2 L u + L a (stored K/V, one prefix copy, fp32 accumulators)."""
+    state L u + (n - 1) C a (the K/V buffer, fp32 accumulators of n - 1 = 12 chunks)."""
     f = tmp_path / "lengths.txt"
     f.write_text("100000\n")
     rc, obj, _ = run_json(capsys, "--lengths-file", str(f), "--chunk-size", "8192",
@@ -111,7 +111,7 @@ def test_memory_is_the_simulators_model(tmp_path, capsys):
     assert rc == 0
     assert obj["baseline"]["peak_memory_gib"] == [round(100_000 * per_token / 2**30, 3)]
     assert obj["stats"]["peak_memory_gib"] == [
-        round((8192 * per_token + 100_000 * (2 * u + a)) / 2**30, 3)]
+        round((8192 * per_token + 100_000 * u + 12 * 8192 * a) / 2**30, 3)]
 
 
 @pytest.mark.parametrize("content,message", [

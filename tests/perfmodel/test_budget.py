@@ -3,6 +3,7 @@ K/V-state bound, the choice of (chunk size, K); and the CPU device's host time p
 
 import pytest
 
+from megatron_chunkflow.checks.memory import kv_state_formula
 from megatron_chunkflow.config import Recompute
 from megatron_chunkflow.core.models import get_model_shape
 from megatron_chunkflow.perfmodel.budget import (
@@ -76,15 +77,14 @@ def test_choose_recompute_takes_the_fastest_option_that_fits():
     assert str(choose(peaks["none"], tie=0.01).recompute) == "none"
 
 
-def test_state_bound_covers_the_exact_k1_peak():
-    """K = 1: the bound is >= docs/exactness.md's exact peak of stored K/V, prefix copies and
-    accumulators; zero for a sequence that is not cut; stage inputs only after the first stage."""
-    u = a = 1024.0
+def test_state_bound_is_the_exact_peak():
+    """The bound is docs/exactness.md's exact peak (checks/memory.py's kv_state_formula, measured
+    in tests/checks/test_memory.py): K/V buffer and accumulators; zero for a sequence that is not
+    cut; stage inputs only after the first stage."""
+    u, a = RATES.kv_per_token[0], RATES.acc_per_token[0]
     for length, c in [(20_000, 1024), (4096, 1024), (3000, 2048)]:
-        n = -(-length // c)
-        exact = max(((n - 1) * c + length) * u,
-                    ((n - 2) * c + ((n - 1) * c if n >= 3 else 0)) * u + (n - 1) * c * a)
-        assert state_bound(length, c, 1, RATES, 0) >= exact
+        for k in (1, 2):
+            assert state_bound(length, c, k, RATES, 0) == kv_state_formula(length, c, u, a)
     assert state_bound(1000, 1024, 1, RATES, 1) == 0.0
     assert state_bound(4096, 1024, 1, RATES, 1) - state_bound(4096, 1024, 1, RATES, 0) == \
         (4096 - 1024) * RATES.hidden_per_token
@@ -93,14 +93,12 @@ def test_state_bound_covers_the_exact_k1_peak():
         3 * 1024 * RATES.hidden_per_token
 
 
-def test_state_bound_counts_one_prefix_copy_per_held_chunk():
-    """Each more chunk holding activations adds its cat(prefix, own) K/V copy, (j + 1) C tokens
-    for chunk j, and one chunk fewer of kept stage inputs."""
-    u, h = RATES.kv_per_token[1], RATES.hidden_per_token
-    n, c, length = 20, 1024, 20_000
-    assert state_bound(length, c, 2, RATES, 1) - state_bound(length, c, 1, RATES, 1) == \
-        (n - 1) * c * u - c * h
-    assert state_bound(length, c, 1, RATES, 0) == length * (2 * u + RATES.acc_per_token[0])
+def test_state_bound_holds_one_chunk_fewer_of_inputs_per_held_chunk():
+    """Each more chunk holding activations keeps one chunk fewer of stage inputs; it copies no K/V
+    (its attention saves a view of the sequence's buffer)."""
+    h = RATES.hidden_per_token
+    c, length = 1024, 20_000
+    assert state_bound(length, c, 2, RATES, 1) - state_bound(length, c, 1, RATES, 1) == -c * h
 
 
 def test_choose_chunking_takes_the_fastest_that_fits():

@@ -213,7 +213,7 @@ def test_chunk_work_gathers_the_prefix():
 
 
 def test_state_per_rank_halves_at_cp2():
-    """A long sequence's stored K/V, fp32 accumulators, prefix copies and re-forward inputs are
+    """A long sequence's K/V buffer, fp32 accumulator and re-forward inputs are
     1/CP per rank; the transient of its attention (the gathered K/V and the selection) is whole."""
     L, C = 120000, 8192
     for pp in (1, 2):

@@ -155,21 +155,20 @@ def test_chunkflow_memory_floor_is_a_lower_bound():
             assert 0.5 * p.peak_mem_bytes < floor <= p.peak_mem_bytes * (1 + 1e-9)
 
 
-def test_sequence_state_bounds_the_measured_peak():
-    """K = 1: 2 L u + L a, above docs/exactness.md's exact peak (measured on CPU there); more K,
-    more prefix copies; stages after the first add the re-forwarded chunks' inputs."""
+def test_sequence_state_is_the_measured_peak():
+    """docs/exactness.md's exact peak (measured on CPU there, tests/checks/test_memory.py), the K/V
+    buffer of L tokens and the accumulator of (n - 1) C: the same for every K; stages after the
+    first add the re-forwarded chunks' inputs, fewer with more K."""
     layout, C = P(tp=4, pp=2), 4096
     u = kv_state_bytes_per_token(Q7B, 14, 2, 4, with_grad=False)
     a = kv_state_bytes_per_token(Q7B, 14, 2, 4) - u
     for n in (2, 3, 10):
         L = n * C - 100
         state = sequence_state_bytes(L, C, 1, Q7B, layout, 2, 2)
-        assert state[0] == pytest.approx(L * (2 * u + a))
-        exact = max(((n - 1) * C + L) * u, ((n - 2) * C + (n - 1) * C) * u + (n - 1) * C * a)
-        assert exact <= state[0]
+        assert state[0] == pytest.approx(L * u + (n - 1) * C * a)
         assert state[1] == pytest.approx(state[0] + (n - 1) * C * 2 * Q7B.hidden_size / 4)
         more = sequence_state_bytes(L, C, 2, Q7B, layout, 2, 2)
-        assert more[0] > state[0] and more[1] - more[0] < state[1] - state[0]
+        assert more[0] == state[0] and more[1] - more[0] < state[1] - state[0]
     assert sequence_state_bytes(C, C, 1, Q7B, layout, 2, 2) == [0.0, 0.0]
 
 

@@ -161,32 +161,33 @@ def test_resized_storages_count_their_size():
 
 class FakeStore:
     def __init__(self):
-        self.prefix_copies, self.bytes = set(), 0
+        self.storages, self.bytes = set(), 0
 
     def nbytes(self):
         return self.bytes
 
 
-def test_state_store_prefix_copies_and_kept_inputs():
+def test_saved_views_of_the_store_buffer_and_kept_inputs_are_state():
+    """A saved view of the store's K/V buffer (a storage in store.storages) is counted once, in
+    the store's bytes, not again as an activation."""
     store = FakeStore()
     meter = ActivationMeter(torch.nn.Module(), store)
     x = torch.randn(4, requires_grad=True)
-    prefix, own = torch.randn(128, dtype=torch.float64), torch.randn(64, dtype=torch.float64)
+    buffer, own = torch.randn(2, 128, dtype=torch.float64), torch.randn(64, dtype=torch.float64)
     meter.input_kept(3, torch.zeros(16, dtype=torch.float64))
     with meter.forward(F, True):
         store.bytes = 10_000  # the store grows inside the forward (no save follows)
-        store.prefix_copies.add(prefix.untyped_storage().data_ptr())
-        y = Save.apply(x, prefix, own)
+        store.storages.add(buffer.untyped_storage().data_ptr())
+        y = Save.apply(x, buffer[0, :64], buffer[1, :64], own)
     live = meter.live
-    assert (live.activation, live.prefix_copies, live.kv_store, live.kept_inputs) == \
-        (512, 1024, 10_000, 128)
-    assert meter.peak_state == live.state == 11_152 and meter.peak_total == 11_664
-    assert meter.max_chunk_activation == 512  # prefix copies are state, not the chunk's
+    assert (live.activation, live.kv_store, live.kept_inputs) == (512, 10_000, 128)
+    assert meter.peak_state == live.state == 10_128 and meter.peak_total == 10_640
+    assert meter.max_chunk_activation == 512  # the buffer is state, not the chunk's
     meter.input_released(3)
     with meter.backward(B):
         y.sum().backward()
     store.bytes = 0
-    assert meter.live.total == 0 and meter.at_peak.total == meter.peak_total == 11_664
+    assert meter.live.total == 0 and meter.at_peak.total == meter.peak_total == 10_640
 
 
 # ---- ChunkFlow's schedule on megatron-core, in the world-of-one job ------------------------------
@@ -248,7 +249,7 @@ class CountsStaleStoreReads(ActivationMeter):
 
 def _chunkflow_with_megatron_recompute() -> list[tuple]:
     """Sequences of up to 11 chunks (C = 64, K = 2), bfloat16, with Megatron's full recompute on
-    top of ChunkFlow (prefix copies made and freed in each recompute's first, no_grad pass):
+    top of ChunkFlow (views of the K/V buffer saved again by each recompute):
     every peak, for the meter and for ReadsStoreAlways, twice each."""
     from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
     from megatron_chunkflow.core.models import get_model_shape
@@ -291,33 +292,34 @@ def chunkflow(gloo):
 
 
 @pytest.mark.slow
-def test_chunkflow_kv_state_is_the_store_plus_prefix_copies(chunkflow):
+def test_chunkflow_kv_state_is_the_store(chunkflow):
     """One sequence of 4 chunks (C = 64, K = 1, float64) through ChunkFlow's schedule: at every op's
-    end the meter's K/V-store part is the store's own bytes; after a graph-keeping forward of chunk
-    j the prefix copies saved are cat(prefix, own) of (j + 1) C tokens (none for chunk 0); the
-    state's peak is the documented formula's."""
+    end the meter's state is the store's own bytes, the K/V buffer of all N C tokens from chunk 0's
+    forward on, plus the accumulator of (N - 1) C tokens from the first backward until chunk 0's
+    drops both; the state's peak is the documented formula's."""
     cf = chunkflow["state"]
     u, c = cf["u"], cf["c"]
     assert [(kind, j) for kind, j, *_ in cf["ends"]] == [
         ("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 3), ("R", 2), ("B", 2), ("R", 1), ("B", 1),
         ("R", 0), ("B", 0)]
+    n = 4
     for kind, j, keeps_graph, live, store_bytes in cf["ends"]:
-        assert live.kv_store == store_bytes
-        if keeps_graph:
-            assert live.prefix_copies == (0 if j == 0 else (j + 1) * c * u), (kind, j, live)
-        else:
-            assert live.prefix_copies == live.activation == 0, (kind, j, live)
+        assert live.kv_store == store_bytes and live.state == store_bytes, (kind, j, live)
+        expected = 0 if (kind, j) == ("B", 0) else \
+            n * c * u + (0 if kind == "F" else (n - 1) * c * u)  # fp64: accumulators as K/V
+        assert store_bytes == expected, (kind, j, store_bytes, expected)
+        if not keeps_graph and kind != "B":
+            assert live.activation == 0, (kind, j, live)
     assert cf["peak_state"] == cf["formula"]
     assert cf["live_after"] == 0
 
 
 @pytest.mark.slow
-def test_store_read_after_changes_only_and_prefix_copies_by_identity(chunkflow):
+def test_store_read_after_changes_only(chunkflow):
     """The meter reads store.nbytes() only after the store may have changed (kv_with_state, the
     relay's backward): at every one of its samples its store bytes are store.nbytes(), and its
-    peaks are those of reading at every sample. Under Megatron's recompute each recompute first
-    makes prefix copies under no_grad and frees them; an activation saved later at the same
-    address is not taken for one: the figures are the same run after run."""
+    peaks are those of reading at every sample, the same run after run (Megatron's recompute
+    saving views of the K/V buffer again in every backward)."""
     runs = chunkflow["recompute"]
     assert all(run == runs[0] for run in runs), runs  # the stale count included: 0
     peak, _, state, recompute, *_, live_after, stale = runs[0]
