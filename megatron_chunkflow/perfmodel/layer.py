@@ -53,12 +53,14 @@ composes into per-op costs (recompute, launch floor), for a micro-batch of T tok
   are gathered (G) and merged; the whole segments' kernel runs before the ring starts, so none
   of it hides the ring's transfers; a chunk with none split runs as without CP (HYBRID_KERNELS:
   the whole segments' own kernel and the join beside a ring).
-- ChunkFlow's own traffic (runtime/state.py, every layer): a dependent chunk's forward and
-  re-forward concatenate its sequence's stored prefix K/V with its own (torch.cat reads both and
-  writes the copy, K and V); its backward adds the prefix part of the K/V gradient into each
-  earlier chunk's fp32 accumulator (read the gradient, read-modify-write fp32: the first touch is
-  a cheaper cast-copy, charged as a read-modify-write too) and, for every chunk but its
-  sequence's last, adds its own accumulator to its own gradient (read fp32, cast, add). Under CP
+- ChunkFlow's own traffic (runtime/state.py, every layer): a dependent chunk's first forward
+  writes its own K and V into its sequence's buffer (read and write; its attention reads the
+  prefix there in place, nothing is concatenated); the re-forward writes nothing but is charged
+  the write too (2 kernels per layer, a bound); its backward adds the prefix part of the K/V
+  gradient into the sequence's fp32 accumulator in one add per K and V (read the gradient,
+  read-modify-write fp32: the first touch is a cheaper zero-fill and add, charged as a
+  read-modify-write too) and, for every chunk but its sequence's last, adds its rows of the
+  accumulator to its own gradient (read fp32, cast, add). Under CP
   all of it is on the rank's 1/CP shards, plus the CP path's copies: forward the stack of the
   local K and V (read and write the local shards) and the K and V selections (read and write S
   rows); backward those again (the gather is redone), the selections' gradients index-added into
@@ -66,8 +68,8 @@ composes into per-op costs (recompute, launch floor), for a micro-batch of T tok
   twice, read S, read-modify-write S), the cast of that to fp32 and of the rank's shard back.
 
 Recomputed pieces (what a recompute option re-runs inside the backward, megatron-core 0.16.1):
-core_attn the attention core forward (its CP ring and ChunkFlow's cat included: the cat is inside
-the core attention); mlp fc1 and fc2 GEMMs, SwiGLU and the MLP's two TP collectives (the whole
+core_attn the attention core forward (its CP ring and ChunkFlow's CP path included; the K/V write
+into the buffer is not redone); mlp fc1 and fc2 GEMMs, SwiGLU and the MLP's two TP collectives (the whole
 MLP under tensor_parallel.checkpoint); layernorm the two RMSNorms and the copy of each output back
 into its released storage (CheckpointWithoutOutput._recompute); full the whole layer forward.
 
@@ -85,8 +87,9 @@ attention.py, mlp.py; TE's LayerNormLinear fuses the norm with the linear):
   TP > 1 adds its collectives: 4 forward, 6 backward (the 4 reversed, and the column-parallel
   linears' input all-gathers again for their weight gradients). CP > 1 runs the attention once
   per ring step, with a send/receive and an output correction per extra step: 3 more kernels per
-  step, forward and backward. ChunkFlow adds 2 forward (the K and V cat) and, backward, 2 per
-  earlier chunk (accumulators) and 4 (own accumulator, cast and add, K and V).
+  step, forward and backward. ChunkFlow adds 2 forward (the K and V writes into the buffer) and,
+  backward, 2 with a prefix (the accumulator adds, K and V) and 3 (its rows of the accumulator
+  cast, added to K's and V's gradients).
   ChunkFlow under CP has no ring steps: forward +4 (stack, all-gather, the K and V selections),
   backward +13 (those 4; for K and for V the selection's gradient zero-filled, index-added and
   copied into the gathered shape; cast to fp32, reduce-scatter, cast back), +11 with replicated
@@ -277,32 +280,39 @@ class LayerModel:
         return (ring_time(elems * self.hw.dtype_bytes, self.layout.cp, self.cp_link),
                 ring_time(elems * self.grad_bytes, self.layout.cp, self.cp_link))
 
+    def kv_write(self, work: Work) -> float:
+        """Seconds of a dependent chunk's first forward writing its own K/V into its sequence's
+        buffer, one layer (read and write; whole chunks with replicated state); 0 for others."""
+        if not (work.prefix or work.relayed):
+            return 0.0
+        own = work.gathered if work.replicated else work.tokens
+        return 2 * own * self.hw.dtype_bytes * 2 * self.kv / self.mem_bw
+
     def state_traffic(self, work: Work) -> tuple[float, float]:
-        """(forward, backward) seconds of ChunkFlow's K/V concatenation and fp32 accumulators for
-        one layer of a dependent chunk, and under CP of its gather path's copies (module
-        docstring); 0 for other chunks without CP."""
+        """(forward, backward) seconds of ChunkFlow's K/V state for one layer of a dependent
+        chunk (the write into the buffer, kv_write; the fp32 accumulator), and under CP of its
+        gather path's copies (module docstring); 0 for other chunks without CP."""
         d, elems = self.hw.dtype_bytes, 2 * self.kv  # K and V per token on this TP rank
-        if work.replicated:  # whole chunks: gathered own, cat, selection; index-add, fp32 relay
+        write = self.kv_write(work)
+        if work.replicated:  # whole chunks: gathered own, selection; index-add, fp32 relay
             cp, own, s = self.layout.cp, work.gathered, work.selected
             whole = work.prefix + own
             cast = (d + self.grad_bytes) * own if self.grad_bytes != d else 0.0
-            fwd = 2 * own / cp * d + (2 * whole * d if work.prefix else 0.0) + 2 * s * d
+            fwd = 2 * own / cp * d + 2 * s * d
             bwd = (2 * s * d + 3 * whole * d + 3 * s * d + cast + work.prefix * (d + 8)
                    + (own * (4 + 4 * d) if work.relayed else 0.0))
-            return fwd * elems / self.mem_bw, bwd * elems / self.mem_bw
+            return fwd * elems / self.mem_bw + write, bwd * elems / self.mem_bw
         if work.gathered:
             cp, g, s = self.layout.cp, work.gathered, work.selected
             local = g / cp  # this rank's shards of [prefix ++ chunk]
             cast = (d + self.grad_bytes) * (g + local) if self.grad_bytes != d else 0.0
             path = 2 * local * d + 2 * s * d  # stack, selection
-            fwd = (2 * local * d if work.prefix else 0.0) + path
             bwd = (path + (3 * g + 3 * s) * d + cast + work.prefix / cp * (d + 8)
                    + (work.tokens * (4 + 4 * d) if work.relayed else 0.0))
-            return fwd * elems / self.mem_bw, bwd * elems / self.mem_bw
-        fwd = 2 * (work.prefix + work.tokens) * elems * d if work.prefix else 0.0
+            return path * elems / self.mem_bw + write, bwd * elems / self.mem_bw
         bwd = work.prefix * elems * (d + 8) + (work.tokens * elems * (4 + 4 * d)
                                                  if work.relayed else 0.0)
-        return fwd / self.mem_bw, bwd / self.mem_bw
+        return write, bwd / self.mem_bw
 
     def parts(self, work: Work) -> Parts:
         """Roofline seconds and kernels of one layer of a chunk doing `work` (no recompute), with
@@ -320,8 +330,8 @@ class LayerModel:
         a_fwd, a_bwd = self.attention(work.tokens, work.pairs, work.gathered, work.replicated,
                                       work.ring, work.whole, work.whole_pairs)
         s_fwd, s_bwd = self.state_traffic(work)
-        cat_kernels = 2 if work.prefix else 0
-        acc_kernels = 2 * work.prior + (4 if work.relayed else 0)
+        write_kernels = 2 if work.prefix or work.relayed else 0  # own K and V into the buffer
+        acc_kernels = (2 if work.prior else 0) + (3 if work.relayed else 0)
         mk = self.module_kernels
         fwd_k, bwd_k, attn_k = self.kernels_fwd, self.kernels_bwd, mk["core_attn"]
         if work.whole and not work.gathered:  # hybrid CP, every segment whole: no CP kernels
@@ -335,13 +345,14 @@ class LayerModel:
             if work.whole:  # hybrid CP: the whole segments' own kernel, the outputs joined
                 fwd_k, bwd_k, attn_k = (fwd_k + HYBRID_KERNELS[0], bwd_k + HYBRID_KERNELS[1],
                                         attn_k + HYBRID_KERNELS[0])
-        modules = {"core_attn": (a_fwd + s_fwd, attn_k + cat_kernels),
+        # a recompute of the core attention runs the CP path again but writes no K/V
+        modules = {"core_attn": (a_fwd + s_fwd - self.kv_write(work), attn_k),
                    "mlp": (d.mlp_fwd, mk["mlp"]), "layernorm": (d.norms_fwd, mk["layernorm"])}
         own_gather = self.gather_times(work.gathered)[0] if work.replicated else 0.0
         heads = self.shape.num_attention_heads // self.layout.tp
         kept = work.tokens * (self.attn_width * self.hw.dtype_bytes + heads * self.grad_bytes)
         return Parts(d.fwd + a_fwd + s_fwd, d.bwd + a_bwd + s_bwd,
-                     fwd_k + cat_kernels, bwd_k + acc_kernels, modules,
+                     fwd_k + write_kernels, bwd_k + acc_kernels, modules,
                      a_fwd - own_gather, attn_k - 1 - (GATHER_KERNELS_FWD if work.replicated
                                                       else 0), kept)
 

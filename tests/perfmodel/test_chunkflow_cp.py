@@ -201,10 +201,10 @@ def test_chunk_work_gathers_the_prefix():
     assert w.prior == last.index and not w.relayed and deps[0].prefix_len == 0
     parts = layer_model(Q7B, layout, H100).parts(w)
     base = layer_model(Q7B, P(), H100)
-    # + the ring's second step and the relay's cat
+    # + the ring's second step, the K/V write into the buffer and the accumulator's two adds
     assert parts.fwd_kernels == base.kernels_fwd + GATHER_KERNELS_FWD + RING_KERNELS_PER_STEP[0] + 2
     assert parts.bwd_kernels == (base.kernels_bwd + GATHER_KERNELS_BWD + RING_KERNELS_PER_STEP[1]
-                                 + 2 * w.prior)
+                                 + 2)
     # the step: every layer's backward gathers again and reduce-scatters: B / F above CP 1's
     model = roofline(Q7B, layout, H100)
     f, b = model.chunk_costs(last, 1, gather=True)

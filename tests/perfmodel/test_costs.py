@@ -127,9 +127,10 @@ def test_cp_overlap_range():
 
 
 def test_chunkflow_state_traffic():
-    """A dependent chunk's forward (and re-forward) reads its prefix and own K/V and writes
-    their concatenation; its backward read-modify-writes the prefix's fp32 accumulators and adds
-    its own; both every layer; a standalone chunk has neither."""
+    """A dependent chunk's forward (the re-forward charged alike) reads its own K/V and writes
+    them into its sequence's buffer, whatever its prefix; its backward read-modify-writes the
+    prefix's fp32 accumulator and adds its own rows; both every layer; a standalone chunk has
+    neither."""
     layout, C = P(tp=4), 4096
     chunks = split_long(0, 5 * C, C, 0)
     lm = layer_model(Q7B, layout, H100)
@@ -139,13 +140,13 @@ def test_chunkflow_state_traffic():
         w = chunk_work(c, 128)
         fwd, bwd = lm.state_traffic(w)
         prefix = c.index * C
-        assert fwd == pytest.approx((2 * (prefix + C) * kv * 2 if prefix else 0) / mem_bw)
+        assert fwd == pytest.approx(2 * C * kv * 2 / mem_bw) == lm.kv_write(w)
         own = C * kv * 12 if c.index < 4 else 0  # the last chunk has no relayed accumulator
         assert bwd == pytest.approx((prefix * kv * 10 + own) / mem_bw)
     alone = chunk_work(DataChunk(9, "standalone", (Segment(1, 0, C),)), 128)
     assert lm.state_traffic(alone) == (0.0, 0.0)
     # the charge shows in the op costs: the last chunk's forward exceeds a standalone chunk's
-    # of the same length by its attention over the prefix and the cat traffic
+    # of the same length by its attention over the prefix and the write
     model = roofline(Q7B, layout, H100)
     assert model.chunk_costs(chunks[-1], 1)[0][0] > model.chunk_costs(
         DataChunk(9, "standalone", (Segment(1, 0, C),)), 1)[0][0]
