@@ -50,8 +50,8 @@ ChunkFlow adds, per stage, the state of the one long sequence in flight (long_se
 the one formula for it, on per-token bytes: modelled here from shape, layout and dtype, measured
 by `chunkflow bench` in perfmodel/budget.py) and, after the first stage, the stage inputs saved
 for its re-forwards. A chunk's attention reads its prefix and its own K/V as one view of the
-sequence's K/V buffer (runtime/state.py), written in place: nothing K/V-sized is copied per chunk,
-with or without recompute.
+sequence's K/V buffer (runtime/state.py), written in place: the relay copies nothing K/V-sized
+per chunk, with or without recompute (under CP the attention's own transient copies are below).
 
 ChunkFlow under CP (runtime/cp.py) keeps all of that as 1/CP shards on each rank: activations of
 T/CP tokens (the chunks come padded, predict.cp_padded_lengths), the K/V buffer, fp32 accumulators

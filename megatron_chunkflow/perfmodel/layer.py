@@ -69,9 +69,9 @@ composes into per-op costs (recompute, launch floor), for a micro-batch of T tok
 
 Recomputed pieces (what a recompute option re-runs inside the backward, megatron-core 0.16.1):
 core_attn the attention core forward (its CP ring and ChunkFlow's CP path included; the K/V write
-into the buffer is not redone); mlp fc1 and fc2 GEMMs, SwiGLU and the MLP's two TP collectives (the whole
-MLP under tensor_parallel.checkpoint); layernorm the two RMSNorms and the copy of each output back
-into its released storage (CheckpointWithoutOutput._recompute); full the whole layer forward.
+into the buffer is not redone); mlp fc1 and fc2 GEMMs, SwiGLU and the MLP's two TP collectives (the
+whole MLP under tensor_parallel.checkpoint); layernorm the two RMSNorms and the copy of each output
+back into its released storage (CheckpointWithoutOutput._recompute); full the whole layer forward.
 
 Kernels per layer (KERNELS_*), counted from Megatron-LM's GPU layer as its run files use it
 (Transformer Engine spec, bf16, fusions on), module by module (transformer_layer.py,

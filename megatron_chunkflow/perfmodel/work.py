@@ -26,8 +26,8 @@ class Work(NamedTuple):
 
     tokens: int  # computed tokens (padding included) on this GPU
     pairs: float  # computed attention pairs on this GPU
-    prefix: int = 0  # ChunkFlow: K/V tokens of the earlier chunks it concatenates
-    prior: int = 0  # ChunkFlow: earlier chunks whose fp32 accumulators its backward updates
+    prefix: int = 0  # ChunkFlow: K/V tokens of the earlier chunks it attends to (read in place)
+    prior: int = 0  # ChunkFlow: earlier chunks whose rows of the fp32 accumulator it updates
     relayed: bool = False  # ChunkFlow: its own accumulator is added to its gradient
     gathered: int = 0  # ChunkFlow under CP: K/V tokens all-gathered per layer (prefix + chunk)
     selected: int = 0  # ChunkFlow under CP: K/V rows this rank's pieces read (the selection)

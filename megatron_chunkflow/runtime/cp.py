@@ -48,17 +48,17 @@ selection. Activations and state per rank are ~1/CP of CP = 1's; the price is th
 in the backward (and, without the pair, one more attention forward per layer).
 
 Replicated state (`--chunkflow-cp-kv replicated`, ChunkMeta.cp_kv). A dependent chunk's own K/V
-shards are all-gathered first (`gather_chunk_kv`, in every layer), and the relay then works on
-whole chunks: every CP rank stores every earlier chunk's whole K/V, CP times the sharded state, and
-concatenates [prefix ++ chunk] locally; the attention selects from it without a collective
-(key_selection(..., replicated=True): rows chunk after chunk, each rank after rank). In the
-backward the attention runs on the saved [prefix ++ chunk] (no gather), the relay accumulates each
-earlier chunk's gradient from this rank's queries in a whole-chunk accumulator, and the gather's
-backward reduce-scatters the chunk's own K/V gradient (this rank's queries' share plus what its
-accumulator relayed), so the sum over ranks arrives on the rank holding each shard. Per rank,
-layer and chunk it receives (CP - 1)/CP x chunk tokens of K and V per forward and the same of
-dK/dV: the prefix is never sent again. What is saved for the backward is the [prefix ++ chunk]
-K/V, as without CP (the sharded path saves 1/CP of it). Standalone chunks run as above in both.
+shards are all-gathered first (`gather_chunk_kv`, in every layer), and the relay then works on whole
+chunks: every CP rank holds the sequence's whole K/V buffer, CP times the sharded state, and reads
+[prefix ++ chunk] from it; the attention selects from it without a collective (key_selection(...,
+replicated=True): rows chunk after chunk, each rank after rank). In the backward the attention runs
+on the saved [prefix ++ chunk] (no gather), the relay accumulates each earlier chunk's gradient from
+this rank's queries in the whole-chunk rows of its accumulator, and the gather's backward
+reduce-scatters the chunk's own K/V gradient (this rank's queries' share plus what its accumulator
+relayed), so the sum over ranks arrives on the rank holding each shard. Per rank, layer and chunk it
+receives (CP - 1)/CP x chunk tokens of K and V per forward and the same of dK/dV: the prefix is
+never sent again. What is saved for the backward is the [prefix ++ chunk] K/V, as without CP (the
+sharded path saves 1/CP of it). Standalone chunks run as above in both.
 
 Shapes: THD per TP rank, q [t, np, hn], k/v [t, ng, hn], t = this CP rank's tokens.
 """

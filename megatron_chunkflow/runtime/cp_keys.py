@@ -99,9 +99,9 @@ def key_selection(cu_seqlens: tuple[int, ...], prefix_chunks: int, chunk_size: i
     the host (runtime/model.py keeps the device copy for one forward).
 
     Rows of the K/V it indexes: sharded state (the default), rank after rank, each rank's shards of
-    the prefix chunks and then of this chunk (what runtime/state.py's relay concatenates, then
+    the prefix chunks and then of this chunk (the rows runtime/state.py's buffer holds, then
     gathered); `replicated` state, chunk after chunk, each chunk's shards rank after rank (each
-    chunk's K/V gathered once, then concatenated by the relay)."""
+    chunk's K/V gathered once, then written into the buffer by the relay)."""
     prefix = prefix_chunks * chunk_size
     row = _gathered_rows(cu_seqlens, prefix_chunks, chunk_size, cp, replicated)
     rows, cu_q, cu_kv = [], [0], [0]

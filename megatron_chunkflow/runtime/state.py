@@ -18,16 +18,17 @@ without a graph edge back into chunk j. `_ChunkKV` is the autograd Function that
 - forward: writes the own k/v into the buffer on the chunk's first forward (a re-forward, or a
   recompute inside the backward, writes nothing: the rows hold the first values) and returns the
   view of the prefix and its own rows;
-- backward: the prefix part of the incoming gradient is added, in one add, to the sequence's fp32
-  accumulator (one tensor over the prefix of the first chunk back-propagated); the own part gets
+- backward: the prefix part of the incoming gradient is added, in one add per K and V, to the
+  sequence's fp32 accumulator (one tensor over the prefix of the first chunk back-propagated,
+  h C_t rows for the highest such chunk h: N - 1 without SpaCO); the own part gets
   this chunk's rows of the accumulator added (the gradient later chunks sent it).
 Backward runs in descending chunk order, so a chunk's rows of the accumulator are complete when its
 backward reads them. There are no extra backward roots: Megatron's backward_step works unchanged.
 
 Freeing: the buffer and the accumulator stay until the sequence's last reader is done, the backward
-of its lowest back-propagated chunk (chunk 0 without SpaCO), which drops both: the state's peak,
-L_t K/V rows plus (N-1) C_t accumulator rows, is reached at the first backward and held to the
-last (docs/exactness.md, "Memory").
+of its lowest back-propagated chunk (chunk 0 without SpaCO), which drops both: the state's peak, L_t
+K/V rows plus (N-1) C_t accumulator rows (without SpaCO), is reached at the first backward and held
+to the last (docs/exactness.md, "Memory").
 
 Under context parallelism (runtime/cp.py) k, v and everything stored or accumulated here are this CP
 rank's shard of each chunk; the rows K_0, ..., K_j are then this rank's shards, which the attention
@@ -110,7 +111,7 @@ class _SequenceKV:
     written through `writer` (the same storage, its own version counter); `acc` the fp32 (fp64 in
     fp64 runs) gradient accumulator over the prefix of the first chunk back-propagated."""
 
-    __slots__ = ("kv", "writer", "stride", "acc")
+    __slots__ = ("kv", "writer", "stride", "acc", "written")
 
     def __init__(self, k: torch.Tensor, meta: ChunkMeta):
         self.stride = k.size(0)  # C, C / CP (sharded), as chunk 0 reaches this layer
@@ -120,6 +121,7 @@ class _SequenceKV:
         self.writer = k.new_empty(0).set_(self.kv.untyped_storage(), self.kv.storage_offset(),
                                           self.kv.shape, self.kv.stride())
         self.acc: torch.Tensor | None = None
+        self.written = 0  # rows written: chunks write theirs once, in order
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.kv, self.acc) if t is not None)
@@ -203,6 +205,11 @@ class KVStateStore:
             raise RuntimeError(f"chunk {meta.index} of sequence {meta.seq_id} has {k.size(0)} "
                                f"tokens here, its chunk 0 {entry.stride}: only the last chunk "
                                "may be shorter")
+        # rows under a saved view must never change (the writes bypass autograd's version check)
+        if not self.reforward and lo != entry.written:
+            raise RuntimeError(f"chunk {meta.index} of sequence {meta.seq_id} ran its first "
+                               f"forward out of order in layer {layer} (rows [{lo}, ...) with "
+                               f"{entry.written} written): the K/V state was not cleared")
         return entry
 
     def _drop(self, key) -> None:
@@ -249,6 +256,7 @@ class _ChunkKV(torch.autograd.Function):
         if not store.reforward:
             entry.writer[0, lo:hi].copy_(k)
             entry.writer[1, lo:hi].copy_(v)
+            entry.written = hi
         back = [j for j in range(meta.num_siblings) if j not in dropped]
         if not back and index + 1 == meta.num_siblings and not store.reforward:
             store._drop((layer, meta.seq_id))  # SpaCO: no chunk of it back-propagated

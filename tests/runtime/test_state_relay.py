@@ -93,6 +93,21 @@ def test_chunks_read_views_of_one_buffer_written_in_place():
     assert store.is_empty()
 
 
+def test_a_first_forward_twice_is_refused():
+    """Rows under saved views must never be written again: a sequence whose state was not
+    cleared cannot run its chunks' first forwards again."""
+    store = KVStateStore()
+    for j in (0, 1, 1):
+        store.begin(meta(j))
+        if j == 1 and store._kv[(1, 7)].written == 2 * C:
+            with pytest.raises(RuntimeError, match="chunk 1 of sequence 7 ran its first forward "
+                                                   "out of order in layer 1"):
+                store.kv_with_state(1, torch.zeros(C, H), torch.zeros(C, H))
+        else:
+            store.kv_with_state(1, torch.zeros(C, H), torch.zeros(C, H))
+        store.end()
+
+
 def test_a_chunk_longer_than_chunk_0_is_refused():
     store = KVStateStore()
     for j, t in enumerate((C, C + 1)):
