@@ -95,6 +95,34 @@ class StageTimeline(StepObserver):
         self.ops.append((op.kind, op.chunk, start - self._t0, _now() - self._t0))
 
 
+class StatePeaks(StepObserver):
+    """The K/V store's largest bytes, read after every forward and backward: `device`
+    (store.nbytes(): K/V buffers, accumulators, attention kept on the GPU) and `host` (attention
+    offloaded to host memory); `reset()` between steps. A coarser, cheaper reading than
+    runtime/meter.py's, for benchmarks comparing state across configurations."""
+
+    def __init__(self, store):
+        self.store = store
+        self.device = self.host = 0
+
+    def reset(self) -> None:
+        self.device = self.host = 0
+
+    def _read(self) -> None:
+        self.device = max(self.device, self.store.nbytes())
+        self.host = max(self.host, self.store.kept_host_bytes())
+
+    @contextlib.contextmanager
+    def forward(self, op: Op, keeps_graph: bool):
+        yield
+        self._read()
+
+    @contextlib.contextmanager
+    def backward(self, op: Op):
+        yield
+        self._read()
+
+
 def _now() -> float:
     """Wall time after the GPU's queued work (kernels run asynchronously to the host)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():

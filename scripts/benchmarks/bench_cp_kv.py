@@ -60,6 +60,7 @@ def _job(lengths, chunk_size: int, steps: int, model: str, threads: int) -> list
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
     from megatron_chunkflow.mcore.settings import OptimizerConfig, TrainSettings
     from megatron_chunkflow.mcore.step import build_training, training_step
+    from megatron_chunkflow.runtime.observe import StatePeaks
 
     torch.set_num_threads(threads)
     shape = get_model_shape(model)
@@ -77,18 +78,18 @@ def _job(lengths, chunk_size: int, steps: int, model: str, threads: int) -> list
                           optimizer=OptimizerConfig(lr=1e-4, min_lr=1e-5, lr_warmup_iters=0),
                           dtype="float32", seed=3)
         tr = build_training(s)
-        runs.append((name, config, s, tr, state_peak(tr.chunkflow_model.store), []))
+        runs.append((name, config, s, tr, StatePeaks(tr.chunkflow_model.store), []))
     for it in range(steps + 1):  # the systems take turns, step by step: the same load for each
         for name, config, s, tr, peak, rows in runs:
             store = tr.chunkflow_model.store
             before = (store.cp_traffic.gathered, store.cp_traffic.reduce_scattered)
-            peak.bytes = 0
+            peak.reset()
             start = time.perf_counter()
             outcome = training_step(s, tr, sequences, it, observers=[peak])
             seconds = time.perf_counter() - start
             if it:
                 rows.append((seconds, store.cp_traffic.gathered - before[0],
-                             store.cp_traffic.reduce_scattered - before[1], peak.bytes,
+                             store.cp_traffic.reduce_scattered - before[1], peak.device,
                              outcome.num_chunks))
     out = []
     for name, config, s, tr, peak, rows in runs:
@@ -100,32 +101,6 @@ def _job(lengths, chunk_size: int, steps: int, model: str, threads: int) -> list
                     "chunks": rows[-1][4]})
     shutdown()
     return out
-
-
-def state_peak(store):
-    """A step observer (runtime/observe.py) keeping the long sequence's K/V state at its largest,
-    read after every forward and backward: `.bytes`."""
-    import contextlib
-
-    from megatron_chunkflow.runtime.observe import StepObserver
-
-    class StatePeak(StepObserver):
-        bytes = 0
-
-        def _read(self):
-            self.bytes = max(self.bytes, store.nbytes())
-
-        @contextlib.contextmanager
-        def forward(self, op, keeps_graph):
-            yield
-            self._read()
-
-        @contextlib.contextmanager
-        def backward(self, op):
-            yield
-            self._read()
-
-    return StatePeak()
 
 
 def main(argv=None) -> int:

@@ -24,7 +24,6 @@ load average the run saw.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -48,6 +47,7 @@ def _job(lengths, chunk_size: int, steps: int, model: str, threads: int) -> list
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
     from megatron_chunkflow.mcore.settings import OptimizerConfig, TrainSettings
     from megatron_chunkflow.mcore.step import build_training, training_step
+    from megatron_chunkflow.runtime.observe import StatePeaks
 
     torch.set_num_threads(threads)
     shape = get_model_shape(model)
@@ -63,12 +63,12 @@ def _job(lengths, chunk_size: int, steps: int, model: str, threads: int) -> list
                           optimizer=OptimizerConfig(lr=1e-4, min_lr=1e-5, lr_warmup_iters=0),
                           dtype="float32", seed=3)
         tr = build_training(s)
-        runs.append((mode, s, tr, _Peaks(tr.chunkflow_model.store), []))
+        runs.append((mode, s, tr, StatePeaks(tr.chunkflow_model.store), []))
     for it in range(steps + 1):  # the systems take turns, step by step: the same load for each
         for mode, s, tr, peaks, rows in runs:
             store = tr.chunkflow_model.store
             before = (store.cp_traffic.gathered, store.cp_traffic.reduce_scattered)
-            peaks.device = peaks.host = 0
+            peaks.reset()
             start = time.perf_counter()
             outcome = training_step(s, tr, sequences, it, observers=[peaks])
             seconds = time.perf_counter() - start
@@ -85,31 +85,6 @@ def _job(lengths, chunk_size: int, steps: int, model: str, threads: int) -> list
                     "host_peak_bytes": rows[-1][4], "grad_norms": [r[5] for r in rows]})
     shutdown()
     return out
-
-
-def _Peaks(store):
-    """A step observer keeping the store's device bytes and its host-kept attention at their
-    largest, read after every forward and backward."""
-    from megatron_chunkflow.runtime.observe import StepObserver
-
-    class Peaks(StepObserver):
-        device = host = 0
-
-        def _read(self):
-            self.device = max(self.device, store.nbytes())
-            self.host = max(self.host, store.kept_host_bytes())
-
-        @contextlib.contextmanager
-        def forward(self, op, keeps_graph):
-            yield
-            self._read()
-
-        @contextlib.contextmanager
-        def backward(self, op):
-            yield
-            self._read()
-
-    return Peaks()
 
 
 def main(argv=None) -> int:

@@ -18,7 +18,7 @@ import torch
 
 from megatron_chunkflow.core.types import Op
 from megatron_chunkflow.runtime.meter import ActivationMeter
-from megatron_chunkflow.runtime.observe import StepObserver
+from megatron_chunkflow.runtime.observe import StatePeaks, StepObserver
 
 F, B = Op("F", 0), Op("B", 0)
 
@@ -165,6 +165,30 @@ class FakeStore:
 
     def nbytes(self):
         return self.bytes
+
+
+def test_state_peaks_read_after_every_forward_and_backward():
+    """StatePeaks (the benchmarks' coarse reading): the largest device and host bytes of the
+    store seen at the end of a forward or backward; reset() starts over."""
+
+    class Store:
+        device, host = 0, 0
+
+        def nbytes(self):
+            return self.device
+
+        def kept_host_bytes(self):
+            return self.host
+
+    store = Store()
+    peaks = StatePeaks(store)
+    for device, host, hook in ((100, 0, "F"), (300, 50, "F"), (200, 80, "B"), (0, 0, "B")):
+        context = peaks.forward(F, True) if hook == "F" else peaks.backward(B)
+        with context:
+            store.device, store.host = device, host
+    assert (peaks.device, peaks.host) == (300, 80)
+    peaks.reset()
+    assert (peaks.device, peaks.host) == (0, 0)
 
 
 def test_saved_views_of_the_store_buffer_and_kept_inputs_are_state():
