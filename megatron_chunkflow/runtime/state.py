@@ -257,11 +257,12 @@ class _ChunkKV(torch.autograd.Function):
             entry.writer[0, lo:hi].copy_(k)
             entry.writer[1, lo:hi].copy_(v)
             entry.written = hi
-        back = [j for j in range(meta.num_siblings) if j not in dropped]
-        if not back and index + 1 == meta.num_siblings and not store.reforward:
+        # the lowest back-propagated chunk: the sequence's last reader (O(1) without SpaCO)
+        lowest = next((j for j in range(meta.num_siblings) if j not in dropped), None)
+        if lowest is None and index + 1 == meta.num_siblings and not store.reforward:
             store._drop((layer, meta.seq_id))  # SpaCO: no chunk of it back-propagated
         ctx.store, ctx.key, ctx.index, ctx.stride = store, (layer, meta.seq_id), index, entry.stride
-        ctx.weight, ctx.last_reader = meta.grad_weight, bool(back) and index == back[0]
+        ctx.weight, ctx.last_reader = meta.grad_weight, index == lowest
         return entry.kv[0, :hi], entry.kv[1, :hi]
 
     @staticmethod
