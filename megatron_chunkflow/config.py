@@ -76,9 +76,19 @@ class ChunkFlowConfig:
     keep and offload need a backend with the log-sum-exp pair: auto, torch, cpu_flash, varlen,
     flash."""
 
+    loss_piece: int = field(default=0, metadata={"flag": "--chunkflow-loss-piece"})
+    """Tokens per piece of the output layer and cross entropy (0: whole micro-batch, as stock
+    Megatron computes it). With N > 0 a chunk's logits are made N tokens at a time and again in
+    the backward, so the loss holds one piece's logits instead of the chunk's (16K tokens on a
+    152K vocabulary: 14 GiB whole), for one more logits GEMM; exact. Applies to the stock
+    baselines' micro-batches too (runtime/pieced_loss.py)."""
+
     def __post_init__(self):
         if self.chunk_size < 1:
             raise ValueError(f"--chunk-size must be >= 1, got {self.chunk_size}")
+        if self.loss_piece < 0:
+            raise ValueError(f"--chunkflow-loss-piece must be >= 0 (0: the whole micro-batch), "
+                             f"got {self.loss_piece}")
         if self.num_kept < 1:
             raise ValueError(f"--chunkflow-k must be >= 1, got {self.num_kept}")
         for flag, value, kind in (("--chunkflow-cp-kv", self.cp_kv, CpKvState),

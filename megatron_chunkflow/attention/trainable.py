@@ -52,6 +52,8 @@ def device_memory_bytes(device_type: str) -> int | None:
     """Total memory of the device this process trains on (the current CUDA device's, or the
     host's)."""
     if device_type == "cuda":
+        if not torch.cuda.is_available():  # a memory trace's GPU (memtrace/): no device here
+            return None
         return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -118,7 +118,8 @@ def build_chunked_model(shape, ref_state, dtype, chunkflow: ChunkFlowConfig,
     from megatron_chunkflow.mcore.build import build_chunkflow_model
 
     return build_chunkflow_model(shape, dtype, parallel, lora=lora, weights=ref_state,
-                                 attention_backend=chunkflow.attention_backend)
+                                 attention_backend=chunkflow.attention_backend,
+                                 loss_piece=chunkflow.loss_piece)
 
 
 def _run_chunked(shape, batches, reference, chunkflow: ChunkFlowConfig, parallel: ParallelConfig,

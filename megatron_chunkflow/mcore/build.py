@@ -21,13 +21,21 @@ from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.core.models import ModelShape
 
 
-def transformer_config(shape: ModelShape, dtype: torch.dtype = torch.float32, **overrides):
+def transformer_config(shape: ModelShape, dtype: torch.dtype = torch.float32,
+                       device: str | None = None, fusions: bool = True, **overrides):
+    """Megatron's TransformerConfig of `shape` for a run on `device` ("cuda", "cpu"; None: this
+    machine's). On a GPU with `fusions`, Megatron-LM's default fused kernels that need neither
+    Transformer Engine nor Apex: bias-SwiGLU (saves fc1's output only, SiLU and the product are
+    recomputed in its backward) and bias-dropout-add; RoPE fusion stays off (ChunkFlow's
+    positions continue across chunks)."""
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_chunkflow.runtime.ranks import Ranks
 
-    ranks, on_gpu = Ranks.current(), torch.cuda.is_available()
+    ranks = Ranks.current()
+    on_gpu = torch.cuda.is_available() if device is None else device == "cuda"
+    fused = on_gpu and fusions
     kw = dict(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -54,7 +62,8 @@ def transformer_config(shape: ModelShape, dtype: torch.dtype = torch.float32, **
         context_parallel_size=ranks.cp,
         use_cpu_initialization=not on_gpu,
         apply_rope_fusion=False,
-        bias_dropout_fusion=False,  # dropout is 0; the fused kernel is torch.compile'd
+        bias_activation_fusion=fused,
+        bias_dropout_fusion=fused,  # torch.compile'd: GPU only
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
@@ -104,9 +113,9 @@ def local_layer_spec(config, vp_stage: int | None = None):
 
 
 def build_gpt_model(shape: ModelShape, config, max_seq_length: int = 1 << 20,
-                    vp_stage: int | None = None):
-    """A GPTModel for this pipeline stage (model chunk `vp_stage` of it with virtual stages),
-    cast to config.params_dtype (norms included)."""
+                    vp_stage: int | None = None, device: str | None = None):
+    """A GPTModel for this pipeline stage (model chunk `vp_stage` of it with virtual stages) on
+    `device` (None: this machine's), cast to config.params_dtype (norms included)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -133,7 +142,7 @@ def build_gpt_model(shape: ModelShape, config, max_seq_length: int = 1 << 20,
         )
     # megatron-core builds linears and embeddings on the GPU but the local spec's norms on the
     # CPU; Megatron-LM's get_model moves the whole model, as this does
-    if has_real_cuda():
+    if device == "cuda" if device is not None else has_real_cuda():
         model = model.cuda(torch.cuda.current_device())
     return model.to(dtype=config.params_dtype)
 
@@ -220,8 +229,9 @@ def build_chunkflow_model(shape: ModelShape, dtype: torch.dtype = torch.float32,
                           parallel: ParallelConfig = ParallelConfig(), *,
                           attention_backend: str = "auto", load_hf: str | None = None,
                           hf_shape: ModelShape | None = None, lora=None, lora_seed: int = 0,
-                          lora_b_init_std: float = 0.0, weights: dict | None = None
-                          ) -> ChunkFlowModel:
+                          lora_b_init_std: float = 0.0, weights: dict | None = None,
+                          device: str | None = None, fusions: bool = True,
+                          loss_piece: int = 0, vocab_size: int | None = None) -> ChunkFlowModel:
     """The ChunkFlow model of `chunkflow train`, verify, bench and the memory check, built in one
     order on the process groups of `parallel` (mcore/dist.py: init_distributed):
 
@@ -231,15 +241,18 @@ def build_chunkflow_model(shape: ModelShape, dtype: torch.dtype = torch.float32,
        N(0, lora_b_init_std) for gradient checks), every other weight frozen;
     4. `weights`: a state dict by the PP = 1 model's names (verify's reference weights, adapters
        included), this stage's slice loaded;
-    5. chunk attention (`attention_backend`, runtime/model.py: apply_chunkflow), Megatron's DDP."""
+    5. chunk attention (`attention_backend`, runtime/model.py: apply_chunkflow), Megatron's DDP.
+    `device`, `fusions`: where it trains (None: this machine) and transformer_config's fusions;
+    `loss_piece`, `vocab_size`: the last stage's loss in token pieces (runtime/pieced_loss.py)."""
     from megatron_chunkflow.runtime.model import apply_chunkflow
 
-    config = transformer_config(shape, dtype, sequence_parallel=parallel.sequence_parallel,
+    config = transformer_config(shape, dtype, device, fusions,
+                                sequence_parallel=parallel.sequence_parallel,
                                 **parallel.recompute.megatron_kwargs())
     stages = [None] if parallel.vpp == 1 else list(range(parallel.vpp))
     models, store = [], None
     for vp_stage in stages:
-        model = build_gpt_model(shape, config, vp_stage=vp_stage)
+        model = build_gpt_model(shape, config, vp_stage=vp_stage, device=device)
         if load_hf:
             from megatron_chunkflow.mcore.hf import import_hf_weights
 
@@ -252,6 +265,7 @@ def build_chunkflow_model(shape: ModelShape, dtype: torch.dtype = torch.float32,
             names = {n: full_model_name(n, config, shape.tie_embeddings, vp_stage)
                      for n in model.state_dict()}
             model.load_state_dict({n: weights[names[n]] for n in names})
-        store = apply_chunkflow(model, backend=attention_backend, store=store)
+        store = apply_chunkflow(model, backend=attention_backend, store=store,
+                                loss_piece=loss_piece, vocab_size=vocab_size)
         models.append(model)
     return ChunkFlowModel(models, wrap_ddp(models, config), store)

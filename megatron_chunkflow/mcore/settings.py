@@ -98,6 +98,11 @@ class TrainSettings:
     hf_shape: ModelShape | None = None  # the --load-hf checkpoint's shape (unpadded vocabulary)
     lora: LoRAConfig | None = None  # adapters only, the base frozen
     sparse: SparseConfig = field(default_factory=SparseConfig)  # SpaCO (approximate)
+    device: Literal["cuda", "cpu"] = field(default_factory=lambda: default_device())
+    # where the run trains: this machine's GPU if it has one (a memory trace, memtrace/, plays a
+    # GPU on the meta device and says "cuda" on a CPU machine)
+    fusions: bool = True  # on a GPU, Megatron's fused kernels that need no Transformer Engine
+    # or Apex (bias-SwiGLU, bias-dropout-add) as Megatron-LM turns them on; CPU runs have none
 
     def __post_init__(self):
         for flag, value in (("--global-batch-size", self.global_batch_size),
@@ -130,13 +135,11 @@ class TrainSettings:
                              "--baseline megatron-sft (fixed --seq-length shapes) or PP >= 3")
         self.sparse.check(-(-self.seq_length // c), self.uses_chunkflow,
                           f" (--seq-length {self.seq_length} / --chunk-size {c})")
-        from megatron_chunkflow.mcore.cpu import has_real_cuda
-
-        if self.dtype == "bfloat16" and not has_real_cuda():
+        if self.dtype == "bfloat16" and self.device != "cuda":
             raise ValueError("--dtype bfloat16 needs a GPU; CPU runs train in float32 (or "
                              "--dtype float64)")
         if self.uses_chunkflow:
-            self._check_attention_backend("cuda" if has_real_cuda() else "cpu")
+            self._check_attention_backend(self.device)
 
     def _check_attention_backend(self, device: str) -> None:
         """The chunk attention kernel can train these chunks here (attention/backends.py)."""
@@ -158,10 +161,8 @@ class TrainSettings:
                              "(Transformer Engine's has: run stock CP through Megatron-LM's "
                              "pretrain_gpt.py)")
         from megatron_chunkflow.attention.backends import check_context_parallel
-        from megatron_chunkflow.mcore.cpu import has_real_cuda
 
-        check_context_parallel(self.chunkflow.attention_backend,
-                               "cuda" if has_real_cuda() else "cpu")
+        check_context_parallel(self.chunkflow.attention_backend, self.device)
         for flag, given in (("--lora-rank", self.lora is not None),
                             ("--chunkflow-sparse-backward", self.sparse.enabled)):
             if given:
@@ -184,6 +185,13 @@ class TrainSettings:
         """The vocabulary the loss is taken over: the checkpoint's, without the rows Megatron pads
         (runtime/loss.py masks them; Megatron-LM keeps them in the softmax)."""
         return (self.hf_shape or self.shape).vocab_size
+
+
+def default_device() -> str:
+    """"cuda" on a machine with a GPU, else "cpu"."""
+    from megatron_chunkflow.mcore.cpu import has_real_cuda
+
+    return "cuda" if has_real_cuda() else "cpu"
 
 
 def model_of(model: str, model_config: str | None, load_hf: str | None,

@@ -82,7 +82,9 @@ def build_training(s: TrainSettings) -> Training:
     dtype = DTYPES[s.dtype]
     cm = build_chunkflow_model(
         s.shape, dtype, s.parallel, attention_backend=s.chunkflow.attention_backend,
-        load_hf=s.checkpoint.load_hf, hf_shape=s.hf_shape, lora=s.lora, lora_seed=s.seed)
+        load_hf=s.checkpoint.load_hf, hf_shape=s.hf_shape, lora=s.lora, lora_seed=s.seed,
+        device=s.device, fusions=s.fusions, loss_piece=s.chunkflow.loss_piece,
+        vocab_size=s.real_vocab_size)
     o = s.optimizer
     opt_config = OptimizerConfig(
         optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,

@@ -157,7 +157,7 @@ def _get_model(original, model_provider_func, *args, **kwargs):
     model_provider_func = partial(rope_factor_provider, model_provider_func, a)
     if a.chunkflow:  # before Megatron wraps the model: DDP registers hooks per module
         model_provider_func = partial(_chunkflow_provider, model_provider_func,
-                                      resolve_backend(a))
+                                      resolve_backend(a), chunkflow_config(a).loss_piece)
     _HOOKS.store = None  # a new model: its model chunks get one new store
     with building_core_attention_without_cp(a.context_parallel_size if a.chunkflow else 1):
         model = original(model_provider_func, *args, **kwargs)
@@ -166,15 +166,18 @@ def _get_model(original, model_provider_func, *args, **kwargs):
     return model
 
 
-def _chunkflow_provider(provider, backend: str, *args, **kwargs):
+def _chunkflow_provider(provider, backend: str, loss_piece: int, *args, **kwargs):
     """pretrain_gpt.py's model provider, then chunk attention swapped in: before get_model wraps
     the model in Float16Module and DDP, whose forward pre-hooks (--overlap-param-gather) and
     gradient hooks are registered per module and parameter of the finished model. With virtual
-    stages get_model calls it once per model chunk; the chunks share one K/V state store."""
+    stages get_model calls it once per model chunk; the chunks share one K/V state store.
+    `loss_piece` (--chunkflow-loss-piece): the last stage's loss in token pieces; Megatron-LM's
+    padded vocabulary rows stay in its softmax, as its own cross entropy keeps them."""
     from megatron_chunkflow.runtime.model import apply_chunkflow
 
     model = provider(*args, **kwargs)
-    _HOOKS.store = apply_chunkflow(model, backend=backend, store=_HOOKS.store)
+    _HOOKS.store = apply_chunkflow(model, backend=backend, store=_HOOKS.store,
+                                   loss_piece=loss_piece)
     return model
 
 

@@ -88,10 +88,10 @@ def token_loss_sum(labels: torch.Tensor, loss_mask: torch.Tensor, output: torch.
     not `exact` and no padded row needs masking). Logits not `exact`: Megatron's vocab-parallel
     cross entropy (fp32) after masking the padded rows.
     """
-    if exact:
-        losses = vocab_parallel_token_losses(output, labels, tp_group, vocab_size)
-    elif output.dim() == labels.dim():
+    if output.dim() == labels.dim():  # the model's own per-token losses (pieced or Megatron's)
         losses = output
+    elif exact:
+        losses = vocab_parallel_token_losses(output, labels, tp_group, vocab_size)
     else:
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -134,20 +134,23 @@ def forward_step(data_iterator, model, tp_group=None, exact_loss: bool = True,
     device = next(model.parameters()).device
     if inp.tokens.device != device:  # plans are built on the host; the model may be on a GPU
         inp = inp.to(device)
-    rows = _model_vocab(model)
+    rows, pieced = _model_vocab(model)
     padded = vocab_size is not None and (rows is None or vocab_size < rows)
-    labels = None if exact_loss or padded else inp.labels
+    # a pieced loss (runtime/pieced_loss.py) takes labels: exact in the model's dtype, padded
+    # vocabulary rows masked
+    labels = inp.labels if pieced or not (exact_loss or padded) else None
     output = model(inp.tokens, inp.position_ids, None, labels=labels,
                    packed_seq_params=inp.packed_seq_params)
     return output, partial(token_loss_sum, inp.labels, inp.loss_mask, tp_group=tp_group,
                            exact=exact_loss, vocab_size=vocab_size)
 
 
-def _model_vocab(model) -> int | None:
-    """The model's vocabulary rows (padded), None when the wrapped model does not say."""
+def _model_vocab(model) -> tuple[int | None, bool]:
+    """The model's vocabulary rows (padded; None when the wrapped model does not say), and
+    whether it computes its loss in pieces."""
     while hasattr(model, "module"):  # DDP, Float16Module
         model = model.module
-    return getattr(model, "vocab_size", None)
+    return getattr(model, "vocab_size", None), bool(getattr(model, "chunkflow_loss_piece", 0))
 
 
 def make_forward_step(exact_loss: bool = False, vocab_size: int | None = None, tp_group=None):

@@ -209,9 +209,12 @@ def _check_config(config) -> None:
                          "checkpoints' setting; Megatron-LM's defaults are 0.1)")
 
 
-def apply_chunkflow(model, backend: str = "torch",
-                    store: KVStateStore | None = None) -> KVStateStore:
-    """Patch a built GPTModel (or its DDP/Float16 wrapper) in place; returns the K/V state store."""
+def apply_chunkflow(model, backend: str = "torch", store: KVStateStore | None = None,
+                    loss_piece: int = 0, vocab_size: int | None = None) -> KVStateStore:
+    """Patch a built GPTModel (or its DDP/Float16 wrapper) in place; returns the K/V state store.
+    `loss_piece` > 0: a last stage computes its loss that many tokens at a time
+    (runtime/pieced_loss.py; `vocab_size`: the real vocabulary, Megatron's padded rows left out
+    of the softmax)."""
     store = store or KVStateStore()
     from megatron.core.transformer.attention import SelfAttention
 
@@ -236,6 +239,10 @@ def apply_chunkflow(model, backend: str = "torch",
     if num_swapped == 0:
         raise ValueError("no SelfAttention modules found: is this a megatron-core GPTModel?")
     _patch_rope(gpt.rotary_pos_emb, store)
+    if loss_piece and gpt.post_process:
+        from megatron_chunkflow.runtime.pieced_loss import apply_pieced_loss
+
+        apply_pieced_loss(gpt, loss_piece, vocab_size)
     gpt.chunkflow_state = store
     return store
 
