@@ -1,0 +1,1 @@
+"""GPU memory of a real training step, traced on a CPU (memtrace/trace.py)."""
