@@ -50,26 +50,40 @@ class VerifyResult:
     num_chunks: int = 0
 
 
-def run_verify(shape: ModelShape, steps: Sequence[Sequence[int]], chunkflow: ChunkFlowConfig,
+def run_verify(shape: ModelShape, steps: Sequence[Sequence[int]],
+               chunkflow: ChunkFlowConfig | Sequence[ChunkFlowConfig],
                parallel: ParallelConfig = ParallelConfig(), dtype: torch.dtype = torch.float64,
                seed: int = 0, fully_masked: Sequence[int] = (), meter_cls=None,
-               lora=None) -> list[VerifyResult]:
-    """One training step per entry of `steps` (sequence lengths), both ways; one result each.
+               lora=None) -> list:
+    """One training step per entry of `steps` (sequence lengths), both ways; one result each
+    (for a list of configs, a list of results per config, all run on one set of process groups
+    against one reference).
 
     `parallel`: the chunked model's TP, CP, PP, sequence parallelism and recompute (the reference
     runs at the same TP, CP = PP = 1, no recompute; DP is what the world leaves). `lora`
     (mcore/lora.py LoRAConfig): both models get the same adapters, B initialised at random
-    (LORA_B_STD) so that A's gradient is not zero, and only the adapters are compared."""
+    (LORA_B_STD) so that A's gradient is not zero, and only the adapters are compared. The
+    reference of one (model, steps, seed, dtype, TP, world) is computed once per process
+    (REFERENCES): a long-lived job checking many layouts runs it once."""
     from megatron_chunkflow.mcore.dist import init_distributed
 
-    parallel.check_chunk_size(chunkflow.chunk_size)
+    configs = [chunkflow] if isinstance(chunkflow, ChunkFlowConfig) else list(chunkflow)
+    for config in configs:
+        parallel.check_chunk_size(config.chunk_size)
     batches = [make_sequences(lengths, shape.vocab_size, seed + i, fully_masked=fully_masked)
                for i, lengths in enumerate(steps)]
-
-    init_distributed(ParallelConfig(tp=parallel.tp), seed)
-    reference = _run_reference(shape, batches, dtype, lora, seed)
+    key = (shape, tuple(map(tuple, steps)), dtype, seed, tuple(fully_masked), lora, parallel.tp,
+           dist.get_world_size() if dist.is_initialized() else 1)
+    if key not in REFERENCES:
+        init_distributed(ParallelConfig(tp=parallel.tp), seed)
+        REFERENCES[key] = _run_reference(shape, batches, dtype, lora, seed)
     init_distributed(parallel, seed)
-    return _run_chunked(shape, batches, reference, chunkflow, parallel, dtype, meter_cls, lora)
+    out = [_run_chunked(shape, batches, REFERENCES[key], config, parallel, dtype, meter_cls,
+                        lora) for config in configs]
+    return out[0] if isinstance(chunkflow, ChunkFlowConfig) else out
+
+
+REFERENCES: dict[tuple, tuple] = {}  # run_verify's unchunked runs, by what they depend on
 
 
 LORA_B_STD = 0.05

@@ -23,6 +23,7 @@ from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.runtime.ranks import Ranks
 
 _OWNS_DEFAULT_GROUP = False  # init_distributed started the default group, so shutdown ends it
+_GROUPS: tuple | None = None  # (world, TP, PP, V, CP) of the model-parallel groups built
 
 
 def free_port() -> int:
@@ -59,15 +60,23 @@ def init_distributed(parallel: ParallelConfig = ParallelConfig(), seed: int = 12
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    global _OWNS_DEFAULT_GROUP
+    global _OWNS_DEFAULT_GROUP, _GROUPS
     _OWNS_DEFAULT_GROUP = start_job() or _OWNS_DEFAULT_GROUP
     parallel.with_world(dist.get_world_size())
-    if parallel_state.model_parallel_is_initialized():
-        _destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
-        virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp > 1 else None,
-        context_parallel_size=parallel.cp)
+    groups = (dist.get_world_size(), parallel.tp, parallel.pp, parallel.vpp, parallel.cp)
+    if parallel_state.model_parallel_is_initialized() and groups == _GROUPS:
+        # the same groups (another layout of one shape: sequence parallelism and recompute are
+        # the model's): kept, the virtual stage reset as Megatron's initialisation leaves it
+        if parallel.vpp > 1:
+            parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+    else:
+        if parallel_state.model_parallel_is_initialized():
+            _destroy_model_parallel()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
+            virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp > 1 else None,
+            context_parallel_size=parallel.cp)
+        _GROUPS = groups
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     return Ranks.current()
 
@@ -90,6 +99,8 @@ def _destroy_model_parallel() -> None:
     its references; in a long-lived job every rebuild would otherwise leave gloo groups open)."""
     from megatron.core import parallel_state
 
+    global _GROUPS
+    _GROUPS = None
     parallel_state.destroy_model_parallel()
     default = dist.distributed_c10d._get_default_group()
     for group in list(dist.distributed_c10d._world.pg_map):
