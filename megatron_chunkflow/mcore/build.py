@@ -147,10 +147,11 @@ def build_gpt_model(shape: ModelShape, config, max_seq_length: int = 1 << 20,
     return model.to(dtype=config.params_dtype)
 
 
-def wrap_ddp(models, config):
+def wrap_ddp(models, config, distributed_optimizer: bool = False):
     """Megatron's DDP wrapper (grad buffers, no_sync) around each model chunk, wired as
-    Megatron-LM's train() wires it (bucketing only in the first chunk, no_sync of every chunk);
-    a list for a list, one for one."""
+    Megatron-LM's train() wires it (bucketing only in the first chunk, no_sync of every chunk),
+    its buffers laid out for Megatron's distributed optimizer if `distributed_optimizer`; a list
+    for a list, one for one."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
@@ -158,8 +159,9 @@ def wrap_ddp(models, config):
     ddps = [DistributedDataParallel(
         # bf16 gradients accumulate in fp32 across micro-batches and chunks (Megatron-LM forces
         # the same for bf16)
-        config, DistributedDataParallelConfig(grad_reduce_in_fp32=config.bf16), model,
-        disable_bucketing=v > 0) for v, model in enumerate(chunks)]
+        config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=config.bf16, use_distributed_optimizer=distributed_optimizer),
+        model, disable_bucketing=v > 0) for v, model in enumerate(chunks)]
     config.no_sync_func = ddps[0].no_sync if len(ddps) == 1 else [d.no_sync for d in ddps]
     config.finalize_model_grads_func = finalize_model_grads
     return ddps if isinstance(models, list) else ddps[0]
@@ -231,7 +233,8 @@ def build_chunkflow_model(shape: ModelShape, dtype: torch.dtype = torch.float32,
                           hf_shape: ModelShape | None = None, lora=None, lora_seed: int = 0,
                           lora_b_init_std: float = 0.0, weights: dict | None = None,
                           device: str | None = None, fusions: bool = True,
-                          loss_piece: int = 0, vocab_size: int | None = None) -> ChunkFlowModel:
+                          loss_piece: int = 0, vocab_size: int | None = None,
+                          distributed_optimizer: bool = False) -> ChunkFlowModel:
     """The ChunkFlow model of `chunkflow train`, verify, bench and the memory check, built in one
     order on the process groups of `parallel` (mcore/dist.py: init_distributed):
 
@@ -243,7 +246,8 @@ def build_chunkflow_model(shape: ModelShape, dtype: torch.dtype = torch.float32,
        included), this stage's slice loaded;
     5. chunk attention (`attention_backend`, runtime/model.py: apply_chunkflow), Megatron's DDP.
     `device`, `fusions`: where it trains (None: this machine) and transformer_config's fusions;
-    `loss_piece`, `vocab_size`: the last stage's loss in token pieces (runtime/pieced_loss.py)."""
+    `loss_piece`, `vocab_size`: the last stage's loss in token pieces (runtime/pieced_loss.py);
+    `distributed_optimizer`: DDP's buffers laid out for Megatron's distributed optimizer."""
     from megatron_chunkflow.runtime.model import apply_chunkflow
 
     config = transformer_config(shape, dtype, device, fusions,
@@ -268,4 +272,4 @@ def build_chunkflow_model(shape: ModelShape, dtype: torch.dtype = torch.float32,
         store = apply_chunkflow(model, backend=attention_backend, store=store,
                                 loss_piece=loss_piece, vocab_size=vocab_size)
         models.append(model)
-    return ChunkFlowModel(models, wrap_ddp(models, config), store)
+    return ChunkFlowModel(models, wrap_ddp(models, config, distributed_optimizer), store)

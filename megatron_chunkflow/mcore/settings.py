@@ -181,6 +181,14 @@ class TrainSettings:
         return self.system == "chunkflow"
 
     @property
+    def distributed_optimizer(self) -> bool:
+        """Megatron's distributed optimizer (fp32 master weights and Adam's states sharded over
+        DP x CP) on a GPU, as the shipped Megatron-LM jobs run it (--use-distributed-optimizer)
+        and the simulator plans; CPU runs keep them whole (megatron-core's distributed optimizer
+        takes CUDA tensors only), which is the same memory at DP x CP = 1."""
+        return self.device == "cuda"
+
+    @property
     def real_vocab_size(self) -> int:
         """The vocabulary the loss is taken over: the checkpoint's, without the rows Megatron pads
         (runtime/loss.py masks them; Megatron-LM keeps them in the softmax)."""

@@ -84,12 +84,12 @@ def build_training(s: TrainSettings) -> Training:
         s.shape, dtype, s.parallel, attention_backend=s.chunkflow.attention_backend,
         load_hf=s.checkpoint.load_hf, hf_shape=s.hf_shape, lora=s.lora, lora_seed=s.seed,
         device=s.device, fusions=s.fusions, loss_piece=s.chunkflow.loss_piece,
-        vocab_size=s.real_vocab_size)
+        vocab_size=s.real_vocab_size, distributed_optimizer=s.distributed_optimizer)
     o = s.optimizer
     opt_config = OptimizerConfig(
         optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
         clip_grad=o.clip_grad, bf16=dtype == torch.bfloat16, params_dtype=dtype,
-        use_distributed_optimizer=False)
+        use_distributed_optimizer=s.distributed_optimizer)
     optimizer = get_megatron_optimizer(opt_config, cm.ddps)
     cm.config.grad_scale_func = optimizer.scale_loss  # as Megatron-LM's train() wires it
     scheduler = OptimizerParamScheduler(

@@ -24,13 +24,15 @@ fake process group (memtrace/job.py) as an empty placeholder: nothing moves, sha
 caller's. Kernels whose CUDA implementation keeps other tensors for backward than the meta (CPU)
 one are run as on CUDA, by the stack's rules (memtrace/stack.py): torch's fused RMSNorm kernel
 saves its input, weight and a per-row fp32 rstd, where the composite CPU path saves three full
-fp32 copies. torch.compile runs eagerly here (Megatron's jit-fused SwiGLU and bias-dropout-add):
-the same tensors live across the op, without the fused kernel's registers.
+fp32 copies. torch.compile runs eagerly here (Megatron's jit-fused SwiGLU, bias-dropout-add), but
+what a compiled function allocates and frees inside is dropped (memtrace/ledger.py fused), as
+its one fused kernel holds it in registers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -185,6 +187,8 @@ class _Dispatch(TorchDispatchMode):
             return False if dtype == torch.bool else 0.0 if dtype.is_floating_point else 0
         if func.namespace == "c10d":
             return self._collective(func, args, kwargs)
+        if _is_cuda(kwargs.get("device")):  # torch-level code the function mode did not see: a
+            kwargs = {**kwargs, "device": META}  # backward run inside a torch function's handler
         leaves = _tensors((args, kwargs.values()))
         host = False  # where a new meta storage lives: the device unless said otherwise
         if not leaves and "device" in kwargs and func not in _FACTORY_SKIP:
@@ -241,14 +245,74 @@ def _cuda_api():
     """torch.cuda's device queries as the traced GPU answers them (the CPU shims of mcore/cpu.py
     answer the rest: synchronize, RNG state)."""
     cuda = torch.cuda
-    saved = {n: getattr(cuda, n) for n in ("current_device", "is_available", "device_count")}
+    saved = {n: getattr(cuda, n) for n in ("current_device", "is_available", "device_count",
+                                           "_lazy_init")}
     cuda.current_device = lambda: CUDA
     cuda.device_count = lambda: 1
+    # a factory asked for `cuda` where the function mode is not active (code run inside a torch
+    # function's handler, such as the backward a full recompute starts) reaches the dispatch
+    # mode, which places it on the meta device, instead of initialising CUDA
+    cuda._lazy_init = lambda: None
     try:
         yield
     finally:
         for name, fn in saved.items():
             setattr(cuda, name, fn)
+
+
+# Megatron's torch.compile'd functions (megatron.core.jit.jit_fuser): one fused kernel each on a GPU
+FUSION_MODULES = ("megatron.core.fusions.fused_bias_swiglu", "megatron.core.fusions.fused_bias_geglu",
+                  "megatron.core.fusions.fused_bias_gelu", "megatron.core.fusions.fused_bias_dropout")
+
+
+@contextlib.contextmanager
+def _fused_kernels(ledger: Ledger):
+    """Each function Megatron compiles with torch.compile (its jit_fuser: bias-SwiGLU forward and
+    backward, bias-dropout-add) runs as one kernel on a GPU: inside, ledger.fused() keeps only
+    what it returns (eagerly, its pointwise steps would each allocate a tensor)."""
+    import importlib
+
+    for name in FUSION_MODULES:
+        importlib.import_module(name)
+    patched = []
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("megatron.") or module is None:
+            continue
+        for attr, fn in list(vars(module).items()):
+            original = getattr(fn, "_torchdynamo_orig_callable", None)
+            if original is None or not callable(original):
+                continue
+
+            def kernel(*args, __original=original, **kwargs):
+                with ledger.fused():
+                    return __original(*args, **kwargs)
+
+            setattr(module, attr, kernel)
+            patched.append((module, attr, fn))
+    try:
+        yield
+    finally:
+        for module, attr, fn in patched:
+            setattr(module, attr, fn)
+
+
+@contextlib.contextmanager
+def _storage_resizes(ledger: Ledger):
+    """UntypedStorage.resize_ (not a dispatched op) reported to the ledger: Megatron's
+    CheckpointWithoutOutput (selective layernorm recompute) frees outputs that way."""
+    original = torch.UntypedStorage.resize_
+
+    def resize_(storage, size):
+        out = original(storage, size)
+        if storage.device.type == "meta":
+            ledger.resized(storage, int(size))
+        return out
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original
 
 
 @contextlib.contextmanager
@@ -269,6 +333,8 @@ def traced_device(ledger: Ledger, stack: Stack, device_type: str = "cuda"):
         if not cpu:
             es.enter_context(_cuda_api())
             es.enter_context(stack.applied())
+            es.enter_context(_fused_kernels(ledger))
+        es.enter_context(_storage_resizes(ledger))
         es.enter_context(_Functions(ledger, stack, cpu))
         es.enter_context(_Dispatch(ledger, cpu))
         yield ledger

@@ -61,6 +61,34 @@ class Ledger:
         self.peak_event = -1  # index in events of the allocation that set device_peak
         self.scalar_reads = 0  # device values read back (each a sync on a GPU)
         self.phase_peaks: dict[str, int] = {}
+        self._fused: int | None = None  # where the fused kernel being run began in events
+
+    @contextlib.contextmanager
+    def fused(self):
+        """Code run as one fused GPU kernel (torch.compile'd): what it allocates and frees before
+        it returns lives in the kernel's registers, never in device memory, so those allocations
+        and frees are dropped from the events; the peak is taken when it returns, its outputs
+        made. Nested regions are the outer one's."""
+        if self._fused is not None:
+            yield
+            return
+        self._fused = start = len(self.events)
+        try:
+            yield
+        finally:
+            self._fused = None
+            kept: list[Event | None] = []
+            made: dict[int, int] = {}  # storage key -> its allocation's index in kept
+            for event in self.events[start:]:
+                if event.nbytes:
+                    made[event.key] = len(kept)
+                elif event.key in made:  # made and freed inside: never on the device
+                    kept[made.pop(event.key)] = None
+                    continue
+                kept.append(event)
+            self.events[start:] = [e for e in kept if e is not None]
+            if self.events[start:]:
+                self._peaked(self.events[-1].label or Label("", "", "", ""), len(self.events) - 1)
 
     @contextlib.contextmanager
     def placing(self, host: bool):
@@ -89,18 +117,48 @@ class Ledger:
         label = self.labeler(op)
         self.events.append(Event(key, storage.nbytes(), label))
         self.device_bytes += nbytes
+        if self._fused is None:
+            self._peaked(label, len(self.events) - 1)
+
+    def _peaked(self, label: Label, index: int) -> None:
+        """The device bytes now, after event `index`, as a peak of the run and of its phase."""
         if self.device_bytes > self.phase_peaks.get(label.phase, 0):
             self.phase_peaks[label.phase] = self.device_bytes
         if self.device_bytes > self.device_peak:
-            self.device_peak, self.peak_event = self.device_bytes, len(self.events) - 1
+            self.device_peak, self.peak_event = self.device_bytes, index
+
+    def resized(self, storage, nbytes: int) -> None:
+        """A storage resized in place (Megatron's CheckpointWithoutOutput frees a norm's output
+        by resizing its storage to 0 and brings it back for the backward): its old block is
+        freed and, for a size above 0, a new one allocated."""
+        key = id(storage)
+        if key not in self._live:
+            return
+        old, host = self._live[key]
+        if host:
+            self.host_bytes -= old
+        elif old:
+            self.device_bytes -= old
+            self.events.append(Event(key, 0, None))
+        new = block_bytes(nbytes, self.block)
+        self._live[key] = (new, host)
+        if host:
+            self.host_bytes += new
+        elif new:
+            label = self.labeler("resize_")
+            self.events.append(Event(key, nbytes, label))
+            self.device_bytes += new
+            if self._fused is None:
+                self._peaked(label, len(self.events) - 1)
 
     def _freed(self, key: int) -> None:
         nbytes, host = self._live.pop(key)
         if host:
             self.host_bytes -= nbytes
             return
-        self.device_bytes -= nbytes
-        self.events.append(Event(key, 0, None))
+        if nbytes:  # a storage resized to 0 was freed then
+            self.device_bytes -= nbytes
+            self.events.append(Event(key, 0, None))
 
     def live_at(self, index: int) -> dict[int, Event]:
         """The device allocations live just after event `index`, by storage key."""

@@ -25,6 +25,7 @@ op, every layer summed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 from collections import Counter
@@ -145,6 +146,46 @@ class _Labeler:
                 torch.nn.modules.module.register_module_forward_hook(leave)]
 
 
+@contextlib.contextmanager
+def _stock_shapes(settings, lengths, ranks: Ranks):
+    """A stock baseline's pipeline exchanges each micro-batch's shape before its tensor (Megatron's
+    variable_seq_lengths); the traced rank has no neighbour to send one, so its receives get the
+    shapes of its own micro-batches in Megatron's order (forward inputs, then output gradients,
+    micro-batch by micro-batch), as its neighbours would send them."""
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    from megatron_chunkflow.core.step import baseline_microbatches
+
+    if settings.uses_chunkflow or settings.parallel.pp == 1:
+        yield
+        return
+    pad, tp = settings.parallel.pad_multiple, settings.parallel.tp
+    split = tp if settings.parallel.sequence_parallel else 1
+    shapes = [[(c.computed_tokens + -c.computed_tokens % pad) // split, 1,
+               settings.shape.hidden_size]
+              for c in baseline_microbatches(lengths, settings.seq_length, ranks.dp,
+                                             settings.system)
+              if c.dp_rank == ranks.dp_rank]
+    received = {"prev": 0, "next": 0}
+    original = P2PCommunicator._communicate_shapes
+
+    def communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+        out = []
+        for side, wanted in (("prev", recv_prev), ("next", recv_next)):
+            if wanted:
+                out.append(shapes[received[side] % len(shapes)])
+                received[side] += 1
+            else:
+                out.append([0, 0, 0])
+        return tuple(out)
+
+    P2PCommunicator._communicate_shapes = communicate_shapes
+    try:
+        yield
+    finally:
+        P2PCommunicator._communicate_shapes = original
+
+
 def trace_memory(settings, lengths, *, world: int | None = None, rank: int = 0,
                  stack: Stack | str | None = None, capacity: float | None = None,
                  seed: int = 0, warm_optimizer: bool = False) -> MemoryTrace:
@@ -168,7 +209,8 @@ def trace_memory(settings, lengths, *, world: int | None = None, rank: int = 0,
     handles = []
     with traced_rank(settings.parallel, world, rank, seed) as ranks:
         try:
-            with traced_device(ledger, stack, settings.device):
+            with traced_device(ledger, stack, settings.device), \
+                    _stock_shapes(settings, lengths, ranks):
                 tr = build_training(settings)
                 handles = labeler.watch(tr.chunkflow_model.models)
                 params = {id(p.untyped_storage()) for m in tr.chunkflow_model.models
