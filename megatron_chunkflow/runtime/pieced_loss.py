@@ -9,15 +9,18 @@ an fp32 gradient and its cast back: about 12 bytes per token and vocabulary row 
 tokens and Qwen2.5's 151,936 ids that is 4.6 GiB of bf16 logits beside 9.3 GiB of fp32 softmax.
 ChunkFlow's chunks are large by design, so this is the largest transient of its step.
 
-PiecedCrossEntropy computes, `piece` tokens at a time, the piece's logits (hidden @ W^T), their
-fp32 log-sum-exp and the label's logit (vocabulary-parallel under TP: a max, a sum and the picked
-logit all-reduced over the TP group, as Megatron's cross entropy does), and keeps only the hidden
-states, the weight and one fp32 log-sum-exp per token. Its backward recomputes each piece's
-logits, forms softmax - onehot(label) scaled by the token's incoming gradient, and returns
-d hidden = g W and d W = sum over pieces of g^T hidden (accumulated in fp32). The price is one more
-logits GEMM per token in the backward; the transient is that of one piece (its logits in the
-compute dtype and two fp32 copies). It is exact: the same sums, regrouped (float64 checks in
-tests/runtime/test_pieced_loss.py against the whole loss at TP 1, TP 2, PP 2 and CP 2).
+PiecedCrossEntropy's forward computes, `piece` tokens at a time, the piece's logits (hidden @
+W^T), their fp32 log-sum-exp and the label's logit (vocabulary-parallel under TP: a max, a sum
+and the picked logit all-reduced over the TP group, as Megatron's cross entropy does), and keeps
+only the hidden states, the weight, the labels and one fp32 log-sum-exp per token. Its backward
+runs over blocks of the vocabulary instead, sized so a block's logits for every token are no
+more than a piece's for every vocabulary row: it makes the block's logits again, softmax - onehot
+(label) from the kept log-sum-exp scaled by each token's incoming gradient, writes that block's
+rows of d W = g^T hidden whole (one GEMM, rounded once, as Megatron's own) and adds g W_block
+into d hidden, accumulated in fp32. Nothing of the size of the logits or of an fp32 copy of the
+weight is ever live; the price is one more logits GEMM per token. It is exact: the same sums,
+regrouped (float64 checks in tests/checks/test_exact.py against the whole loss at TP 1, TP 2,
+PP 2 and CP 2).
 
 The hidden states enter as Megatron's ColumnParallelLinear takes them: under sequence
 parallelism all-gathered over TP (reduce-scattered back in the backward), otherwise copied into
@@ -45,10 +48,11 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _logits(hidden, weight, first_pad: int, acc):
-    """One piece's logits in the accumulation dtype, padded vocabulary rows at -inf."""
+    """The logits of `hidden` over `weight`'s rows in the accumulation dtype, the padded
+    vocabulary rows (from column `first_pad` on) at -inf."""
     logits = (hidden @ weight.t()).to(acc)
     if first_pad < logits.size(-1):
-        logits[:, first_pad:] = float("-inf")
+        logits[:, max(first_pad, 0):] = float("-inf")
     return logits
 
 
@@ -89,27 +93,28 @@ class PiecedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_losses):
         hidden, weight, labels, lse = ctx.saved_tensors
         acc, t, v_local = lse.dtype, hidden.size(0), weight.size(0)
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = (torch.zeros(weight.shape, dtype=acc, device=weight.device)
-                       if ctx.needs_input_grad[1] else None)
-        for a in range(0, t, ctx.piece):
-            b = min(t, a + ctx.piece)
-            g = _logits(hidden[a:b], weight, ctx.first_pad, acc)
-            g -= lse[a:b].unsqueeze(-1)
-            g.exp_()  # softmax over the whole vocabulary (every TP rank's share)
-            local = labels[a:b] - ctx.start
-            mine = ((local >= 0) & (local < v_local)).to(acc).unsqueeze(-1)
-            column = local.clamp(0, v_local - 1).unsqueeze(-1)  # the label's, where this rank's
-            g.scatter_(-1, column, g.gather(-1, column) - mine)
-            g *= grad_losses[a:b].to(acc).unsqueeze(-1)
+        block = max(1, ctx.piece * v_local // max(t, 1))  # vocabulary rows per block
+        grad_hidden = (torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
+                       if ctx.needs_input_grad[0] else None)
+        grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        scale = grad_losses.to(acc).unsqueeze(-1)
+        local = labels - ctx.start  # the label's column on this rank, where it is this rank's
+        for a in range(0, v_local, block):
+            b = min(v_local, a + block)
+            g = _logits(hidden, weight[a:b], ctx.first_pad - a, acc)  # [t, b - a]
+            g -= lse.unsqueeze(-1)
+            g.exp_()  # softmax over the whole vocabulary (every TP rank's share), this block
+            mine = ((local >= a) & (local < b)).to(acc).unsqueeze(-1)  # no host sync
+            g.scatter_add_(-1, (local - a).clamp(0, b - a - 1).unsqueeze(-1), -mine)
+            g *= scale
             g = g.to(hidden.dtype)
-            if grad_hidden is not None:
-                grad_hidden[a:b] = g @ weight
             if grad_weight is not None:
-                grad_weight += (g.t() @ hidden[a:b]).to(acc)
+                grad_weight[a:b] = g.t() @ hidden
+            if grad_hidden is not None:
+                grad_hidden += g @ weight[a:b]
             del g
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.to(hidden.dtype)
         return grad_hidden, grad_weight, None, None, None, None
 
 
