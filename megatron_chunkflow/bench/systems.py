@@ -34,7 +34,7 @@ from megatron_chunkflow.mcore.step import (
     training_step,
 )
 from megatron_chunkflow.perfmodel.budget import ActivationRates, OptionRates
-from megatron_chunkflow.perfmodel.footprint import kv_state_bytes_per_token
+from megatron_chunkflow.perfmodel.kvstate import kv_state_bytes_per_token
 from megatron_chunkflow.runtime.meter import ActivationMeter
 from megatron_chunkflow.runtime.observe import StageTimeline
 from megatron_chunkflow.runtime.ranks import Ranks

@@ -48,7 +48,7 @@ def measure_one_sequence(shape, length: int, chunkflow: ChunkFlowConfig, dtype, 
     `recompute`, Megatron's recompute inside each chunk."""
     from megatron_chunkflow.data.synthetic import make_sequences
     from megatron_chunkflow.mcore.build import build_chunkflow_model
-    from megatron_chunkflow.perfmodel.footprint import kv_state_bytes_per_token
+    from megatron_chunkflow.perfmodel.kvstate import kv_state_bytes_per_token
     from megatron_chunkflow.runtime.execute import execute_step, plan_step
     from megatron_chunkflow.runtime.loss import make_forward_step
 

@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
                                 "layout": p.layout.to_json(), "fits": p.fits}
                             for n, p in again.items()}
 
-    out.say(f"{args.model} on {args.gpus} x {hw.name} ({hw.hbm_gb:g} GB, "
+    out.say(f"{args.model} on {args.gpus} x {hw.name} ({hw.memory_gib:g} GiB, "
             f"{hw.peak_tflops:g} TFLOP/s peak); {len(lengths)} sequences ({source}), "
             f"{sum(lengths):,} tokens, longest {max(lengths):,}"
             + (f", {truncated} truncated to --seq-length {args.seq_length}" if truncated else ""))

@@ -10,6 +10,12 @@ posts sends without waiting for the receiver.
 Bubble ratio = idle / (p * step_time), where a stage is idle whenever it is not running an op
 between time 0 and the end of the step. For m equal micro-batches under 1F1B this is exactly
 (p - 1) / (m + p - 1).
+
+Memory, per stage: the activations its chunks hold (`held_bytes`: from a chunk's F, or its R, to
+its B) and, with `op_bytes`, what else each op does: state it allocates as it starts and releases
+when it ends, and working memory while it runs. The peak is taken while each op runs (held before
+it, its own chunk's activations for an F or R, the state, its working memory), with what it was
+made of (`peak_parts`).
 """
 
 from __future__ import annotations
@@ -36,6 +42,10 @@ class SimResult:
     peak_held: tuple[int, ...]  # per stage: most chunks holding activations at once
     peak_bytes: tuple[float, ...]  # per stage, when `held_bytes` is given (else zeros)
     num_recompute: int  # R ops on the first stage = chunks re-forwarded
+    # per stage at its peak: (held activations, state, the running op's working memory), and
+    # the op then running
+    peak_parts: tuple[tuple[float, float, float], ...] = ()
+    peak_ops: tuple[Op | None, ...] = ()
 
     @property
     def idle(self) -> tuple[float, ...]:
@@ -53,9 +63,12 @@ class PlanDeadlock(RuntimeError):
 
 def simulate(plan: PipelinePlan, costs: OpCosts | Callable[[str, int, int], float],
              comm: float | None = None,
-             held_bytes: Callable[[int, int], float] | None = None) -> SimResult:
+             held_bytes: Callable[[int, int], float] | None = None,
+             op_bytes: Callable[[Op, int], tuple[float, float, float]] | None = None
+             ) -> SimResult:
     """Replay `plan`. `held_bytes(chunk, virtual stage)` gives the activation bytes a chunk
-    holds there."""
+    holds there; `op_bytes(op, virtual stage)`: (state allocated as the op starts, state
+    released as it ends, working memory while it runs)."""
     p, n = plan.num_stages, plan.num_virtual_stages
     if comm is None:
         comm = getattr(costs, "comm", 0.0)
@@ -66,6 +79,7 @@ def simulate(plan: PipelinePlan, costs: OpCosts | Callable[[str, int, int], floa
     busy = [0.0] * p
     held, peak_held = [0] * p, [0] * p
     cur_bytes, peak_bytes = [0.0] * p, [0.0] * p
+    state, parts, peak_ops = [0.0] * p, [(0.0, 0.0, 0.0)] * p, [None] * p
     recomputed = [set(op.chunk for op in ops if op.kind == "R") for ops in plan.stages]
     remaining = sum(len(ops) for ops in plan.stages)
     while remaining:
@@ -97,11 +111,16 @@ def simulate(plan: PipelinePlan, costs: OpCosts | Callable[[str, int, int], floa
                     f_end[k][op.chunk] = end
                 elif op.kind == "B":
                     b_end[k][op.chunk] = end
+                start, end, running = op_bytes(op, k) if op_bytes else (0.0, 0.0, 0.0)
+                state[s] += start
+                during = (cur_bytes[s] + (delta if holds else 0.0), state[s], running)
+                if sum(during) > peak_bytes[s]:
+                    peak_bytes[s], parts[s], peak_ops[s] = sum(during), during, op
+                state[s] += end
                 if holds:
                     held[s] += 1
                     cur_bytes[s] += delta
                     peak_held[s] = max(peak_held[s], held[s])
-                    peak_bytes[s] = max(peak_bytes[s], cur_bytes[s])
                 elif op.kind == "B":
                     held[s] -= 1
                     cur_bytes[s] -= delta
@@ -116,4 +135,6 @@ def simulate(plan: PipelinePlan, costs: OpCosts | Callable[[str, int, int], floa
         peak_held=tuple(peak_held),
         peak_bytes=tuple(peak_bytes),
         num_recompute=len(recomputed[0]) if p else 0,
+        peak_parts=tuple(parts),
+        peak_ops=tuple(peak_ops),
     )

@@ -69,8 +69,11 @@ class RankPlans:
 # per-op costs to plan and replay with (OpCosts or any callable (kind, chunk, stage) with a `comm`
 # attribute; default: FLOPs), `held_bytes_for` a callable (chunk id, stage) -> activation bytes the
 # chunk holds (default: none), `state_bytes_for` the bytes per stage of the rank's long-sequence
-# state (K/V, gradient accumulators, kept stage inputs; default: none). perfmodel/predict.py
-# passes the roofline model's seconds and perfmodel/footprint.py's bytes.
+# state (K/V, gradient accumulators, kept stage inputs; default: none), `op_bytes_for` a callable
+# (op, stage) -> (state allocated as it starts, released as it ends, working memory while it
+# runs), replayed op by op (core/simulate.py; then the state is in the replay, not in
+# state_bytes). perfmodel/predict.py passes the roofline model's seconds and
+# perfmodel/footprint.py's and perfmodel/moments.py's bytes.
 CostHook = Callable[[Sequence[DataChunk], int], Callable]
 StateHook = Callable[[Sequence[DataChunk], int], Sequence[float]]
 
@@ -80,9 +83,10 @@ def _flop_costs(shape: ModelShape) -> CostHook:
 
 
 def _replay(chunks: Sequence[DataChunk], plan: PipelinePlan, costs, held_bytes_for: CostHook | None,
-            num_stages: int) -> SimResult:
+            num_stages: int, op_bytes_for: CostHook | None = None) -> SimResult:
     held = held_bytes_for(chunks, num_stages) if held_bytes_for else None
-    return simulate(plan, costs, held_bytes=held)
+    moments = op_bytes_for(chunks, num_stages) if op_bytes_for else None
+    return simulate(plan, costs, held_bytes=held, op_bytes=moments)
 
 
 def plan_chunkflow(seq_lengths: Sequence[int], chunk_size: int, num_kept: int, num_stages: int,
@@ -91,7 +95,8 @@ def plan_chunkflow(seq_lengths: Sequence[int], chunk_size: int, num_kept: int, n
                    state_bytes_for: StateHook | None = None,
                    segment_multiple: int = 1,
                    num_model_chunks: int = 1,
-                   chunk_multiple: int = 1) -> tuple[ChunkBatch, RankPlans]:
+                   chunk_multiple: int = 1,
+                   op_bytes_for: CostHook | None = None) -> tuple[ChunkBatch, RankPlans]:
     """ChunkFlow's step: chunks built, distributed and planned with state-aware 1F1B per DP rank
     (interleaved over `num_model_chunks` virtual stages per rank), each plan replayed; bytes
     only from the hooks (see CostHook; costs and held bytes are asked for the PP x V virtual
@@ -106,7 +111,7 @@ def plan_chunkflow(seq_lengths: Sequence[int], chunk_size: int, num_kept: int, n
         costs = (costs_for or _flop_costs(shape))(chunks, virtual)
         plan = state_aware_plan(chunks, num_stages, num_kept, costs, num_model_chunks)
         plans.append(plan)
-        sims.append(_replay(chunks, plan, costs, held_bytes_for, virtual))
+        sims.append(_replay(chunks, plan, costs, held_bytes_for, virtual, op_bytes_for))
         state.append(tuple(state_bytes_for(chunks, num_stages)) if state_bytes_for
                      else (0.0,) * num_stages)
     return batch, RankPlans(per_rank, tuple(plans), tuple(sims), tuple(state))
@@ -148,7 +153,8 @@ def baseline_microbatches(seq_lengths: Sequence[int], seq_length: int, num_dp_ra
 def plan_baseline(seq_lengths: Sequence[int], seq_length: int, num_stages: int,
                   num_dp_ranks: int, shape: ModelShape, costs_for: CostHook | None = None,
                   held_bytes_for: CostHook | None = None, baseline: Baseline = "megatron-packed",
-                  cp: int = 1, num_model_chunks: int = 1) -> RankPlans:
+                  cp: int = 1, num_model_chunks: int = 1,
+                  op_bytes_for: CostHook | None = None) -> RankPlans:
     """A stock baseline's step: baseline_microbatches run with 1F1B per DP rank (Megatron's
     interleaved 1F1B with `num_model_chunks` virtual stages per rank; ValueError where Megatron
     refuses the micro-batch count), replayed. Whole sequences keep no state between
@@ -161,7 +167,7 @@ def plan_baseline(seq_lengths: Sequence[int], seq_length: int, num_stages: int,
         costs = (costs_for or _flop_costs(shape))(chunks, virtual)
         plan = megatron_interleaved_plan(chunks, num_stages, num_model_chunks)
         plans.append(plan)
-        sims.append(_replay(chunks, plan, costs, held_bytes_for, virtual))
+        sims.append(_replay(chunks, plan, costs, held_bytes_for, virtual, op_bytes_for))
     no_state = tuple((0.0,) * num_stages for _ in per_rank)
     return RankPlans(per_rank, tuple(plans), tuple(sims), no_state)
 

@@ -16,14 +16,7 @@ layout, then per recompute option in O(stages): the forward sums are exact; a ba
 floor is a max per layer and chunk (perfmodel/roofline.py), and a sum of maxima is at least the
 max of the sums, so max(roofline sum, kernel sum x launch) bounds it from below; the first
 backwards' prefix uses the backward without recompute, which every option's exceeds.
-
-Memory floors: stock Megatron's (megatron_memory_floor) is exact when given the micro-batches in
-flight (inflight_tokens): under Megatron's 1F1B, stage s of p holds min(p - s, m) consecutive
-micro-batches of its rank at once (core/schedule.py megatron_1f1b_plan), so the held peak is the
-largest window of that many (interleaved: the plan's order walked); the peak adds the static
-bytes and the transient of the rank's largest micro-batch, as perfmodel/predict.py counts it.
-ChunkFlow's (chunkflow_memory_floor) is a bound: the last K chunks of the longest sequence are
-held at once (1/CP of them per GPU), and under CP its last chunk gathers the sequence's K/V.
+The memory floors are perfmodel/memfloors.py's.
 """
 
 from __future__ import annotations
@@ -31,24 +24,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from itertools import accumulate
 
-from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.core.costs import layers_per_stage
-from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.schedule import is_reforwarded
 from megatron_chunkflow.core.types import DataChunk
-from megatron_chunkflow.perfmodel.footprint import (
-    chunk_tokens,
-    head_activation_bytes,
-    kv_state_bytes_per_token,
-    per_token_bytes,
-    sequence_state_bytes,
-    stage_params,
-    static_bytes,
-    transient_bytes,
-)
+from megatron_chunkflow.perfmodel.footprint import stage_params
 from megatron_chunkflow.perfmodel.layer import Work, chunk_work
 from megatron_chunkflow.perfmodel.roofline import Roofline
 
@@ -276,7 +257,7 @@ def relaxed_1f1b_floor(per_rank: Sequence[Sequence[DataChunk]], model: Roofline,
         before = {i: list(accumulate(row, initial=0.0)) for i, row in f.items()}  # [i][k]: < k
         after = {i: list(accumulate(map(sum, zip(row[::-1], b[i][::-1])), initial=0.0))[::-1]
                  for i, row in f.items()}  # [i][k + 1]: F and B on the stages after k
-        table = _order(len(ids), pp, v)
+        table = interleaved_order(len(ids), pp, v)
         n = len(table)
         for s in range(pp):  # megatron_interleaved_plan's order: warmup, 1F1B, cooldown
             t, start, f_end = 0.0, 0.0, {}
@@ -295,106 +276,8 @@ def relaxed_1f1b_floor(per_rank: Sequence[Sequence[DataChunk]], model: Roofline,
     return best
 
 
-def _order(m: int, pp: int, v: int) -> list[tuple[int, int]]:
+def interleaved_order(m: int, pp: int, v: int) -> list[tuple[int, int]]:
     """(micro-batch, model chunk) of each forward in Megatron's interleaved table (groups of PP
     micro-batches, chunks 0..V-1 over each); backwards: the same micro-batches, chunks V-1..0."""
     return [(i, k) for first in range(0, m, pp) for k in range(v)
             for i in range(first, min(first + pp, m))]
-
-
-def inflight_tokens(microbatches: Sequence[DataChunk], num_dp_ranks: int, cp: int,
-                    num_stages: int, num_model_chunks: int = 1
-                    ) -> list[tuple[tuple[tuple[tuple[int, int], ...], ...], int]]:
-    """Per DP rank: (per pipeline rank the moments that matter of what Megatron's 1F1B holds, as
-    (tokens on a GPU (after CP) held over all model chunks, of which by the last virtual stage),
-    the largest micro-batch's tokens). Without virtual stages the largest window of min(p - s, m)
-    consecutive micro-batches. With V, Megatron's interleaved order (core/schedule.py
-    megatron_interleaved_plan: forwards in table order, backwards in the same micro-batch order)
-    holds after each steady forward a window of w = 2 (p - s - 1) + (V - 1) p + 1 consecutive
-    table entries; the moments the two counts peak (held bytes do not depend on timing; exact
-    but where the last rank peaks elsewhere)."""
-    out, p, v = [], num_stages, num_model_chunks
-    for rank in range(num_dp_ranks):
-        tokens = [chunk_tokens(c, cp) for c in microbatches if c.dp_rank == rank]
-        m, stages = len(tokens), []
-        table = _order(m, p, v)
-        size = [tokens[i] for i, _ in table]
-        pre = list(accumulate(size, initial=0))
-        fy = list(accumulate((n * (k == v - 1) for n, (_, k) in zip(size, table)), initial=0))
-        by = list(accumulate((n * (k == 0) for n, (_, k) in zip(size, table)), initial=0))
-        for s in range(p):
-            if v > 1:
-                w = min(2 * (p - s - 1) + (v - 1) * p + 1, len(size))
-                at = [(pre[j + w] - pre[j], (fy[j + w] - by[j]) * (s == p - 1))
-                      for j in range(len(size) - w + 1)]
-                stages.append((max(at), max(at, key=lambda xy: xy[1])))
-                continue
-            w = min(p - s, m)
-            acc = best = sum(tokens[:w])
-            for i in range(w, m):
-                acc += tokens[i] - tokens[i - w]
-                best = max(best, acc)
-            stages.append(((best, best if s == p - 1 else 0),))
-        out.append((tuple(stages), max(tokens, default=0)))
-    return out
-
-
-def megatron_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: ParallelConfig,
-                          dtype_bytes: int, inflight: list | None = None) -> float:
-    """A lower bound of stock Megatron's peak memory per GPU, without planning. With `inflight`
-    (inflight_tokens of the baseline's micro-batches on this layout) the peak itself (see there);
-    without, the longest sequence's micro-batch (padded to 2 x CP) is held on every stage once."""
-    static, per_token, transient = _stage_bytes(shape, layout, dtype_bytes)
-    head, last_virtual = head_activation_bytes(shape, layout, dtype_bytes), len(per_token) - 1
-    body = [per_token[s] - head * (s == last_virtual) for s in range(layout.pp)]  # model chunk 0
-    if inflight is None:
-        multiple = 2 * layout.cp if layout.cp > 1 else 1
-        tokens = math.ceil(-(-max(lengths) // multiple) * multiple / layout.cp)
-        last = layout.pp - 1
-        inflight = [(tuple(((tokens, tokens if s == last else 0),) for s in range(layout.pp)),
-                     tokens)]
-    return max(static[s] + max(x * body[s] + y * head for x, y in moments[s])
-               + largest * transient[s]
-               for moments, largest in inflight for s in range(layout.pp))
-
-
-def chunkflow_memory_floor(lengths: Sequence[int], shape: ModelShape, layout: ParallelConfig,
-                           dtype_bytes: int, chunk_size: int, num_kept: int) -> float:
-    """A lower bound of ChunkFlow's peak memory per GPU, without planning: on every (virtual)
-    stage the last K chunks of the longest sequence hold activations at once (all are forwarded
-    before the first of them runs backward), beside its state, the static memory and one chunk's
-    transient; under CP 1/CP of the tokens per GPU and the transient of the sequence's last
-    chunk's CP attention, which gathers all its K/V (at least G x (dtype + 4 under half
-    precision) per K/V element, footprint.gather_transient_bytes)."""
-    longest, cp = max(lengths), layout.cp
-    if longest > chunk_size:
-        n = math.ceil(longest / chunk_size)
-        held = longest - (n - min(num_kept, n)) * chunk_size
-    else:
-        held = longest
-    static, per_token, transient = _stage_bytes(shape, layout, dtype_bytes)
-    per_token = [max(per_token[s::layout.pp]) for s in range(layout.pp)]  # a rank's costliest
-    state, gathered = sequence_state_bytes(longest, chunk_size, num_kept, shape, layout,
-                                           dtype_bytes, layout.pp), 0.0
-    if cp > 1:
-        wide = 4 if dtype_bytes < 4 else 0
-        gathered = longest * (dtype_bytes + wide) / dtype_bytes * kv_state_bytes_per_token(
-            shape, 1, dtype_bytes, layout.tp, with_grad=False)
-    tokens = math.ceil(min(chunk_size, longest) / cp)
-    return max(static[s] + held / cp * per_token[s] + state[s] + tokens * transient[s] + gathered
-               for s in range(layout.pp))
-
-
-@lru_cache(maxsize=4096)
-def _stage_bytes(shape: ModelShape, layout: ParallelConfig,
-                 dtype_bytes: int) -> tuple[list, list, list]:
-    """Per pipeline rank static bytes, per virtual stage activation bytes per token, per rank
-    transient bytes per token of the largest chunk (transient_bytes is linear in its tokens; a
-    model chunk's layers are recompute's unit); a search asks once per layout."""
-    params = stage_params(shape, layout.pp)
-    layers = layers_per_stage(shape.num_layers, layout.num_virtual_stages)
-    last = layout.pp - 1
-    return ([static_bytes(p, layout, dtype_bytes) for p in params],
-            per_token_bytes(shape, layout, dtype_bytes, layout.num_virtual_stages),
-            [transient_bytes(1, shape, layout, dtype_bytes, s == last, layers[s])
-             for s in range(layout.pp)])

@@ -39,8 +39,18 @@ Assumptions that are not datasheet numbers (stated, overridable, replaced by gpu
   matmuls with more synchronisation) for the varlen kernels Megatron calls.
 - mem_eff: fraction of HBM bandwidth a streaming kernel reaches (0.8).
 - comm_eff: fraction of link bandwidth a NCCL ring reaches (0.8); latency per ring hop.
-- reserve_fraction: HBM not available to tensors (CUDA context, NCCL buffers, allocator
-  fragmentation): 10%.
+- memory_gib: the device memory PyTorch sees (torch.cuda.get_device_properties().total_memory).
+  H200: 139.8 GiB, measured on this project's GPU run (torch 2.11 + CUDA 13); NVIDIA's "141 GB"
+  and "80 GB" count GiB, the driver keeping the rest. H100 and A100 80 GB: 79.3 GiB, the H200's
+  measured share of its datasheet memory applied (not measured on those cards).
+- reserve_gib: memory a job uses outside PyTorch's allocator (the CUDA context, NCCL's buffers,
+  library workspaces): 2 GiB, an assumption (the context alone is about 0.5 GiB on Hopper).
+- fragmentation: what the caching allocator reserves beyond the allocated peak before a request
+  finds no segment (PyTorch's native allocator, replayed on traced steps by memtrace/allocator.py:
+  the smallest device memory in which a step never fails, over its allocated peak). 0.18: the
+  largest the replay found (Qwen2.5-1.5B at 32K, stock Megatron with full recompute, whose
+  layer-sized recompute buffers interleave with the logits; ChunkFlow's plans 2-6%). A plan
+  fits when its modelled allocated peak x (1 + fragmentation) + reserve_gib fits in memory_gib.
 - cp_overlap: the fraction of context parallelism's ring traffic hidden behind the attention
   compute, in [0, 1]: attention costs compute + transfer - cp_overlap * min(compute, transfer)
   (1: max of the two, perfect overlap; 0: their sum). Transformer Engine's ring attention
@@ -69,6 +79,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 GB = 1e9
+GIB = 2.0**30
 CP_OVERLAP = 0.8  # assumption, stated in the module docstring; reported at 0 and 1 by simulate
 KERNEL_LAUNCH_US = 3.8  # https://developer.nvidia.com/blog/cuda-graphs/ (module docstring)
 
@@ -80,8 +91,8 @@ class Hardware:
     name: str
     peak_tflops: float
     """Dense peak of the compute dtype (bf16 on GPUs): the MFU denominator."""
-    hbm_gb: float
-    """Device memory."""
+    memory_gib: float
+    """Device memory PyTorch sees, GiB (2^30 bytes)."""
     hbm_gb_s: float
     """Device memory bandwidth."""
     nvlink_gb_s: float
@@ -111,8 +122,10 @@ class Hardware:
     """Latency per ring hop or point-to-point message inside a node."""
     network_latency_us: float = 10.0
     """Latency per ring hop or point-to-point message across nodes."""
-    reserve_fraction: float = 0.10
-    """Share of device memory unavailable to tensors (context, NCCL buffers, fragmentation)."""
+    reserve_gib: float = 2.0
+    """Device memory used outside PyTorch's allocator (CUDA context, NCCL, workspaces), GiB."""
+    fragmentation: float = 0.18
+    """The caching allocator's reserve beyond a step's allocated peak, as a fraction of it."""
     dtype_bytes: int = 2
     """Bytes per element of weights and activations: 2 for bf16 (GPUs), 4 for fp32 (CPU runs)."""
     op_overhead_us: float = 0.0
@@ -122,13 +135,27 @@ class Hardware:
     """Fraction of CP's ring traffic hidden behind attention compute, in [0, 1] (see above)."""
     kernel_launch_us: float = KERNEL_LAUNCH_US
     """Host time per kernel launch: a layer's op takes at least its kernels x this (see above)."""
+    fused_swiglu: bool = True
+    """The build fuses Megatron's bias-SwiGLU (on GPUs, as Megatron-LM does; the kernels are
+    compiled for CUDA, so CPU builds keep SwiGLU's inputs too: perfmodel/footprint.py Build)."""
+    kv_repeat: bool = False
+    """The attention kernel keeps K and V repeated to every query head (torch 2.10-2.12's
+    varlen_attn has no grouped-query attention; flash-attn and torch >= 2.13's have)."""
+
+    @property
+    def build(self):
+        """What the training build keeps on this device (perfmodel/footprint.py Build), with the
+        loss whole; a run's --chunkflow-loss-piece goes in with dataclasses.replace."""
+        from megatron_chunkflow.perfmodel.footprint import Build
+
+        return Build(fused_swiglu=bool(self.fused_swiglu), kv_repeat=bool(self.kv_repeat))
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name != "name" and not v >= 0:
                 raise ValueError(f"hardware {self.name}: {f.name} must be >= 0, got {v}")
-        for f in ("peak_tflops", "hbm_gb", "hbm_gb_s", "nvlink_gb_s", "network_gb_s",
+        for f in ("peak_tflops", "memory_gib", "hbm_gb_s", "nvlink_gb_s", "network_gb_s",
                   "host_gb_s", "gemm_max_eff", "attn_fwd_eff", "attn_bwd_eff", "mem_eff",
                   "comm_eff"):
             if not getattr(self, f) > 0:
@@ -140,8 +167,9 @@ class Hardware:
         if not 0 <= self.cp_overlap <= 1:
             raise ValueError(f"hardware {self.name}: cp_overlap is the hidden fraction of the CP "
                              f"ring traffic, in [0, 1], got {self.cp_overlap}")
-        if not 0 <= self.reserve_fraction < 1:
-            raise ValueError(f"hardware {self.name}: reserve_fraction must be in [0, 1)")
+        if not self.reserve_gib < self.memory_gib:
+            raise ValueError(f"hardware {self.name}: reserve_gib {self.reserve_gib} leaves "
+                             f"nothing of memory_gib {self.memory_gib}")
         if self.dtype_bytes not in (2, 4):
             raise ValueError(f"hardware {self.name}: dtype_bytes must be 2 or 4")
         if self.gpus_per_node < 1:
@@ -152,13 +180,14 @@ class Hardware:
         return self.peak_tflops * 1e12
 
     @property
-    def hbm_bytes(self) -> float:
-        return self.hbm_gb * GB
+    def memory_bytes(self) -> float:
+        return self.memory_gib * GIB
 
     @property
     def usable_bytes(self) -> float:
-        """The budget every run must fit in: device memory less the reserve."""
-        return self.hbm_bytes * (1.0 - self.reserve_fraction)
+        """The allocated peak a plan may reach: device memory less the reserve, over the allocator's
+    fragmentation."""
+        return (self.memory_gib - self.reserve_gib) * GIB / (1.0 + self.fragmentation)
 
     def link(self, group_span: int) -> tuple[float, float]:
         """(bytes/s, latency s) of a group whose ranks lie `group_span` consecutive GPUs apart
@@ -170,9 +199,9 @@ class Hardware:
 
 _HOPPER = dict(num_sms=132, gemm_max_eff=0.75, attn_fwd_eff=0.6, attn_bwd_eff=0.45)
 GPUS = {
-    "h100": Hardware("h100", 989.4, 80, 3350, 450, 50, **_HOPPER),
-    "h200": Hardware("h200", 989.4, 141, 4800, 450, 50, **_HOPPER),
-    "a100": Hardware("a100", 312.0, 80, 2039, 300, 25, host_gb_s=25.0, num_sms=108,
+    "h100": Hardware("h100", 989.4, 79.3, 3350, 450, 50, **_HOPPER),
+    "h200": Hardware("h200", 989.4, 139.8, 4800, 450, 50, **_HOPPER),
+    "a100": Hardware("a100", 312.0, 79.3, 2039, 300, 25, host_gb_s=25.0, num_sms=108,
                      gemm_max_eff=0.85, attn_fwd_eff=0.6, attn_bwd_eff=0.45),
 }
 
@@ -194,12 +223,23 @@ def with_overrides(hw: Hardware, assignments: list[str], flag: str = "--gpu-set"
         if not sep or key not in fields:
             raise ValueError(f"{flag} {a!r}: expected KEY=VALUE with KEY one of "
                              f"{', '.join(fields)}")
-        kind = int if fields[key].type in ("int", int) else float
+        kind = {"int": int, int: int, "bool": _flag, bool: _flag}.get(fields[key].type, float)
         try:
             changes[key] = kind(value)
         except ValueError:
-            raise ValueError(f"{flag} {a!r}: {value!r} is not a valid {kind.__name__}") from None
+            what = "switch (1 or 0)" if kind is _flag else kind.__name__
+            raise ValueError(f"{flag} {a!r}: {value!r} is not a valid {what}") from None
     return dataclasses.replace(hw, **changes) if changes else hw
+
+
+def _flag(value: str) -> bool:
+    """A switch's value: 1/0, true/false, yes/no."""
+    text = value.strip().lower()
+    if text in ("1", "true", "yes"):
+        return True
+    if text in ("0", "false", "no"):
+        return False
+    raise ValueError(value)
 
 
 CALIBRATED_KEYS = ("gemm_max_eff", "attn_fwd_eff", "attn_bwd_eff", "mem_eff")
@@ -233,7 +273,7 @@ def hardware_from_measurements(gemm_flops: float, attn_fwd_flops: float, attn_bw
                                memory_bytes: float, p2p_bytes_per_s: float,
                                p2p_latency_s: float = 50e-6, mem_bytes_per_s: float = 10e9,
                                dtype_bytes: int = 4, name: str = "cpu",
-                               reserve_fraction: float = 0.0,
+                               fragmentation: float = 0.0,
                                op_overhead_s: float = 0.0) -> Hardware:
     """A device described by measured rates (e.g. a CPU running `chunkflow bench`).
 
@@ -250,12 +290,13 @@ def hardware_from_measurements(gemm_flops: float, attn_fwd_flops: float, attn_bw
             raise ValueError(f"{key} must be > 0, got {value}")
     peak = max(gemm_flops, attn_fwd_flops, attn_bwd_flops)
     return Hardware(
-        name=name, peak_tflops=peak / 1e12, hbm_gb=memory_bytes / GB,
+        name=name, peak_tflops=peak / 1e12, memory_gib=memory_bytes / GIB, reserve_gib=0.0,
         hbm_gb_s=mem_bytes_per_s / GB, nvlink_gb_s=p2p_bytes_per_s / GB,
         network_gb_s=p2p_bytes_per_s / GB, gpus_per_node=1 << 20,
         host_gb_s=mem_bytes_per_s / GB, num_sms=0,
         gemm_max_eff=gemm_flops / peak, attn_fwd_eff=attn_fwd_flops / peak,
         attn_bwd_eff=attn_bwd_flops / peak, attn_block=0, mem_eff=1.0,
         comm_eff=1.0, nvlink_latency_us=p2p_latency_s * 1e6,
-        network_latency_us=p2p_latency_s * 1e6, reserve_fraction=reserve_fraction,
-        dtype_bytes=dtype_bytes, op_overhead_us=op_overhead_s * 1e6, kernel_launch_us=0.0)
+        network_latency_us=p2p_latency_s * 1e6, fragmentation=fragmentation,
+        dtype_bytes=dtype_bytes, op_overhead_us=op_overhead_s * 1e6, kernel_launch_us=0.0,
+        fused_swiglu=False)

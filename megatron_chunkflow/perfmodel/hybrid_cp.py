@@ -42,9 +42,9 @@ from megatron_chunkflow.perfmodel.footprint import (
     per_token_bytes,
     stage_params,
     static_bytes,
-    transient_bytes,
 )
 from megatron_chunkflow.perfmodel.hardware import Hardware
+from megatron_chunkflow.perfmodel.moments import running_bytes
 from megatron_chunkflow.perfmodel.predict import Prediction, roofline
 from megatron_chunkflow.perfmodel.search import recompute_dominates
 
@@ -114,11 +114,13 @@ def _peak_memory(shape: ModelShape, hw: Hardware, layout: ParallelConfig, schedu
         lay = hybrid_layout(layout.tp, pool, layout.recompute, c)
         tokens = max(math.ceil(chunks[i].computed_tokens / c)
                      for i in range(len(chunks)) if schedule.cp[i] == c)
+        build = hw.build
         mem = {"static": static,
-               "activations": per_token_bytes(shape, lay, hw.dtype_bytes, 1)[0] * tokens,
+               "activations": per_token_bytes(shape, lay, hw.dtype_bytes, 1, build)[0] * tokens,
                "kv_state": 0.0,
-               "transient": transient_bytes(tokens, shape, lay, hw.dtype_bytes, True,
-                                            shape.num_layers)}
+               "transient": max(running_bytes(kind, tokens, shape, lay, hw.dtype_bytes,
+                                              shape.num_layers, True, build)
+                                for kind in ("F", "B"))}
         if sum(mem.values()) > worst:
             worst, memory = sum(mem.values()), mem
     return worst, memory

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from megatron_chunkflow.config import ParallelConfig, Recompute
-from megatron_chunkflow.core.costs import layers_per_stage, sequence_model_flops
+from megatron_chunkflow.core.costs import sequence_model_flops
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.step import (
     Baseline,
@@ -41,15 +41,9 @@ from megatron_chunkflow.core.step import (
     plan_chunkflow,
 )
 from megatron_chunkflow.core.types import DataChunk, Segment
-from megatron_chunkflow.perfmodel.footprint import (
-    chunk_tokens,
-    gather_transient_bytes,
-    memory_hooks,
-    stage_params,
-    static_bytes,
-    transient_bytes,
-)
+from megatron_chunkflow.perfmodel.footprint import memory_hooks, stage_params, static_bytes
 from megatron_chunkflow.perfmodel.hardware import Hardware
+from megatron_chunkflow.perfmodel.moments import op_bytes_fn
 from megatron_chunkflow.perfmodel.roofline import Roofline
 
 GIB = 2.0**30
@@ -122,31 +116,24 @@ class Prediction:
 def _finish(system: str, rp: RankPlans, model: Roofline, shape: ModelShape, hw: Hardware,
             lengths: Sequence[int], rank_chunks=None, **extra) -> Prediction:
     """`rank_chunks`: each DP rank's chunks as computed, when they differ from rp.chunks
-    (ChunkFlow's CP padding, with_padding)."""
+    (ChunkFlow's CP padding, with_padding). Memory per (DP rank, stage): static bytes plus the
+    replay's peak (held activations, state, the running op's working memory: moments.py)."""
     layout = model.layout
     params = stage_params(shape, layout.pp)  # per rank: its V model chunks' layers
-    layers = layers_per_stage(shape.num_layers, layout.num_virtual_stages)  # recompute's unit
     dp = [model.dp_times(p) for p in params]
     opt = [model.optimizer_time(p) for p in params]
     rank_chunks = rp.chunks if rank_chunks is None else rank_chunks
-    gather = system == "chunkflow" and layout.cp > 1
-    placed = layout.pad_multiple if gather and extra.get("cp_placement") == "hybrid" else 0
     step, worst_mem, memory = 0.0, -1.0, {}
     for r, sim in enumerate(rp.sims):
-        max_tokens = max((chunk_tokens(c, layout.cp, placed) for c in rank_chunks[r]),
-                         default=0)
-        gathered = (gather_transient_bytes(rank_chunks[r], shape, layout, hw.dtype_bytes)
-                    if gather else 0.0)
         for s in range(layout.pp):
             rs, ag = dp[s]
             ops = sim.timeline[s]
             end = max(ops[-1].end, ops[-1].start + rs) if ops else rs
             first_f = (ops[0].end - ops[0].start) if ops else 0.0
             step = max(step, end + opt[s] + max(0.0, ag - first_f))
+            held, state, running = sim.peak_parts[s] if sim.peak_parts else (0.0, 0.0, 0.0)
             mem = {"static": static_bytes(params[s], layout, hw.dtype_bytes),
-                   "activations": sim.peak_bytes[s], "kv_state": rp.state_bytes[r][s],
-                   "transient": transient_bytes(max_tokens, shape, layout, hw.dtype_bytes,
-                                                s == layout.pp - 1, layers[s]) + gathered}
+                   "activations": held, "kv_state": state, "transient": running}
             if sum(mem.values()) > worst_mem:
                 worst_mem, memory = sum(mem.values()), mem
     slowest = max(range(len(rp.sims)), key=lambda r: rp.sims[r].step_time)
@@ -170,17 +157,21 @@ def roofline(shape: ModelShape, layout: ParallelConfig, hw: Hardware) -> Rooflin
 
 def predict_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware,
                      layout: ParallelConfig, seq_length: int,
-                     baseline: Baseline = "megatron-packed") -> Prediction:
+                     baseline: Baseline = "megatron-packed", loss_piece: int = 0) -> Prediction:
     """Stock Megatron: whole sequences in micro-batches of at most `seq_length` as `baseline`
     builds them (core/step.py), padded to 2 x CP under CP, Megatron's 1F1B (interleaved with
     layout.vpp > 1: ValueError where Megatron refuses the micro-batch count); megatron-sft sends
-    fixed seq_length shapes, the others each micro-batch's own after a shape handshake."""
+    fixed seq_length shapes, the others each micro-batch's own after a shape handshake;
+    `loss_piece`: the same loss in token pieces as ChunkFlow's (0: Megatron's own, as shipped)."""
     model = roofline(shape, layout, hw)
-    held_for, _ = memory_hooks(shape, layout, hw.dtype_bytes)
+    build = dataclasses.replace(hw.build, loss_piece=loss_piece)
+    held_for, _ = memory_hooks(shape, layout, hw.dtype_bytes, build=build, chunkflow=False)
     sends = "fixed" if baseline == "megatron-sft" else "variable"
     rp = plan_baseline(lengths, seq_length, layout.pp, layout.dp, shape,
                        lambda chunks, p: model.stage_costs(chunks, p, seq_length, sends),
-                       held_for, baseline=baseline, cp=layout.cp, num_model_chunks=layout.vpp)
+                       held_for, baseline=baseline, cp=layout.cp, num_model_chunks=layout.vpp,
+                       op_bytes_for=lambda chunks, p: op_bytes_fn(
+                           chunks, shape, layout, hw.dtype_bytes, p, build, chunkflow=False))
     return _finish("megatron", rp, model, shape, hw, lengths, baseline=baseline)
 
 
@@ -207,7 +198,7 @@ def with_padding(chunks: Sequence[DataChunk], lengths: Sequence[int]) -> list[Da
 def predict_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware,
                       layout: ParallelConfig, chunk_size: int, num_kept: int,
                       cp_kv: str = "sharded", cp_placement: str = "hybrid",
-                      reforward: str = "recompute") -> Prediction:
+                      reforward: str = "recompute", loss_piece: int = 0) -> Prediction:
     """ChunkFlow: chunks of `chunk_size`, K chunks of a long sequence holding activations; under
     CP every segment padded to ParallelConfig.segment_multiple, every chunk to chunk_padding, and
     ChunkFlow's CP attention
@@ -218,12 +209,14 @@ def predict_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware,
     core/cp_place.py can, "split" cuts every one), re-forwarded chunks' attention `reforward`
     (--chunkflow-reforward-attention: "recompute", or "keep" / "offload", whose re-forwards skip
     the attention core, keep holding its output on the GPU, offload copying it to the host and
-    back: roofline.kept_attention_costs)."""
+    back: roofline.kept_attention_costs), the loss in pieces of `loss_piece` tokens (0: whole;
+    --chunkflow-loss-piece)."""
     layout.check_chunk_size(chunk_size, naming="axes")
     asked, layout = layout, runtime_layout(layout)
     model = roofline(shape, layout, hw)
-    held_for, state_for = memory_hooks(shape, layout, hw.dtype_bytes, chunk_size, num_kept, cp_kv,
-                                       cp_placement, reforward)
+    build = dataclasses.replace(hw.build, loss_piece=loss_piece)
+    held_for, _ = memory_hooks(shape, layout, hw.dtype_bytes, chunk_size, num_kept, cp_kv,
+                               cp_placement, reforward, build)
     m, gather = layout.segment_multiple, (cp_kv if layout.cp > 1 else False)
     if m == 1:
         padded, real = lengths, (lambda chunks: chunks)
@@ -233,9 +226,11 @@ def predict_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware,
         padded, chunk_size, num_kept, layout.pp, layout.dp, shape,
         lambda chunks, p: model.stage_costs(real(chunks), p, chunk_size, "async", gather,
                                             cp_placement, (reforward, num_kept)),
-        lambda chunks, p: held_for(real(chunks), p),
-        lambda chunks, p: state_for(real(chunks), p), num_model_chunks=layout.vpp,
-        chunk_multiple=layout.chunk_padding)
+        lambda chunks, p: held_for(real(chunks), p), num_model_chunks=layout.vpp,
+        chunk_multiple=layout.chunk_padding,
+        op_bytes_for=lambda chunks, p: op_bytes_fn(
+            real(chunks), shape, layout, hw.dtype_bytes, p, build, num_kept=num_kept,
+            cp_kv=cp_kv, reforward=reforward, hybrid=cp_placement == "hybrid"))
     out = _finish("chunkflow", rp, model, shape, hw, lengths,
                   [real(c) for c in rp.chunks] if m > 1 else None,
                   chunk_size=chunk_size, num_kept=num_kept, cp_kv=cp_kv,

@@ -38,14 +38,16 @@ from megatron_chunkflow.core.step import Baseline, baseline_microbatches
 from megatron_chunkflow.core.types import DataChunk
 from megatron_chunkflow.perfmodel.floors import (
     chunk_work_items,
-    chunkflow_memory_floor,
     floor_sums,
-    inflight_tokens,
-    megatron_memory_floor,
     relaxed_1f1b_floor,
     time_floor,
 )
 from megatron_chunkflow.perfmodel.hardware import Hardware
+from megatron_chunkflow.perfmodel.memfloors import (
+    chunkflow_memory_floor,
+    inflight_tokens,
+    megatron_memory_floor,
+)
 from megatron_chunkflow.perfmodel.predict import (
     Prediction,
     predict_chunkflow,
@@ -180,13 +182,15 @@ def unsupported_interleaving(microbatches: Sequence[DataChunk],
 
 def best_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_gpus: int,
                   seq_length: int, layout: ParallelConfig | None = None,
-                  baseline: Baseline = "megatron-packed") -> Prediction:
+                  baseline: Baseline = "megatron-packed", loss_piece: int = 0) -> Prediction:
     """Stock Megatron as `baseline` on `layout`, or on the fastest layout and recompute option
     that fits. Layouts whose CP padding makes a sequence longer than `seq_length` are skipped,
     and so are interleaved ones whose micro-batch count per pipeline Megatron refuses
-    (unsupported_interleaving says why)."""
+    (unsupported_interleaving says why). `loss_piece`: ChunkFlow's loss in token pieces given to
+    the baseline too (0: Megatron's own, as shipped)."""
     if layout is not None:
-        return predict_megatron(lengths, shape, hw, layout, seq_length, baseline)
+        return predict_megatron(lengths, shape, hw, layout, seq_length, baseline, loss_piece)
+    build = dataclasses.replace(hw.build, loss_piece=loss_piece)
     mbs: dict[tuple[int, int], list | None] = {}  # (DP, CP) -> micro-batches
 
     def microbatches(lay: ParallelConfig):
@@ -211,7 +215,7 @@ def best_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_g
         key = (lay.dp, lay.cp, lay.pp, lay.vpp)
         if key not in inflight:
             inflight[key] = inflight_tokens(microbatches(lay), lay.dp, lay.cp, lay.pp, lay.vpp)
-        return megatron_memory_floor(lengths, shape, lay, hw.dtype_bytes, inflight[key])
+        return megatron_memory_floor(lengths, shape, lay, hw.dtype_bytes, inflight[key], build)
 
     def refine(lay: ParallelConfig) -> float:
         chunks = microbatches(lay)
@@ -233,7 +237,8 @@ def best_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_g
                if microbatches(lay) is not None
                and unsupported_interleaving(microbatches(lay), lay) is None]
     return search(layouts,
-                  lambda lay: predict_megatron(lengths, shape, hw, lay, seq_length, baseline),
+                  lambda lay: predict_megatron(lengths, shape, hw, lay, seq_length, baseline,
+                                               loss_piece),
                   time_of, memory_of, hw.usable_bytes, refine, dominates)
 
 
@@ -241,18 +246,20 @@ def best_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_
                    seq_length: int, layout: ParallelConfig | None = None, chunk_size: int = 8192,
                    num_kept: int = 1, auto_chunking: bool = False,
                    cp_kv: str | None = None, cp_placement: str = "hybrid",
-                   reforward: str | None = "recompute") -> Prediction:
+                   reforward: str | None = "recompute", loss_piece: int = 0) -> Prediction:
     """ChunkFlow on `layout` (or the fastest fitting layout and recompute option) with
     (chunk_size, num_kept), or with the fastest fitting (chunk size, K) when `auto_chunking`;
     under CP its K/V state `cp_kv` ("sharded" or "replicated"), or (None) the faster that fits,
     standalone chunks' segments placed `cp_placement`, re-forwarded chunks' attention
-    `reforward` (REFORWARD), or (None) the fastest that fits (predict_chunkflow)."""
+    `reforward` (REFORWARD), or (None) the fastest that fits, the loss in pieces of
+    `loss_piece` tokens (predict_chunkflow)."""
     kv_modes = CP_KV if cp_kv is None else (cp_kv,)
     modes = REFORWARD if reforward is None else (reforward,)
     if layout is not None and not auto_chunking and (layout.cp == 1 or len(kv_modes) == 1) \
             and len(modes) == 1:
         return predict_chunkflow(lengths, shape, hw, layout, chunk_size, num_kept, kv_modes[0],
-                                 cp_placement, modes[0])
+                                 cp_placement, modes[0], loss_piece)
+    build = dataclasses.replace(hw.build, loss_piece=loss_piece)
     # under CP a core_attn recompute is what the option without it runs (runtime_layout): the
     # search keeps the option without it, whose time floor is the exact one
     layouts = [layout] if layout else [
@@ -281,7 +288,7 @@ def best_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_
     # the memory floor is sharded state's, a lower bound of replicated's too
     return search(candidates,
                   lambda cand: predict_chunkflow(lengths, shape, hw, *cand[:4], cp_placement,
-                                                 cand[4]), time_of,
+                                                 cand[4], loss_piece), time_of,
                   lambda cand: chunkflow_memory_floor(lengths, shape, cand[0], hw.dtype_bytes,
-                                                     *cand[1:3]),
+                                                     *cand[1:3], build),
                   hw.usable_bytes)

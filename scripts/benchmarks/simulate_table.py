@@ -166,8 +166,9 @@ def markdown(rows: list[dict], gpu: str) -> None:
     for i, r in enumerate(rows, 1):
         print(f"{i:>2}: {r['command']}")
     print("```")
-    print(f"\nMemory budget: {hw.usable_bytes / GIB:.1f} GiB usable of {hw.hbm_gb:g} GB per GPU "
-          f"(reserve {hw.reserve_fraction:.0%}).")
+    print(f"\nMemory budget: {hw.usable_bytes / GIB:.1f} GiB allocated at most of "
+          f"{hw.memory_gib:g} GiB per GPU ({hw.reserve_gib:g} GiB outside PyTorch, "
+          f"{hw.fragmentation:.0%} for the allocator's fragmentation).")
 
 
 def main() -> int:

@@ -10,10 +10,8 @@ from megatron_chunkflow.cli import main
 from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.core.models import get_model_shape
 from megatron_chunkflow.core.step import BASELINES
-from megatron_chunkflow.perfmodel.footprint import (
-    kv_state_bytes_per_token,
-    per_token_bytes,
-)
+from megatron_chunkflow.perfmodel.footprint import per_token_bytes
+from megatron_chunkflow.perfmodel.kvstate import kv_state_bytes_per_token
 
 
 def run_json(capsys, *argv):

@@ -202,7 +202,7 @@ def test_auto_fits_the_budget(capsys):
     # a tighter budget still gets a fitting choice, with a smaller footprint
     rc, tight, _ = run_json(capsys, "--model", "qwen2.5-1.5b", *SMALL, "--seq-length", "65536",
                             "--megatron-parallel", "2,1,1,none", "--chunkflow-parallel",
-                            "1,1,1,none", "--auto", "--gpu-set", "hbm_gb=32")
+                            "1,1,1,none", "--auto", "--gpu-set", "memory_gib=33.6")
     assert tight["chunkflow"]["fits"]
     assert tight["chunkflow"]["peak_mem_gib"] <= tight["setup"]["usable_gib"] < cf["peak_mem_gib"]
 
@@ -257,7 +257,7 @@ def test_auto_layouts_and_lengths_file(tmp_path, capsys):
      "--max-seqlen-per-dp-cp-rank applies to --baseline megatron-hybrid-cp"),
     (["--chunkflow-k", "0"], "--chunkflow-k must be >= 1"),
     (["--gpu-set", "tflops=3"], "--gpu-set 'tflops=3': expected KEY=VALUE"),
-    (["--gpu-set", "hbm_gb=lots"], "--gpu-set 'hbm_gb=lots': 'lots' is not a valid float"),
+    (["--gpu-set", "memory_gib=lots"], "--gpu-set 'memory_gib=lots': 'lots' is not a valid float"),
     (["--calibration", "/nonexistent.json"], "--calibration /nonexistent.json: no such file"),
     (["--lengths-file", "/nonexistent"], "--lengths-file /nonexistent: no such file"),
     (["--lengths-file", "x", "--global-batch-size", "9"], "with --lengths-file the file is"),

@@ -56,6 +56,7 @@ def _real_peak(settings) -> int:
     ("chunkflow", "torch", "none", 1, {}),
     ("chunkflow", "cpu_flash", "selective", 2, {}),
     ("chunkflow", "torch", "full", 1, {"loss_piece": 128}),
+    ("chunkflow", "torch", "selective:layernorm+core_attn", 2, {}),
     ("chunkflow", "cpu_flash", "none", 1, {"reforward_attention": "keep"}),
     ("megatron-packed", "torch", "none", 1, {}),
 ])

@@ -13,13 +13,10 @@ from megatron_chunkflow.core.costs import attention_pairs
 from megatron_chunkflow.core.models import ModelShape, get_model_shape
 from megatron_chunkflow.core.packer import build_chunks
 from megatron_chunkflow.core.profiles import sample_lengths
-from megatron_chunkflow.perfmodel.floors import (
-    chunk_work_items,
-    chunkflow_memory_floor,
-    time_floor,
-)
-from megatron_chunkflow.perfmodel.footprint import (
-    chunk_tokens,
+from megatron_chunkflow.perfmodel.floors import chunk_work_items, time_floor
+from megatron_chunkflow.perfmodel.memfloors import chunkflow_memory_floor
+from megatron_chunkflow.perfmodel.footprint import chunk_tokens
+from megatron_chunkflow.perfmodel.kvstate import (
     gather_transient_bytes,
     kv_state_bytes_per_token,
     sequence_state_bytes,

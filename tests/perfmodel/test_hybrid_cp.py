@@ -59,7 +59,7 @@ def test_search_is_the_fastest_fitting_candidate():
     """Against every (TP, recompute, M) predicted in full: the fastest that fits, on a budget
     that the cheapest options do not meet."""
     lengths = [min(n, 65536) for n in sample_lengths("C", 48, seed=1)]
-    hw = dataclasses.replace(HW, hbm_gb=40)
+    hw = dataclasses.replace(HW, memory_gib=41.6)
     menu = [Recompute.parse(r) for r in ("none", "selective", "selective:mlp", "block:14",
                                          "full")]
     got = best_hybrid_cp(lengths, SHAPE, hw, 16, MEGATRON)

@@ -1,20 +1,23 @@
 """Megatron's recompute menu in the cost and memory model (perfmodel/footprint.py, layer.py,
 roofline.py): what each option keeps and re-runs, and the orders that implies."""
 
+import dataclasses
+
 import pytest
 
 from megatron_chunkflow.config import ParallelConfig, Recompute
 from megatron_chunkflow.core.models import get_model_shape
 from megatron_chunkflow.core.profiles import sample_lengths
 from megatron_chunkflow.perfmodel.footprint import (
+    Build,
     RECOMPUTE_DROPS,
     activation_terms,
     dropped_bytes,
     layer_activation_bytes,
     per_token_bytes,
-    sequence_state_bytes,
     transient_bytes,
 )
+from megatron_chunkflow.perfmodel.kvstate import sequence_state_bytes
 from megatron_chunkflow.perfmodel.hardware import get_gpu
 from megatron_chunkflow.perfmodel.predict import predict_chunkflow, predict_megatron
 
@@ -28,21 +31,27 @@ SEL = {m: Recompute("selective", m) for m in (("core_attn",), ("mlp",), ("layern
 
 
 def test_terms_add_up_to_the_documented_count():
-    """6h + 2kv + 3f elements plus the fp32 log-sum-exp, split over TP; each module drops its
-    own terms; full keeps the layer input."""
-    h, kv, f = Q7B.hidden_size, Q7B.kv_dim, Q7B.ffn_hidden_size
-    for tp in (1, 4):
-        terms = activation_terms(Q7B, P(tp=tp), 2)
+    """4h + 2a + 2kv + 3f elements plus the fp32 log-sum-exp and the norms' rstd; the head
+    dimensions split over TP, the hidden ones under sequence parallelism only; unfused SwiGLU
+    keeps 2f more; each module drops its own terms; full keeps the layer input."""
+    h, kv, f, nh = Q7B.hidden_size, Q7B.kv_dim, Q7B.ffn_hidden_size, Q7B.num_attention_heads
+    a = nh * Q7B.head_dim
+    for tp, sp in ((1, False), (4, False), (4, True)):
+        layout = dataclasses.replace(P(tp=tp), sequence_parallel=sp)
+        split = tp if sp else 1
+        terms = activation_terms(Q7B, layout, 2)
         assert sum(terms.values()) == pytest.approx(
-            (2 * (6 * h + 2 * kv + 3 * f) + 4 * Q7B.num_attention_heads) / tp)
-        assert layer_activation_bytes(Q7B, P(tp=tp), 2) == pytest.approx(sum(terms.values()))
+            2 * (4 * h / split + (2 * a + 2 * kv + 3 * f) / tp) + 4 * nh / tp + 8 / split)
+        unfused = activation_terms(Q7B, layout, 2, Build(fused_swiglu=False))
+        assert sum(unfused.values()) - sum(terms.values()) == pytest.approx(2 * 2 * f / tp)
+        assert layer_activation_bytes(Q7B, layout, 2) == pytest.approx(sum(terms.values()))
         for module, names in RECOMPUTE_DROPS.items():
-            assert dropped_bytes(Q7B, P(tp=tp), 2, Recompute("selective", (module,))) == \
+            assert dropped_bytes(Q7B, layout, 2, Recompute("selective", (module,))) == \
                 pytest.approx(sum(terms[n] for n in names))
-        assert layer_activation_bytes(Q7B, P(tp=tp), 2, "full") == 2 * h / tp
+        assert layer_activation_bytes(Q7B, layout, 2, "full") == 2 * h / split
     # mlp + layernorm share fc1's input (the pre-MLP norm's output): counted once
     both = dropped_bytes(Q7B, P(), 2, Recompute("selective", ("mlp", "layernorm")))
-    assert both == 2 * (h + h + 2 * f + f)
+    assert both == 2 * (h + h + 2 * f + f) + 8
 
 
 def test_block_keeps_inputs_for_its_first_n_layers():
@@ -80,9 +89,11 @@ def _pair(system, rc, pp=2):
 @pytest.mark.parametrize("system", ["megatron", "chunkflow"])
 def test_more_recompute_less_memory_more_time(system):
     """Along each chain of the menu, memory falls and time rises: none, block:1 .. block:13,
-    full; none, core_attn, core_attn + mlp + layernorm; none, layernorm, mlp + layernorm."""
+    full; none, mlp, mlp + layernorm; none, layernorm, mlp + layernorm. core_attn costs time and,
+    with a kernel that keeps no repeated K/V, memory too: its checkpoint keeps K and the QKV
+    output that V views, where the kernel kept copies of K and V (memtrace/ shows it)."""
     chains = [["none"] + [f"block:{n}" for n in range(1, 14)] + ["full"],
-              ["none", SEL[("core_attn",)], SEL[("core_attn", "mlp", "layernorm")]],
+              ["none", SEL[("mlp",)], Recompute("selective", ("mlp", "layernorm"))],
               ["none", SEL[("layernorm",)], Recompute("selective", ("mlp", "layernorm"))]]
     for chain in chains:
         points = [_pair(system, rc) for rc in chain]
@@ -93,7 +104,8 @@ def test_more_recompute_less_memory_more_time(system):
     assert tn < tb < tf and mn > mb > mf
     savings = {m: _pair(system, "none")[1] - _pair(system, SEL[(m,)])[1]
                for m in ("core_attn", "mlp", "layernorm")}
-    assert savings["mlp"] > savings["layernorm"] > savings["core_attn"] > 0
+    assert savings["mlp"] > savings["layernorm"] > 0 > savings["core_attn"]
+    assert _pair(system, SEL[("core_attn",)])[0] > tn
 
 
 @pytest.mark.parametrize("system", ["megatron", "chunkflow"])

@@ -84,7 +84,7 @@ def test_search_over_reforward_modes_is_exact():
     kept candidate's prediction."""
     shape = ModelShape(3, 2048, 5632, 16, 2, 32000)
     lengths = [4000, 9000, 65536]
-    hw = dataclasses.replace(H100, hbm_gb=5)  # keep does not fit where recompute does
+    hw = dataclasses.replace(H100, memory_gib=6.9)  # keep does not fit where recompute does
     layouts = [lay for lay in candidate_layouts(shape, hw, 2, allow_cp=True)
                if 8192 % lay.chunk_multiple == 0 and runtime_layout(lay) == lay]
     preds = [predict_chunkflow(lengths, shape, hw, lay, 8192, 1, reforward=m)

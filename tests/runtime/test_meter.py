@@ -223,7 +223,7 @@ def _chunkflow_state(c: int, n: int) -> dict:
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.data.synthetic import make_sequences
     from megatron_chunkflow.mcore.build import build_chunkflow_model
-    from megatron_chunkflow.perfmodel.footprint import kv_state_bytes_per_token
+    from megatron_chunkflow.perfmodel.kvstate import kv_state_bytes_per_token
     from megatron_chunkflow.runtime.execute import execute_step, plan_step
     from megatron_chunkflow.runtime.loss import make_forward_step
 
