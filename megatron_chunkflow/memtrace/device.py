@@ -157,6 +157,18 @@ class _Functions(TorchFunctionMode):
 _FACTORY_SKIP = (aten.lift_fresh.default, aten.lift_fresh_copy.default)
 
 
+def _inferred_dtype(func, args) -> torch.dtype:
+    """A factory's dtype when none is given: arange and full take their scalars' (integers give
+    int64: index math, kept on the host), the others the default floating dtype."""
+    if func._schema.name in ("aten::arange", "aten::full", "aten::scalar_tensor"):
+        scalars = [a for a in args if isinstance(a, (int, float, bool))]
+        if scalars and all(isinstance(a, bool) for a in scalars):
+            return torch.bool
+        if scalars and all(isinstance(a, int) for a in scalars):
+            return torch.int64
+    return torch.get_default_dtype()
+
+
 def _tensors(obj, out: list | None = None) -> list[torch.Tensor]:
     """The tensors in an op's arguments or results (nested tuples, lists, dict values): what
     pytree's tree_leaves finds there, at a fraction of its cost on the trace's hot path."""
@@ -193,7 +205,7 @@ class _Dispatch(TorchDispatchMode):
         host = False  # where a new meta storage lives: the device unless said otherwise
         if not leaves and "device" in kwargs and func not in _FACTORY_SKIP:
             device = kwargs["device"]
-            dtype = kwargs.get("dtype") or torch.get_default_dtype()
+            dtype = kwargs.get("dtype") or _inferred_dtype(func, args)
             if (device is None or torch.device(device).type == "cpu") and (
                     dtype.is_floating_point or dtype.is_complex):
                 kwargs, host = {**kwargs, "device": META}, not self.cpu
