@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from megatron_chunkflow.config import Recompute
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.step import Baseline, RankPlans, plan_baseline, plan_chunkflow
-from megatron_chunkflow.perfmodel.footprint import chunk_bytes_fn
+from megatron_chunkflow.perfmodel.held import chunk_bytes_fn
 from megatron_chunkflow.perfmodel.kvstate import long_sequence_state_bytes, longest_cut_sequence
 
 TIE = 0.03  # predictions this close (relative) to the fastest are a tie

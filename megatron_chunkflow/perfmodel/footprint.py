@@ -54,16 +54,9 @@ sequence parallelism, an fp32 log-sum-exp and the int64 label per token, and the
 piece's logits and their fp32 copy (6 p V / TP bytes), the output weight's gradient (2 V h / TP)
 and the fp32 gradient of the hidden states.
 
-Transient (transient_bytes): while a layer runs backward its activation gradients are live
-beside the saved activations; we count one layer's full activations of the largest micro-batch
-for them (the gradient working set), and, on top, what recompute brings back at that moment:
-selective modules re-create the dropped tensors of the layer being back-propagated (the first
-layer to run backward, while every other layer still holds its own); a fully recomputed layer
-re-creates all but its input, but only when every layer of the stage is recomputed (full, or
-block with N = the stage's layers): with block N < layers the first recomputed layer runs when
-the stage's kept layers have already freed more than it re-creates. On the last stage the loss's
-transient counts instead if larger. With tied embeddings on one stage (PP = 1) the output layer's
-weight gradient (2 V h / TP) waits for the embedding's during the whole backward.
+Working memory while an op runs (the loss's, a layer's backward) and when the K/V state is
+allocated are perfmodel/moments.py's; what a chunk holds (per token, per key token its kernel
+read, per own token of a standalone chunk) is perfmodel/held.py's.
 
 Every function takes the bytes per element of weights and activations (`dtype_bytes`: 2 for
 bf16, 4 for fp32; a device's Hardware.dtype_bytes) and, where it matters, the `Build`. Token
@@ -82,7 +75,6 @@ from megatron_chunkflow.core.costs import layers_per_stage, linear_weights_per_l
 from megatron_chunkflow.core.cp_place import place_segments
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.types import DataChunk
-from megatron_chunkflow.perfmodel.kvstate import chunkflow_state_bytes
 
 
 def layer_params(shape: ModelShape) -> int:
@@ -151,7 +143,7 @@ class Build:
 CPU_BUILD = Build(fused_swiglu=False)  # megatron-core's fusions are compiled for CUDA
 ACTIVATION_TERMS = ("norm_inputs", "norm_rstd", "qkv_input", "qkv_output", "q", "kv", "lse",
                     "proj_input", "fc1_input", "fc1_output", "glu_parts", "act_output")
-RECOMPUTE_DROPS = {"core_attn": ("lse", "kv"), "mlp": ("fc1_output", "glu_parts", "act_output"),
+RECOMPUTE_DROPS = {"core_attn": ("lse",), "mlp": ("fc1_output", "glu_parts", "act_output"),
                    "layernorm": ("qkv_input", "fc1_input", "norm_rstd")}
 
 
@@ -201,17 +193,24 @@ def dropped_bytes(shape: ModelShape, layout: ParallelConfig, dtype_bytes: int,
     return sum(terms[n] for n in {t for m in rc.modules for t in RECOMPUTE_DROPS[m]})
 
 
+def view_bytes(shape: ModelShape, layout: ParallelConfig, dtype_bytes: int) -> float:
+    """Bytes per token per layer of the attention's inputs as the layer makes them: post-RoPE K
+    and V, a view of the QKV output that keeps all of it (a + 2 kv) alive (with Qwen3's QK norms
+    it is kept anyway: qkv_output). Kept by the core_attn checkpoint, and by a kernel with
+    grouped-query attention that saves K and V themselves (a standalone chunk's, or a stock
+    micro-batch's: a dependent chunk's attention reads the state's buffer)."""
+    a, kv = shape.num_attention_heads * shape.head_dim, shape.kv_dim
+    return dtype_bytes * (kv + (0 if shape.qk_norm else a + 2 * kv)) / layout.tp
+
+
 def checkpoint_bytes(shape: ModelShape, layout: ParallelConfig, dtype_bytes: int,
                      recompute: Recompute | str | None = None) -> float:
     """Bytes per token per layer a selective option keeps that the layer without it does not:
-    the core_attn checkpoint saves its inputs, post-RoPE K and V, a view of the QKV output that
-    keeps all of it (a + 2 kv) alive, where the kernel kept contiguous copies of K and V; with
-    Qwen3's QK norms the QKV output is kept anyway (qkv_output)."""
+    the core_attn checkpoint's inputs (view_bytes) for every chunk."""
     rc = recompute_of(layout, recompute)
     if rc.kind != "selective" or "core_attn" not in rc.modules:
         return 0.0
-    a, kv = shape.num_attention_heads * shape.head_dim, shape.kv_dim
-    return dtype_bytes * (kv + (0 if shape.qk_norm else a + 2 * kv)) / layout.tp
+    return view_bytes(shape, layout, dtype_bytes)
 
 
 def layer_input_bytes(shape: ModelShape, layout: ParallelConfig, dtype_bytes: int) -> float:
@@ -266,115 +265,3 @@ def per_token_bytes(shape: ModelShape, layout: ParallelConfig, dtype_bytes: int,
            for n in layers_per_stage(shape.num_layers, num_stages)]
     out[-1] += head_activation_bytes(shape, layout, dtype_bytes, build)
     return out
-
-
-def key_token_bytes(shape: ModelShape, layout: ParallelConfig, dtype_bytes: int,
-                    num_stages: int, build: Build = Build()) -> list[float]:
-    """Bytes a held chunk keeps on each stage per key token its attention's kernel read: the
-    K/V repeated per query head (kv_repeat_bytes) in every layer that keeps its attention's
-    saved tensors (0 where the kernel has grouped-query attention)."""
-    return [(n - layout.recompute.layers_recomputed(n))
-            * kv_repeat_bytes(shape, layout, dtype_bytes, build,
-                              NO_RECOMPUTE if layout.recompute.kind == "block" else None)
-            for n in layers_per_stage(shape.num_layers, num_stages)]
-
-
-def key_tokens(chunk: DataChunk, cp: int, chunkflow: bool = True) -> int:
-    """The key tokens whose K/V a chunk's kernel keeps repeated (key_token_bytes): its own and,
-    for a dependent chunk, its prefix's. Under CP a dependent chunk's attention (and the stock
-    baselines', Transformer Engine's) keeps none: runtime/cp.py recomputes or runs from the
-    log-sum-exp; ChunkFlow's standalone chunks keep their own, the segments held whole on one
-    rank attending there (counted for all its local tokens: a bound)."""
-    if cp == 1:
-        return chunk.prefix_len + chunk.computed_tokens
-    return 0 if chunk.is_dependent or not chunkflow else math.ceil(chunk.computed_tokens / cp)
-
-
-def chunk_tokens(chunk: DataChunk, cp: int = 1, hybrid_multiple: int = 0) -> int:
-    """Tokens a micro-batch computes on one of its CP ranks (padding included); with
-    `hybrid_multiple` (ChunkFlow's hybrid CP: TP under sequence parallelism, else 1) a standalone
-    chunk's tokens as core/cp_place.py places its segments (each rank padded to the busiest)."""
-    if hybrid_multiple and cp > 1 and not chunk.is_dependent:
-        placed = place_segments([s.computed_tokens for s in chunk.segments], cp, hybrid_multiple)
-        if placed is not None:
-            return placed.local_tokens
-    return math.ceil(chunk.computed_tokens / cp)
-
-
-def chunk_bytes_fn(chunks: Sequence[DataChunk], per_token: Sequence[float], cp: int = 1,
-                   hybrid_multiple: int = 0, per_key_token: Sequence[float] | None = None,
-                   chunkflow: bool = True) -> Callable[[int, int], float]:
-    """held_bytes(chunk id, stage) for core.simulate.simulate: `per_token[stage]` bytes (modelled
-    or measured) for each of the chunk's computed tokens on this GPU (after CP, chunk_tokens),
-    and `per_key_token[stage]` for each of its key_tokens (`chunkflow`: ChunkFlow's chunks, not
-    a stock baseline's micro-batches)."""
-    tokens = {c.id: chunk_tokens(c, cp, hybrid_multiple) for c in chunks}
-    if not per_key_token or not any(per_key_token):
-        return lambda chunk, stage: per_token[stage] * tokens[chunk]
-    keys = {c.id: key_tokens(c, cp, chunkflow) for c in chunks}
-    return lambda chunk, stage: (per_token[stage] * tokens[chunk]
-                                 + per_key_token[stage] * keys[chunk])
-
-
-def held_bytes_fn(chunks: Sequence[DataChunk], shape: ModelShape, layout: ParallelConfig,
-                  dtype_bytes: int, num_stages: int, hybrid: bool = False,
-                  build: Build = Build(), chunkflow: bool = True) -> Callable[[int, int], float]:
-    """chunk_bytes_fn on this model's per_token_bytes and key_token_bytes; `hybrid`: ChunkFlow's
-    hybrid CP; `chunkflow`: ChunkFlow's chunks (not a stock baseline's micro-batches)."""
-    return chunk_bytes_fn(chunks, per_token_bytes(shape, layout, dtype_bytes, num_stages, build),
-                          layout.cp, layout.pad_multiple if hybrid else 0,
-                          key_token_bytes(shape, layout, dtype_bytes, num_stages, build),
-                          chunkflow)
-
-
-def loss_transient_bytes(max_tokens: int, shape: ModelShape, layout: ParallelConfig,
-                         dtype_bytes: int, build: Build = Build()) -> float:
-    """The loss's working memory beside what the head keeps (module docstring): the logits in
-    the compute dtype of the largest micro-batch (`max_tokens` on this GPU), or with the loss in
-    pieces one piece's logits and fp32 copy, the output weight's gradient and the fp32 gradient
-    of the hidden states."""
-    v = math.ceil(shape.vocab_size / layout.tp)
-    if not build.loss_piece:
-        return max_tokens * 2 * v
-    acc = max(4, dtype_bytes)
-    return ((dtype_bytes + acc) * min(build.loss_piece, max_tokens) * v
-            + dtype_bytes * v * shape.hidden_size + acc * max_tokens * shape.hidden_size)
-
-
-def transient_bytes(max_tokens: int, shape: ModelShape, layout: ParallelConfig, dtype_bytes: int,
-                    last_stage: bool, layers: int | None = None, build: Build = Build()) -> float:
-    """Working memory of the backward of one layer (or the loss) for the largest micro-batch
-    on this GPU (`max_tokens` after CP), on a stage of `layers` layers (default: an even split;
-    with virtual stages a model chunk's, which is what recompute applies to): the gradient
-    working set plus what recompute re-creates then, the tied output weight's gradient waiting
-    on a one-stage model (module docstring)."""
-    layers = shape.num_layers // layout.num_virtual_stages if layers is None else layers
-    full = layer_activation_bytes(shape, layout, dtype_bytes, NO_RECOMPUTE, build)
-    r = layout.recompute.layers_recomputed(layers)
-    if r and r == layers:
-        extra = full - layer_input_bytes(shape, layout, dtype_bytes)
-    else:
-        extra = 0.0 if r else dropped_bytes(shape, layout, dtype_bytes, build=build)
-    work = max_tokens * (full + extra)
-    if last_stage and shape.tie_embeddings and layout.pp == 1:
-        work += dtype_bytes * math.ceil(shape.vocab_size / layout.tp) * shape.hidden_size
-    if not last_stage:
-        return work
-    return max(work, loss_transient_bytes(max_tokens, shape, layout, dtype_bytes, build))
-
-
-def memory_hooks(shape: ModelShape, layout: ParallelConfig, dtype_bytes: int, chunk_size: int = 0,
-                 num_kept: int = 1, cp_kv: str = "sharded",
-                 cp_placement: str = "split",
-                 reforward: str = "recompute", build: Build = Build(),
-                 chunkflow: bool = True) -> tuple[Callable, Callable]:
-    """(held_bytes_for, state_bytes_for): this memory model as core/step.py's hooks, for a plan
-    of `chunk_size`-token chunks with K = `num_kept` (the state hook is for plan_chunkflow only),
-    ChunkFlow's standalone chunks placed `cp_placement` under CP, re-forwarded chunks'
-    attention kept by `reforward` (--chunkflow-reforward-attention), on `build`; `chunkflow`
-    False: a stock baseline's micro-batches."""
-    hybrid = cp_placement == "hybrid"
-    return (lambda chunks, p: held_bytes_fn(chunks, shape, layout, dtype_bytes, p, hybrid, build,
-                                            chunkflow),
-            lambda chunks, p: chunkflow_state_bytes(chunks, shape, layout, dtype_bytes, p,
-                                                    chunk_size, num_kept, cp_kv, reforward))

@@ -22,15 +22,15 @@ from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.core.costs import layers_per_stage
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.types import DataChunk
+from megatron_chunkflow.perfmodel.floors import interleaved_order
 from megatron_chunkflow.perfmodel.footprint import (
     Build,
-    chunk_tokens,
     head_activation_bytes,
     per_token_bytes,
     stage_params,
     static_bytes,
 )
-from megatron_chunkflow.perfmodel.floors import interleaved_order
+from megatron_chunkflow.perfmodel.held import chunk_tokens
 from megatron_chunkflow.perfmodel.kvstate import kv_state_bytes_per_token, sequence_state_bytes
 from megatron_chunkflow.perfmodel.moments import running_bytes
 

@@ -32,11 +32,11 @@ from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.types import DataChunk, Op
 from megatron_chunkflow.perfmodel.footprint import (
     Build,
-    chunk_tokens,
     dropped_bytes,
     layer_activation_bytes,
     layer_input_bytes,
 )
+from megatron_chunkflow.perfmodel.held import chunk_tokens
 from megatron_chunkflow.perfmodel.kvstate import gather_transient_bytes, kv_state_bytes_per_token
 
 OpBytes = Callable[[Op, int], tuple[float, float, float]]

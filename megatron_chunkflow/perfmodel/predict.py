@@ -41,8 +41,9 @@ from megatron_chunkflow.core.step import (
     plan_chunkflow,
 )
 from megatron_chunkflow.core.types import DataChunk, Segment
-from megatron_chunkflow.perfmodel.footprint import memory_hooks, stage_params, static_bytes
+from megatron_chunkflow.perfmodel.footprint import stage_params, static_bytes
 from megatron_chunkflow.perfmodel.hardware import Hardware
+from megatron_chunkflow.perfmodel.held import memory_hooks
 from megatron_chunkflow.perfmodel.moments import op_bytes_fn
 from megatron_chunkflow.perfmodel.roofline import Roofline
 
@@ -76,6 +77,9 @@ class Prediction:
     cp_kv: str = "sharded"  # ChunkFlow under CP: where a long sequence's K/V state lives
     cp_placement: str = "hybrid"  # ChunkFlow under CP: standalone chunks' segments (cp_place.py)
     reforward_attention: str = "recompute"  # ChunkFlow: a re-forward's attention (reforward.py)
+    memory_rank: int | None = None  # the DP rank and pipeline stage of the peak
+    memory_stage: int | None = None
+    loss_piece: int = 0  # the loss in token pieces (0: whole)
 
     @property
     def fits(self) -> bool:
@@ -100,6 +104,8 @@ class Prediction:
             "memory_gib": {k: v / GIB for k, v in self.memory.items()},
             "padding_fraction": self.padding_fraction,
         }
+        if self.loss_piece:
+            out["loss_piece"] = self.loss_piece
         if self.baseline is not None:
             out["baseline"] = self.baseline
         if self.max_seqlen_per_rank is not None:
@@ -123,7 +129,7 @@ def _finish(system: str, rp: RankPlans, model: Roofline, shape: ModelShape, hw: 
     dp = [model.dp_times(p) for p in params]
     opt = [model.optimizer_time(p) for p in params]
     rank_chunks = rp.chunks if rank_chunks is None else rank_chunks
-    step, worst_mem, memory = 0.0, -1.0, {}
+    step, worst_mem, memory, where = 0.0, -1.0, {}, (None, None)
     for r, sim in enumerate(rp.sims):
         for s in range(layout.pp):
             rs, ag = dp[s]
@@ -135,7 +141,7 @@ def _finish(system: str, rp: RankPlans, model: Roofline, shape: ModelShape, hw: 
             mem = {"static": static_bytes(params[s], layout, hw.dtype_bytes),
                    "activations": held, "kv_state": state, "transient": running}
             if sum(mem.values()) > worst_mem:
-                worst_mem, memory = sum(mem.values()), mem
+                worst_mem, memory, where = sum(mem.values()), mem, (r, s)
     slowest = max(range(len(rp.sims)), key=lambda r: rp.sims[r].step_time)
     chunks = [c for rank in rank_chunks for c in rank]
     computed = sum(c.computed_tokens for c in chunks)
@@ -146,7 +152,8 @@ def _finish(system: str, rp: RankPlans, model: Roofline, shape: ModelShape, hw: 
         peak_mem_bytes=worst_mem, usable_bytes=hw.usable_bytes, memory=memory,
         bubble=rp.sims[slowest].bubble_ratio, num_microbatches=len(chunks),
         recompute_chunks=sum(s.num_recompute for s in rp.sims),
-        padding_fraction=1 - sum(c.num_tokens for c in chunks) / max(computed, 1), **extra)
+        padding_fraction=1 - sum(c.num_tokens for c in chunks) / max(computed, 1),
+        memory_rank=where[0], memory_stage=where[1], **extra)
 
 
 @lru_cache(maxsize=2048)
@@ -172,7 +179,8 @@ def predict_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware,
                        held_for, baseline=baseline, cp=layout.cp, num_model_chunks=layout.vpp,
                        op_bytes_for=lambda chunks, p: op_bytes_fn(
                            chunks, shape, layout, hw.dtype_bytes, p, build, chunkflow=False))
-    return _finish("megatron", rp, model, shape, hw, lengths, baseline=baseline)
+    return _finish("megatron", rp, model, shape, hw, lengths, baseline=baseline,
+                   loss_piece=loss_piece)
 
 
 def cp_padded_lengths(lengths: Sequence[int], multiple: int) -> list[int]:
@@ -234,7 +242,8 @@ def predict_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware,
     out = _finish("chunkflow", rp, model, shape, hw, lengths,
                   [real(c) for c in rp.chunks] if m > 1 else None,
                   chunk_size=chunk_size, num_kept=num_kept, cp_kv=cp_kv,
-                  cp_placement=cp_placement, reforward_attention=reforward)
+                  cp_placement=cp_placement, reforward_attention=reforward,
+                  loss_piece=loss_piece)
     return dataclasses.replace(out, layout=asked)
 
 

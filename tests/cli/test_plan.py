@@ -11,6 +11,7 @@ from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.core.models import get_model_shape
 from megatron_chunkflow.core.step import BASELINES
 from megatron_chunkflow.perfmodel.footprint import per_token_bytes
+from megatron_chunkflow.perfmodel.held import own_view_bytes
 from megatron_chunkflow.perfmodel.kvstate import kv_state_bytes_per_token
 
 
@@ -95,19 +96,21 @@ def test_lengths_file_and_png(tmp_path, capsys):
 
 
 def test_memory_is_the_simulators_model(tmp_path, capsys):
-    """The printed peaks are perfmodel/footprint.py's bf16 model. One 100,000-token sequence on
-    PP=1: stock Megatron holds it whole; ChunkFlow (K=1) holds one 8K chunk at a time beside the
-    state L u + (n - 1) C a (the K/V buffer, fp32 accumulators of n - 1 = 12 chunks)."""
+    """The printed peaks are perfmodel/'s bf16 model. One 100,000-token sequence on PP=1: stock
+    Megatron holds it whole (its K and V kept as views of the QKV output); ChunkFlow (K=1) holds
+    one 8K chunk at a time beside the state L u + (n - 1) C a (the K/V buffer, fp32 accumulators
+    of n - 1 = 12 chunks)."""
     f = tmp_path / "lengths.txt"
     f.write_text("100000\n")
     rc, obj, _ = run_json(capsys, "--lengths-file", str(f), "--chunk-size", "8192",
                           "--chunkflow-k", "1")
     shape = get_model_shape("qwen2.5-7b")
     per_token = per_token_bytes(shape, ParallelConfig.layout(), 2, 1)[0]
+    views = own_view_bytes(shape, ParallelConfig.layout(), 2, 1)[0]  # a whole sequence's K, V
     u = kv_state_bytes_per_token(shape, shape.num_layers, 2, with_grad=False)
     a = kv_state_bytes_per_token(shape, shape.num_layers, 2) - u
     assert rc == 0
-    assert obj["baseline"]["peak_memory_gib"] == [round(100_000 * per_token / 2**30, 3)]
+    assert obj["baseline"]["peak_memory_gib"] == [round(100_000 * (per_token + views) / 2**30, 3)]
     assert obj["stats"]["peak_memory_gib"] == [
         round((8192 * per_token + 100_000 * u + 12 * 8192 * a) / 2**30, 3)]
 

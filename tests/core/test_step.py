@@ -6,7 +6,8 @@ import pytest
 from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.core.models import get_model_shape
 from megatron_chunkflow.core.step import plan_baseline, plan_chunkflow
-from megatron_chunkflow.perfmodel.footprint import memory_hooks, per_token_bytes
+from megatron_chunkflow.perfmodel.footprint import per_token_bytes
+from megatron_chunkflow.perfmodel.held import memory_hooks
 from megatron_chunkflow.perfmodel.kvstate import kv_state_bytes_per_token
 
 SHAPE = get_model_shape("qwen2.5-7b")

@@ -14,14 +14,13 @@ from megatron_chunkflow.core.models import ModelShape, get_model_shape
 from megatron_chunkflow.core.packer import build_chunks
 from megatron_chunkflow.core.profiles import sample_lengths
 from megatron_chunkflow.perfmodel.floors import chunk_work_items, time_floor
-from megatron_chunkflow.perfmodel.memfloors import chunkflow_memory_floor
-from megatron_chunkflow.perfmodel.footprint import chunk_tokens
+from megatron_chunkflow.perfmodel.hardware import get_gpu, with_overrides
+from megatron_chunkflow.perfmodel.held import chunk_tokens
 from megatron_chunkflow.perfmodel.kvstate import (
     gather_transient_bytes,
     kv_state_bytes_per_token,
     sequence_state_bytes,
 )
-from megatron_chunkflow.perfmodel.hardware import get_gpu, with_overrides
 from megatron_chunkflow.perfmodel.layer import (
     GATHER_KERNELS_BWD,
     GATHER_KERNELS_FWD,
@@ -33,6 +32,7 @@ from megatron_chunkflow.perfmodel.layer import (
     zigzag_pairs,
     zigzag_split_pairs,
 )
+from megatron_chunkflow.perfmodel.memfloors import chunkflow_memory_floor
 from megatron_chunkflow.perfmodel.predict import (
     cp_padded_lengths,
     predict_chunkflow,

@@ -8,8 +8,8 @@ from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.core.models import get_model_shape
 from megatron_chunkflow.core.packer import build_chunks
 from megatron_chunkflow.core.profiles import sample_lengths
-from megatron_chunkflow.perfmodel.footprint import chunk_tokens
 from megatron_chunkflow.perfmodel.hardware import get_gpu
+from megatron_chunkflow.perfmodel.held import chunk_tokens
 from megatron_chunkflow.perfmodel.layer import chunk_work, layer_model, piece_pairs
 from megatron_chunkflow.perfmodel.predict import predict_chunkflow
 

@@ -11,12 +11,12 @@ from megatron_chunkflow.core.packer import build_chunks
 from megatron_chunkflow.core.profiles import sample_lengths
 from megatron_chunkflow.core.step import BASELINES, baseline_microbatches
 from megatron_chunkflow.perfmodel.floors import chunk_work_items, relaxed_1f1b_floor, time_floor
+from megatron_chunkflow.perfmodel.hardware import get_gpu, with_overrides
 from megatron_chunkflow.perfmodel.memfloors import (
     chunkflow_memory_floor,
     inflight_tokens,
     megatron_memory_floor,
 )
-from megatron_chunkflow.perfmodel.hardware import get_gpu, with_overrides
 from megatron_chunkflow.perfmodel.predict import (
     predict_chunkflow,
     predict_megatron,
