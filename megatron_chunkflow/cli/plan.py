@@ -47,7 +47,8 @@ from megatron_chunkflow.core.step import BASELINES, plan_baseline, plan_chunkflo
 from megatron_chunkflow.core.types import PipelinePlan
 from megatron_chunkflow.flags import add_config_arguments, check_output_file, config_from_args
 from megatron_chunkflow.mcore.hybrid_cp import balanced_cp_groups
-from megatron_chunkflow.perfmodel.footprint import memory_hooks, per_token_bytes
+from megatron_chunkflow.perfmodel.footprint import per_token_bytes
+from megatron_chunkflow.perfmodel.held import memory_hooks
 
 SCENARIO = dict(model="qwen2.5-7b", global_batch_size=2000)  # README, "Defaults"
 GIB = 2.0**30

@@ -74,11 +74,27 @@ class MemoryTrace:
     scalar_reads: int  # device values the step read back (zeros here; syncs on a GPU)
     fits: bool | None = None  # with a capacity: whether the replayed allocator fit in it
     oom: dict | None = None
+    events: list = field(default_factory=list, repr=False)  # the device allocations, in order
+    _needed: int | None = field(default=None, repr=False)
+
+    @property
+    def needed(self) -> int:
+        """The least device memory in which the replayed caching allocator never fails: the
+        allocated peak plus the fragmentation it cannot avoid (1 MiB steps)."""
+        if self._needed is None:
+            lo, hi = self.peak_allocated, max(self.peak_reserved, self.peak_allocated)
+            while hi - lo > 1 << 20:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if replay(self.events, mid).oom is None else (mid, hi)
+            self._needed = hi
+        return self._needed
 
     def to_json(self) -> dict:
-        out = dataclasses.asdict(self)
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if not f.name.startswith("_") and f.name != "events"}
         out["ranks"] = dataclasses.asdict(self.ranks)
         out["terms"] = [list(t) for t in self.terms]
+        out["needed"] = self.needed
         if self.oom and self.oom.get("label") is not None:
             out["oom"] = {**self.oom, "label": list(self.oom["label"])}
         return out
@@ -231,7 +247,8 @@ def trace_memory(settings, lengths, *, world: int | None = None, rank: int = 0,
     if cpu:  # the host's allocator: bytes as asked
         stats = AllocatorStats(ledger.device_peak, ledger.device_peak, 0, None, ledger.peak_event)
     else:  # build and both steps: max_memory_allocated's view
-        stats = replay(ledger.events, capacity)
+        stats = replay(ledger.events)
+    bounded = replay(ledger.events, capacity) if capacity is not None and not cpu else stats
     live = ledger.live_at(stats.peak_index)
     at_peak, terms, static = _attribute(live, ledger.live_at(begun), params, buffers,
                                         ledger.block)
@@ -243,7 +260,9 @@ def trace_memory(settings, lengths, *, world: int | None = None, rank: int = 0,
         peak_where=f"{label.module} {label.op}".strip(), at_peak=at_peak, static=static,
         terms=terms, phase_peaks=phase_peaks, host_peak=ledger.host_peak,
         scalar_reads=ledger.scalar_reads,
-        fits=None if capacity is None else stats.oom is None, oom=stats.oom)
+        fits=None if capacity is None else bounded.oom is None, oom=bounded.oom,
+        events=[] if cpu else ledger.events,
+        _needed=stats.peak_allocated if cpu else None)
 
 
 def _attribute(live: dict, static_live: dict, params: set, buffers: set, block: int):
