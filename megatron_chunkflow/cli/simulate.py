@@ -56,6 +56,7 @@ from megatron_chunkflow.perfmodel.hybrid_cp import best_hybrid_cp
 from megatron_chunkflow.perfmodel.predict import GIB, Prediction
 from megatron_chunkflow.perfmodel.search import (
     CP_KV,
+    LOSS_PIECES,
     REFORWARD,
     best_chunkflow,
     best_megatron,
@@ -104,6 +105,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chunkflow-cp-kv", choices=["auto", *CP_KV], default="auto",
                    help="under CP, a long sequence's K/V state: sharded over the CP ranks or "
                         "replicated on each (runtime/cp.py); auto tries both (default: auto)")
+    g.add_argument("--chunkflow-loss-piece", default="0", metavar="N",
+                   help="ChunkFlow's output layer and cross entropy in pieces of N tokens (0: "
+                        "whole, as stock Megatron), or auto: whole or in pieces of "
+                        f"{LOSS_PIECES[1]}, the faster that fits. The stock baselines are "
+                        "predicted as shipped and, where ChunkFlow pieces its loss, with the "
+                        "same loss too (default: 0)")
     g.add_argument("--chunkflow-reforward-attention", choices=["auto", *REFORWARD],
                    default="recompute",
                    help="a re-forwarded chunk's attention: recompute it, keep its output from the "
@@ -140,8 +147,23 @@ def _x(value: float | None) -> str:
     return f"{value:.2f}x" if value is not None else "n/a"
 
 
+def _loss_piece(text: str) -> int | None:
+    """--chunkflow-loss-piece: tokens (0: whole), or None for auto; ValueError naming it."""
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"--chunkflow-loss-piece {text!r}: give a number of tokens (0: the "
+                         "whole loss) or auto") from None
+    if value < 0:
+        raise ValueError(f"--chunkflow-loss-piece must be >= 0 (0: whole) or auto, got {value}")
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(ChunkFlowConfig, args)
+    piece = _loss_piece(args.chunkflow_loss_piece)
     for flag, value in (("--gpus", args.gpus), ("--seq-length", args.seq_length)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
@@ -171,13 +193,13 @@ def run(args: argparse.Namespace) -> int:
         notes.append(f"{HYBRID} not predicted: --megatron-parallel {args.megatron_parallel} has "
                      "PP > 1, which Megatron-LM refuses with --hybrid-context-parallel")
 
-    def stock(name: str, device) -> Prediction:
+    def stock(name: str, device, loss_piece: int = 0) -> Prediction:
         try:
             if name == HYBRID:
                 return best_hybrid_cp(lengths, shape, device, args.gpus, balanced_cp_groups,
                                       mg_layout, args.max_seqlen_per_dp_cp_rank)
             return best_megatron(lengths, shape, device, args.gpus, args.seq_length, mg_layout,
-                                 name)
+                                 name, loss_piece)
         except ValueError as e:
             raise ValueError(f"--baseline {name}: {e}") from None
 
@@ -187,8 +209,13 @@ def run(args: argparse.Namespace) -> int:
                         cp_kv=None if args.chunkflow_cp_kv == "auto" else args.chunkflow_cp_kv,
                         cp_placement=cfg.cp_placement,
                         reforward=(None if args.chunkflow_reforward_attention == "auto"
-                                   else args.chunkflow_reforward_attention))
+                                   else args.chunkflow_reforward_attention), loss_piece=piece)
+    # ChunkFlow's loss in pieces given to the stock baselines too (Megatron's per-sample CP runs
+    # Transformer Engine's path: as shipped only), so the gain is attributed honestly
+    same_loss = ({name: stock(name, hw, cf.loss_piece) for name in names if name != HYBRID}
+                 if cf.loss_piece else {})
     speedups = {name: speedup_of(p, cf) for name, p in preds.items()}
+    speedups_same_loss = {name: speedup_of(p, cf) for name, p in same_loss.items()}
     ratios = {name: p.step_s / cf.step_s for name, p in preds.items()}
     ends = {}  # CP overlap 0 and 1: the stock systems again (ChunkFlow's CP does not overlap)
     for end in CP_OVERLAP_ENDS:
@@ -209,13 +236,17 @@ def run(args: argparse.Namespace) -> int:
     for name, p in preds.items():
         out.say(_row(name.removeprefix("megatron-") if len(name) > 17 else name, p,
                      hw.usable_bytes))
+    for name, p in same_loss.items():
+        out.say(_row(name.removeprefix("megatron-") + " +piece", p, hw.usable_bytes))
     out.say(_row("ChunkFlow", cf, hw.usable_bytes))
     out.say("")
     for name in names:
         lo, hi = (ends[f"{e:g}"][name]["speedup"] for e in CP_OVERLAP_ENDS)
         if speedups[name] is not None:
+            same = (f"; {_x(speedups_same_loss[name])} given the same loss in pieces of "
+                    f"{cf.loss_piece}" if name in same_loss else "")
             out.say(f"ChunkFlow speedup vs {name}: {speedups[name]:.2f}x (CP overlap "
-                    f"{hw.cp_overlap:g}; at 0: {_x(lo)}, at 1: {_x(hi)})")
+                    f"{hw.cp_overlap:g}; at 0: {_x(lo)}, at 1: {_x(hi)}){same}")
         else:
             who = " and ".join(n for n, p in ((name, preds[name]), ("ChunkFlow", cf))
                                if not p.fits)
@@ -237,6 +268,8 @@ def run(args: argparse.Namespace) -> int:
         chosen.append(f"--chunkflow-cp-kv {cf.cp_kv}")
     if args.chunkflow_reforward_attention == "auto":
         chosen.append(f"--chunkflow-reforward-attention {cf.reforward_attention}")
+    if piece is None:
+        chosen.append(f"--chunkflow-loss-piece {cf.loss_piece}")
     if chosen:
         out.say("chosen by search (fastest that fits): " + "; ".join(chosen))
 
@@ -248,6 +281,9 @@ def run(args: argparse.Namespace) -> int:
         "step_time_ratio": ratios[main],
         "baselines": {name: p.to_json() for name, p in preds.items()},
         "speedups": speedups,
+        "loss_piece": cf.loss_piece,
+        "baselines_same_loss": {name: p.to_json() for name, p in same_loss.items()},
+        "speedups_same_loss": speedups_same_loss,
         "step_time_ratios": ratios,
         "strongest": strongest,
         "speedup_vs_strongest": speedups[strongest] if strongest else None,

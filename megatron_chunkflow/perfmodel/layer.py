@@ -202,7 +202,7 @@ class LayerModel:
         self._dense = _dense_cache(shape, t, dataclasses.replace(hw, cp_overlap=0.0,
                                                                  kernel_launch_us=0.0))
         self._parts: dict[Work, Parts] = {}
-        self.ends_cache: dict = {}  # perfmodel/roofline.py's embedding and head, by tokens
+        self.ends_cache: dict = {}  # perfmodel/roofline.py's embedding and head, by loss piece
         tp, cp = (t > 1), layout.cp - 1
         self.base_kernels = (KERNELS_FWD + TP_KERNELS_FWD * tp, KERNELS_BWD + TP_KERNELS_BWD * tp)
         self.kernels_fwd = self.base_kernels[0] + CP_KERNELS_PER_STEP * cp

@@ -157,9 +157,11 @@ def _finish(system: str, rp: RankPlans, model: Roofline, shape: ModelShape, hw: 
 
 
 @lru_cache(maxsize=2048)
-def roofline(shape: ModelShape, layout: ParallelConfig, hw: Hardware) -> Roofline:
-    """One Roofline per (model, layout, device), so searches reuse its per-chunk cost cache."""
-    return Roofline(shape, layout, hw)
+def roofline(shape: ModelShape, layout: ParallelConfig, hw: Hardware,
+             loss_piece: int = 0) -> Roofline:
+    """One Roofline per (model, layout, device, loss piece), so searches reuse its per-chunk
+    cost cache."""
+    return Roofline(shape, layout, hw, loss_piece)
 
 
 def predict_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware,
@@ -170,7 +172,7 @@ def predict_megatron(lengths: Sequence[int], shape: ModelShape, hw: Hardware,
     layout.vpp > 1: ValueError where Megatron refuses the micro-batch count); megatron-sft sends
     fixed seq_length shapes, the others each micro-batch's own after a shape handshake;
     `loss_piece`: the same loss in token pieces as ChunkFlow's (0: Megatron's own, as shipped)."""
-    model = roofline(shape, layout, hw)
+    model = roofline(shape, layout, hw, loss_piece)
     build = dataclasses.replace(hw.build, loss_piece=loss_piece)
     held_for, _ = memory_hooks(shape, layout, hw.dtype_bytes, build=build, chunkflow=False)
     sends = "fixed" if baseline == "megatron-sft" else "variable"
@@ -221,7 +223,7 @@ def predict_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware,
     --chunkflow-loss-piece)."""
     layout.check_chunk_size(chunk_size, naming="axes")
     asked, layout = layout, runtime_layout(layout)
-    model = roofline(shape, layout, hw)
+    model = roofline(shape, layout, hw, loss_piece)
     build = dataclasses.replace(hw.build, loss_piece=loss_piece)
     held_for, _ = memory_hooks(shape, layout, hw.dtype_bytes, chunk_size, num_kept, cp_kv,
                                cp_placement, reforward, build)

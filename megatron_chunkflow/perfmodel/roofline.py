@@ -109,8 +109,10 @@ def layer_times(parts: Parts, recompute, launch_s: float) -> LayerTimes:
 class Roofline:
     """Op times of one model on one layout and device (see the module docstring)."""
 
-    def __init__(self, shape: ModelShape, layout: ParallelConfig, hw: Hardware):
+    def __init__(self, shape: ModelShape, layout: ParallelConfig, hw: Hardware,
+                 loss_piece: int = 0):
         self.shape, self.layout, self.hw = shape, layout, hw
+        self.loss_piece = loss_piece  # --chunkflow-loss-piece: the head's cost (head)
         self.layer = layer_model(shape, layout, hw)  # shared by every recompute option
         self.vocab = math.ceil(shape.vocab_size / layout.tp)
         self.mem_bw = self.layer.mem_bw
@@ -118,7 +120,8 @@ class Roofline:
         self.pp_link = hw.link(layout.span("pp"))
         self.dp_link = hw.link(layout.span("dp"))
         self.launch_s = hw.kernel_launch_us * 1e-6
-        self._ends = self.layer.ends_cache  # (tokens, stages) -> embedding, head, layers
+        # (tokens, stages) -> embedding, head, layers; the head depends on the loss piece
+        self._ends = self.layer.ends_cache.setdefault(loss_piece, {})
 
     def attention(self, tokens: int, pairs: float, gathered: int = 0) -> tuple[float, float]:
         """(forward, backward) seconds of one layer's attention core (perfmodel/layer.py)."""
@@ -133,12 +136,16 @@ class Roofline:
         return comm + move, comm + 2 * move
 
     def head(self, tokens: int) -> tuple[float, float]:
-        """Final norm, output layer and vocabulary-parallel cross entropy (fp32 softmax)."""
+        """Final norm, output layer and vocabulary-parallel cross entropy (fp32 softmax). With the
+        loss in pieces (runtime/pieced_loss.py) the backward makes the logits again (one more
+        logits GEMM) and both passes stream the fp32 softmax per piece or vocabulary block."""
         hw, h, T = self.hw, self.shape.hidden_size, tokens
         comm = ring_time(T * h * hw.dtype_bytes, self.layout.tp, self.tp_link)
-        fwd = gemm_time(T, self.vocab, h, hw) + comm + T * self.vocab * 18 / self.mem_bw
+        logits = gemm_time(T, self.vocab, h, hw)
+        streamed = (30, 36) if self.loss_piece else (18, 6)  # bytes per logit moved, F and B
+        fwd = logits + comm + T * self.vocab * streamed[0] / self.mem_bw
         bwd = (gemm_time(T, h, self.vocab, hw) + gemm_time(h, self.vocab, T, hw) + comm
-               + T * self.vocab * 6 / self.mem_bw)
+               + T * self.vocab * streamed[1] / self.mem_bw + (logits if self.loss_piece else 0))
         return fwd, bwd
 
     def ends(self, tokens: int, num_stages: int) -> tuple:

@@ -63,6 +63,9 @@ KS = (1, 2, 4, 8)
 MAX_VPP = 2
 REFORWARD = typing.get_args(ReforwardAttention)  # --chunkflow-reforward-attention, searched
 CP_KV = ("sharded", "replicated")  # ChunkFlow's K/V state under CP (--chunkflow-cp-kv), searched
+# the loss whole or in pieces of this many tokens (--chunkflow-loss-piece), searched when asked:
+# a piece's logits on a 152K vocabulary are 0.9 GiB, the GEMMs of 2048 rows still efficient
+LOSS_PIECES = (0, 2048)
 
 
 def _divisors(n: int, limit: int) -> list[int]:
@@ -246,36 +249,38 @@ def best_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_
                    seq_length: int, layout: ParallelConfig | None = None, chunk_size: int = 8192,
                    num_kept: int = 1, auto_chunking: bool = False,
                    cp_kv: str | None = None, cp_placement: str = "hybrid",
-                   reforward: str | None = "recompute", loss_piece: int = 0) -> Prediction:
+                   reforward: str | None = "recompute", loss_piece: int | None = 0
+                   ) -> Prediction:
     """ChunkFlow on `layout` (or the fastest fitting layout and recompute option) with
     (chunk_size, num_kept), or with the fastest fitting (chunk size, K) when `auto_chunking`;
     under CP its K/V state `cp_kv` ("sharded" or "replicated"), or (None) the faster that fits,
     standalone chunks' segments placed `cp_placement`, re-forwarded chunks' attention
     `reforward` (REFORWARD), or (None) the fastest that fits, the loss in pieces of
-    `loss_piece` tokens (predict_chunkflow)."""
+    `loss_piece` tokens, or (None) whole or in pieces (LOSS_PIECES), the faster that fits
+    (predict_chunkflow)."""
     kv_modes = CP_KV if cp_kv is None else (cp_kv,)
     modes = REFORWARD if reforward is None else (reforward,)
+    pieces = LOSS_PIECES if loss_piece is None else (loss_piece,)
     if layout is not None and not auto_chunking and (layout.cp == 1 or len(kv_modes) == 1) \
-            and len(modes) == 1:
+            and len(modes) == 1 and len(pieces) == 1:
         return predict_chunkflow(lengths, shape, hw, layout, chunk_size, num_kept, kv_modes[0],
-                                 cp_placement, modes[0], loss_piece)
-    build = dataclasses.replace(hw.build, loss_piece=loss_piece)
+                                 cp_placement, modes[0], pieces[0])
     # under CP a core_attn recompute is what the option without it runs (runtime_layout): the
     # search keeps the option without it, whose time floor is the exact one
     layouts = [layout] if layout else [
         lay for lay in candidate_layouts(shape, hw, num_gpus, allow_cp=True)
         if runtime_layout(lay) == lay]
-    candidates = [(lay, c, kk, kv, ra) for lay in layouts
+    candidates = [(lay, c, kk, kv, ra, piece) for lay in layouts
                   for c, kk in (chunking_candidates(lengths, seq_length, lay.chunk_multiple)
                                 if auto_chunking else [(chunk_size, num_kept)]
                                 if chunk_size % lay.chunk_multiple == 0 else [])
                   for kv in (kv_modes if lay.cp > 1 else kv_modes[:1])
-                  for ra in modes]
+                  for ra in modes for piece in pieces]
     chunkings, work = {}, {}  # (chunk size, DP, K, padding) -> chunks; (.., CP, K/V) -> work
     floors = _Floors(shape, hw)
 
     def time_of(cand) -> float:
-        lay, c, kk, kv, ra = cand
+        lay, c, kk, kv, ra, _ = cand
         m = (lay.segment_multiple, lay.chunk_padding)
         key = (c, lay.dp, kk, m, lay.cp, kv)
         if key not in work:
@@ -288,7 +293,8 @@ def best_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_
     # the memory floor is sharded state's, a lower bound of replicated's too
     return search(candidates,
                   lambda cand: predict_chunkflow(lengths, shape, hw, *cand[:4], cp_placement,
-                                                 cand[4], loss_piece), time_of,
-                  lambda cand: chunkflow_memory_floor(lengths, shape, cand[0], hw.dtype_bytes,
-                                                     *cand[1:3], build),
+                                                 *cand[4:]), time_of,
+                  lambda cand: chunkflow_memory_floor(
+                      lengths, shape, cand[0], hw.dtype_bytes, *cand[1:3],
+                      dataclasses.replace(hw.build, loss_piece=cand[5])),
                   hw.usable_bytes)
