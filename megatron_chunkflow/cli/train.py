@@ -90,6 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "megatron-packed (best-fit packing, no padding) or megatron-unpacked "
                         "(one sequence per micro-batch) (default: megatron-packed)")
     add_config_arguments(g, ChunkFlowConfig, defaults={"chunk_size": SCENARIO["chunk_size"]})
+    g.add_argument("--chunkflow-skip-memory-check", action="store_true",
+                   help="on a GPU, skip the check before step 1 that the first global batch's traced "
+                        "memory fits every GPU of the job (memtrace/guard.py)")
     add_config_arguments(g, SparseConfig)
     g = p.add_argument_group("LoRA (adapters on a frozen model)")
     add_config_arguments(g, LoRAConfig, prefix="lora-", defaults={"rank": None},
@@ -134,7 +137,8 @@ def settings_from_args(args) -> TrainSettings:
         train_iters=args.train_iters, global_batch_size=args.global_batch_size,
         seq_length=args.seq_length, seed=args.seed, exit_interval=args.exit_interval,
         dtype=args.dtype, hf_shape=hf_shape, lora=LoRAConfig.from_args(args),
-        sparse=config_from_args(SparseConfig, args))
+        sparse=config_from_args(SparseConfig, args),
+        memory_check=not args.chunkflow_skip_memory_check)
 
 
 def recompute_from_megatron_flags(args) -> Recompute | None:

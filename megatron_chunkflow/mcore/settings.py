@@ -103,6 +103,8 @@ class TrainSettings:
     # GPU on the meta device and says "cuda" on a CPU machine)
     fusions: bool = True  # on a GPU, Megatron's fused kernels that need no Transformer Engine
     # or Apex (bias-SwiGLU, bias-dropout-add) as Megatron-LM turns them on; CPU runs have none
+    memory_check: bool = True  # on a GPU, refuse before step 1 a first step that does not fit
+    # (memtrace/guard.py; --chunkflow-skip-memory-check)
 
     def __post_init__(self):
         for flag, value in (("--global-batch-size", self.global_batch_size),

@@ -46,6 +46,9 @@ def add_chunkflow_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
                         "flags; works "
                         "with and without --chunkflow, so both systems can start from the same "
                         "weights); a later --load checkpoint still takes precedence")
+    g.add_argument("--chunkflow-skip-memory-check", action="store_true",
+                   help="on a GPU, skip the check before step 1 that the first global batch's traced "
+                        "memory fits every GPU of the job (memtrace/guard.py)")
     g.add_argument("--chunkflow-allow-untested-megatron", action="store_true",
                    help=f"run on a Megatron-LM other than core_v{TESTED_VERSION} (with a warning)")
     return parser
@@ -245,6 +248,33 @@ def _device_and_dtype(args):
 
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     return "cuda" if has_real_cuda() else "cpu", dtype
+
+
+def trace_settings(args):
+    """This launch as the settings memtrace/ traces: megatron-core's model of the same shape and
+    layout, ChunkFlow's flags, Megatron's recompute option and fusions, its precision, on a GPU
+    (the plugin's build is megatron-core's local spec; with Transformer Engine's the layers keep
+    other tensors)."""
+    from megatron_chunkflow.config import ParallelConfig, Recompute
+    from megatron_chunkflow.mcore.settings import OptimizerConfig, TrainSettings
+
+    if args.recompute_granularity == "selective":
+        recompute = Recompute("selective", tuple(args.recompute_modules or ("core_attn",)))
+    elif args.recompute_granularity == "full":
+        recompute = (Recompute("block", num_layers=args.recompute_num_layers)
+                     if args.recompute_method == "block" else Recompute("full"))
+    else:
+        recompute = Recompute()
+    parallel = ParallelConfig(
+        tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+        vpp=args.virtual_pipeline_model_parallel_size or 1, cp=args.context_parallel_size,
+        sequence_parallel=args.sequence_parallel, recompute=recompute)
+    return TrainSettings(
+        shape=shape_from_args(args), model_name="pretrain_gpt.py", chunkflow=chunkflow_config(args),
+        parallel=parallel, optimizer=OptimizerConfig(lr_warmup_iters=0), train_iters=2,
+        global_batch_size=args.global_batch_size, seq_length=args.seq_length,
+        dtype="bfloat16" if args.bf16 else "float32", device="cuda",
+        fusions=bool(args.bias_swiglu_fusion))
 
 
 def shape_from_args(args) -> ModelShape:

@@ -87,6 +87,10 @@ class ChunkFlowStepIterator:
     def __iter__(self):
         return self
 
+    def next_lengths(self) -> list[int]:
+        """The lengths of the global batch the next step takes (without taking it)."""
+        return batch_lengths(global_batch(self.dataset, self._sampler.batch_at(self.consumed)))
+
     def __next__(self):
         sequences = global_batch(self.dataset, self._sampler.batch_at(self.consumed))
         self.consumed += self.global_batch_size

@@ -82,6 +82,7 @@ class _Hooks:
         self.loss_vocab = None  # _loss_vocab_size, read once
         self.store = None  # the K/V state store every model chunk of this rank shares
         self.iterators = None  # built once; every virtual stage's slot gets the same
+        self.memory_checked = False  # memtrace/guard.py before the first step
 
 
 _HOOKS = _Hooks()
@@ -279,8 +280,18 @@ def _num_flops(original, args, batch_size):
 
 
 def _train_step(original, *args, **kwargs):
-    if not _args().chunkflow:
+    a = _args()
+    if not a.chunkflow:
         return original(*args, **kwargs)
+    if not _HOOKS.memory_checked:
+        _HOOKS.memory_checked = True
+        from megatron_chunkflow.mcore.cpu import has_real_cuda
+
+        if not a.chunkflow_skip_memory_check and has_real_cuda():
+            from megatron_chunkflow.megatron_lm.args import trace_settings
+            from megatron_chunkflow.memtrace.guard import check_memory
+
+            check_memory(trace_settings(a), _HOOKS.iterator.next_lengths())
     start = time.perf_counter()
     out = original(*args, **kwargs)
     last = _HOOKS.iterator.last

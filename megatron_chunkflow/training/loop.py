@@ -35,6 +35,10 @@ def train(s: TrainSettings, dataset, on_step=None) -> list[dict]:
                                 dataclasses.asdict(s))
     start, consumed = checkpointer.load()
     sampler = BatchSampler(len(dataset), s.global_batch_size, s.seed)
+    if s.memory_check and s.device == "cuda" and start < s.train_iters:
+        from megatron_chunkflow.memtrace.guard import check_memory
+
+        check_memory(s, batch_lengths(global_batch(dataset, sampler.batch_at(consumed))))
     history = []
     stop = s.train_iters if not s.exit_interval else min(s.train_iters, start + s.exit_interval)
     for it in range(start, stop):
