@@ -29,7 +29,7 @@ from megatron_chunkflow.perfmodel.hardware import GPUS, get_gpu, with_overrides
 
 # the default job: the H200 runs of docs/benchmarks.md, "Memory"
 SCENARIO = dict(model="qwen2.5-1.5b", seq_length=32768, global_batch_size=128, chunk_size=16384,
-                gpu="h200")
+                min_long=1, gpu="h200")
 GiB = 2**30
 
 
@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--no-bias-swiglu-fusion --no-bias-dropout-fusion)")
     g = p.add_argument_group("sequence lengths")
     add_config_arguments(g, LengthsConfig, fields=(*AS_DRAWN, "min_long"),
-                         defaults={"min_long": 1}, default_help={
+                         defaults={"min_long": SCENARIO["min_long"]}, default_help={
                              "profile": "B", "global_batch_size": SCENARIO["global_batch_size"]})
     g = p.add_argument_group("system")
     g.add_argument("--chunkflow", action=argparse.BooleanOptionalAction, default=True,

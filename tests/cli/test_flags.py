@@ -9,7 +9,7 @@ import pytest
 
 from megatron_chunkflow.cli import SUBCOMMANDS, build_parser
 
-CHUNKING = ["plan", "simulate", "verify", "train", "bench"]  # every command that chunks
+CHUNKING = ["plan", "simulate", "verify", "train", "bench", "memory"]  # every command that chunks
 
 
 def parse(argv):
@@ -26,7 +26,7 @@ def test_chunk_size_and_k_are_spelled_the_same_everywhere(command):
     assert (args.chunk_size, args.num_kept) == (512, 2)
 
 
-@pytest.mark.parametrize("command", ["verify", "train", "bench"])
+@pytest.mark.parametrize("command", ["verify", "train", "bench", "memory"])
 def test_attention_backend_and_parallel_flags(command):
     args = parse([command, "--attention-backend", "sdpa", "--tensor-model-parallel-size", "2",
                   "--pipeline-model-parallel-size", "2"])
@@ -61,7 +61,7 @@ def test_launcher_flags_live_in_the_chunkflow_namespace():
         parser.parse_args(["--k", "2"])  # no deprecated spellings in Megatron's namespace
 
 
-@pytest.mark.parametrize("command", ["plan", "simulate", "verify", "bench"])
+@pytest.mark.parametrize("command", ["plan", "simulate", "verify", "bench", "memory"])
 def test_length_flags_and_seed_are_one_config(command):
     """--profile, --lengths-file, --global-batch-size, --seed, --step, --scale come from one
     dataclass (core/lengths.py) in every command that draws lengths, with one help text."""
