@@ -159,14 +159,99 @@ def _launch_one(workdir, args: list[str], world_size: int = 1, timeout: int = 12
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
-@needs_megatron_lm
-@pytest.mark.slow
-def test_refused_layouts_name_every_flag(workdir):
-    run = _launch_one(workdir, [
+class Refused:
+    """One refused launch's result, as subprocess.run's (returncode, stdout, stderr)."""
+
+    def __init__(self, result: dict):
+        self.returncode, self.stdout, self.stderr = (result["code"], result["stdout"],
+                                                     result["stderr"])
+
+
+def launch_many(workdir, cases: dict[str, tuple[list[str], int]],
+                timeout: int = 300) -> dict[str, Refused]:
+    """Launches that are refused before Megatron builds anything, in one Python process
+    (tests/megatron_lm/refusals.py): name -> (args, world size) as _launch_one takes them."""
+    spec = {"cwd": str(workdir), "cases": [
+        {"argv": [str(MEGATRON_LM / "pretrain_gpt.py"), *args],
+         "env": {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "MASTER_ADDR":
+                 "127.0.0.1", "MASTER_PORT": str(_free_port())}} for args, world in cases.values()]}
+    path = Path(workdir) / f"refusals_{os.getpid()}.json"
+    path.write_text(json.dumps(spec))
+    run = subprocess.run([sys.executable, "-m", "tests.megatron_lm.refusals", str(path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    return {name: Refused(r) for name, r in zip(cases, results)}
+
+
+# the flag checks' refusals, each a case of one batched process (module fixture `refused`)
+BAD_INPUT = [
+    (["--chunkflow", "--chunkflow-load-hf", "nowhere"],
+     "--chunkflow-load-hf nowhere: nowhere/config.json: no such file"),
+    (["--chunkflow-load-hf", "not_json"],  # also without --chunkflow
+     "--chunkflow-load-hf not_json: not_json/config.json:1: not valid JSON"),
+    (["--chunkflow", "--chunkflow-load-hf", "hf", "--num-layers", "2"],
+     "--chunkflow-load-hf hf: the model flags do not build this checkpoint's model: "
+     "--num-layers 2 (config.json: 4)"),
+    (["--chunkflow", "--data-path", "missing.jsonl"],
+     "--data-path missing.jsonl: no such file or directory"),
+    (["--chunkflow", "--data-path", "corpus.idx"], "--data-path corpus.idx: unknown file type"),
+    (["--chunkflow", "--context-parallel-size", "2", "--chunk-size", "126"],
+     "--chunkflow cannot run with --chunk-size 126 is not a multiple of 2 x "
+     "--context-parallel-size 2 = 4: context parallelism cuts every chunk into 2 x CP equal "
+     "pieces; give --chunk-size 124"),
+    (["--chunkflow", "--context-parallel-size", "2", "--seq-length", "510"],
+     "--chunkflow cannot run with --seq-length 510, not a multiple of 2 x "
+     "--context-parallel-size 2"),
+    (["--chunkflow", "--sft", "--eval-iters", "2"],
+     "--chunkflow cannot run with --sft and --eval-iters 2: Megatron-LM's --sft validation"),
+    (["--chunkflow", "--num-experts", "4"],
+     "--chunkflow cannot run with --num-experts 4: Megatron's router adds its load-balancing"),
+    (["--chunkflow", "--attention-backend", "flash"],
+     "--chunkflow-attention-backend flash needs a CUDA GPU; this run is on cpu (use auto) "
+     "(carried over from --attention-backend flash)"),
+]
+SINGLE_PROCESS = [
+    (["--context-parallel-size", "2", "--chunkflow-attention-backend", "flex"],
+     "--chunkflow-attention-backend flex: context parallelism recomputes attention"),
+]
+
+
+def _refusal_cases() -> dict[str, tuple[list[str], int]]:
+    cases = {"layouts": ([
         *MODEL, *CPU, *_flags(SCHEDULE), "--chunk-size", "127", "--micro-batch-size", "2",
         "--global-batch-size", "8", "--tensor-model-parallel-size", "2", "--sequence-parallel",
         "--context-parallel-size", "2", "--dataloader-type", "cyclic", "--data-path", "corpus",
-        "--hidden-dropout", "0.1", "--chunkflow"], world_size=4)
+        "--hidden-dropout", "0.1", "--chunkflow"], 4),
+        "unknown_backend": ([*MODEL, *CPU, *_flags(SCHEDULE), "--micro-batch-size", "1",
+                             "--mock-data", "--chunkflow", "--chunkflow-attention-backend",
+                             "cudnn"], 1),
+        "overlong": ([*MODEL, *CPU, *_flags({**SCHEDULE, "--seq-length": 256,
+                                            "--max-position-embeddings": 256}),
+                      "--micro-batch-size", "1", "--data-path", "corpus", "--chunkflow"], 1)}
+    no_chunk = {k: v for k, v in SCHEDULE.items() if k != "--chunk-size"}
+    for i, (extra, _) in enumerate(SINGLE_PROCESS):
+        cases[f"single_process_{i}"] = ([*MODEL, *CPU, *_flags(no_chunk), "--micro-batch-size",
+                                         "1", "--mock-data", "--chunkflow", *extra], 1)
+    for i, (extra, _) in enumerate(BAD_INPUT):
+        cases[f"bad_input_{i}"] = ([*MODEL, *CPU, *_flags({**SCHEDULE, "--train-iters": 2}),
+                                    "--micro-batch-size", "1",
+                                    *([] if "--data-path" in extra else ["--mock-data"]),
+                                    *extra], 1)
+    return cases
+
+
+@pytest.fixture(scope="module")
+def refused(workdir):
+    (workdir / "not_json").mkdir(exist_ok=True)
+    (workdir / "not_json" / "config.json").write_text("{not json")
+    return launch_many(workdir, _refusal_cases())
+
+
+@needs_megatron_lm
+@pytest.mark.slow
+def test_refused_layouts_name_every_flag(refused):
+    run = refused["layouts"]
     assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
     err = run.stderr
     assert "chunkflow-megatron: error: --chunkflow cannot run with" in err
@@ -177,10 +262,8 @@ def test_refused_layouts_name_every_flag(workdir):
 
 @needs_megatron_lm
 @pytest.mark.slow
-def test_unknown_backend_lists_the_choices(workdir):
-    run = _launch_one(workdir, [*MODEL, *CPU, *_flags(SCHEDULE), "--micro-batch-size", "1",
-                                "--mock-data", "--chunkflow",
-                                "--chunkflow-attention-backend", "cudnn"])
+def test_unknown_backend_lists_the_choices(refused):
+    run = refused["unknown_backend"]
     assert run.returncode == 2
     assert "--chunkflow-attention-backend: invalid choice: 'cudnn'" in run.stderr
     assert "'auto', 'torch', 'cpu_flash', 'sdpa', 'flex', 'varlen', 'flash', 'te'" in run.stderr
@@ -188,10 +271,8 @@ def test_unknown_backend_lists_the_choices(workdir):
 
 @needs_megatron_lm
 @pytest.mark.slow
-def test_overlong_document_is_named_not_cut(workdir):
-    args = {**SCHEDULE, "--seq-length": 256, "--max-position-embeddings": 256}
-    run = _launch_one(workdir, [*MODEL, *CPU, *_flags(args), "--micro-batch-size", "1",
-                                "--data-path", "corpus", "--chunkflow"])
+def test_overlong_document_is_named_not_cut(refused):
+    run = refused["overlong"]
     assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
     assert "corpus:doc 1: 300 tokens, more than --seq-length 256" in run.stderr
     assert "--overlong split" in run.stderr
@@ -374,17 +455,13 @@ def test_cpu_shim_has_the_memory_stats_megatron_logs():
 
 @needs_megatron_lm
 @pytest.mark.slow
-@pytest.mark.parametrize("extra, needle", [
-    (["--context-parallel-size", "2", "--chunkflow-attention-backend", "flex"],
-     "--chunkflow-attention-backend flex: context parallelism recomputes attention"),
-])
-def test_single_process_refusal_comes_before_megatrons_assertion(workdir, extra, needle):
+@pytest.mark.parametrize("case", range(len(SINGLE_PROCESS)))
+def test_single_process_refusal_comes_before_megatrons_assertion(refused, case):
     """One process with CP 2 (and a backend that cannot run it): Megatron's own
     world-size assertion would fire first; the plugin's refusal is what the user sees, with the
     defaulted chunk size named as the default."""
-    args = {k: v for k, v in SCHEDULE.items() if k != "--chunk-size"}
-    run = _launch_one(workdir, [*MODEL, *CPU, *_flags(args), "--micro-batch-size", "1",
-                                "--mock-data", "--chunkflow", *extra])
+    needle = SINGLE_PROCESS[case][1]
+    run = refused[f"single_process_{case}"]
     assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
     assert "Traceback" not in run.stderr and "AssertionError" not in run.stderr
     assert needle in run.stderr
@@ -394,38 +471,11 @@ def test_single_process_refusal_comes_before_megatrons_assertion(workdir, extra,
 
 @needs_megatron_lm
 @pytest.mark.slow
-@pytest.mark.parametrize("extra, needle", [
-    (["--chunkflow", "--chunkflow-load-hf", "nowhere"],
-     "--chunkflow-load-hf nowhere: nowhere/config.json: no such file"),
-    (["--chunkflow-load-hf", "not_json"],  # also without --chunkflow
-     "--chunkflow-load-hf not_json: not_json/config.json:1: not valid JSON"),
-    (["--chunkflow", "--chunkflow-load-hf", "hf", "--num-layers", "2"],
-     "--chunkflow-load-hf hf: the model flags do not build this checkpoint's model: "
-     "--num-layers 2 (config.json: 4)"),
-    (["--chunkflow", "--data-path", "missing.jsonl"],
-     "--data-path missing.jsonl: no such file or directory"),
-    (["--chunkflow", "--data-path", "corpus.idx"], "--data-path corpus.idx: unknown file type"),
-    (["--chunkflow", "--context-parallel-size", "2", "--chunk-size", "126"],
-     "--chunkflow cannot run with --chunk-size 126 is not a multiple of 2 x "
-     "--context-parallel-size 2 = 4: context parallelism cuts every chunk into 2 x CP equal "
-     "pieces; give --chunk-size 124"),
-    (["--chunkflow", "--context-parallel-size", "2", "--seq-length", "510"],
-     "--chunkflow cannot run with --seq-length 510, not a multiple of 2 x "
-     "--context-parallel-size 2"),
-    (["--chunkflow", "--sft", "--eval-iters", "2"],
-     "--chunkflow cannot run with --sft and --eval-iters 2: Megatron-LM's --sft validation"),
-    (["--chunkflow", "--num-experts", "4"],
-     "--chunkflow cannot run with --num-experts 4: Megatron's router adds its load-balancing"),
-    (["--chunkflow", "--attention-backend", "flash"],
-     "--chunkflow-attention-backend flash needs a CUDA GPU; this run is on cpu (use auto) "
-     "(carried over from --attention-backend flash)"),
-])
-def test_launcher_bad_input_exits_2_without_a_traceback(workdir, extra, needle):
-    (workdir / "not_json").mkdir(exist_ok=True)
-    (workdir / "not_json" / "config.json").write_text("{not json")
-    args = {**SCHEDULE, "--train-iters": 2}
-    run = _launch_one(workdir, [*MODEL, *CPU, *_flags(args), "--micro-batch-size", "1",
-                                *([] if "--data-path" in extra else ["--mock-data"]), *extra])
+@pytest.mark.parametrize("case", range(len(BAD_INPUT)),
+                         ids=[needle.split(":")[0] for _, needle in BAD_INPUT])
+def test_launcher_bad_input_exits_2_without_a_traceback(refused, case):
+    needle = BAD_INPUT[case][1]
+    run = refused[f"bad_input_{case}"]
     assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
     assert "Traceback" not in run.stderr + run.stdout
     assert "chunkflow-megatron: error: " + needle in run.stderr
