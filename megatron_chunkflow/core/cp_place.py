@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import NamedTuple
 
 SLACK = 1 / 16  # the padding a placement may add, as a fraction of the tokens it keeps whole
@@ -38,7 +39,13 @@ def place_segments(lengths: Sequence[int], cp: int, multiple: int = 1,
     """The hybrid placement of a chunk's segments of `lengths` over `cp` ranks, each rank's tokens
     a multiple of `multiple` (TP under sequence parallelism) and of 2; None where no segment can
     be placed within `slack` (every segment split: the zigzag layout). Split segments must cut
-    into 2 x CP pieces (core/packer pads them)."""
+    into 2 x CP pieces (core/packer pads them). Pure, and asked for the same chunk by every
+    prediction of a search: cached."""
+    return _place(tuple(lengths), cp, multiple, slack)
+
+
+@lru_cache(maxsize=1 << 16)
+def _place(lengths: tuple[int, ...], cp: int, multiple: int, slack: float) -> Placement | None:
     if cp < 2:
         raise ValueError(f"a hybrid placement needs CP >= 2, got {cp}")
     total = sum(lengths)

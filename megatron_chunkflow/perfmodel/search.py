@@ -277,24 +277,30 @@ def best_chunkflow(lengths: Sequence[int], shape: ModelShape, hw: Hardware, num_
                   for kv in (kv_modes if lay.cp > 1 else kv_modes[:1])
                   for ra in modes for piece in pieces]
     chunkings, work = {}, {}  # (chunk size, DP, K, padding) -> chunks; (.., CP, K/V) -> work
-    floors = _Floors(shape, hw)
+    floors, times = _Floors(shape, hw), {}
+    builds = {piece: dataclasses.replace(hw.build, loss_piece=piece) for piece in pieces}
 
-    def time_of(cand) -> float:
-        lay, c, kk, kv, ra, _ = cand
-        m = (lay.segment_multiple, lay.chunk_padding)
-        key = (c, lay.dp, kk, m, lay.cp, kv)
-        if key not in work:
-            if key[:4] not in chunkings:
-                chunkings[key[:4]] = build_chunks(lengths, c, lay.dp, kk, shape, *m).chunks
-            work[key] = chunk_work_items(chunkings[key[:4]], hw.attn_block, lay.cp, kk,
-                                         kv, lay.pad_multiple, cp_placement)
-        return floors.time(key, work[key], lay, ra)
+    def time_of(cand) -> float:  # the whole loss's floor, a floor of the pieced loss's too
+        if cand[:5] not in times:
+            lay, c, kk, kv, ra, _ = cand
+            m = (lay.segment_multiple, lay.chunk_padding)
+            key = (c, lay.dp, kk, m, lay.cp, kv)
+            if key not in work:
+                if key[:4] not in chunkings:
+                    chunkings[key[:4]] = build_chunks(lengths, c, lay.dp, kk, shape, *m).chunks
+                work[key] = chunk_work_items(chunkings[key[:4]], hw.attn_block, lay.cp, kk,
+                                             kv, lay.pad_multiple, cp_placement)
+            times[cand[:5]] = floors.time(key, work[key], lay, ra)
+        return times[cand[:5]]
+
+    def pieces_cost_more(a, c) -> bool:
+        # the same plan with its loss in pieces: every op costs at least the whole loss's
+        return a[:5] == c[:5] and a[5] == 0 < c[5]
 
     # the memory floor is sharded state's, a lower bound of replicated's too
     return search(candidates,
                   lambda cand: predict_chunkflow(lengths, shape, hw, *cand[:4], cp_placement,
                                                  *cand[4:]), time_of,
-                  lambda cand: chunkflow_memory_floor(
-                      lengths, shape, cand[0], hw.dtype_bytes, *cand[1:3],
-                      dataclasses.replace(hw.build, loss_piece=cand[5])),
-                  hw.usable_bytes)
+                  lambda cand: chunkflow_memory_floor(lengths, shape, cand[0], hw.dtype_bytes,
+                                                      *cand[1:3], builds[cand[5]]),
+                  hw.usable_bytes, dominates=pieces_cost_more if len(pieces) > 1 else None)

@@ -196,7 +196,15 @@ def step_bench(out: Path, dry_run: bool) -> dict:
     lengths = [min(n, seq_length) for n in sample_lengths("B", gbs, seed=0)]
     lengths = ensure_long(lengths, "B", seq_length // 2, 1, 0)
     lengths = [max(2, min(n, seq_length)) for n in lengths]
-    hw = get_gpu("h200")
+    # the corrected memory model on this device: the memory PyTorch sees here, and the kernel's
+    # K/V repeated per head where the installed varlen has no grouped-query attention
+    from megatron_chunkflow.memtrace.stack import installed_stack
+
+    hw = dataclasses.replace(get_gpu("h200"), kv_repeat=backend == "varlen"
+                             and not installed_stack().varlen_gqa)
+    if torch.cuda.is_available():
+        hw = dataclasses.replace(
+            hw, memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30)
     plans = {"chunkflow": best_chunkflow(lengths, shape, hw, 1, seq_length, auto_chunking=True)}
     plans.update({b: best_megatron(lengths, shape, hw, 1, seq_length, baseline=b)
                   for b in BASELINES})
