@@ -8,9 +8,9 @@
 #       "${CHUNKFLOW_ARGS[@]}"
 #
 # run_config sets NODES (8-GPU nodes), TP, PP, VPP (a row's PP column may read PPxV: V virtual
-# stages per pipeline rank), CP, DP, RECOMPUTE, CHUNK_SIZE and CHUNKFLOW_K
-# ("" for stock runs), and the arrays PARALLEL_ARGS, TRAINING_ARGS and CHUNKFLOW_ARGS (empty for
-# stock runs). configs/README.md explains every choice. Data flags are added by the launcher
+# stages per pipeline rank), CP, DP, RECOMPUTE, CHUNK_SIZE, CHUNKFLOW_K and LOSS_PIECE (the loss
+# in pieces of that many tokens, 0 or absent: whole) ("" for stock runs), and the arrays
+# PARALLEL_ARGS, TRAINING_ARGS and CHUNKFLOW_ARGS (empty for stock runs). configs/README.md explains every choice. Data flags are added by the launcher
 # (scripts/slurm/train.sbatch).
 
 GPUS_PER_NODE=8
@@ -51,7 +51,7 @@ run_config() {
         return 1
     fi
     row=${LAYOUT[$model]}
-    read -r NODES TP PP CP RECOMPUTE CHUNK_SIZE CHUNKFLOW_K <<< "$row"
+    read -r NODES TP PP CP RECOMPUTE CHUNK_SIZE CHUNKFLOW_K LOSS_PIECE <<< "$row"
     VPP=1  # PP written PPxV: V virtual stages per pipeline rank (interleaved 1F1B)
     if [[ $PP == *x* ]]; then
         VPP=${PP#*x} PP=${PP%x*}
@@ -100,7 +100,10 @@ run_config() {
             --chunkflow-attention-backend "${CHUNKFLOW_ATTENTION_BACKEND:-auto}"
             --overlong "${OVERLONG:-error}"
         )
+        if (( ${LOSS_PIECE:-0} > 0 )); then
+            CHUNKFLOW_ARGS+=(--chunkflow-loss-piece "$LOSS_PIECE")
+        fi
     else
-        CHUNK_SIZE="" CHUNKFLOW_K=""
+        CHUNK_SIZE="" CHUNKFLOW_K="" LOSS_PIECE=""
     fi
 }

@@ -16,9 +16,9 @@ RUN_TRAINING_ARGS=(
     --no-rope-fusion  # ChunkFlow applies RoPE by position ids (runtime/model.py)
 )
 
-#                      nodes  TP  PP  CP  recompute              chunk   K
+#                      nodes  TP  PP  CP  recompute              chunk   K  piece
 declare -gA LAYOUT=(
-    [llama3.1-8b]="        2   4   1   1  none                   16384   2"
-    [mistral-nemo-12b]="   4   2   2   1  none                    4096   2"
-    [llama3.1-70b]="      16   4   4   1  none                    4096   2"
+    [llama3.1-8b]="        2   2   1   4  none                   32768   2      0"
+    [mistral-nemo-12b]="   4   4   1   2  none                   32768   2      0"
+    [llama3.1-70b]="      16   4 4x2   2  selective:layernorm     8192   1      0"
 )

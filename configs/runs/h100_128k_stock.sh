@@ -16,7 +16,7 @@ RUN_TRAINING_ARGS=()  # Llama 3.1 and Mistral Nemo were trained to 128K: their c
 # The same node count as h100_128k_chunkflow.sh.
 #                      nodes  TP  PP  CP  recompute
 declare -gA LAYOUT=(
-    [llama3.1-8b]="        2   2   2   4  block:5"
-    [mistral-nemo-12b]="   4   4   1   4  selective:layernorm"
-    [llama3.1-70b]="      16   8   2   8  block:7"
+    [llama3.1-8b]="        2   2   2   4  block:7"
+    [mistral-nemo-12b]="   4   4   2   4  none"
+    [llama3.1-70b]="      16   8   2   8  block:11"
 )

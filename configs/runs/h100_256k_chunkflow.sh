@@ -17,10 +17,10 @@ RUN_TRAINING_ARGS=(
     --max-position-embeddings "$SEQ_LENGTH"  # see h100_256k_stock.sh
 )
 
-#                      nodes  TP  PP  CP  recompute              chunk   K
+#                      nodes  TP  PP  CP  recompute              chunk   K  piece
 declare -gA LAYOUT=(
-    [qwen2.5-7b]="         2   4   2   1  none                    8192   8"
-    [qwen2.5-14b]="        4   4   4   1  selective:layernorm     8192   8"
-    [qwen2.5-32b]="        8   4   4   1  none                    4096   4"
-    [qwen2.5-72b]="       16   8   4   1  none                    4096   8"
+    [qwen2.5-7b]="         2   2   1   8  none                   65536   2      0"
+    [qwen2.5-14b]="        4   4   1   8  none                  131072   1      0"
+    [qwen2.5-32b]="        8   4 4x2   2  none                    8192   8      0"
+    [qwen2.5-72b]="       16   4 8x2   2  none                    8192   8      0"
 )

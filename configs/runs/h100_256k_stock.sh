@@ -20,8 +20,8 @@ RUN_TRAINING_ARGS=(
 # The same node count as h100_256k_chunkflow.sh.
 #                      nodes  TP  PP  CP  recompute
 declare -gA LAYOUT=(
-    [qwen2.5-7b]="         2   4   1   4  block:14"
-    [qwen2.5-14b]="        4   8   1   4  block:10"
-    [qwen2.5-32b]="        8   8   1   8  block:26"
-    [qwen2.5-72b]="       16   8   2   8  selective:mlp"
+    [qwen2.5-7b]="         2   4   1   4  block:15"
+    [qwen2.5-14b]="        4   8   1   4  block:15"
+    [qwen2.5-32b]="        8   8   1   8  block:30"
+    [qwen2.5-72b]="       16   8   2   8  selective:mlp+layernorm"
 )

@@ -17,16 +17,16 @@ RUN_TRAINING_ARGS=(
     --no-rope-fusion  # ChunkFlow applies RoPE by position ids (runtime/model.py)
 )
 
-#                      nodes  TP  PP  CP  recompute              chunk   K
+#                      nodes  TP  PP  CP  recompute              chunk   K  piece
 declare -gA LAYOUT=(
-    [qwen2.5-7b]="         2   2   1   2  selective:layernorm    32768   1"
-    [qwen2.5-14b]="        2   2   2   1  none                    8192   2"
-    [qwen2.5-32b]="        4   4   2   1  none                    8192   1"
-    [qwen2.5-72b]="        8   4   4   1  none                    4096   1"
-    [qwen3-8b]="           2   1   2   1  none                    2048   4"
-    [qwen3-14b]="          2   2   2   1  selective:layernorm     4096   4"
-    [qwen3-32b]="          4   4   2   1  selective:layernorm     8192   2"
-    [llama3.1-8b]="        2   1   2   1  none                    2048   4"
-    [mistral-nemo-12b]="   2   2   2   1  none                    4096   4"
-    [llama3.1-70b]="       8   4   4   1  none                    4096   1"
+    [qwen2.5-7b]="         2   2   1   4  none                   32768   1      0"
+    [qwen2.5-14b]="        2   2 2x2   1  selective:layernorm     4096   4      0"
+    [qwen2.5-32b]="        4   2 4x2   2  none                    4096   4      0"
+    [qwen2.5-72b]="        8   4 8x2   1  none                    4096   4      0"
+    [qwen3-8b]="           2   2   1   4  none                   32768   1      0"
+    [qwen3-14b]="          2   2 2x2   1  selective:layernorm     4096   4      0"
+    [qwen3-32b]="          4   2 4x2   2  none                    4096   4      0"
+    [llama3.1-8b]="        2   2   1   4  none                   32768   1      0"
+    [mistral-nemo-12b]="   2   2 2x2   1  none                    8192   2      0"
+    [llama3.1-70b]="       8   4 8x2   1  none                    4096   4      0"
 )

@@ -16,14 +16,14 @@ RUN_TRAINING_ARGS=()
 # The same node count as h100_32k_chunkflow.sh, so that the two compare on equal hardware.
 #                      nodes  TP  PP  CP  recompute
 declare -gA LAYOUT=(
-    [qwen2.5-7b]="         2   2   1   2  selective:layernorm"
+    [qwen2.5-7b]="         2   2   1   4  none"
     [qwen2.5-14b]="        2   2   2   4  none"
     [qwen2.5-32b]="        4   4   2   4  none"
     [qwen2.5-72b]="        8   8   2   4  none"
-    [qwen3-8b]="           2   2   1   2  selective:layernorm"
+    [qwen3-8b]="           2   2   1   4  none"
     [qwen3-14b]="          2   2   2   4  none"
-    [qwen3-32b]="          4   4   2   4  none"
-    [llama3.1-8b]="        2   2   1   2  selective:layernorm"
-    [mistral-nemo-12b]="   2   2   1   4  selective:layernorm"
+    [qwen3-32b]="          4   4   2   4  selective:layernorm"
+    [llama3.1-8b]="        2   2   1   4  none"
+    [mistral-nemo-12b]="   2   2   2   4  none"
     [llama3.1-70b]="       8   8   2   4  none"
 )

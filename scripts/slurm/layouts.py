@@ -9,7 +9,8 @@ gets its fastest layout that fits (chunkflow simulate --auto) on the run's node 
 Stock is `megatron-packed` (what the stock run files train: rows of --seq-length packed tokens),
 searched over TP, CP, PP, virtual stages per pipeline rank V (Megatron's interleaved 1F1B; a row's
 PP reads PPxV, which common.sh turns into --num-virtual-stages-per-pipeline-rank V) and
-Megatron's whole recompute menu; ChunkFlow over the same plus the chunk size and K. Both see the same global batch: the run's length profile drawn with seed 0
+Megatron's whole recompute menu; ChunkFlow over the same plus the chunk size, K and its loss
+whole or in pieces (the row's last column, 0: whole; stock runs are as shipped). Both see the same global batch: the run's length profile drawn with seed 0
 (`--mock-data`'s profile, docs/design.md). A run's node count is its own choice (the first
 column, the same for both systems), not searched.
 """
@@ -58,7 +59,7 @@ def searched(context: str, model: str, nodes: int) -> dict[str, str]:
                LengthsConfig(profile=profile, global_batch_size=batch).lengths(batch)[0]]
     shape, hw, gpus = get_model_shape(model), get_gpu("h100"), nodes * GPUS_PER_NODE
     stock = best_megatron(lengths, shape, hw, gpus, n, baseline="megatron-packed")
-    cf = best_chunkflow(lengths, shape, hw, gpus, n, auto_chunking=True)
+    cf = best_chunkflow(lengths, shape, hw, gpus, n, auto_chunking=True, loss_piece=None)
     for name, p in (("stock", stock), ("ChunkFlow", cf)):
         if not p.fits:
             raise SystemExit(f"{model} at {context} on {nodes} nodes: {name}'s best layout does "
@@ -70,13 +71,13 @@ def searched(context: str, model: str, nodes: int) -> dict[str, str]:
         return " ".join(str(c) for c in cells)
 
     return {"stock": row(stock.layout),
-            "chunkflow": row(cf.layout, cf.chunk_size, cf.num_kept),
+            "chunkflow": row(cf.layout, cf.chunk_size, cf.num_kept, cf.loss_piece),
             "speedup": f"{stock.step_s / cf.step_s:.2f}",
             "peaks": f"{stock.peak_mem_bytes / 2**30:.0f} / {cf.peak_mem_bytes / 2**30:.0f}"}
 
 
 COLUMNS = (("nodes", 28), ("TP", 4), ("PP", 4), ("CP", 4), ("recompute", -22), ("chunk", 8),
-           ("K", 4))  # (name, the column it ends at; negative: left-aligned, this wide)
+           ("K", 4), ("piece", 7))  # (name, the column it ends at; negative: left-aligned, this wide)
 
 
 def _cells(cells: list[str], start: int) -> str:
@@ -96,7 +97,7 @@ def write(context: str, system: str, rows: dict[str, str]) -> None:
     """Replace the rows of `rows`' models in the run file, aligned under its header comment."""
     path = RUNS / f"h100_{context}_{system}.sh"
     lines = path.read_text().splitlines()
-    names = [name for name, _ in COLUMNS[:5 if system == "stock" else 7]]
+    names = [name for name, _ in COLUMNS[:5 if system == "stock" else 8]]
     for i, line in enumerate(lines):
         m = ROW.match(line)
         if m and m["model"] in rows:

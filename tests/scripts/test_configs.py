@@ -70,15 +70,22 @@ def _print_arrays(names) -> str:
                                    for n in names)
 
 
-def flags(argv: list[str]) -> dict[str, str | bool]:
-    """--flag value / --flag (True); a later occurrence wins, as in argparse."""
+MULTI_VALUE = {"--recompute-modules"}  # Megatron-LM's nargs="+" flags among those written here
+
+
+def flags(argv: list[str]) -> dict[str, str | bool | list[str]]:
+    """--flag value / --flag (True) / --flag v1 v2 (a list, MULTI_VALUE flags only); a later
+    occurrence wins, as in argparse."""
     out, i = {}, 0
     while i < len(argv):
         assert argv[i].startswith("--"), f"stray word {argv[i]!r} in {argv}"
-        if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            out[argv[i]], i = argv[i + 1], i + 2
-        else:
-            out[argv[i]], i = True, i + 1
+        j = i + 1
+        while j < len(argv) and not argv[j].startswith("--"):
+            j += 1
+        values = argv[i + 1:j]
+        assert len(values) <= 1 or argv[i] in MULTI_VALUE, f"stray words {values[1:]} in {argv}"
+        out[argv[i]] = (values if argv[i] in MULTI_VALUE else values[0]) if values else True
+        i = j
     return out
 
 
@@ -286,10 +293,10 @@ def test_model_config_builds_at_reduced_depth(name, child_results):
 def run_config(run_file: Path, model: str) -> dict:
     script = (f"source {MODEL_FILES[model]}; source {run_file}; run_config {model}; "
               "echo $NODES $GPUS_PER_NODE $TP $PP $CP $DP $RECOMPUTE $SYSTEM $SEQ_LENGTH "
-              "$GLOBAL_BATCH_SIZE ${CHUNK_SIZE:-0} ${CHUNKFLOW_K:-0} $VPP >&2")
+              "$GLOBAL_BATCH_SIZE ${CHUNK_SIZE:-0} ${CHUNKFLOW_K:-0} $VPP ${LOSS_PIECE:-0} >&2")
     names = ("model_args", "parallel_args", "training_args", "chunkflow_args")
     result = bash(f"{script}\n{_print_arrays(n.upper() for n in names)}")
-    keys = "nodes gpus tp pp cp dp recompute system seq gbs chunk k vpp".split()
+    keys = "nodes gpus tp pp cp dp recompute system seq gbs chunk k vpp piece".split()
     out = dict(zip(keys, result.stderr.split()))
     out = {k: (v if k in ("recompute", "system") else int(v)) for k, v in out.items()}
     out.update({n: part.split("\0")[:-1] for n, part in zip(names, result.stdout.split("@@"))})
@@ -315,6 +322,7 @@ def test_run_config_layout_is_consistent(run_file, model):
     if rc["system"] == "chunkflow":
         c = flags(rc["chunkflow_args"])
         assert int(c["--chunk-size"]) == rc["chunk"] and int(c["--chunkflow-k"]) == rc["k"]
+        assert int(c.get("--chunkflow-loss-piece", 0)) == rc["piece"]
         assert rc["chunk"] % tp == 0, "sequence parallelism splits every chunk over TP"
         if cp > 1:
             assert rc["chunk"] % (2 * cp * tp) == 0, "CP cuts every chunk into 2 x CP pieces"
