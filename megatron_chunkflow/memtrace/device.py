@@ -312,6 +312,7 @@ def _fused_kernels(ledger: Ledger):
 def _storage_resizes(ledger: Ledger):
     """UntypedStorage.resize_ (not a dispatched op) reported to the ledger: Megatron's
     CheckpointWithoutOutput (selective layernorm recompute) frees outputs that way."""
+    own = torch.UntypedStorage.__dict__.get("resize_")  # None: torch's own, inherited
     original = torch.UntypedStorage.resize_
 
     def resize_(storage, size):
@@ -324,7 +325,10 @@ def _storage_resizes(ledger: Ledger):
     try:
         yield
     finally:
-        torch.UntypedStorage.resize_ = original
+        if own is None:  # left as torch had it: inherited, not a copy in the class
+            del torch.UntypedStorage.resize_
+        else:
+            torch.UntypedStorage.resize_ = own
 
 
 @contextlib.contextmanager

@@ -66,6 +66,7 @@ def test_traced_cpu_step_allocates_what_the_real_step_does(system, backend, reco
     real = _real_peak(settings)
     assert traced.peak_allocated == pytest.approx(real, rel=0.02), (traced.peak_allocated, real)
     assert traced.peak_phase in ("forward", "loss", "backward")
+    assert "resize_" not in torch.UntypedStorage.__dict__  # the tracer's patch undone
 
 
 # torch.cuda.max_memory_allocated of three steps on one H200 (torch 2.11 + CUDA 13, bf16,
