@@ -1,4 +1,4 @@
-"""Long-lived gloo jobs for the tests: each world size is spawned once per session and reused.
+"""Long-lived gloo jobs for the tests: each world size is started once per session and reused.
 
     def test_x(gloo):                        # the session fixture (tests/conftest.py)
         results = gloo.run(fn, 2, arg)       # fn(arg) on every rank of a 2-process job
@@ -15,8 +15,8 @@ collective may be left half done; the next call starts a new one. What the ranks
 file per rank and call, written to the test's stderr afterwards (capfd and capsys see it), also
 for a rank that never reported: a hang's last lines (CHUNKFLOW_TRACE) are not lost.
 
-Each rank uses cores / world_size threads: on 2 cores, a 4-process job would otherwise run 8
-threads.
+Each rank uses cores / world_size threads, divided again among pytest-xdist's workers: on 2 cores,
+a 4-process job would otherwise run 8 threads.
 """
 
 from __future__ import annotations
@@ -30,16 +30,19 @@ import time
 import traceback
 from pathlib import Path
 
-import torch.multiprocessing as mp
-
-from megatron_chunkflow.mcore.dist import free_port
+from megatron_chunkflow.mcore.dist import free_port, process_context
 
 FAILURE_GRACE_S = 5.0  # after one rank fails, how long the others get to report
 
 
+def _pytest_workers() -> int:
+    """How many pytest processes share the machine (pytest-xdist's -n; 1 without it)."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
+
 def _serve(rank: int, world_size: int, port: int, tasks, results) -> None:
     """One rank of a job: join the default process group once, then run calls until None."""
-    threads = max(1, (os.cpu_count() or 1) // world_size)
+    threads = max(1, (os.cpu_count() or 1) // world_size // _pytest_workers())
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       OMP_NUM_THREADS=str(threads))
@@ -108,10 +111,10 @@ def _reset(environ: dict, cwd: str, threads: int) -> None:
 
 
 class _Job:
-    """`world_size` spawned processes forming one torch.distributed job."""
+    """`world_size` processes forming one torch.distributed job."""
 
     def __init__(self, world_size: int):
-        ctx = mp.get_context("spawn")
+        ctx = process_context()  # on CPU forked from a server that imported torch and mcore
         self.world_size = world_size
         self.results = ctx.SimpleQueue()
         self.tasks = [ctx.SimpleQueue() for _ in range(world_size)]
