@@ -1,9 +1,11 @@
 """Megatron-LM's own pretrain_gpt.py (tag core_v0.16.1) with the plugin, on CPU with gloo.
 
 Needs a Megatron-LM checkout: MEGATRON_LM_DIR, or third_party/Megatron-LM (`make megatron-lm`);
-skipped with that reason otherwise. Each run is a real torchrun job of the unmodified script through
-`python -m megatron_chunkflow.launch`; losses are compared with `chunkflow train` on the same
-indexed data and the same Hugging Face weights.
+skipped with that reason otherwise. Each run is a job of the unmodified script through
+`python -m megatron_chunkflow.launch` with torchrun's environment, its ranks forked from a process
+that has done their imports (tests/megatron_lm/forked.py; the PP 2 layout goes through torchrun
+itself); losses are compared with `chunkflow train` on the same indexed data and the same Hugging
+Face weights.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from megatron_chunkflow.mcore.dist import free_port as _free_port
 from megatron_chunkflow.megatron_lm.args import LaunchError
 from megatron_chunkflow.megatron_lm.plugin import check_versions, checkout_version
+from tests.megatron_lm.forked import fork_job
 
 ROOT = Path(__file__).resolve().parents[2]
 MEGATRON_LM = Path(os.environ.get("MEGATRON_LM_DIR", ROOT / "third_party" / "Megatron-LM"))
@@ -78,7 +81,11 @@ def workdir(tmp_path_factory):
     return path
 
 
-def _torchrun(nproc: int, module_args: list[str], cwd, timeout=600, env=None):
+def _torchrun(nproc: int, module_args: list[str], cwd, timeout=600, env=None, real=False):
+    """`torchrun --nproc_per_node nproc -m MODULE ARGS` (module_args: MODULE, ARGS...): its ranks
+    forked from a warm process (tests/megatron_lm/forked.py), or with `real` torchrun itself."""
+    if not real:
+        return fork_job(nproc, module_args[0], module_args[1:], cwd, env, timeout)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(_free_port()), "-m", *module_args]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
@@ -115,7 +122,8 @@ def test_pretrain_gpt_chunkflow_matches_chunkflow_train(gloo, workdir, layout):
         "megatron_chunkflow.launch", str(MEGATRON_LM / "pretrain_gpt.py"), *MODEL, *CPU,
         *_flags(SCHEDULE), *_flags(par), *mlm_vpp, "--micro-batch-size", "1",
         "--lr-decay-style", "cosine", "--data-path", "corpus", "--chunkflow",
-        "--chunkflow-load-hf", "hf", *EXTRA.get(layout, [])], workdir)
+        "--chunkflow-load-hf", "hf", *EXTRA.get(layout, [])], workdir,
+        real=layout == "pp2")  # one layout through torchrun itself
     assert mlm.returncode == 0, mlm.stdout[-3000:] + mlm.stderr[-3000:]
     code, _, err = gloo.cli(nproc, "train", "--load-hf", workdir / "hf", "--data-path",
                             workdir / "corpus", *_flags(SCHEDULE), *_flags(par), *train_vpp,
@@ -150,13 +158,13 @@ def test_stock_path_is_untouched(workdir):
 
 
 def _launch_one(workdir, args: list[str], world_size: int = 1, timeout: int = 120):
-    """One process that believes it is rank 0 of `world_size`: flag checks run before the
-    rendezvous, so a refused run exits without waiting for the other ranks."""
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size),
+    """One process (forked warm, tests/megatron_lm/forked.py) that believes it is rank 0 of
+    `world_size`: flag checks run before the rendezvous, so a refused run exits without waiting
+    for the other ranks."""
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    return subprocess.run([sys.executable, "-m", "megatron_chunkflow.launch",
-                           str(MEGATRON_LM / "pretrain_gpt.py"), *args], cwd=workdir,
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    return fork_job(1, "megatron_chunkflow.launch", [str(MEGATRON_LM / "pretrain_gpt.py"), *args],
+                    workdir, timeout=timeout, rank_env=env)
 
 
 class Refused:
@@ -177,8 +185,8 @@ def launch_many(workdir, cases: dict[str, tuple[list[str], int]],
                  "127.0.0.1", "MASTER_PORT": str(_free_port())}} for args, world in cases.values()]}
     path = Path(workdir) / f"refusals_{os.getpid()}.json"
     path.write_text(json.dumps(spec))
-    run = subprocess.run([sys.executable, "-m", "tests.megatron_lm.refusals", str(path)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    run = fork_job(1, "tests.megatron_lm.refusals", [str(path)], ROOT, timeout=timeout,
+                   rank_env={})
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
     return {name: Refused(r) for name, r in zip(cases, results)}
@@ -421,7 +429,7 @@ def test_torch_dist_checkpoint_save_and_resume(workdir, tmp_path, system):
     args = [*MODEL, *CPU, *_flags({**SCHEDULE, "--seq-length": 256, "--chunk-size": 64}),
             "--micro-batch-size", "1", "--mock-data", "--save-interval", "2",
             *(["--chunkflow"] if system == "chunkflow" else [])]
-    whole = _launch_one(workdir, [*args, "--save", str(tmp_path / "whole")], timeout=300)
+    whole = _launch_one(workdir, args, timeout=300)  # unbroken, unsaved: the reference losses
     assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
     ckpt = str(tmp_path / "ckpt")
     first = _launch_one(workdir, [*args, "--save", ckpt, "--load", ckpt, "--exit-interval", "2"],
