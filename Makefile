@@ -39,9 +39,12 @@ plan: $(STAMP)
 
 # The whole suite (what CI and the README run). test-fast leaves out the tests marked slow (those
 # that run in a gloo job or a subprocess, or take over ~5 s); test-medium adds back the slow tests
-# marked medium, one or two per area (tests/conftest.py registers the markers).
+# marked medium, one or two per area (tests/conftest.py registers the markers). Two pytest
+# workers (pytest-xdist), each test file on one worker: most slow tests wait on a child's imports
+# or on gloo, so two workers keep both cores busy.
+PYTEST_WORKERS ?= 2
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest tests -m "not gpu" -q
+	$(BIN)/python -m pytest tests -m "not gpu" -q -n $(PYTEST_WORKERS) --dist loadfile
 
 test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest tests -m "not gpu and not slow" -q

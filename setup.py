@@ -24,7 +24,7 @@ setup(
         "psutil",  # megatron dist_checkpointing's file writer needs it
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6", "transformers", "safetensors",
+        "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6", "transformers", "safetensors",
                  "six",  # six: Megatron-LM's megatron/training imports it
                  "tensorboard"],  # the launcher's metrics reach Megatron-LM's writer
         "gpu": ["flash-attn", "transformer-engine[pytorch]"],

@@ -6,10 +6,52 @@ tests marked `medium` (one or two per area, about two minutes in all); `make tes
 everything but `gpu`.
 """
 
+import os
+
 import pytest
+
+# The slow tier's budget: the sum of its tests' durations (setup, call and teardown) in a run of
+# the whole suite on 2 cores (README, "Tests"). A whole run (`make test`, what CI runs) that
+# passes it by more than 20% fails, naming the slowest tests: a new feature adds cases to the
+# existing jobs (tests/checks/test_exact.py's groups, tests/megatron_lm/refusals.py), not jobs.
+SLOW_TIER_BUDGET_S = 1500.0
+SLOW_TIER_SLACK = 1.2
+_SLOW: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    if "slow" in report.keywords:
+        _SLOW[report.nodeid] = _SLOW.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Hold a whole run of the suite to the slow tier's budget."""
+    opt = session.config.option
+    whole = (getattr(opt, "markexpr", "") == "not gpu" and not getattr(opt, "keyword", "")
+             and [str(a) for a in session.config.args] == ["tests"]
+             and not hasattr(session.config, "workerinput"))  # the controller, under xdist
+    if not whole:
+        return
+    total = sum(_SLOW.values())
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    over = total > SLOW_TIER_BUDGET_S * SLOW_TIER_SLACK
+    lines = [f"the slow tier ({len(_SLOW)} tests) took {total:.0f} s of its {SLOW_TIER_BUDGET_S:.0f} s "
+             f"budget (tests/conftest.py)"]
+    if over:
+        lines[0] += f", more than {SLOW_TIER_SLACK:.1f} x; the slowest:"
+        slowest = sorted(_SLOW.items(), key=lambda kv: -kv[1])[:10]
+        lines += [f"  {d:7.1f} s  {nodeid}" for nodeid, d in slowest]
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if reporter is not None:
+        reporter.write_line("\n".join(lines), red=over)
 
 
 def pytest_configure(config):
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:  # pytest-xdist: the cores shared among its workers
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped on CPU-only machines)")
     config.addinivalue_line("markers", "megatron: needs megatron-core (or a Megatron-LM checkout)")
     config.addinivalue_line("markers", "slow: runs in a gloo job (the `gloo` fixture) or a "
