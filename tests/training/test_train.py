@@ -41,6 +41,16 @@ def _losses(runs):
 
 
 SYSTEMS = ["chunkflow", "megatron-sft", "megatron-packed", "megatron-unpacked"]
+_WHOLE: list = []
+
+
+def _whole(gloo) -> list[float]:
+    """The losses of 20 uninterrupted steps with the default settings (ChunkFlow, one process):
+    the reference of several tests below, run once per test process."""
+    if not _WHOLE:
+        (losses,) = gloo.run(_losses, 1, [dict()], timeout=900)[0]
+        _WHOLE.append(losses)
+    return _WHOLE[0]
 
 
 @pytest.mark.parametrize("pp", [pytest.param(1, marks=pytest.mark.medium), 2])
@@ -51,8 +61,11 @@ def test_chunkflow_trains_like_stock_megatron(gloo, pp):
     from megatron_chunkflow.config import ParallelConfig
 
     layout = ParallelConfig(pp=pp)
-    runs = gloo.run(_losses, pp, [dict(parallel=layout, system=s) for s in SYSTEMS],
-                         timeout=900)[-1]
+    systems = SYSTEMS[1:] if pp == 1 else SYSTEMS  # ChunkFlow at PP 1: the shared reference
+    runs = gloo.run(_losses, pp, [dict(parallel=layout, system=s) for s in systems],
+                    timeout=900)[-1]
+    if pp == 1:
+        runs = [_whole(gloo), *runs]
     chunkflow = runs[0]
     assert chunkflow[-1] < chunkflow[0]
     for name, baseline in zip(SYSTEMS[1:], runs[1:]):
@@ -100,12 +113,11 @@ def _losses_with_crashed_save(ckpt):
 def test_resume_gives_the_same_losses(gloo, tmp_path):
     """Save at step 10, crash during a later save, resume: steps 11-20 match an uninterrupted run."""
     ckpt = str(tmp_path / "ckpt")
-    (whole,) = gloo.run(_losses, 1, [dict()], timeout=900)[0]
+    whole = _whole(gloo)
     first, resumed = gloo.run(_losses_with_crashed_save, 1, ckpt, timeout=900)[0]
     assert len(first) == 10 and len(resumed) == 10
     assert first == pytest.approx(whole[:10], rel=1e-12)
     assert resumed == pytest.approx(whole[10:], rel=1e-10)
-
 
 
 def _resume_after_crashed_resave(ckpt):
@@ -128,7 +140,7 @@ def _resume_after_crashed_resave(ckpt):
 
 def test_resume_falls_back_to_the_newest_complete_checkpoint(gloo, tmp_path, capfd):
     ckpt = str(tmp_path / "ckpt")
-    (whole,) = gloo.run(_losses, 1, [dict()], timeout=900)[0]
+    whole = _whole(gloo)
     from_old, from_5 = gloo.run(_resume_after_crashed_resave, 1, ckpt, timeout=900)[0]
     assert from_old == pytest.approx(whole[10:], rel=1e-10)
     assert from_5 == pytest.approx(whole[5:], rel=1e-10)
@@ -243,3 +255,35 @@ def test_cp_placements_train_alike_and_report_their_traffic(gloo):
             assert h["loss"] == pytest.approx(p["loss"], rel=1e-10)
             assert 0 < h["cp_kv_received_bytes"] < p["cp_kv_received_bytes"]
             assert 0 < h["cp_grad_received_bytes"] < p["cp_grad_received_bytes"]
+
+
+def _diverged(ckpt):
+    from pathlib import Path
+
+    from megatron_chunkflow.mcore.dist import init_distributed, shutdown
+    from megatron_chunkflow.mcore.settings import CheckpointConfig, OptimizerConfig
+    from megatron_chunkflow.training.loop import Diverged, train
+
+    s = _settings(train_iters=8, optimizer=OptimizerConfig(lr=1e6, min_lr=1e5, lr_warmup_iters=0,
+                                                           clip_grad=0.0),
+                  checkpoint=CheckpointConfig(save=ckpt, save_interval=1))
+    init_distributed(s.parallel, s.seed)
+    steps = []
+    try:
+        train(s, _dataset(), on_step=lambda m: steps.append(m["loss"]))
+        error = None
+    except Diverged as e:
+        error = str(e)
+    shutdown()
+    tracker = Path(ckpt) / "latest_checkpointed_iteration.txt"
+    return error, steps, int(tracker.read_text()) if tracker.exists() else 0
+
+
+def test_a_diverged_run_stops_at_that_step_and_keeps_the_last_good_checkpoint(gloo, tmp_path):
+    """--lr 1e6 with clipping off: the first step whose loss or gradient norm is inf or nan ends
+    the run (Diverged naming the step and --lr), and that step is never saved."""
+    error, steps, saved = gloo.run(_diverged, 1, str(tmp_path / "ckpt"), timeout=600)[0]
+    assert error is not None, f"8 steps at --lr 1e6 stayed finite: {steps}"
+    bad = len(steps)  # the step that diverged is the last one reported
+    assert f"step {bad}: the " in error and "--lr 1e+06" in error and "--clip-grad 0" in error
+    assert saved == bad - 1, (saved, bad, error)
