@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 import torch
 
@@ -170,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     log_config = config_from_args(LogConfig, args)
     from megatron_chunkflow.data import load_tokenizer, open_sft_dataset
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
-    from megatron_chunkflow.training.loop import train
+    from megatron_chunkflow.training.loop import Diverged, train
 
     max_samples = data.max_samples
     if max_samples is None and data.data_path is None:
@@ -214,6 +215,10 @@ def run(args: argparse.Namespace) -> int:
     log = StepLog(log_config, s.train_iters, quiet=not rank0)
     try:
         history = train(s, dataset, on_step=log)
+    except Diverged as e:  # a failed run, not bad usage: exit 1 (every rank saw the same)
+        if rank0:
+            print(f"chunkflow train: error: {e}", file=sys.stderr)
+        return 1
     finally:
         log.close()
         shutdown()

@@ -12,6 +12,7 @@ saves (training/checkpoint.py: Checkpointer).
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 from megatron_chunkflow.core.costs import sequence_model_flops
@@ -28,8 +29,14 @@ from megatron_chunkflow.runtime.loss import global_loss
 from megatron_chunkflow.training.checkpoint import Checkpointer
 
 
+class Diverged(RuntimeError):
+    """A step's loss or gradient norm was not finite: training stopped before saving it."""
+
+
 def train(s: TrainSettings, dataset, on_step=None) -> list[dict]:
-    """Run the loop on an initialised process group; returns one metrics dict per step."""
+    """Run the loop on an initialised process group; returns one metrics dict per step. A step
+    whose loss or gradient norm is not finite (every rank sees the same reduced values) raises
+    Diverged before that step is saved: the last checkpoint on disk is the last good one."""
     tr = build_training(s)
     checkpointer = Checkpointer(s.checkpoint, tr.model, tr.optimizer, tr.scheduler,
                                 dataclasses.asdict(s))
@@ -48,6 +55,7 @@ def train(s: TrainSettings, dataset, on_step=None) -> list[dict]:
         history.append(metrics)
         if on_step is not None:
             on_step(metrics)
+        _check_finite(s, metrics, checkpointer)
         checkpointer.save(it + 1, consumed, last_step=it + 1 == stop)
     if s.checkpoint.save_hf:
         _export_hf(s, tr.model)
@@ -76,6 +84,26 @@ def train_step(s: TrainSettings, tr: Training, sequences, it: int) -> dict:
     if s.sparse.enabled:  # approximate: say so in every record
         metrics.update(_sparse_metrics(s, out.backward))
     return metrics
+
+
+def _check_finite(s: TrainSettings, metrics: dict, checkpointer: Checkpointer) -> None:
+    """Megatron-LM's check_for_nan_in_loss_and_grad, for this loop: stop at the first step whose
+    loss or gradient norm is inf or nan, naming the step and the flags most likely at fault."""
+    loss, norm = metrics["loss"], metrics["grad_norm"]
+    if math.isfinite(loss) and (norm is None or math.isfinite(norm)):
+        return
+    o = s.optimizer
+    what = "loss" if not math.isfinite(loss) else "gradient norm"
+    value = loss if what == "loss" else norm
+    suspects = f"--lr {o.lr:g} (this step applied {metrics['lr']:g})"
+    if s.lora is not None:
+        suspects += f", --lora-alpha {s.lora.alpha:g}"
+    if o.clip_grad == 0:
+        suspects += ", --clip-grad 0 (clipping off)"
+    kept = (f"the last checkpoint in {s.checkpoint.save} is the last good step"
+            if s.checkpoint.save else "nothing was saved (no --save)")
+    raise Diverged(f"step {metrics['step']}: the {what} is {value}; training stopped, this step "
+                   f"not saved ({kept}). Likely cause: {suspects}")
 
 
 def _export_hf(s: TrainSettings, model) -> None:
