@@ -109,7 +109,19 @@ def _kind(annotation) -> tuple[type, tuple | None]:
         return type(args[0]), tuple(args)
     if args:  # X | None
         return _kind(args[0])
-    return annotation, None
+    return (finite_float if annotation is float else annotation), None
+
+
+def finite_float(text: str) -> float:
+    """argparse type of every float flag: a number, never inf or nan (a flag that means "off"
+    says so with 0)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
 
 
 def read_json_file(path, what: str):

@@ -31,7 +31,12 @@ from megatron_chunkflow.console import Output
 from megatron_chunkflow.core.lengths import LengthsConfig
 from megatron_chunkflow.core.models import MODEL_SHAPES, load_model_shape
 from megatron_chunkflow.core.step import BASELINES
-from megatron_chunkflow.flags import add_config_arguments, check_output_dir, config_from_args
+from megatron_chunkflow.flags import (
+    add_config_arguments,
+    check_output_dir,
+    config_from_args,
+    finite_float,
+)
 
 # the embedded scenario (README, "Defaults")
 SCENARIO = dict(model="tiny-bench", global_batch_size=256, scale=1 / 8, seq_length=32768,
@@ -62,10 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seq-length", type=int, default=SCENARIO["seq_length"], metavar="N",
                    help="maximum context: stock Megatron's micro-batch length; longer sequences "
                         "are truncated to it (default: 32768)")
-    g.add_argument("--budget-mib", type=float, default=SCENARIO["budget_mib"], metavar="MIB",
+    g.add_argument("--budget-mib", type=finite_float, default=SCENARIO["budget_mib"], metavar="MIB",
                    help="activation memory per rank (bytes saved for backward + K/V state) "
                         "that decides recompute (default: 1024)")
-    g.add_argument("--chunkflow-budget-mib", type=float, default=None, metavar="MIB",
+    g.add_argument("--chunkflow-budget-mib", type=finite_float, default=None, metavar="MIB",
                    help="ChunkFlow's own budget, to ask how fast it runs in less memory than the "
                         "baselines get, e.g. half (default: --budget-mib)")
     g.add_argument("--baseline", choices=[*BASELINES, "all"], default="all",

@@ -141,16 +141,18 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--dp-rank must be in [0, {args.dp}), got {args.dp_rank}")
     check_output_file("--png", args.png)
     out = Output(args.json)
+    if args.seq_length is not None and args.seq_length < 1:
+        raise ValueError(f"--seq-length must be >= 1 (leave it out for the longest sequence), "
+                         f"got {args.seq_length}")
+    shape = get_model_shape(args.model)
+    layout = ParallelConfig.layout(pp=args.pp, dp=args.dp, cp=parallel.cp, vpp=parallel.vpp)
+    layout.check_model(shape)  # PP and V divide the layers (no stage without layers), naming them
     lengths, source = config_from_args(LengthsConfig, args).lengths(SCENARIO["global_batch_size"])
     longest = max(lengths)  # by default the baseline's micro-batch holds it, padded to 2 x CP
     seq_length = args.seq_length or longest + (-longest % (2 * parallel.cp) if parallel.cp > 1
                                                else 0)
-    shape = get_model_shape(args.model)
 
     cp, vpp = parallel.cp, parallel.vpp
-    layout = ParallelConfig.layout(pp=args.pp, dp=args.dp, cp=cp, vpp=vpp)
-    if vpp > 1:
-        layout.check_model(shape)  # V divides the layers per stage, naming --vpp
     held_for, _ = memory_hooks(shape, layout, BF16_BYTES)  # the baselines' micro-batches
     cf_held_for, state_for = memory_hooks(shape, layout, BF16_BYTES, cfg.chunk_size, cfg.num_kept,
                                           cp_placement="hybrid")  # the runtime's default

@@ -78,8 +78,11 @@ class LengthsConfig:
             return read_lengths_file(self.lengths_file), self.lengths_file
         profile = self.profile or DEFAULT_PROFILE
         step = self.step + step_offset
-        lengths = sample_lengths(profile, self.global_batch_size or default_batch, self.seed,
-                                 step, self.scale)
+        size = self.global_batch_size or default_batch
+        if self.min_long > size and long_above is not None:
+            raise ValueError(f"--min-long {self.min_long} is more than the global batch's {size} "
+                             "sequences (--global-batch-size)")
+        lengths = sample_lengths(profile, size, self.seed, step, self.scale)
         check_length(max(lengths), f"--scale {self.scale:g}")
         if self.min_long and long_above is not None:
             lengths = ensure_long(lengths, profile, long_above, self.min_long,

@@ -38,5 +38,9 @@ class DataConfig:
     """Count, skip and report malformed --data-path records instead of stopping at the first."""
 
     def __post_init__(self):
+        for flag, value in (("--data-path", self.data_path), ("--tokenizer", self.tokenizer)):
+            if value is not None and not value.strip():
+                raise ValueError(f"{flag} is empty (an unset shell variable?); leave the flag "
+                                 "out for the default")
         if self.max_samples is not None and self.max_samples < 1:
             raise ValueError(f"--max-samples must be >= 1, got {self.max_samples}")

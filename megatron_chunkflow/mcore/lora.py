@@ -66,8 +66,8 @@ class LoRAConfig:
     def __post_init__(self):
         if self.rank < 1:
             raise ValueError(f"--lora-rank must be >= 1, got {self.rank}")
-        if not self.alpha > 0:
-            raise ValueError(f"--lora-alpha must be > 0, got {self.alpha}")
+        if not 0 < self.alpha < float("inf"):
+            raise ValueError(f"--lora-alpha must be a finite number > 0, got {self.alpha}")
         names = self.target_names
         unknown = [t for t in names if t not in TARGETS]
         if unknown or not names:

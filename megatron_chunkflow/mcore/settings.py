@@ -11,6 +11,7 @@ code that uses them; the command line derives its flags from them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -43,6 +44,17 @@ class OptimizerConfig:
 
     clip_grad: float = 1.0
     """Gradient clipping by global norm (0: off)."""
+
+    def __post_init__(self):
+        for flag, value, low in (("--lr", self.lr, "> 0"), ("--min-lr", self.min_lr, ">= 0"),
+                                 ("--weight-decay", self.weight_decay, ">= 0"),
+                                 ("--clip-grad", self.clip_grad, ">= 0 (0: off)")):
+            bad = not math.isfinite(value) or value < 0 or (low == "> 0" and value == 0)
+            if bad:
+                raise ValueError(f"{flag} must be a finite number {low}, got {value}")
+        if self.min_lr > self.lr:
+            raise ValueError(f"--min-lr {self.min_lr} is above --lr {self.lr}: the cosine decay "
+                             "falls from --lr to --min-lr")
 
 
 @dataclass(frozen=True)
@@ -111,6 +123,8 @@ class TrainSettings:
                             ("--seq-length", self.seq_length), ("--train-iters", self.train_iters)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"--seed must be in [0, 2**32), got {self.seed}")
         if self.exit_interval is not None and self.exit_interval < 0:
             raise ValueError(f"--exit-interval must be >= 0 (0: off), got {self.exit_interval}")
         if not 0 <= self.optimizer.lr_warmup_iters < self.train_iters:

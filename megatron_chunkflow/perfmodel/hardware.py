@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,8 +154,9 @@ class Hardware:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name != "name" and not v >= 0:
-                raise ValueError(f"hardware {self.name}: {f.name} must be >= 0, got {v}")
+            if f.name != "name" and not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"hardware {self.name}: {f.name} must be a finite number >= 0, "
+                                 f"got {v}")
         for f in ("peak_tflops", "memory_gib", "hbm_gb_s", "nvlink_gb_s", "network_gb_s",
                   "host_gb_s", "gemm_max_eff", "attn_fwd_eff", "attn_bwd_eff", "mem_eff",
                   "comm_eff"):

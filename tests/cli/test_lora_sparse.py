@@ -10,7 +10,7 @@ LORA_CASES = [
     (["--lora-rank", "-4"], "--lora-rank must be >= 1, got -4"),
     (["--lora-rank", "8", "--lora-targets", "qkv,mlp"],
      "--lora-targets 'qkv,mlp': unknown entry 'mlp'; choose from qkv, proj, fc1, fc2"),
-    (["--lora-rank", "8", "--lora-alpha", "0"], "--lora-alpha must be > 0"),
+    (["--lora-rank", "8", "--lora-alpha", "0"], "--lora-alpha must be a finite number > 0"),
     (["--lora-alpha", "32"], "--lora-alpha needs --lora-rank"),
 ]
 

@@ -146,16 +146,23 @@ def test_lengths_file_not_utf8_names_the_file(tmp_path, capsys):
     (["--global-batch-size", "0"], "--global-batch-size must be >= 1"),
     (["--lengths-file", "/nonexistent/x"], "/nonexistent/x: no such file"),
     (["--seq-length", "10"], "more than --seq-length 10"),
-    (["--scale", "inf"], "--scale must be a finite number > 0, got inf"),
+    (["--scale", "inf"], "argument --scale: must be a finite number, got 'inf'"),
+    (["--scale", "0"], "--scale must be a finite number > 0, got 0.0"),
     (["--scale", "1e12"], "--scale 1e+12: length"),
     (["--step", "-1"], "--step must be >= 0, got -1"),
+    (["--seq-length", "0"], "--seq-length must be >= 1 (leave it out for the longest sequence)"),
+    (["--pp", "64"], "--pipeline-model-parallel-size (--pp) 64 must divide the model's"),
     (["--png", "/nonexistent/dir/plan.png"], "--png /nonexistent/dir/plan.png: directory"),
     (["--cp", "2", "--chunk-size", "4098"], "--chunk-size 4098 is not a multiple of 2 x "
                                             "--context-parallel-size (--cp) 2 = 4"),
 ])
 def test_bad_input_exits_2(capsys, argv, message):
     batch = [] if "--lengths-file" in argv else ["--global-batch-size", "50"]
-    assert main(["plan", *batch, *argv]) == 2
+    try:
+        rc = main(["plan", *batch, *argv])
+    except SystemExit as e:  # argparse's own usage errors
+        rc = e.code
+    assert rc == 2
     assert message in capsys.readouterr().err
 
 

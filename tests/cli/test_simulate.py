@@ -258,6 +258,8 @@ def test_auto_layouts_and_lengths_file(tmp_path, capsys):
     (["--chunkflow-k", "0"], "--chunkflow-k must be >= 1"),
     (["--gpu-set", "tflops=3"], "--gpu-set 'tflops=3': expected KEY=VALUE"),
     (["--gpu-set", "memory_gib=lots"], "--gpu-set 'memory_gib=lots': 'lots' is not a valid float"),
+    (["--gpu-set", "peak_tflops=inf"], "peak_tflops must be a finite number >= 0, got inf"),
+    (["--gpu-set", "hbm_gb_s=nan"], "hbm_gb_s must be a finite number >= 0, got nan"),
     (["--calibration", "/nonexistent.json"], "--calibration /nonexistent.json: no such file"),
     (["--lengths-file", "/nonexistent"], "--lengths-file /nonexistent: no such file"),
     (["--lengths-file", "x", "--global-batch-size", "9"], "with --lengths-file the file is"),

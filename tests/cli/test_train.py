@@ -58,6 +58,20 @@ def test_empty_dataset(capsys, tmp_path):
     (["--attention-backend", "flash"], "--attention-backend flash needs a CUDA GPU; this run is "
                                        "on cpu"),
     (["--attention-backend", "flex"], "--attention-backend flex has no CPU backward"),
+    (["--lr", "inf"], "argument --lr: must be a finite number, got 'inf'"),
+    (["--lr", "nan"], "argument --lr: must be a finite number, got 'nan'"),
+    (["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
+    (["--lr", "abc"], "argument --lr: not a number: 'abc'"),
+    (["--min-lr", "1", "--lr", "0.1"], "--min-lr 1.0 is above --lr 0.1"),
+    (["--clip-grad", "-1"], "--clip-grad must be a finite number >= 0 (0: off), got -1.0"),
+    (["--clip-grad", "nan"], "argument --clip-grad: must be a finite number, got 'nan'"),
+    (["--weight-decay", "-0.1"], "--weight-decay must be a finite number >= 0, got -0.1"),
+    (["--lora-rank", "4", "--lora-alpha", "inf"], "argument --lora-alpha: must be a finite "
+                                                  "number, got 'inf'"),
+    (["--data-path", ""], "--data-path is empty (an unset shell variable?)"),
+    (["--tokenizer", " "], "--tokenizer is empty"),
+    (["--seed", "-1"], "--seed must be in [0, 2**32), got -1"),
+    (["--seed", "99999999999999999999"], "--seed must be in [0, 2**32)"),
 ])
 def test_bad_flags(capsys, argv, message):
     rc, err = run_train(capsys, *argv)

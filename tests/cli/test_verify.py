@@ -29,6 +29,8 @@ def run_verify(capsys, *argv):
                                                    "parallelism recomputes attention"),
     (["--cp", "2", "--lora-rank", "4"], "--lora-rank is not checked with --context-parallel-size"),
     (["--memory", "--tp", "2"], "--memory measures at TP = PP = 1"),
+    (["--min-long", "1000", "--global-batch-size", "4"], "--min-long 1000 is more than the "
+                                                         "global batch's 4 sequences"),
 ])
 def test_verify_bad_input_exits_2(capsys, argv, message):
     rc, err = run_verify(capsys, *argv)
