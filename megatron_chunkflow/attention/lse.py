@@ -22,10 +22,12 @@ have the pair (`lse_pair`):
   or window_size_left / _right, softcap, alibi_slopes, deterministic, rng_state) are read off its
   signature. CUDA, fp16/bf16, flash-attn >= 2.1. UNTESTED until a GPU run
   (tests/gpu/test_attention_backends.py).
-- varlen: torch's varlen_attn(return_aux=AuxRequest(lse=True)) for (out, lse), and the op its own
-  autograd runs backward, torch.ops.torch_attn._varlen_attn_backward (both in torch 2.13); on a
-  torch without them, or when varlen_attn would take its cuDNN path, no pair. CUDA, fp16/bf16.
-  UNTESTED until a GPU run (tests/gpu/test_attention_backends.py).
+- varlen: the flash kernel varlen_attn runs, called as the aten ops its own autograd calls
+  (aten::_flash_attention_forward for (out, lse [N, Tq] float32) and _flash_attention_backward),
+  so torch 2.11, whose varlen_attn returns no lse, has the pair with no extra package; GQA
+  without repeating K/V; no pair where varlen_attn would take its cuDNN path. CUDA, fp16/bf16.
+  The code around the two kernels is tested on CPU against a stand-in with their contract; the
+  kernels UNTESTED until a GPU run (tests/gpu/test_attention_backends.py).
 
 sdpa, flex and te have no pair (their libraries run the backward only inside their own autograd,
 from what they saved): context parallelism recomputes their forward in the backward.
@@ -35,7 +37,6 @@ from what they saved): context parallelism recomputes their forward in the backw
 
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
 import math
@@ -193,7 +194,33 @@ def _flash_backward(dout_TNH, q_TNH, k_TGH, v_TGH, out_TNH, lse, cu_q, cu_kv, sc
     return tuple(x[..., :hd] for x in (dq, dk, dv))
 
 
-# ---- PyTorch's varlen_attn (UNTESTED until a GPU run) --------------------------------------------
+# ---- PyTorch's own flash kernel, the one varlen_attn runs ---------------------------------------
+# aten::_flash_attention_forward / _flash_attention_backward: what varlen_attn calls off its cuDNN
+# path, in every CUDA build of torch (2.11 included, whose varlen_attn returns no lse and takes no
+# enable_gqa). Grouped-query attention native, the causal mask bottom-right aligned (flash-attn
+# 2.x), lse [N, Tq] float32, the head dim a multiple of 8 (padded here, as flash-attn pads).
+# Everything but the two kernels runs on CPU in tests/attention/test_lse.py, against a CPU
+# stand-in that keeps the ops' contract; the kernels themselves UNTESTED until a GPU run.
+class FlashOps(NamedTuple):
+    forward: Callable  # aten::_flash_attention_forward's signature
+    backward: Callable  # aten::_flash_attention_backward's
+
+
+def _aten_flash_ops() -> FlashOps:
+    return FlashOps(torch.ops.aten._flash_attention_forward,
+                    torch.ops.aten._flash_attention_backward)
+
+
+FLASH_HEAD_DIM_MULTIPLE = 8
+
+
+def _varlen_has_pair() -> bool:
+    """torch's flash ops are registered and varlen_attn would not run through cuDNN on the
+    current device (its mask and GQA differ there; the varlen backend refuses it too)."""
+    return (hasattr(torch.ops.aten, "_flash_attention_backward")
+            and not backends._varlen_uses_cudnn(_varlen_module()))
+
+
 def _varlen_module():
     try:
         return importlib.import_module("torch.nn.attention.varlen")
@@ -201,35 +228,41 @@ def _varlen_module():
         return None
 
 
-def _varlen_has_pair() -> bool:
-    """varlen_attn returns its lse (return_aux), takes window_size and enable_gqa, and its backward
-    op is registered; and it would not run through cuDNN on the current device."""
-    return _varlen_api_has_pair() and not backends._varlen_uses_cudnn(_varlen_module())
+def _pad_head_dim(*xs):
+    pad = -xs[0].shape[-1] % FLASH_HEAD_DIM_MULTIPLE
+    return tuple((F.pad(x, (0, pad)) if pad else x).contiguous() for x in xs)
 
 
-@functools.lru_cache(maxsize=1)  # asked on every CP attention call: the inspection once
-def _varlen_api_has_pair() -> bool:
-    varlen = _varlen_module()
-    if varlen is None or not hasattr(varlen, "AuxRequest"):
-        return False
-    params = inspect.signature(varlen.varlen_attn).parameters
-    return ({"return_aux", "window_size", "enable_gqa"} <= set(params)
-            and hasattr(torch.ops.torch_attn, "_varlen_attn_backward"))
+def flash_ops_forward(ops: FlashOps, q_TNH, k_TGH, v_TGH, cu_q, cu_kv, scale, causal):
+    """(out, lse [N, Tq] float32) from torch's flash forward op `ops.forward`, dropout off."""
+    hd = q_TNH.shape[-1]
+    q, k, v = _pad_head_dim(q_TNH, k_TGH, v_TGH)
+    cu_q_t, cu_kv_t, max_q, max_kv = backends._cu_on_device(cu_q, cu_kv, q.device)
+    out, lse, *_ = ops.forward(q, k, v, cu_q_t, cu_kv_t, max_q, max_kv, 0.0, causal, False,
+                               scale=scale)
+    return out[..., :hd], lse
+
+
+def flash_ops_backward(ops: FlashOps, dout_TNH, q_TNH, k_TGH, v_TGH, out_TNH, lse, cu_q, cu_kv,
+                       scale, causal):
+    """(dq, dk, dv) from torch's flash backward op `ops.backward`: no forward, dropout off (its
+    random state is then never read)."""
+    hd = q_TNH.shape[-1]
+    dout, q, k, v, out = _pad_head_dim(dout_TNH, q_TNH, k_TGH, v_TGH, out_TNH)
+    cu_q_t, cu_kv_t, max_q, max_kv = backends._cu_on_device(cu_q, cu_kv, q.device)
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    unused = torch.empty(0, device=q.device)
+    grads = ops.backward(dout, q, k, v, out, lse, cu_q_t, cu_kv_t, max_q, max_kv, 0.0, causal,
+                         rng_state, unused, scale=scale)
+    return tuple(g[..., :hd] for g in grads)
 
 
 def _varlen_forward(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, scale, causal):
-    varlen = _varlen_module()
     backends._require_cuda_half("varlen", q_TNH)
-    cu_q_t, cu_kv_t, max_q, max_kv = backends._cu_on_device(cu_q, cu_kv, q_TNH.device)
-    return varlen.varlen_attn(q_TNH, k_TGH, v_TGH, cu_q_t, cu_kv_t, max_q, max_kv,
-                              return_aux=varlen.AuxRequest(lse=True), scale=scale,
-                              window_size=(-1, 0 if causal else -1),
-                              enable_gqa=q_TNH.shape[1] != k_TGH.shape[1])
+    return flash_ops_forward(_aten_flash_ops(), q_TNH, k_TGH, v_TGH, cu_q, cu_kv, scale, causal)
 
 
 def _varlen_backward(dout_TNH, q_TNH, k_TGH, v_TGH, out_TNH, lse, cu_q, cu_kv, scale, causal):
-    cu_q_t, cu_kv_t, max_q, max_kv = backends._cu_on_device(cu_q, cu_kv, q_TNH.device)
-    rng_state = torch.zeros(2, dtype=torch.uint64, device=q_TNH.device)  # no dropout
-    return torch.ops.torch_attn._varlen_attn_backward(
-        dout_TNH.contiguous(), q_TNH, k_TGH, v_TGH, out_TNH, lse, cu_q_t, cu_kv_t, max_q, max_kv,
-        causal, rng_state, scale, [-1, 0 if causal else -1])
+    backends._require_cuda_half("varlen", q_TNH)
+    return flash_ops_backward(_aten_flash_ops(), dout_TNH, q_TNH, k_TGH, v_TGH, out_TNH, lse,
+                              cu_q, cu_kv, scale, causal)

@@ -48,15 +48,11 @@ class Stack:
             return original(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
                             return_aux=return_aux, scale=scale, window_size=window_size)
 
-        from megatron_chunkflow.attention import lse
-
         varlen.varlen_attn = varlen_attn
-        lse._varlen_api_has_pair.cache_clear()  # read off the signature once per process
         try:
             yield
         finally:
             varlen.varlen_attn = original
-            lse._varlen_api_has_pair.cache_clear()
 
 
 STACKS = {

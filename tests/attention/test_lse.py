@@ -209,3 +209,72 @@ def test_merge_over_every_row_equals_the_indexed_merge():
         results.append((out, lse))
     for every, indexed in zip(*results, strict=True):  # the same arithmetic, other memory order
         torch.testing.assert_close(every, indexed, rtol=1e-14, atol=1e-14)
+
+
+class CpuFlashOps:
+    """aten::_flash_attention_forward / _backward's contract on CPU (varlen tokens-first layout,
+    int32 cu_seqlens tensors, GQA native, bottom-right causal, lse [N, Tq], a head dim that is a
+    multiple of 8, dropout off), computed by the torch backend: what the varlen pair hands the
+    CUDA kernels, checked where CPU can run it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def _check(self, q, cu_q, cu_k, max_q, max_k, dropout_p):
+        assert q.shape[-1] % 8 == 0, "the kernel takes head dims that are multiples of 8"
+        assert cu_q.dtype == cu_k.dtype == torch.int32 and dropout_p == 0.0
+        lq, lk = cu_q.diff().tolist(), cu_k.diff().tolist()
+        assert (max_q, max_k) == (max(lq), max(lk))
+        return cu_q.tolist(), cu_k.tolist()
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, debug, *, scale):
+        cq, ck = self._check(q, cu_q, cu_k, max_q, max_k, dropout_p)
+        self.calls.append("forward")
+        out, lse = torch_attention.torch_forward(q, k, v, cq, ck, scale, is_causal)
+        return out, lse.reshape(q.shape[1], q.shape[0]), torch.zeros(2), torch.empty(0), None
+
+    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal,
+                 rng_state, unused, *, scale):
+        cq, ck = self._check(q, cu_q, cu_k, max_q, max_k, dropout_p)
+        self.calls.append("backward")
+        g = k.shape[1]
+        return torch_attention.torch_backward(dout, q, k, v, out, lse.reshape(g, -1, q.shape[0]),
+                                              cq, ck, scale, is_causal)
+
+
+@pytest.mark.parametrize("heads", RANDOM)  # head dims 16, 8 and 12 (padded to 16)
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_pair_around_the_flash_ops_float64(heads, causal):
+    """The varlen pair's code around torch's flash ops (padding the head dim, cu_seqlens, the lse
+    layout, no K/V repeat under GQA), float64 on CPU through a stand-in with the ops' contract:
+    equal to chunk_attention (causal) or a plain softmax (not) and autograd, to 1e-12."""
+    from megatron_chunkflow.attention import lse as lse_module
+
+    nh, ng, hd = RANDOM[heads]
+    lq, lk = random_segments(3)
+    if not causal:
+        lk = [max(n, 1) for n in lk]
+    cu_q, cu_kv = cumsum(lq), cumsum(lk)
+    q, k, v, dout = make_inputs(lq, lk, nh, ng, hd, torch.float64, seed=3)
+    attend = (lambda *a: chunk_attention(*a, cu_q, cu_kv, backend="sdpa")) if causal else \
+        (lambda *a: full_attention(*a, cu_q, cu_kv))
+    ref = run_with_grads(attend, q, k, v, dout)
+    ops, scale = CpuFlashOps(), hd ** -0.5
+    out, lse = lse_module.flash_ops_forward(ops, q, k, v, cu_q, cu_kv, scale, causal)
+    assert lse.shape == (nh, sum(lq)) and out.shape == q.shape
+    grads = lse_module.flash_ops_backward(ops, dout, q, k, v, out, lse, cu_q, cu_kv, scale,
+                                          causal)
+    assert ops.calls == ["forward", "backward"]  # the backward ran no forward
+    for name, x, r in zip(("out", "dq", "dk", "dv"), (out, *grads), ref, strict=True):
+        assert x.shape == r.shape and rel_err(x, r) <= 1e-12, (name, rel_err(x, r))
+    # the lse the merge and CP's backward read: heads-major, tokens last
+    assert torch.equal(lse_by_token(lse, out), lse.t())
+
+
+def test_varlen_pair_needs_no_varlen_lse_api():
+    """torch 2.11's varlen_attn returns no lse: the pair comes from the flash ops every CUDA
+    build registers, so it is there whatever varlen_attn's signature (and refuses CPU tensors)."""
+    assert lse_pair("varlen") is not None
+    q, k, v, _ = make_inputs([3], [5], 2, 1, 8, torch.float64)
+    with pytest.raises(ValueError, match="backend 'varlen' needs CUDA fp16/bf16 tensors"):
+        attention_with_lse(q, k, v, [0, 3], [0, 5], backend="varlen")
