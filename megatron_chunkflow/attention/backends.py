@@ -16,7 +16,9 @@ it (attention/lse.py), for context parallelism's backward.
 - sdpa: the reference. A loop over segments of F.scaled_dot_product_attention; any device, any
   floating dtype (float64 included), GQA through enable_gqa (torch >= 2.5) or repeat_interleave.
 - flex: torch.nn.attention.flex_attention with a block mask from per-token segment ids. On CUDA it
-  runs compiled (torch.compile). On CPU, as of torch 2.13, FlexAttention is forward-only: eager
+  runs compiled (torch.compile), on inputs the compiled kernel takes for every preset's shape
+  (flex_compilable_inputs: K/V repeated to every query head, the head dim zero-padded to a power
+  of two >= 16; exact, at N / G times the K/V memory under GQA; UNTESTED until a GPU run). On CPU, as of torch 2.13, FlexAttention is forward-only: eager
   runs in float32 and float64 (unfused, materializing the scores) and compiled runs float32 only,
   but there is no CPU backward in either mode. This backend therefore runs eager on CPU and raises
   a ValueError when a gradient would be needed there; on CUDA it refuses float64.
@@ -39,6 +41,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import math
 import warnings
 from collections.abc import Callable
 
@@ -117,10 +120,15 @@ def flex_attention_backend(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, softmax_scale):
 
     tq, tk = q_TNH.shape[0], k_TGH.shape[0]
     block_mask = create_block_mask(mask_mod, None, None, tq, tk, device=device)
+    hd = q_TNH.shape[-1]
+    scale = 1.0 / math.sqrt(hd) if softmax_scale is None else softmax_scale
+    if not on_cpu:  # shapes inductor's flex kernel compiles (flex_compilable_inputs)
+        q_TNH, k_TGH, v_TGH = flex_compilable_inputs(q_TNH, k_TGH, v_TGH)
     q_BNTH = q_TNH.transpose(0, 1).unsqueeze(0)
     k_BGTH = k_TGH.transpose(0, 1).unsqueeze(0)
     v_BGTH = v_TGH.transpose(0, 1).unsqueeze(0)
-    kwargs = dict(block_mask=block_mask, scale=softmax_scale, enable_gqa=True)
+    kwargs = dict(block_mask=block_mask, scale=scale,
+                  enable_gqa=k_TGH.shape[1] != q_TNH.shape[1])
     if on_cpu:
         # torch refuses CPU inputs with requires_grad even under no_grad; no gradient is needed here
         q_BNTH, k_BGTH, v_BGTH = q_BNTH.detach(), k_BGTH.detach(), v_BGTH.detach()
@@ -129,7 +137,26 @@ def flex_attention_backend(q_TNH, k_TGH, v_TGH, cu_q, cu_kv, softmax_scale):
             out_BNTH = flex_attention(q_BNTH, k_BGTH, v_BGTH, **kwargs)
     else:
         out_BNTH = _compiled_flex()(q_BNTH, k_BGTH, v_BGTH, **kwargs)
-    return out_BNTH.squeeze(0).transpose(0, 1)
+    return out_BNTH.squeeze(0).transpose(0, 1)[..., :hd]
+
+
+FLEX_MIN_HEAD_DIM = 16  # inductor: "NYI: embedding dimension must be at least 16"
+
+
+def flex_compilable_inputs(q_TNH, k_TGH, v_TGH):
+    """q, k, v in a form the compiled flex kernel takes on CUDA, with the same attention: K/V
+    repeated to every query head (compiled GQA found no valid kernel choice at head dim 64 on an
+    H200, torch 2.11; costs N / G times the K/V bytes flex saves for its backward) and the head
+    dim zero-padded to a power of two >= 16 (scores q.k and the first H output columns
+    unchanged; the caller keeps the softmax scale of the real head dim and drops the padding)."""
+    nh, ng, hd = q_TNH.shape[1], k_TGH.shape[1], q_TNH.shape[-1]
+    if ng != nh:
+        k_TGH = k_TGH.repeat_interleave(nh // ng, dim=1)
+        v_TGH = v_TGH.repeat_interleave(nh // ng, dim=1)
+    pad = max(FLEX_MIN_HEAD_DIM, 1 << (hd - 1).bit_length()) - hd
+    if pad:
+        q_TNH, k_TGH, v_TGH = (F.pad(x, (0, pad)) for x in (q_TNH, k_TGH, v_TGH))
+    return q_TNH, k_TGH, v_TGH
 
 
 @functools.cache

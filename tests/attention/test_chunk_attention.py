@@ -128,6 +128,33 @@ def test_flex_forward_on_cpu(case, dtype):
         assert e_got <= 2 * e_naive + 1e-6, (e_got, e_naive)
 
 
+def _preset_attention_shapes():
+    from megatron_chunkflow.core.models import MODEL_SHAPES
+
+    return sorted({(m.num_attention_heads, m.num_query_groups, m.head_dim)
+                   for m in MODEL_SHAPES.values()})
+
+
+@pytest.mark.parametrize("heads,groups,head_dim", _preset_attention_shapes())
+def test_flex_compilable_inputs_keep_the_attention(heads, groups, head_dim):
+    """What flex runs on CUDA for every preset's (heads, K/V groups, head dim): K/V repeated to
+    every head and the head dim padded to a power of two >= 16 give the same attention (flex's
+    own forward on CPU, float64, against sdpa on the untouched inputs, to 1e-12)."""
+    from megatron_chunkflow.attention.backends import flex_compilable_inputs
+
+    lq, lk = [5, 1, 7], [9, 1, 7]
+    cu_q, cu_kv = cumsum(lq), cumsum(lk)
+    q, k, v, _ = make_inputs(lq, lk, heads, groups, head_dim, torch.float64)
+    q2, k2, v2 = flex_compilable_inputs(q, k, v)
+    assert k2.shape[1] == heads and q2.shape[-1] >= 16
+    assert q2.shape[-1] & (q2.shape[-1] - 1) == 0  # a power of two
+    with torch.no_grad():
+        ref = chunk_attention(q, k, v, cu_q, cu_kv, backend="sdpa")
+        got = chunk_attention(q2, k2, v2, cu_q, cu_kv, softmax_scale=head_dim ** -0.5,
+                              backend="flex")[..., :head_dim]
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+
+
 def test_flex_refuses_backward_on_cpu():
     """A clear ValueError, not torch's NotImplementedError deep in flex_attention."""
     q, k, v, _ = make_inputs([4], [6], 2, 1, 8, torch.float32)
