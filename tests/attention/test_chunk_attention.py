@@ -140,7 +140,7 @@ def test_flex_compilable_inputs_keep_the_attention(heads, groups, head_dim):
     """What flex runs on CUDA for every preset's (heads, K/V groups, head dim): K/V repeated to
     every head and the head dim padded to a power of two >= 16 give the same attention (flex's
     own forward on CPU, float64, against sdpa on the untouched inputs, to 1e-12)."""
-    from megatron_chunkflow.attention.backends import flex_compilable_inputs
+    from megatron_chunkflow.attention.flex import flex_compilable_inputs
 
     lq, lk = [5, 1, 7], [9, 1, 7]
     cu_q, cu_kv = cumsum(lq), cumsum(lk)
