@@ -32,7 +32,6 @@ its one fused kernel holds it in registers.
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 
 import torch
@@ -41,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from megatron_chunkflow.memtrace.ledger import Ledger
+from megatron_chunkflow.memtrace.metacache import MetaOutputs, tensors_in
 from megatron_chunkflow.memtrace.stack import Stack
 
 META = torch.device("meta")
@@ -170,86 +170,16 @@ def _inferred_dtype(func, args) -> torch.dtype:
     return torch.get_default_dtype()
 
 
-def _tensors(obj, out: list | None = None) -> list[torch.Tensor]:
-    """The tensors in an op's arguments or results (nested tuples, lists, dict values): what
-    pytree's tree_leaves finds there, at a fraction of its cost on the trace's hot path."""
-    out = [] if out is None else out
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, (tuple, list, type({}.values()))):
-        for x in obj:
-            _tensors(x, out)
-    elif isinstance(obj, dict):
-        _tensors(obj.values(), out)
-    return out
-
-
-_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format,
-            torch.layout)
-
-
-def _signature(obj):
-    """A hashable stand-in for an op argument that fixes what a meta kernel returns: a meta
-    tensor's shape, strides and dtype, a scalar's type and value; None where there is none
-    (anything else: the op runs, uncached)."""
-    if isinstance(obj, torch.Tensor):
-        return None if not obj.is_meta else (obj.shape, obj.stride(), obj.dtype)
-    if isinstance(obj, _SCALARS):
-        return type(obj), obj
-    if isinstance(obj, (tuple, list)):
-        parts = tuple(_signature(x) for x in obj)
-        return None if None in parts else (type(obj), parts)
-    return None
-
-
-@functools.cache
-def _fresh_outputs(func) -> bool:
-    """An op that returns only new tensors (no view, no in-place write): what its meta kernel
-    gives depends on its arguments' signatures alone, so one run answers every later call."""
-    schema = func._schema
-    return (not schema.is_mutable and bool(schema.returns)
-            and all(r.alias_info is None and str(r.type) == "Tensor" for r in schema.returns))
-
-
 class _Dispatch(TorchDispatchMode):
     """aten-level rules: factories placed, real tensors meeting meta ones made meta, scalar reads
     answered, collectives on meta tensors sent as placeholders, every new storage counted.
 
-    Meta kernels of elementwise ops run as Python references (most of a trace's time): an op
-    with fresh outputs is run once per argument signature and answered from then on with empty
-    tensors of the shapes, strides and dtypes it gave (`_outputs`)."""
+    Ops with fresh outputs are answered from memtrace/metacache.py's cache after one run."""
 
     def __init__(self, ledger: Ledger, cpu: bool = False):
         super().__init__()
         self.ledger, self.cpu = ledger, cpu
-        self._outputs: dict = {}
-
-    def _run(self, func, args, kwargs):
-        """func(*args, **kwargs) on meta tensors, from the signature cache where it can be."""
-        if not _fresh_outputs(func):
-            return func(*args, **kwargs)
-        key = (func, _signature(args), _signature(tuple(kwargs.items())))
-        if None in key:
-            return func(*args, **kwargs)
-        spec = self._outputs.get(key)
-        if spec is None:
-            out = func(*args, **kwargs)
-            outs = out if isinstance(out, tuple) else (out,)
-            spec = [(t.shape, t.stride(), t.dtype, t.untyped_storage().nbytes()) for t in outs]
-            # cached only where an empty tensor of that layout holds the same storage and no
-            # output shares an input's (_unsafe_view: a view its schema does not declare)
-            inputs = {t.untyped_storage()._cdata for t in _tensors((args, kwargs.values()))}
-            same = all(aten.empty_strided.default(sh, st, dtype=dt, device=META)
-                       .untyped_storage().nbytes() == n for sh, st, dt, n in spec) and \
-                not any(t.untyped_storage()._cdata in inputs for t in outs)
-            self._outputs[key] = (isinstance(out, tuple), spec) if same else False
-            return out
-        if spec is False:
-            return func(*args, **kwargs)
-        as_tuple, spec = spec
-        outs = tuple(aten.empty_strided.default(sh, st, dtype=dt, device=META)
-                     for sh, st, dt, _ in spec)
-        return outs if as_tuple else outs[0]
+        self._outputs = MetaOutputs()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -261,7 +191,7 @@ class _Dispatch(TorchDispatchMode):
             return self._collective(func, args, kwargs)
         if _is_cuda(kwargs.get("device")):  # torch-level code the function mode did not see: a
             kwargs = {**kwargs, "device": META}  # backward run inside a torch function's handler
-        leaves = _tensors((args, kwargs.values()))
+        leaves = tensors_in((args, kwargs.values()))
         host = False  # where a new meta storage lives: the device unless said otherwise
         if not leaves and "device" in kwargs and func not in _FACTORY_SKIP:
             device = kwargs["device"]
@@ -277,10 +207,10 @@ class _Dispatch(TorchDispatchMode):
                     lambda t: t.to(META) if isinstance(t, torch.Tensor) and not t.is_meta else t,
                     (args, kwargs))
             host = all(self.ledger.is_host(t) for t in metas)
-        out = self._run(func, args, kwargs) if metas and len(metas) == len(leaves) else \
+        out = self._outputs.run(func, args, kwargs) if metas and len(metas) == len(leaves) else \
             func(*args, **kwargs)
         with self.ledger.placing(host=host):
-            for t in _tensors(out):
+            for t in tensors_in(out):
                 if t.is_meta:
                     self.ledger.allocated(t.untyped_storage(), func)
         return out
