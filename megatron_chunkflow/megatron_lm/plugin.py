@@ -36,6 +36,7 @@ from megatron_chunkflow.megatron_lm.args import (
     resolve_backend,
     shape_from_args,
 )
+from megatron_chunkflow.megatron_lm.preflight import check_launch_layout
 from megatron_chunkflow.megatron_lm.weights import check_load_hf, load_hf, rope_factor_provider
 
 
@@ -113,13 +114,15 @@ def install(megatron_lm_dir: str | Path, allow_untested: bool | None = None) -> 
 
     def validate_args(args, defaults=None):
         given_dataloader = args.dataloader_type  # Megatron's validate_args defaults it to single
+        refuse = chunkflow_refusals(args, given_dataloader) if args.chunkflow else []
+        if refuse:  # what the user must change first, named as the plugin names it
+            raise LaunchError("--chunkflow cannot run with " + "; ".join(refuse))
+        check_launch_layout(args)  # before Megatron's assertions, named by flag
         try:
             out = original_validate(args, defaults if defaults is not None else {})
-        except AssertionError:  # e.g. a world size that CP or virtual stages do not divide
-            refuse = chunkflow_refusals(args, given_dataloader) if args.chunkflow else []
-            if refuse:  # what the user must change first, named as the plugin names it
-                raise LaunchError("--chunkflow cannot run with " + "; ".join(refuse)) from None
-            raise
+        except AssertionError as e:  # what Megatron-LM asserts, one line, not a traceback
+            why = str(e) or "an assertion in its validate_args"
+            raise LaunchError(f"Megatron-LM refused the arguments: {why}") from None
         check_chunkflow_args(args, given_dataloader)
         check_load_hf(args)
         args.chunkflow_checked = True

@@ -219,6 +219,23 @@ BAD_INPUT = [
      "--chunkflow-attention-backend flash needs a CUDA GPU; this run is on cpu (use auto) "
      "(carried over from --attention-backend flash)"),
 ]
+# what Megatron-LM would assert (a traceback) or find at the first save, refused first by flag,
+# with and without --chunkflow: (extra flags, processes, message)
+PREFLIGHT = [
+    (["--global-batch-size", "0"], 1, "--global-batch-size must be >= 1, got 0"),
+    (["--chunkflow", "--global-batch-size", "7"], 2,
+     "--global-batch-size 7 is not a multiple of --micro-batch-size 1 x 2 data-parallel ranks"),
+    (["--global-batch-size", "7"], 2, "--global-batch-size 7 is not a multiple of"),
+    (["--tensor-model-parallel-size", "3"], 1, "--tensor-model-parallel-size 3 x "
+     "--pipeline-model-parallel-size 1 x --context-parallel-size 1 = 3 processes per model "
+     "replica, and this job has 1 (WORLD_SIZE)"),
+    (["--chunkflow", "--context-parallel-size", "2"], 1, "= 2 processes per model replica, and "
+                                                         "this job has 1"),
+    (["--chunkflow", "--num-layers-per-virtual-pipeline-stage", "1"], 1,
+     "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2"),
+    (["--chunkflow", "--save", "a_file"], 1, "--save a_file"),
+    (["--save", "a_file"], 1, "--save a_file"),
+]
 SINGLE_PROCESS = [
     (["--context-parallel-size", "2", "--chunkflow-attention-backend", "flex"],
      "--chunkflow-attention-backend flex: context parallelism recomputes attention"),
@@ -246,11 +263,15 @@ def _refusal_cases() -> dict[str, tuple[list[str], int]]:
                                     "--micro-batch-size", "1",
                                     *([] if "--data-path" in extra else ["--mock-data"]),
                                     *extra], 1)
+    for i, (extra, world, _) in enumerate(PREFLIGHT):
+        cases[f"preflight_{i}"] = ([*MODEL, *CPU, *_flags(SCHEDULE), "--micro-batch-size", "1",
+                                    "--mock-data", *extra], world)
     return cases
 
 
 @pytest.fixture(scope="module")
 def refused(workdir):
+    (workdir / "a_file").write_text("not a directory")
     (workdir / "not_json").mkdir(exist_ok=True)
     (workdir / "not_json" / "config.json").write_text("{not json")
     return launch_many(workdir, _refusal_cases())
@@ -475,6 +496,18 @@ def test_single_process_refusal_comes_before_megatrons_assertion(refused, case):
     assert needle in run.stderr
     assert "--chunk-size 8192 (the default) above --seq-length 512: give --chunk-size 512 or " \
            "less" in run.stderr
+
+
+@needs_megatron_lm
+@pytest.mark.slow
+@pytest.mark.parametrize("case", range(len(PREFLIGHT)))
+def test_megatrons_assertions_come_first_by_flag(refused, case):
+    """What Megatron-LM's validate_args asserts (a traceback, exit 1) or finds at the first save
+    (--save), refused before anything is built, with and without --chunkflow: exit 2, one line."""
+    run = refused[f"preflight_{case}"]
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "Traceback" not in run.stderr + run.stdout
+    assert "chunkflow-megatron: error: " in run.stderr and PREFLIGHT[case][2] in run.stderr
 
 
 @needs_megatron_lm
