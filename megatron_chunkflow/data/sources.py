@@ -96,8 +96,8 @@ def iter_jsonl(path: Path) -> Iterator[Item]:
 
 def iter_json_array(name: str, text: str, *, stop_at_truncation: bool = False) -> Iterator[Item]:
     """Elements of a JSON array, decoded one at a time (a consumer that stops early parses only
-    what it used). Location NAME:[index]. A malformed element ends the file: nothing after it can
-    be located. With stop_at_truncation, an element cut off by the end of the text ends the array
+    what it used). Location NAME:[index]. A malformed element is a ValueError for the whole
+    file: nothing after it can be located. With stop_at_truncation, an element cut off by the end of the text ends the array
     quietly (the shipped ShareGPT file is cut mid-record)."""
     decoder = json.JSONDecoder()
     i = _WS.match(text, 0).end()
@@ -117,8 +117,7 @@ def iter_json_array(name: str, text: str, *, stop_at_truncation: bool = False) -
                 return
             reason = ("the file ends inside this element (truncated?)" if truncated else
                       f"malformed JSON ({e.msg} at line {e.lineno} column {e.colno})")
-            yield name, loc, BadRecord(f"{reason}; the rest of {name} cannot be read")
-            return
+            _broken(loc, reason, name)
         yield name, loc, check_record(record)
         i = _WS.match(text, i).end()
         sep = text[i:i + 1]
@@ -126,12 +125,18 @@ def iter_json_array(name: str, text: str, *, stop_at_truncation: bool = False) -
             return
         if sep != ",":
             what = repr(sep) if sep else "end of file"
-            yield name, f"{name}:[{index + 1}]", BadRecord(
-                f"malformed JSON (expected ',' or ']' after element {index}, found {what}); "
-                f"the rest of {name} cannot be read")
-            return
+            _broken(f"{name}:[{index + 1}]", f"malformed JSON (expected ',' or ']' after element "
+                    f"{index}, found {what})", name)
         i = _WS.match(text, i + 1).end()
         index += 1
+
+
+def _broken(loc: str, reason: str, name: str):
+    """A JSON array broken at `loc`: nothing after it can be located, so the file is refused
+    whole, --skip-bad-records or not (it skips records, and would lose the rest unsaid)."""
+    raise ValueError(f"--data-path {loc}: {reason}; the rest of {name} cannot be read, so no "
+                     "record of it is used (--skip-bad-records skips bad records, not a broken "
+                     "file): fix the file")
 
 
 def iter_sharegpt() -> Iterator[Item]:

@@ -232,3 +232,15 @@ def test_a_rank_reads_only_the_sequences_of_its_chunks(tmp_path, tok):
         assert batch.num_read == len(mine) < len(ds)
         read.append(mine)
     assert read[0] | read[1] == set(range(len(ds))) and not read[0] & read[1]
+
+
+def test_broken_json_array_is_refused_even_when_skipping_bad_records(tmp_path, tok):
+    """A syntax error at element 8 of 40: the 32 after it cannot be located, so the file is
+    refused (naming the element and saying nothing of it is used), not read as "8 records"."""
+    records = [json.dumps(CHAT)] * 40
+    records[8] = '{"messages": [}'
+    path = tmp_path / "arr.json"
+    path.write_text("[" + ",\n".join(records) + "]")
+    with pytest.raises(ValueError, match=r"arr\.json:\[8\]: malformed JSON .*the rest of .*"
+                                         r"cannot be read, so no record of it is used"):
+        open_sft_dataset(str(path), tok, seq_length=4096, skip_bad_records=True)
