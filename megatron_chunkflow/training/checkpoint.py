@@ -158,6 +158,9 @@ def compare_settings(saved: dict, given: dict, iteration: int, root: str,
         a, b = saved["parallel"].get(key, 1), given["parallel"].get(key, 1)
         if a != b:
             raise ValueError(f"{where} was saved with {flag} {a}; this run has {b}")
+    if saved.get("dtype", given.get("dtype")) != given.get("dtype"):
+        raise ValueError(f"{where} was saved in {saved.get('dtype')}; this run trains in "
+                         f"{given.get('dtype')} (--dtype): resume in {saved.get('dtype')}")
     if saved.get("seed") != given.get("seed"):
         raise ValueError(f"{where} was saved with --seed {saved.get('seed')}; --seed "
                          f"{given.get('seed')} would reshuffle the data in mid-epoch (give "
@@ -226,7 +229,11 @@ def find_checkpoint(root: str) -> tuple[int, Path, str | None]:
         named = int(text)
         directory = _iter_dir(root_path, named)
         if _is_complete(directory, world):
-            return named, directory, None
+            newest = _newest_complete(root_path, world)
+            if newest is None or newest[0] <= named:
+                return named, directory, None
+            return (*newest, f"--load {root}: {TRACKER} names iteration {named}, but "
+                             f"{newest[1].name} is newer and complete; resuming from it")
         for d in (directory, directory.with_name(directory.name + OLD)):
             saved = _saved_ranks(d) if d.is_dir() else 0
             if saved and saved != world and (d / ".metadata").is_file():

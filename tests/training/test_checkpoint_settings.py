@@ -31,6 +31,8 @@ def test_same_settings_resume_silently():
     (_settings(parallel=ParallelConfig(pp=2)), "saved with --pipeline-model-parallel-size 1; "
                                                "this run has 2"),
     (_settings(seed=6), "saved with --seed 5; --seed 6 would reshuffle the data"),
+    (_settings(dtype="float64"), "was saved in float32; this run trains in float64 (--dtype): "
+                                 "resume in float32"),
     (_settings(train_iters=10), "--train-iters 10: --load ckpt (iteration 10) has already trained"),
 ])
 def test_contradictions_are_refused(given, message):

@@ -131,20 +131,26 @@ def _resume_after_crashed_resave(ckpt):
 
     _losses([dict(checkpoint=CheckpointConfig(save=ckpt, save_interval=5), exit_interval=10)])
     root = Path(ckpt)
+    tracker = root / "latest_checkpointed_iteration.txt"
+    tracker.write_text("5\n")  # a crash after iter_0000010 was complete, before the tracker
+    from_lagging = _losses([dict(checkpoint=CheckpointConfig(load=ckpt))])[0]
+    tracker.write_text("10\n")
     (root / "iter_0000010").rename(root / "iter_0000010.old")
     from_old = _losses([dict(checkpoint=CheckpointConfig(load=ckpt))])[0]
     shutil.rmtree(root / "iter_0000010.old")
     from_5 = _losses([dict(checkpoint=CheckpointConfig(load=ckpt))])[0]
-    return from_old, from_5
+    return from_lagging, from_old, from_5
 
 
 def test_resume_falls_back_to_the_newest_complete_checkpoint(gloo, tmp_path, capfd):
     ckpt = str(tmp_path / "ckpt")
     whole = _whole(gloo)
-    from_old, from_5 = gloo.run(_resume_after_crashed_resave, 1, ckpt, timeout=900)[0]
+    lagging, from_old, from_5 = gloo.run(_resume_after_crashed_resave, 1, ckpt, timeout=900)[0]
+    assert lagging == pytest.approx(whole[10:], rel=1e-10)  # the newest complete, not the tracker's
     assert from_old == pytest.approx(whole[10:], rel=1e-10)
     assert from_5 == pytest.approx(whole[5:], rel=1e-10)
     err = capfd.readouterr().err
+    assert "names iteration 5, but iter_0000010 is newer and complete; resuming from it" in err
     assert "resuming from the newest complete checkpoint, iter_0000010.old" in err
     assert "resuming from the newest complete checkpoint, iter_0000005" in err
     assert "resumed from iteration 5 (30 sequences consumed)" in err
