@@ -171,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
     log_config = config_from_args(LogConfig, args)
     from megatron_chunkflow.data import load_tokenizer, open_sft_dataset
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
+    from megatron_chunkflow.training.checkpoint import SaveFailed
     from megatron_chunkflow.training.loop import Diverged, train
 
     max_samples = data.max_samples
@@ -215,8 +216,8 @@ def run(args: argparse.Namespace) -> int:
     log = StepLog(log_config, s.train_iters, quiet=not rank0)
     try:
         history = train(s, dataset, on_step=log)
-    except Diverged as e:  # a failed run, not bad usage: exit 1 (every rank saw the same)
-        if rank0:
+    except (Diverged, SaveFailed) as e:  # a failed run, not bad usage: exit 1
+        if rank0 or isinstance(e, SaveFailed):  # a save may fail on one rank only
             print(f"chunkflow train: error: {e}", file=sys.stderr)
         return 1
     finally:

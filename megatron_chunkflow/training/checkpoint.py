@@ -18,6 +18,7 @@ last_step=...)` after every step; the configuration decides what happens.
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
@@ -64,8 +65,43 @@ class Checkpointer:
         """After step `iteration`: save on --save-interval steps and after the run's last step."""
         interval = self.config.save_interval
         if self.config.save and (last_step or (interval and iteration % interval == 0)):
-            save_checkpoint(self.config.save, iteration, self.model, self.optimizer,
-                            self.scheduler, consumed, self.settings)
+            try:
+                save_checkpoint(self.config.save, iteration, self.model, self.optimizer,
+                                self.scheduler, consumed, self.settings)
+            except Exception as e:  # noqa: BLE001  the disk's failure, named, not a traceback
+                shutil.rmtree(_iter_dir(Path(self.config.save), iteration).with_suffix(".tmp"),
+                              ignore_errors=True)  # the half-written copy, never a complete one
+                raise SaveFailed(f"--save {self.config.save}: saving iteration {iteration} "
+                                 f"failed: {save_failure_cause(e, self.config.save)}; every "
+                                 "complete checkpoint there is kept") from e
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint could not be written (disk full, read-only, ...): the run stops, the
+    complete checkpoints on disk untouched."""
+
+
+ERRNO_CAUSES = {errno.ENOSPC: "no space left on device", errno.EROFS: "read-only file system",
+                errno.EACCES: "permission denied", errno.EDQUOT: "disk quota exceeded"}
+
+
+def save_failure_cause(error: BaseException, root: str) -> str:
+    """What stopped a save, in words: the OS error anywhere in the exception's chain (torch's
+    writers wrap it, or report a full disk only as a short write), else the exception itself."""
+    seen, e = set(), error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in ERRNO_CAUSES:
+            return f"{ERRNO_CAUSES[e.errno]} ({e.strerror})"
+        e = e.__cause__ or e.__context__
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        free = None
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if free is not None and free < 64 * 2**20:
+        return f"no space left on device ({free:,} bytes free; the writer said: {text})"
+    return text
 
 
 def _iter_dir(root: Path, iteration: int) -> Path:

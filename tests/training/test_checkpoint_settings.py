@@ -56,3 +56,27 @@ def test_override_says_this_runs_schedule_wins():
     assert notes == ["--load ckpt (iteration 10): --train-iters 40 (saved 20): "
                      "--override-lr-schedule: this run's learning-rate schedule, continued from "
                      "step 10"]
+
+
+def test_a_failed_save_names_the_os_cause(tmp_path):
+    """torch's writers wrap the OS error (or report a full disk only as a short write): the
+    cause is found in the chain and said in words."""
+    import errno
+
+    from megatron_chunkflow.training.checkpoint import save_failure_cause
+
+    def chained(err):
+        try:
+            try:
+                raise err
+            except OSError as inner:
+                raise RuntimeError("unexpected pos 704 vs 598") from inner
+        except RuntimeError as outer:
+            return outer
+
+    full = chained(OSError(errno.ENOSPC, "No space left on device"))
+    assert save_failure_cause(full, str(tmp_path)) == \
+        "no space left on device (No space left on device)"
+    read_only = chained(OSError(errno.EROFS, "Read-only file system"))
+    assert save_failure_cause(read_only, str(tmp_path)).startswith("read-only file system")
+    assert save_failure_cause(RuntimeError("writer broke\nmore"), str(tmp_path)) == "writer broke"

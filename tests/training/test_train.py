@@ -293,3 +293,28 @@ def test_a_diverged_run_stops_at_that_step_and_keeps_the_last_good_checkpoint(gl
     bad = len(steps)  # the step that diverged is the last one reported
     assert f"step {bad}: the " in error and "--lr 1e+06" in error and "--clip-grad 0" in error
     assert saved == bad - 1, (saved, bad, error)
+
+
+def _save_into_a_blocked_path(ckpt):
+    from pathlib import Path
+
+    from megatron_chunkflow.mcore.settings import CheckpointConfig
+    from megatron_chunkflow.training.checkpoint import SaveFailed
+
+    Path(ckpt).mkdir()
+    (Path(ckpt) / "iter_0000002.tmp").write_text("a file where the save writes its directory")
+    try:
+        _losses([dict(checkpoint=CheckpointConfig(save=ckpt, save_interval=1), train_iters=3)])
+    except SaveFailed as e:
+        return str(e), (Path(ckpt) / "latest_checkpointed_iteration.txt").read_text().strip()
+    return None, None
+
+
+def test_a_failed_save_stops_the_run_naming_the_cause_and_keeps_the_last_checkpoint(gloo,
+                                                                                    tmp_path):
+    error, saved = gloo.run(_save_into_a_blocked_path, 1, str(tmp_path / "ckpt"),
+                            timeout=600)[0]
+    assert error is not None and "saving iteration 2 failed: " in error, error
+    assert "File exists" in error and "every complete checkpoint there is kept" in error
+    assert saved == "1"  # step 1's checkpoint is the last one, untouched
+
