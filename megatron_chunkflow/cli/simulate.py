@@ -41,7 +41,7 @@ from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
 from megatron_chunkflow.console import Output
 from megatron_chunkflow.core.hybrid_cp import BASELINE as HYBRID
 from megatron_chunkflow.core.hybrid_cp import FLAG as MAX_SEQLEN_FLAG
-from megatron_chunkflow.core.lengths import AS_DRAWN, LengthsConfig
+from megatron_chunkflow.core.lengths import AS_DRAWN, LengthsConfig, check_length
 from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape
 from megatron_chunkflow.core.step import BASELINES
 from megatron_chunkflow.flags import add_config_arguments, config_from_args
@@ -66,6 +66,7 @@ SCENARIO = dict(model="qwen2.5-7b", global_batch_size=2048)  # README, "Defaults
 STRONGEST = "megatron-packed"  # what the JSON's "megatron" and "speedup" keep reporting
 NAMES = (*BASELINES, HYBRID)  # every stock baseline the simulator predicts
 CP_OVERLAP_ENDS = (0.0, 1.0)
+MAX_GPUS = 1 << 17  # 131,072: past the largest clusters; the layout search stays bounded
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -167,6 +168,10 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--gpus", args.gpus), ("--seq-length", args.seq_length)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.gpus > MAX_GPUS:
+        raise ValueError(f"--gpus {args.gpus:,}: at most {MAX_GPUS:,} (the layout search "
+                         "enumerates every TP x CP x PP x DP of the GPUs)")
+    check_length(args.seq_length, "--seq-length")
     out = Output(args.json)
     shape = get_model_shape(args.model)
     hw = with_overrides(get_gpu(args.gpu), args.gpu_set)

@@ -17,6 +17,9 @@ from megatron_chunkflow.core.profiles import PROFILES, ensure_long, sample_lengt
 
 ProfileName = Literal["A", "B", "C", "dcp"]  # core/profiles.py PROFILES
 MAX_LENGTH = 1 << 24  # tokens in one sequence: 16M, 64x a 256K context; planning stays bounded
+# sequences in one global batch that plan, simulate and the searches take: 64K, 32x the 2,048 of
+# a large SFT step; the plans and searches grow with it, so past it they are refused, not slow
+MAX_SEQUENCES = 1 << 16
 DEFAULT_PROFILE = "B"
 # the flags of a command that takes lengths as drawn (plan, simulate): all but --min-long
 AS_DRAWN = ("profile", "lengths_file", "global_batch_size", "seed", "step", "scale")
@@ -60,6 +63,9 @@ class LengthsConfig:
                                      "the global batch: give one of the two")
         if self.global_batch_size is not None and self.global_batch_size < 1:
             raise ValueError(f"--global-batch-size must be >= 1, got {self.global_batch_size}")
+        if self.global_batch_size is not None and self.global_batch_size > MAX_SEQUENCES:
+            raise ValueError(f"--global-batch-size {self.global_batch_size:,}: at most "
+                             f"{MAX_SEQUENCES:,} sequences (plans and searches grow with them)")
         if not (self.scale > 0 and math.isfinite(self.scale)):
             raise ValueError(f"--scale must be a finite number > 0, got {self.scale}")
         if self.step < 0:
@@ -124,6 +130,9 @@ def read_lengths_file(path: str) -> list[int]:
             raise ValueError(f"{path}:{lineno}: length {n} must be positive")
         check_length(n, f"{path}:{lineno}")
         lengths.append(n)
+        if len(lengths) > MAX_SEQUENCES:
+            raise ValueError(f"{path}:{lineno}: more than {MAX_SEQUENCES:,} lengths, the most one "
+                             "global batch may have here (plans and searches grow with it)")
     if not lengths:
         raise ValueError(f"{path}: no lengths (empty input)")
     return lengths

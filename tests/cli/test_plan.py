@@ -122,6 +122,7 @@ def test_memory_is_the_simulators_model(tmp_path, capsys):
     ("12\nabc\n", ":2: 'abc' is not an integer"),
     ("12\n3.5\n", ":2: '3.5' is not an integer"),
     ("12\n1000000000000\n", ":2: length 1,000,000,000,000 is more than the 16,777,216"),
+    ("7\n" * 200_000, ":65537: more than 65,536 lengths, the most one global batch may have"),
 ])
 def test_bad_lengths_file(tmp_path, capsys, content, message):
     f = tmp_path / "l.txt"

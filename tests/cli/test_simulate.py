@@ -258,6 +258,8 @@ def test_auto_layouts_and_lengths_file(tmp_path, capsys):
     (["--chunkflow-k", "0"], "--chunkflow-k must be >= 1"),
     (["--gpu-set", "tflops=3"], "--gpu-set 'tflops=3': expected KEY=VALUE"),
     (["--gpu-set", "memory_gib=lots"], "--gpu-set 'memory_gib=lots': 'lots' is not a valid float"),
+    (["--gpus", "1000000"], "--gpus 1,000,000: at most 131,072"),
+    (["--global-batch-size", "100000"], "--global-batch-size 100,000: at most 65,536 sequences"),
     (["--gpu-set", "peak_tflops=inf"], "peak_tflops must be a finite number >= 0, got inf"),
     (["--gpu-set", "hbm_gb_s=nan"], "hbm_gb_s must be a finite number >= 0, got nan"),
     (["--calibration", "/nonexistent.json"], "--calibration /nonexistent.json: no such file"),
