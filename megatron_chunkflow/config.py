@@ -304,6 +304,10 @@ class ParallelConfig:
             raise ValueError(f"{name('tp')} {self.tp} must divide the attention heads "
                              f"({shape.num_attention_heads}) and the K/V groups "
                              f"({shape.num_query_groups}), as Megatron requires")
+        if shape.ffn_hidden_size % self.tp:
+            raise ValueError(f"{name('tp')} {self.tp} must divide the FFN width "
+                             f"({shape.ffn_hidden_size}), as Megatron's column-parallel MLP "
+                             "requires")
         if shape.num_layers % self.pp:
             raise ValueError(f"{name('pp')} {self.pp} must divide the model's "
                              f"{shape.num_layers} layers, as Megatron-LM requires")

@@ -231,8 +231,8 @@ def field_problem(name: str, value) -> str | None:
     if kind == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         return "a positive integer"
     if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))
-                            or not value > 0):
-        return "a positive number"
+                            or not 0 < value < float("inf")):
+        return "a finite positive number"
     if kind == "bool" and not isinstance(value, bool):
         return "true or false"
     return None

@@ -232,4 +232,12 @@ def model_of(model: str, model_config: str | None, load_hf: str | None,
         return dataclasses.replace(hf, vocab_size=padded_vocab_size(hf.vocab_size, tp)), hf, load_hf
     from megatron_chunkflow.core.models import load_model_shape
 
-    return load_model_shape(model, model_config), None, model_config or model
+    shape = load_model_shape(model, model_config)
+    if shape.vocab_size % tp:  # TP splits the output layer's rows: padded as Megatron-LM pads,
+        import dataclasses  # the padded rows masked out of the loss (real_vocab_size)
+
+        from megatron_chunkflow.mcore.hf import padded_vocab_size
+
+        padded = dataclasses.replace(shape, vocab_size=padded_vocab_size(shape.vocab_size, tp))
+        return padded, shape, model_config or model
+    return shape, None, model_config or model

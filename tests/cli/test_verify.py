@@ -61,6 +61,9 @@ def test_model_config_file_errors(capsys, tmp_path):
      b'"num_query_groups": 2, "vocab_size": 100, "tie_embeddings": "yes"}',
      "tie_embeddings must be true or false"),
     (b"\xff\xfe{}", "not UTF-8 text (byte 0)"),
+    (b'{"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4, '
+     b'"num_query_groups": 2, "vocab_size": 100, "rotary_base": 1e400}',
+     "rotary_base must be a finite positive number, got inf"),
 ])
 def test_model_config_values_are_checked(capsys, tmp_path, content, message):
     bad = tmp_path / "model.json"
