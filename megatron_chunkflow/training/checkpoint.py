@@ -47,8 +47,7 @@ class Checkpointer:
         if not self.config.load:
             return 0, 0
         iteration, directory, _ = find_checkpoint(self.config.load)
-        saved = torch.load(directory / f"extra_rank{dist.get_rank()}.pt",
-                           weights_only=False)["settings"]
+        saved = read_extra_state(directory / f"extra_rank{dist.get_rank()}.pt")["settings"]
         for note in compare_settings(saved, self.settings, iteration, self.config.load,
                                      override_schedule=self.config.override_lr_schedule):
             if dist.get_rank() == 0:
@@ -102,6 +101,25 @@ def save_failure_cause(error: BaseException, root: str) -> str:
     if free is not None and free < 64 * 2**20:
         return f"no space left on device ({free:,} bytes free; the writer said: {text})"
     return text
+
+
+EXTRA_KEYS = ("scheduler", "rng", "iteration", "consumed", "settings")
+
+
+def read_extra_state(path: Path) -> dict:
+    """A rank's extra_rank{R}.pt; ValueError naming --load and the file when it is empty,
+    truncated, garbled or not this project's (a damaged file is the user's to remove)."""
+    try:
+        extra = torch.load(path, weights_only=False)
+    except Exception as e:  # noqa: BLE001  unpickling fails in many ways, all the same to a user
+        raise ValueError(f"--load {path}: cannot be read ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200] if str(e) else 'empty'}); remove "
+                         f"{path.parent.name} to resume from an older checkpoint") from None
+    missing = [k for k in EXTRA_KEYS if not isinstance(extra, dict) or k not in extra]
+    if missing:
+        raise ValueError(f"--load {path}: not a chunkflow train checkpoint's extra state "
+                         f"(no {', '.join(missing)})")
+    return extra
 
 
 def _iter_dir(root: Path, iteration: int) -> Path:
@@ -317,7 +335,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler,
     if override_schedule:
         for group, kept in zip(optimizer.param_groups, rates):
             group.update(kept)
-    extra = torch.load(extra_file, weights_only=False)
+    extra = read_extra_state(extra_file)
     scheduler.load_state_dict(extra["scheduler"])
     _set_rng_state(extra["rng"])
     return extra["iteration"], extra["consumed"], extra["settings"]

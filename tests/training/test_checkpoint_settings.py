@@ -3,6 +3,7 @@
 can be honoured said with which value wins."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -80,3 +81,29 @@ def test_a_failed_save_names_the_os_cause(tmp_path):
     read_only = chained(OSError(errno.EROFS, "Read-only file system"))
     assert save_failure_cause(read_only, str(tmp_path)).startswith("read-only file system")
     assert save_failure_cause(RuntimeError("writer broke\nmore"), str(tmp_path)) == "writer broke"
+
+
+def test_a_damaged_extra_state_is_named(tmp_path):
+    """extra_rank0.pt truncated, garbled, empty or someone else's: ValueError naming --load and
+    the file (the launcher and `train` print it as one line, exit 2), never torch's traceback."""
+    import torch
+
+    from megatron_chunkflow.training.checkpoint import EXTRA_KEYS, read_extra_state
+
+    good = tmp_path / "iter_0000002" / "extra_rank0.pt"
+    good.parent.mkdir()
+    torch.save({k: 1 for k in EXTRA_KEYS}, good)
+    assert read_extra_state(good)["iteration"] == 1
+    data = good.read_bytes()
+    for name, content, message in (("truncated", data[:len(data) // 2], "cannot be read"),
+                                   ("garbled", b"\x00garbage" * 50, "cannot be read"),
+                                   ("empty", b"", "cannot be read"),
+                                   ("foreign", None, "not a chunkflow train checkpoint's extra "
+                                                     "state (no scheduler, rng")):
+        path = tmp_path / "iter_0000002" / f"{name}.pt"
+        if content is None:
+            torch.save({"iteration": 2}, path)
+        else:
+            path.write_bytes(content)
+        with pytest.raises(ValueError, match=r"--load .*" + name + r"\.pt: " + re.escape(message)):
+            read_extra_state(path)
