@@ -200,6 +200,9 @@ def run(args: argparse.Namespace) -> int:
             + (f"CP={p.cp} " if p.cp > 1 else "") + f"PP={p.pp} "
             f"DP={ranks.dp}, global batch {s.global_batch_size} sequences, "
             f"{s.train_iters} steps")
+    if s.checkpoint.load_hf:
+        out.say(f"weights: the Hugging Face checkpoint {s.checkpoint.load_hf}"
+                + (" (a later --load checkpoint replaces them)" if s.checkpoint.load else ""))
     if s.lora is not None:
         out.say(f"LoRA: rank {s.lora.rank}, alpha {s.lora.alpha:g}, on {s.lora.targets}; every "
                 "other weight frozen (DDP buffers and Adam state for the adapters only)")
@@ -223,6 +226,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         log.close()
         shutdown()
+    if s.checkpoint.save_hf and rank0:
+        _report_hf_export(out, s.checkpoint.save_hf, data.tokenizer, s.checkpoint.load_hf)
     if history:
         out.say(f"done: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f} over "
                 f"{len(history)} steps"
@@ -234,3 +239,17 @@ def run(args: argparse.Namespace) -> int:
                                                      "targets": list(s.lora.target_names)},
                 "steps": history})
     return 0
+
+
+def _report_hf_export(out, save_hf: str, tokenizer: str | None, load_hf: str | None) -> None:
+    """--save-hf: the tokenizer and generation config beside the weights, and where it all went."""
+    from megatron_chunkflow.mcore.hf import copy_hf_companions
+
+    copied = copy_hf_companions(save_hf, (tokenizer, load_hf))
+    files = ", ".join(["model.safetensors", "config.json", *copied])
+    out.say(f"Hugging Face export: {save_hf} ({files})"
+            + ("" if "tokenizer.json" in copied else
+               "; no tokenizer files to copy (none in --tokenizer or --load-hf; the default "
+               "Qwen2.5 vocabulary has none on disk): copy the model's tokenizer.json and "
+               "tokenizer_config.json there for AutoTokenizer to load it"))
+

@@ -348,3 +348,25 @@ def save_hf_checkpoint(model, config, shape: ModelShape, out_dir, source_config_
             dtype = str(config.params_dtype).removeprefix("torch.")
             (out / "config.json").write_text(json.dumps(hf_config_dict(shape, dtype), indent=2))
     dist.barrier()
+
+
+# what transformers' AutoTokenizer and generate() read beside the weights and config.json
+HF_COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                      "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json")
+
+
+def copy_hf_companions(out_dir, sources) -> list[str]:
+    """Copy the tokenizer files and generation_config.json of the first directory in `sources`
+    (the --tokenizer directory, then the --load-hf checkpoint; None entries skipped) that has
+    each, into the export `out_dir`; the names copied (rank 0 only)."""
+    copied = []
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return copied
+    for name in HF_COMPANION_FILES:
+        for src in (Path(d) for d in sources if d):
+            if (src / name).is_file() and not (Path(out_dir) / name).exists():
+                shutil.copyfile(src / name, Path(out_dir) / name)
+                copied.append(name)
+                break
+    return copied
+

@@ -11,6 +11,7 @@ exports, and sends back logits and tensors; the tests compare them with the HF m
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -245,6 +246,13 @@ def test_train_from_and_to_hf_checkpoint(gloo, checkpoints, tmp_path):
         "--lr", "1e-3")
     assert code == 0, stderr[-3000:]
     assert "model " + str(src) in stdout
+    said = stdout + stderr  # the run log names where the weights came from and went
+    assert f"weights: the Hugging Face checkpoint {src}" in said
+    assert f"Hugging Face export: {out} (model.safetensors, config.json" in said
+    for name in ("generation_config.json", "tokenizer.json"):  # beside the weights when the
+        assert (out / name).is_file() == (Path(src) / name).is_file()  # source has them
+    if not (Path(src) / "tokenizer.json").is_file():
+        assert "no tokenizer files to copy" in said
     before = Qwen2ForCausalLM.from_pretrained(src).state_dict()
     after = Qwen2ForCausalLM.from_pretrained(out).state_dict()
     assert before.keys() == after.keys()
