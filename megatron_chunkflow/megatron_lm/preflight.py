@@ -5,10 +5,16 @@ anything (megatron_lm/plugin.py calls it first in validate_args).
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 
 from megatron_chunkflow.flags import check_output_dir
-from megatron_chunkflow.megatron_lm.args import LaunchError
+from megatron_chunkflow.megatron_lm.args import (
+    LaunchError,
+    add_chunkflow_arguments,
+    chunkflow_config,
+)
 
 
 def check_launch_layout(args) -> None:
@@ -47,3 +53,25 @@ def check_launch_layout(args) -> None:
         check_output_dir("--save", getattr(args, "save", None))
     except ValueError as e:
         raise LaunchError(str(e)) from None
+
+
+def check_chunkflow_flags(argv: list[str]) -> None:
+    """The plugin's own flags among `argv` (others ignored), parsed and checked as the launcher
+    does: argparse's error or a LaunchError naming the flag (scripts/slurm/submit.sh, on the
+    login node, for EXTRA_ARGS)."""
+    parser = add_chunkflow_arguments(argparse.ArgumentParser(
+        prog="EXTRA_ARGS", usage="EXTRA_ARGS: the plugin's flags checked here", add_help=False))
+    args, _ = parser.parse_known_args(argv)
+    try:
+        chunkflow_config(args)
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+
+
+if __name__ == "__main__":  # python -m megatron_chunkflow.megatron_lm.preflight ARGS...
+    try:
+        check_chunkflow_flags(sys.argv[1:])
+    except LaunchError as e:
+        print(f"EXTRA_ARGS: {e}", file=sys.stderr)
+        sys.exit(2)
+

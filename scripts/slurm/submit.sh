@@ -113,6 +113,21 @@ case ${OVERLONG:-error} in
     error|drop|split) ;;
     *) die "OVERLONG=$OVERLONG: give error, drop or split" ;;
 esac
+case ${CHUNKFLOW_ATTENTION_BACKEND:-auto} in
+    auto|torch|cpu_flash|sdpa|flex|varlen|flash|te) ;;
+    *) die "CHUNKFLOW_ATTENTION_BACKEND=$CHUNKFLOW_ATTENTION_BACKEND: give auto, torch, sdpa," \
+           "flex, varlen, flash or te" ;;
+esac
+if [[ -n ${EXTRA_ARGS:-} ]] && has chunkflow; then  # the plugin's flags among them, as it checks
+    python=${PYTHON:-${VENV:+$VENV/bin/}python3}
+    read -r -a extra_args <<< "$EXTRA_ARGS"
+    if ! why=$(cd "$REPO_DIR" && "$python" -m megatron_chunkflow.megatron_lm.preflight \
+               "${extra_args[@]}" 2>&1); then
+        [[ $why == *"EXTRA_ARGS"* ]] || die "EXTRA_ARGS not checked: $python cannot run" \
+            "megatron_chunkflow here (${why##*$'\n'}); set VENV to the job's environment"
+        die "${why##*$'\n'}"
+    fi
+fi
 if [[ -z ${DRY_RUN:-} ]] && ! command -v sbatch > /dev/null; then
     die "sbatch not found on PATH (DRY_RUN=1 checks and prints the commands without it)"
 fi
@@ -147,10 +162,17 @@ for context in $contexts; do
     done
 done
 
+queued=()
 for line in "${commands[@]}"; do
     if [[ -n ${DRY_RUN:-} ]]; then
         echo "$line"
+    elif eval "$line"; then
+        queued+=("${line##*--job-name }")
     else
-        eval "$line"
+        echo "submit.sh: sbatch failed: $line" >&2
+        if (( ${#queued[@]} )); then
+            echo "submit.sh: already queued (${#queued[@]}): ${queued[*]%% *}" >&2
+        fi
+        exit 1
     fi
 done

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -98,7 +99,7 @@ def test_sbatch_names_missing_variables(tmp_path):
 # the variables submit.sh reads; each test sets its own
 SUBMIT_VARS = ("MEGATRON_LM_DIR", "OUT", "DATA", "MOCK", "TOKENIZER", "CHECKPOINT", "VENV", "HW",
                "TRAIN_ITERS", "SAVE_INTERVAL", "MASTER_PORT", "OVERLONG", "DRY_RUN", "EXTRA_ARGS",
-               "CHUNKFLOW_ATTENTION_BACKEND", "SLURM_NNODES", "SLURM_JOB_NODELIST")
+               "CHUNKFLOW_ATTENTION_BACKEND", "SLURM_NNODES", "SLURM_JOB_NODELIST", "PYTHON")
 
 
 @pytest.fixture
@@ -192,6 +193,14 @@ def test_submit_chunkflow_on_jsonl_and_mock_data(submit_env, tmp_path):
     (("qwen2.5-7b", "64k", "both"), {}, "CONTEXT '64k': no run config"),
     (("qwen2.5-7b", "32k", "all"), {}, "SYSTEM 'all': give chunkflow, stock or both"),
     (("qwen2.5-7b", "32k", "both"), dict(HW="a100"), "configs/runs/a100_32k_stock.sh (HW=a100"),
+    (("qwen2.5-7b", "32k", "chunkflow"), dict(CHUNKFLOW_ATTENTION_BACKEND="cudnn"),
+     "CHUNKFLOW_ATTENTION_BACKEND=cudnn: give auto"),
+    (("qwen2.5-7b", "32k", "both"), dict(EXTRA_ARGS="--lr 1e-4 --chunk-size 0",
+                                         PYTHON=sys.executable),
+     "EXTRA_ARGS: --chunk-size must be >= 1, got 0"),
+    (("qwen2.5-7b", "32k", "chunkflow"), dict(EXTRA_ARGS="--chunkflow-cp-kv both",
+                                              PYTHON=sys.executable),
+     "argument --chunkflow-cp-kv: invalid choice: 'both'"),
 ])
 def test_submit_checks_everything_before_submitting(submit_env, tmp_path, args, env, message):
     env = {k: v if v is None else v.format(tmp=tmp_path) for k, v in env.items()}
@@ -201,6 +210,20 @@ def test_submit_checks_everything_before_submitting(submit_env, tmp_path, args, 
     assert message.format(tmp=tmp_path) in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert calls == [] and result.stdout == ""
+
+
+def test_a_failed_sbatch_says_what_is_already_queued(submit_env, tmp_path):
+    """The second of two sbatch calls fails: exit 1, naming the failed command and the job the
+    first call queued (so the user does not submit it twice)."""
+    sbatch = tmp_path / "bin" / "sbatch"
+    sbatch.write_text('#!/bin/bash\n[[ "$*" == *_chunkflow* ]] && { echo "sbatch: error: '
+                      'QOSMaxJobsPerUserLimit" >&2; exit 1; }\necho "$*" >> "$SBATCH_CALLS"\n')
+    result, calls = submit(submit_env, "qwen2.5-7b", "32k", "both", EXTRA_ARGS="--lr 1e-4",
+                           PYTHON=sys.executable)
+    assert result.returncode == 1 and len(calls) == 1, result.stderr
+    assert "submit.sh: sbatch failed: sbatch --nodes 2 --job-name qwen2.5-7b_32k_chunkflow" \
+        in result.stderr
+    assert "submit.sh: already queued (1): qwen2.5-7b_32k_stock" in result.stderr
 
 
 def test_submit_without_sbatch_or_arguments(submit_env):
