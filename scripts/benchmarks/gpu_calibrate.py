@@ -100,33 +100,29 @@ def measure_gemms(torch, timer, shapes, dtype, device, hw) -> list[dict]:
     return out
 
 
-def attention_fn(torch, device):
-    """(name, run(q, k, v, causal) for one sequence) with q [T, Hq, D], k/v [T, Hkv, D]."""
-    if device == "cuda":
-        try:
-            from flash_attn import flash_attn_varlen_func
+def attention_fn(torch, device, dtype):
+    """(name, run(q, k, v) for one causal sequence) with q [T, Hq, D], k/v [T, Hkv, D]: the chunk
+    attention backend training would run here (`auto`: flash-attn, else torch's varlen flash
+    kernel for half precision on a GPU, the tiled torch backend for fp32; cpu_flash on CPU),
+    grouped-query attention as that backend takes it. Never a kernel that materialises the
+    [T x T] scores (sdpa's math path: 112 GiB at 32K on the H200 run)."""
+    from megatron_chunkflow.attention import chunk_attention, resolve_backend
+    from megatron_chunkflow.attention.backends import MATERIALISING
 
-            def run(q, k, v):
-                cu = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
-                return flash_attn_varlen_func(q, k, v, cu, cu, q.shape[0], q.shape[0],
-                                              causal=True)
-            return "flash_attn.flash_attn_varlen_func", run
-        except ImportError:
-            pass
-    f = torch.nn.functional
+    backend = resolve_backend("auto", device, dtype)
+    if backend in MATERIALISING.get(device, ()):
+        raise SystemExit(f"gpu_calibrate: the attention backend here ({backend}) materialises "
+                         "the scores; install flash-attn or use torch >= 2.10 (varlen)")
 
     def run(q, k, v):
-        rep = q.shape[1] // k.shape[1]
-        k, v = (x.repeat_interleave(rep, dim=1) for x in (k, v))
-        out = f.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                             v.transpose(0, 1), is_causal=True)
-        return out.transpose(0, 1)
-    return "torch sdpa (K/V heads repeated)", run
+        cu = [0, q.shape[0]]
+        return chunk_attention(q, k, v, cu, cu, backend=backend)
+    return f"chunk_attention backend {backend}", run
 
 
 def measure_attention(torch, timer, lengths, dtype, device, hw, heads=28, kv_heads=4,
                       head_dim=128) -> tuple[str, list[dict]]:
-    name, run = attention_fn(torch, device)
+    name, run = attention_fn(torch, device, dtype)
     out = []
     for n in lengths:
         q = torch.randn(n, heads, head_dim, dtype=dtype, device=device, requires_grad=True)
