@@ -9,6 +9,7 @@ is read into memory whole, then decoded one element at a time).
 from __future__ import annotations
 
 import json
+import struct
 import re
 from pathlib import Path
 from typing import Iterator
@@ -182,11 +183,44 @@ def is_indexed_prefix(path: str) -> bool:
     return Path(f"{path}.bin").is_file() and Path(f"{path}.idx").is_file()
 
 
+_IDX_HEADER = b"MMIDIDX\x00\x00"  # megatron.core.datasets.indexed_dataset's, version 1
+_IDX_ITEMSIZE = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}  # its DType codes
+
+
+def check_indexed(prefix: str) -> None:
+    """PREFIX.idx and PREFIX.bin as Megatron's IndexedDataset reads them, checked first: a
+    ValueError naming the file and what is wrong, where Megatron would assert or fail to map the
+    file (and print its __del__'s traceback)."""
+    idx, binary = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
+    data = idx.read_bytes()
+    fixed = len(_IDX_HEADER) + 8 + 1 + 8 + 8
+    where = f"--data-path {prefix}: {idx}"
+    if len(data) < fixed or not data.startswith(_IDX_HEADER):
+        raise ValueError(f"{where}: not a Megatron indexed-dataset index (header "
+                         f"{data[:9]!r}); rebuild it with Megatron-LM's tools/preprocess_data.py")
+    version, code, sequences, documents = struct.unpack_from("<QBQQ", data, len(_IDX_HEADER))
+    if version != 1 or code not in _IDX_ITEMSIZE:
+        raise ValueError(f"{where}: index version {version}, dtype code {code}: not one Megatron "
+                         "core 0.16 writes")
+    need = fixed + sequences * (4 + 8) + documents * 8
+    if len(data) < need:
+        raise ValueError(f"{where}: {len(data):,} bytes, its header promises {sequences:,} "
+                         f"sequences and {documents:,} documents ({need:,} bytes): truncated")
+    if sequences:
+        lengths = np.frombuffer(data, np.int32, sequences, fixed)
+        pointers = np.frombuffer(data, np.int64, sequences, fixed + 4 * sequences)
+        end = int(pointers[-1]) + int(lengths[-1]) * _IDX_ITEMSIZE[code]
+        if binary.stat().st_size < end:
+            raise ValueError(f"--data-path {prefix}: {binary} has {binary.stat().st_size:,} "
+                             f"bytes, its index points up to byte {end:,}: truncated")
+
+
 def iter_indexed(prefix: str) -> Iterator[Item]:
     """Documents of a Megatron indexed dataset (PREFIX.bin + PREFIX.idx), already tokenized; each
     document (normally one sequence) is one record {"tokens": ids}. Location PREFIX:doc N."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+    check_indexed(prefix)
     dataset = IndexedDataset(prefix)
     bounds = dataset.document_indices
     for doc in range(len(bounds) - 1):

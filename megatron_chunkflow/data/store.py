@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from megatron_chunkflow.data.sequence import TokenSequence
+from megatron_chunkflow.data.sources import check_indexed
 
 
 class PackedSamples:
@@ -88,6 +89,7 @@ def map_indexed(prefix: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     another; ValueError if this file's are not."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+    check_indexed(prefix)
     index = IndexedDataset(prefix, mmap=True).index
     seq_lengths = np.asarray(index.sequence_lengths, dtype=np.int64)
     pointers = np.asarray(index.sequence_pointers, dtype=np.int64)

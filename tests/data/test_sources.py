@@ -244,3 +244,27 @@ def test_broken_json_array_is_refused_even_when_skipping_bad_records(tmp_path, t
     with pytest.raises(ValueError, match=r"arr\.json:\[8\]: malformed JSON .*the rest of .*"
                                          r"cannot be read, so no record of it is used"):
         open_sft_dataset(str(path), tok, seq_length=4096, skip_bad_records=True)
+
+
+def test_a_damaged_indexed_dataset_is_named(tmp_path, tok):
+    """A garbage or truncated .idx and a truncated .bin: named with the file and what is wrong,
+    before Megatron's reader asserts or fails to map it."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "corpus")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    for doc in ([5, 6, 7, 8], [9, 10, 11]):
+        builder.add_item(torch.tensor(doc))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    idx, binary = tmp_path / "corpus.idx", tmp_path / "corpus.bin"
+    good_idx, good_bin = idx.read_bytes(), binary.read_bytes()
+    for idx_bytes, bin_bytes, message in (
+            (b"garbage" * 20, good_bin, r"corpus\.idx: not a Megatron indexed-dataset index"),
+            (good_idx[:40], good_bin, r"corpus\.idx: 40 bytes, its header promises 2 sequences"),
+            (good_idx, good_bin[:20], r"corpus\.bin has 20 bytes, its index points up to byte 28")):
+        idx.write_bytes(idx_bytes)
+        binary.write_bytes(bin_bytes)
+        with pytest.raises(ValueError, match=r"--data-path .*corpus: .*" + message):
+            open_sft_dataset(prefix, tok, seq_length=4096)
