@@ -15,7 +15,11 @@ still report), and writes DIR/<step>.json and DIR/<step>.log:
 4. bench: qwen2.5-1.5b (0.5b when the GPU has under 60 GiB), --seq-length 32768, profile B
    lengths clipped to it with at least one sequence near it, bfloat16: ChunkFlow and each stock
    baseline with the (chunk size, K, recompute) / recompute the simulator picks for this GPU,
-   on the fastest backend step 3 found exact; tokens/s, MFU, max_memory_allocated.
+   on the fastest backend step 3 found exact; tokens/s, MFU, max_memory_allocated. A system that
+   runs out of memory is recorded with the allocator's message (what it asked, what was free) and
+   tried again with the next smaller plan (ChunkFlow: half the chunk; stock: the next recompute
+   option), each attempt in the JSON; DEVICE_CHECK_SIMULATE_OOM=system,... makes the first
+   attempt of those systems fail so, for the dry run.
 5. report: DIR/device_check.json (every step's result) and DIR/device_check.png.
 
 The dry run (CPU, gloo): the same steps with a tiny model, float64 instead of float32 (CPU
@@ -176,12 +180,9 @@ def step_bench(out: Path, dry_run: bool) -> dict:
     from megatron_chunkflow.core.profiles import ensure_long, sample_lengths
     from megatron_chunkflow.core.step import BASELINES
     from megatron_chunkflow.data.synthetic import make_sequences
-    from megatron_chunkflow.mcore.dist import init_distributed
     from megatron_chunkflow.mcore.settings import OptimizerConfig, TrainSettings
-    from megatron_chunkflow.mcore.step import build_training
     from megatron_chunkflow.perfmodel.hardware import get_gpu
     from megatron_chunkflow.perfmodel.search import best_chunkflow, best_megatron
-    from megatron_chunkflow.training.loop import train_step
 
     exactness = out / "exactness.json"
     backend = (json.loads(exactness.read_text()).get("fastest_exact_backend")
@@ -209,42 +210,42 @@ def step_bench(out: Path, dry_run: bool) -> dict:
     plans.update({b: best_megatron(lengths, shape, hw, 1, seq_length, baseline=b)
                   for b in BASELINES})
     sequences = make_sequences(lengths, shape.vocab_size, seed=0)
+    simulated = {x for x in os.environ.get("DEVICE_CHECK_SIMULATE_OOM", "").split(",") if x}
     systems = {}
     for name, plan in plans.items():
-        row = {"recompute": str(plan.layout.recompute), "predicted_step_s": plan.step_s,
-               "predicted_fits": plan.fits}
-        # the search's smallest chunk (2K) exceeds the dry run's 512-token context
-        chunk_size = min(plan.chunk_size or seq_length, seq_length)
-        if name == "chunkflow":
-            row.update(chunk_size=chunk_size, k=plan.num_kept)
-        try:
-            chunkflow = ChunkFlowConfig(chunk_size, plan.num_kept or 1, backend)
-            s = TrainSettings(shape=shape, model_name=model, system=name, dtype=dtype,
-                              seq_length=seq_length, global_batch_size=gbs, train_iters=steps,
-                              chunkflow=chunkflow, optimizer=OptimizerConfig(lr_warmup_iters=0),
-                              parallel=ParallelConfig(recompute=row["recompute"]))
-            gc.collect()  # the last system's model and DDP reference each other
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-            init_distributed(seed=0)  # every system starts from the same weights
-            tr = build_training(s)
-            metrics = [train_step(s, tr, sequences, i) for i in range(steps)]
-            timed = metrics[1:] or metrics
-            step_s = sum(m["step_s"] for m in timed) / len(timed)
-            row.update(step_s=step_s, tokens_per_s=sum(lengths) / step_s,
-                       model_tflops=timed[-1]["model_tflops"],
-                       mfu=timed[-1]["model_tflops"] / PEAK_BF16_TFLOPS,
-                       # CUDA: torch.cuda.max_memory_allocated since this system's build; CPU
-                       # (dry run): the process's peak RSS, which only grows
-                       max_memory_allocated=metrics[-1]["peak_mem_bytes"],
-                       loss=[m["loss"] for m in metrics])
-            del tr
-        except Exception as e:  # noqa: BLE001  one system failing must not hide the others
-            import traceback
+        row = {"predicted_step_s": plan.step_s, "predicted_fits": plan.fits, "attempts": []}
+        for chunk_size, k, recompute in _attempts(name, plan, seq_length, dry_run):
+            attempt = {"recompute": recompute, **({"chunk_size": chunk_size, "k": k}
+                                                   if name == "chunkflow" else {})}
+            try:
+                if name in simulated and not row["attempts"]:  # the back-off path, on CPU
+                    raise torch.cuda.OutOfMemoryError(
+                        "CUDA out of memory (simulated by DEVICE_CHECK_SIMULATE_OOM). Tried to "
+                        "allocate 18.55 GiB.")
+                chunkflow = ChunkFlowConfig(chunk_size, k, backend)
+                s = TrainSettings(shape=shape, model_name=model, system=name, dtype=dtype,
+                                  seq_length=seq_length, global_batch_size=gbs, train_iters=steps,
+                                  chunkflow=chunkflow, optimizer=OptimizerConfig(lr_warmup_iters=0),
+                                  parallel=ParallelConfig(recompute=recompute))
+                row.update(attempt, **_measure(s, sequences, lengths, steps))
+                row["attempts"].append({**attempt, "status": "ok"})
+                break
+            except Exception as e:  # noqa: BLE001  one system failing must not hide the others
+                oom = isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e)
+                if not oom:
+                    import traceback
 
-            traceback.print_exc()
-            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+                    traceback.print_exc()
+                # the allocator's own words: what was asked, what was free, what PyTorch held
+                row["attempts"].append({**attempt, "status": "oom" if oom else "error",
+                                        "error": f"{type(e).__name__}: {str(e)[:400]}"})
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                if not oom:
+                    break
+        if row["attempts"][-1]["status"] != "ok":
+            row["error"] = row["attempts"][-1]["error"]
         systems[name] = row
         print(json.dumps({name: row}), flush=True)
     cf = systems["chunkflow"]
@@ -260,6 +261,54 @@ def step_bench(out: Path, dry_run: bool) -> dict:
             "seq_length": seq_length, "global_batch_size": gbs, "tokens": sum(lengths),
             "longest": max(lengths), "dtype": dtype, "attention_backend": backend,
             "systems": systems}
+
+
+def _attempts(name: str, plan, seq_length: int, dry_run: bool):
+    """(chunk size, K, recompute) to try for one system, the plan first: after an OOM, ChunkFlow
+    halves its chunk size (K kept; down to 1K tokens, 64 in the dry run) and a stock baseline
+    climbs the recompute menu (none, selective, full), each the next smaller plan."""
+    recompute = str(plan.layout.recompute)
+    if name == "chunkflow":
+        # the search's smallest chunk (2K) is above the dry run's 512-token context
+        chunk, floor = min(plan.chunk_size or seq_length, seq_length), 64 if dry_run else 1024
+        while chunk >= floor:
+            yield chunk, plan.num_kept or 1, recompute
+            chunk //= 2
+        return
+    menu = ["none", "selective", "full"]
+    later = (menu[menu.index(recompute) + 1:] if recompute in menu
+             else [] if recompute == "full" else ["full"])  # block:N, selective:...: then full
+    for option in [recompute, *later]:
+        yield seq_length, 1, option
+
+
+def _measure(s, sequences, lengths, steps) -> dict:
+    """Build and run `steps` steps of settings `s` from the same weights as every system."""
+    import torch
+
+    from megatron_chunkflow.mcore.dist import init_distributed
+    from megatron_chunkflow.mcore.step import build_training
+    from megatron_chunkflow.training.loop import train_step
+
+    gc.collect()  # the last system's model and DDP reference each other
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    init_distributed(seed=0)  # every system starts from the same weights
+    tr = build_training(s)
+    try:
+        metrics = [train_step(s, tr, sequences, i) for i in range(steps)]
+    finally:
+        del tr
+    timed = metrics[1:] or metrics
+    step_s = sum(m["step_s"] for m in timed) / len(timed)
+    return {"step_s": step_s, "tokens_per_s": sum(lengths) / step_s,
+            "model_tflops": timed[-1]["model_tflops"],
+            "mfu": timed[-1]["model_tflops"] / PEAK_BF16_TFLOPS,
+            # CUDA: torch.cuda.max_memory_allocated since this system's build; CPU (dry run): the
+            # process's peak RSS, which only grows
+            "max_memory_allocated": metrics[-1]["peak_mem_bytes"],
+            "loss": [m["loss"] for m in metrics]}
 
 
 def _plot(report: dict, path: Path) -> None:

@@ -17,7 +17,8 @@ def test_dry_run_reports_every_step(tmp_path):
     out = tmp_path / "out"
     run = subprocess.run(["bash", str(ROOT / "scripts/gpu/device_check.sh"), "--out", str(out),
                           "--dry-run"], capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "PYTHON": sys.executable})
+                         env={**os.environ, "PYTHON": sys.executable,
+                              "DEVICE_CHECK_SIMULATE_OOM": "chunkflow,megatron-packed"})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads((out / "device_check.json").read_text())
     assert report["dry_run"] and set(report["steps"]) == {"tests", "calibrate", "exactness",
@@ -33,6 +34,16 @@ def test_dry_run_reports_every_step(tmp_path):
                                      "megatron-unpacked"}
     assert all(r["tokens_per_s"] > 0 for r in bench["systems"].values())
     assert bench["systems"]["chunkflow"]["chunk_size"] and bench["systems"]["chunkflow"]["k"]
+    # the back-off: an out-of-memory first attempt recorded with the allocator's message, then the
+    # next smaller plan (ChunkFlow half the chunk, stock the next recompute option) measured
+    cf, packed = bench["systems"]["chunkflow"]["attempts"], bench["systems"]["megatron-packed"]
+    assert [a["status"] for a in cf] == ["oom", "ok"] and "Tried to allocate" in cf[0]["error"]
+    assert cf[1]["chunk_size"] == cf[0]["chunk_size"] // 2 == bench["systems"]["chunkflow"][
+        "chunk_size"]
+    assert [a["status"] for a in packed["attempts"]] == ["oom", "ok"]
+    assert packed["recompute"] == packed["attempts"][1]["recompute"] != \
+        packed["attempts"][0]["recompute"]
+    assert [a["status"] for a in bench["systems"]["megatron-sft"]["attempts"]] == ["ok"]
     assert bench["step1_loss_rel_spread"] < 1e-6  # the same weights and data everywhere
     assert (out / "device_check.png").stat().st_size > 0
     assert (out / "calibration.json").is_file()
