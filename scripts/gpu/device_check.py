@@ -5,7 +5,9 @@ backend, and ChunkFlow against the stock baselines; everything as JSON and PNG u
     python scripts/gpu/device_check.py --out DIR --dry-run   # the same plumbing on CPU, tiny
 
 Each step runs in its own process with its own time limit (what one step breaks, the others
-still report), and writes DIR/<step>.json and DIR/<step>.log:
+still report), in a scratch folder; DIR gets four files (a GPU machine returns at most 8):
+device_check.json (every step's result), device_check.log (every step's output),
+device_check.png and calibration.json. The steps:
 
 1. tests: `pytest tests/gpu -m gpu` (kernel error budgets of every installed backend).
 2. calibrate: scripts/benchmarks/gpu_calibrate.py -> DIR/calibration.json.
@@ -20,7 +22,7 @@ still report), and writes DIR/<step>.json and DIR/<step>.log:
    tried again with the next smaller plan (ChunkFlow: half the chunk; stock: the next recompute
    option), each attempt in the JSON; DEVICE_CHECK_SIMULATE_OOM=system,... makes the first
    attempt of those systems fail so, for the dry run.
-5. report: DIR/device_check.json (every step's result) and DIR/device_check.png.
+5. report: DIR/device_check.json, .log and .png.
 
 The dry run (CPU, gloo): the same steps with a tiny model, float64 instead of float32 (CPU
 exactness bound 1e-10), a short bench; it is what the test suite runs.
@@ -33,8 +35,10 @@ import dataclasses
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -68,10 +72,23 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report = {"dry_run": args.dry_run, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
               "load_avg_1m": os.getloadavg()[0], "steps": {}}
-    for step in wanted:
-        report["steps"][step] = _run_child(step, out, args.dry_run)
-        print(f"[device_check] {step}: {report['steps'][step]['status']} "
-              f"({report['steps'][step]['wall_s']:.0f} s)", flush=True)
+    # the steps' own files in a scratch folder, folded into four under --out (a GPU machine
+    # returns at most 8): device_check.json, .log, .png and calibration.json
+    work = Path(tempfile.mkdtemp(prefix="device_check_"))
+    try:
+        with (out / "device_check.log").open("w") as log:
+            for step in wanted:
+                report["steps"][step] = _run_child(step, work, args.dry_run)
+                print(f"[device_check] {step}: {report['steps'][step]['status']} "
+                      f"({report['steps'][step]['wall_s']:.0f} s)", flush=True)
+                for part in (f"{step}.log", "tests_pytest.txt" if step == "tests" else None):
+                    if part and (work / part).is_file():
+                        text = (work / part).read_text(errors="replace")
+                        log.write(f"==== {part} ====\n{text}\n")
+        if (work / "calibration.json").is_file():
+            shutil.copyfile(work / "calibration.json", out / "calibration.json")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     (out / "device_check.json").write_text(json.dumps(report, indent=2))
     _plot(report, out / "device_check.png")
     failed = [s for s, r in report["steps"].items() if r["status"] != "ok"]

@@ -47,6 +47,10 @@ def test_dry_run_reports_every_step(tmp_path):
     assert bench["step1_loss_rel_spread"] < 1e-6  # the same weights and data everywhere
     assert (out / "device_check.png").stat().st_size > 0
     assert (out / "calibration.json").is_file()
+    # what a GPU machine returns: at most 8 files, the steps' logs folded into one
+    assert sorted(p.name for p in out.iterdir()) == ["calibration.json", "device_check.json",
+                                                     "device_check.log", "device_check.png"]
+    assert "==== bench.log ====" in (out / "device_check.log").read_text()
 
 
 def test_unknown_step_is_refused(tmp_path):
