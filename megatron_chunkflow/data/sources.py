@@ -33,21 +33,37 @@ def iter_records(path: str | None) -> Iterator[Item]:
     if path is None:
         yield from iter_sharegpt()
         return
+    check_data_path(path)
     p = Path(path)
     if is_indexed_prefix(path):
         yield from iter_indexed(path)
     elif p.is_dir():
-        files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in DATA_SUFFIXES)
-        if not files:
+        for f in _data_files(p):
+            yield from iter_file(f)
+    else:
+        yield from iter_file(p)
+
+
+def check_data_path(path: str) -> None:
+    """ValueError naming --data-path when PATH is none of what iter_records reads (checked
+    before a model is built: the Megatron-LM launcher calls it from its flag checks)."""
+    p = Path(path)
+    if is_indexed_prefix(path):
+        return
+    if p.is_dir():
+        if not _data_files(p):
             raise ValueError(f"--data-path {path}: directory holds no .jsonl, .json or .parquet "
                              "file")
-        for f in files:
-            yield from iter_file(f)
-    elif p.is_file():
-        yield from iter_file(p)
-    else:
+    elif not p.is_file():
         raise ValueError(f"--data-path {path}: no such file or directory, and no {path}.bin + "
                          f"{path}.idx (Megatron indexed dataset)")
+    elif p.suffix not in DATA_SUFFIXES:
+        raise ValueError(f"--data-path {path}: unknown file type {p.suffix!r} (expected "
+                         ".jsonl, .json or .parquet, or a Megatron indexed-dataset prefix)")
+
+
+def _data_files(directory: Path) -> list[Path]:
+    return sorted(f for f in directory.iterdir() if f.is_file() and f.suffix in DATA_SUFFIXES)
 
 
 def iter_file(path: Path) -> Iterator[Item]:

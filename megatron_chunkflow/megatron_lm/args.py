@@ -16,6 +16,7 @@ from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.profiles import PROFILES
 from megatron_chunkflow.data.config import DataConfig
+from megatron_chunkflow.data.sources import check_data_path
 from megatron_chunkflow.flags import add_config_arguments, config_from_args
 
 TESTED_VERSION = "0.16.1"
@@ -69,6 +70,11 @@ def check_chunkflow_args(args, given_dataloader: str | None = None) -> None:
     except ValueError as e:
         raise LaunchError(str(e).replace("--attention-backend", FLAGS["attention_backend"])) \
             from None
+    if not args.mock_data:  # before Megatron builds the model, not at the first batch
+        try:
+            check_data_path(args.data_path[0])
+        except ValueError as e:
+            raise LaunchError(str(e)) from None
     try:
         _check_attention_backend(args)
     except LaunchError as e:

@@ -520,3 +520,5 @@ def test_launcher_bad_input_exits_2_without_a_traceback(refused, case):
     assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
     assert "Traceback" not in run.stderr + run.stdout
     assert "chunkflow-megatron: error: " + needle in run.stderr
+    if needle.startswith("--data-path"):  # found by the flag checks, before any model is built
+        assert "building GPT model" not in run.stdout + run.stderr
