@@ -95,6 +95,12 @@ def hf_tensor_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def check_hf_checkpoint(directory, shape: ModelShape) -> None:
+    """Its safetensors headers readable and every tensor `shape` needs there with its shape
+    (ValueError naming the file or tensor), before any model is built or data tokenized."""
+    _HFSource(directory).check(shape)
+
+
 class _HFSource:
     """HF tensors by name: a state dict, or a directory of (possibly sharded) safetensors files."""
 
@@ -109,7 +115,11 @@ class _HFSource:
         index = root / "model.safetensors.index.json"
         if index.is_file():
             self.where = str(index)
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{index}: not a safetensors index ({type(e).__name__}: "
+                                 f"{e}); the checkpoint is damaged or incomplete") from None
             self._files = {k: root / v for k, v in weight_map.items()}
         elif (root / "model.safetensors").is_file():
             self.where = str(root / "model.safetensors")
@@ -120,10 +130,15 @@ class _HFSource:
         files = sorted(set(self._files.values())) if self._files else [root / "model.safetensors"]
         by_name = {}
         for file in files:
-            with safe_open(file, framework="pt") as fh:
-                for k in fh.keys():
-                    self.shapes[k] = tuple(fh.get_slice(k).get_shape())
-                    by_name[k] = file
+            try:
+                with safe_open(file, framework="pt") as fh:
+                    for k in fh.keys():
+                        self.shapes[k] = tuple(fh.get_slice(k).get_shape())
+                        by_name[k] = file
+            except Exception as e:  # noqa: BLE001  safetensors' errors are its own types
+                raise ValueError(f"{file}: not a readable safetensors file ({type(e).__name__}: "
+                                 f"{str(e)[:200]}); the checkpoint is damaged or incomplete") \
+                    from None
         self._files = by_name
 
     def get(self, name: str) -> torch.Tensor:

@@ -226,9 +226,14 @@ def model_of(model: str, model_config: str | None, load_hf: str | None,
     if load_hf:
         import dataclasses
 
-        from megatron_chunkflow.mcore.hf import padded_vocab_size, shape_from_hf_dir
+        from megatron_chunkflow.mcore.hf import (
+            check_hf_checkpoint,
+            padded_vocab_size,
+            shape_from_hf_dir,
+        )
 
         hf = shape_from_hf_dir(load_hf)
+        check_hf_checkpoint(load_hf, hf)  # damaged weights named before any work
         return dataclasses.replace(hf, vocab_size=padded_vocab_size(hf.vocab_size, tp)), hf, load_hf
     from megatron_chunkflow.core.models import load_model_shape
 

@@ -154,3 +154,27 @@ def test_an_ffn_width_tp_does_not_divide_is_refused(capsys, tmp_path):
     assert rc == 2 and "--tensor-model-parallel-size (--tp) 2 must divide the FFN width (129)" \
         in err, err[-2000:]
 
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "empty"])
+def test_damaged_hf_weights_are_named_before_any_work(capsys, tmp_path, damage):
+    """--load-hf with a model.safetensors that is garbage, truncated or empty: exit 2 naming the
+    file, before data is tokenized or a process group starts (it was a safetensors traceback)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from megatron_chunkflow.core.models import get_model_shape
+    from megatron_chunkflow.mcore.hf import hf_config_dict
+
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(get_model_shape("tiny"),
+                                                                    "float32")))
+    weights = tmp_path / "model.safetensors"
+    save_file({"model.norm.weight": torch.ones(64)}, str(weights))
+    data = weights.read_bytes()
+    weights.write_bytes({"garbage": b"\x00not safetensors" * 10, "truncated": data[:-20],
+                         "empty": b""}[damage])
+    rc, err = run_train(capsys, "--load-hf", str(tmp_path))
+    assert rc == 2 and f"{weights}: not a readable safetensors file" in err, err[-2000:]
+    assert "the checkpoint is damaged or incomplete" in err
