@@ -6,11 +6,13 @@ reach it, 128K, against each stock baseline (megatron-sft, -packed, -unpacked, -
     python scripts/benchmarks/simulate_table.py --families      # the other families' table
     python scripts/benchmarks/simulate_table.py --gpu h200 --json
     python scripts/benchmarks/simulate_table.py --models qwen2.5-7b --seq-lengths 32768
+    python scripts/benchmarks/simulate_table.py --resume out/qwen.jsonl   # in parts: run again
 
 Per (model, context): `chunkflow simulate --baseline all --auto` (every layout, virtual stages
 per pipeline rank V included, and recompute option searched for each stock baseline, ChunkFlow's
-layout, V, recompute, (chunk size, K) and --chunkflow-reforward-attention searched too, each stock
-prediction again at CP overlap 0 and 1), run in-process through the CLI;
+layout, V, recompute, (chunk size, K), --chunkflow-reforward-attention and its loss whole or in
+pieces searched too, each stock prediction again at CP overlap 0 and 1, and, where ChunkFlow
+pieces its loss, with the same loss), run in-process through the CLI;
 then, per baseline, the pinned command that reproduces its row, run once more and checked to
 give the same numbers. GPUs per model and the global batch (64 sequences per GPU, at least 2048;
 profile B, seed 0) are fixed below.
@@ -86,6 +88,8 @@ def layout_cell(p: dict, chunkflow: bool = False) -> str:
             cell += ", K/V replicated"
         if p.get("reforward_attention", "recompute") != "recompute":
             cell += f", attention {p['reforward_attention']}"
+        if p.get("loss_piece"):
+            cell += f", loss in {p['loss_piece']}-token pieces"
     return cell
 
 
@@ -97,7 +101,7 @@ def rows_for(model: str, seq: int, gpus: int, gpu: str) -> list[dict]:
     """One row per baseline: the searched predictions and the pinned command, checked."""
     setup = setup_args(model, seq, gpus, gpu)
     found = simulate([*setup, "--baseline", "all", "--auto",
-                      "--chunkflow-reforward-attention", "auto"])
+                      "--chunkflow-reforward-attention", "auto", "--chunkflow-loss-piece", "auto"])
     cf = found["chunkflow"]
     rows = []
     for name in NAMES:
@@ -111,6 +115,8 @@ def rows_for(model: str, seq: int, gpus: int, gpu: str) -> list[dict]:
             argv += ["--chunkflow-cp-kv", cf["cp_kv"]]
         if cf["reforward_attention"] != "recompute":
             argv += ["--chunkflow-reforward-attention", cf["reforward_attention"]]
+        if cf.get("loss_piece"):
+            argv += ["--chunkflow-loss-piece", str(cf["loss_piece"])]
         again = simulate(argv)
         for got, want in ((again["baselines"][name], found["baselines"][name]),
                           (again["chunkflow"], cf)):
@@ -121,6 +127,7 @@ def rows_for(model: str, seq: int, gpus: int, gpu: str) -> list[dict]:
                      "tokens": found["setup"]["tokens"], "longest": found["setup"]["longest"],
                      "megatron": found["baselines"][name], "chunkflow": cf,
                      "speedup": found["speedups"][name], "strongest": found["strongest"],
+                     "speedup_same_loss": found["speedups_same_loss"].get(name),
                      "speedup_cp_overlap": {e: rng[e][name]["speedup"] for e in rng},
                      "cp_overlap": found["cp_overlap"]["value"],
                      "command": "chunkflow simulate " + " ".join(argv)})
@@ -154,8 +161,10 @@ def markdown(rows: list[dict], gpu: str) -> None:
         else:
             cells += ["", "", "", ""]
         ends = r["speedup_cp_overlap"]
+        same = (f"; {speedup_cell(r['speedup_same_loss'])} given the same loss"
+                if r.get("speedup_same_loss") is not None else "")
         cells.append(f"{speedup_cell(r['speedup'])} ({speedup_cell(ends['0'])} / "
-                     f"{speedup_cell(ends['1'])})")
+                     f"{speedup_cell(ends['1'])}){same}")
         print("| " + " | ".join(cells) + " |")
     print("\nChunkFlow against the strongest stock baseline (the fastest that fits):\n")
     for r in rows:
@@ -180,13 +189,29 @@ def main() -> int:
     ap.add_argument("--families", action="store_true",
                     help="the other families' (model, context) pairs instead of --models")
     ap.add_argument("--json", action="store_true", help="rows as JSON instead of markdown")
+    ap.add_argument("--resume", metavar="FILE", help="keep each (model, context)'s rows in FILE "
+                    "(JSON lines) as they are found, and skip the pairs FILE already has: a long "
+                    "regeneration in parts")
     args = ap.parse_args()
     rows = []
     pairs = FAMILY_ROWS if args.families else [(m, s) for m in args.models
                                                  for s in args.seq_lengths]
+    done = {}
+    if args.resume and Path(args.resume).is_file():
+        for line in Path(args.resume).read_text().splitlines():
+            entry = json.loads(line)
+            done[(entry["model"], entry["seq_length"], entry["gpu"])] = entry["rows"]
     for model, seq in pairs:
+        if (model, seq, args.gpu) in done:
+            rows += done[(model, seq, args.gpu)]
+            continue
         t = time.perf_counter()
-        rows += rows_for(model, seq, GPUS_PER_MODEL[model], args.gpu)
+        found = rows_for(model, seq, GPUS_PER_MODEL[model], args.gpu)
+        rows += found
+        if args.resume:
+            with open(args.resume, "a") as f:
+                f.write(json.dumps({"model": model, "seq_length": seq, "gpu": args.gpu,
+                                    "rows": found}) + "\n")
         print(f"{model} {seq}: {time.perf_counter() - t:.0f}s", file=sys.stderr, flush=True)
     if args.json:
         json.dump(rows, sys.stdout, indent=1)
