@@ -38,6 +38,9 @@ def check_launch_layout(args) -> None:
                           f"{model}")
     dp = world // model
     gbs, mbs = args.global_batch_size, args.micro_batch_size
+    if mbs is None:
+        raise LaunchError("--micro-batch-size is required (Megatron-LM has no default; ChunkFlow "
+                          "runs 1)")
     if gbs is not None and gbs % (mbs * dp):
         raise LaunchError(f"--global-batch-size {gbs} is not a multiple of --micro-batch-size "
                           f"{mbs} x {dp} data-parallel ranks = {mbs * dp}, as Megatron-LM "

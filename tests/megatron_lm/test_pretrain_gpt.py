@@ -223,6 +223,7 @@ BAD_INPUT = [
 # with and without --chunkflow: (extra flags, processes, message)
 PREFLIGHT = [
     (["--global-batch-size", "0"], 1, "--global-batch-size must be >= 1, got 0"),
+    ([], 1, "--micro-batch-size is required"),  # left out: Megatron-LM has no default
     (["--chunkflow", "--global-batch-size", "7"], 2,
      "--global-batch-size 7 is not a multiple of --micro-batch-size 1 x 2 data-parallel ranks"),
     (["--global-batch-size", "7"], 2, "--global-batch-size 7 is not a multiple of"),
@@ -264,8 +265,9 @@ def _refusal_cases() -> dict[str, tuple[list[str], int]]:
                                     *([] if "--data-path" in extra else ["--mock-data"]),
                                     *extra], 1)
     for i, (extra, world, _) in enumerate(PREFLIGHT):
-        cases[f"preflight_{i}"] = ([*MODEL, *CPU, *_flags(SCHEDULE), "--micro-batch-size", "1",
-                                    "--mock-data", *extra], world)
+        batch = ["--micro-batch-size", "1"] if extra else []  # the case without extra flags
+        cases[f"preflight_{i}"] = ([*MODEL, *CPU, *_flags(SCHEDULE), *batch, "--mock-data",
+                                    *extra], world)
     return cases
 
 
