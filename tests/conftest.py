@@ -35,8 +35,8 @@ def pytest_sessionfinish(session, exitstatus):
     total = sum(_SLOW.values())
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     over = total > SLOW_TIER_BUDGET_S * SLOW_TIER_SLACK
-    lines = [f"the slow tier ({len(_SLOW)} tests) took {total:.0f} s of its {SLOW_TIER_BUDGET_S:.0f} s "
-             f"budget (tests/conftest.py)"]
+    lines = [f"the slow tier ({len(_SLOW)} tests) took {total:.0f} s of its "
+             f"{SLOW_TIER_BUDGET_S:.0f} s budget (tests/conftest.py)"]
     if over:
         lines[0] += f", more than {SLOW_TIER_SLACK:.1f} x; the slowest:"
         slowest = sorted(_SLOW.items(), key=lambda kv: -kv[1])[:10]
