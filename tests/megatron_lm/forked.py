@@ -178,9 +178,21 @@ def _serve_job(job: dict) -> int | None:
                         pass
                     codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
             if failed_at is None:
+                _end_groups(pids)
                 return None
         time.sleep(0.01)
+    _end_groups(pids)
     return first_failure
+
+
+def _end_groups(pids) -> None:
+    """What the ranks left running in their process groups (torch_dist's spawned checkpoint
+    writers), ended as torchrun ends a job's processes: none outlives its test."""
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def main() -> int:
