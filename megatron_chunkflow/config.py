@@ -107,6 +107,19 @@ class ChunkFlowConfig:
                              f"{', '.join(LSE_BACKENDS)}); --attention-backend "
                              f"{self.attention_backend} has none")
 
+    def check_context_parallel_flags(self, cp: int, name: str = "--context-parallel-size") -> None:
+        """At CP 1 the CP choices do nothing: a value other than the default was meant for a CP
+        run, so it is refused by flag instead of ignored."""
+        if cp > 1:
+            return
+        changed = [f"{flag} {value}" for flag, value, default in (
+            ("--chunkflow-cp-kv", self.cp_kv, "sharded"),
+            ("--chunkflow-cp-attention", self.cp_attention, "ring"),
+            ("--chunkflow-cp-placement", self.cp_placement, "hybrid")) if value != default]
+        if changed:
+            raise ValueError(f"{', '.join(changed)}: context-parallel choices, and {name} is 1 "
+                             f"(no context parallelism); leave them out or raise {name}")
+
 
 @dataclass(frozen=True)
 class ParallelConfig:

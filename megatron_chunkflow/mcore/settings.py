@@ -137,6 +137,9 @@ class TrainSettings:
                 raise ValueError(f"--chunk-size {c} is larger than --seq-length "
                                  f"{self.seq_length}")
             self.parallel.check_chunk_size(c)
+        if self.uses_chunkflow:
+            self.chunkflow.check_context_parallel_flags(self.parallel.cp,
+                                                        "--context-parallel-size (--cp)")
         if self.parallel.cp > 1:
             self._check_context_parallel()
         if (self.parallel.vpp > 1 and self.parallel.pp == 2 and not self.uses_chunkflow

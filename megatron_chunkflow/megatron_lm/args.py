@@ -65,8 +65,8 @@ def check_chunkflow_args(args, given_dataloader: str | None = None) -> None:
     refuse = chunkflow_refusals(args, given_dataloader)
     if refuse:
         raise LaunchError("--chunkflow cannot run with " + "; ".join(refuse))
-    try:
-        chunkflow_config(args)
+    try:  # the CP choices mean nothing at CP 1: refused, not ignored
+        chunkflow_config(args).check_context_parallel_flags(args.context_parallel_size)
     except ValueError as e:
         raise LaunchError(str(e).replace("--attention-backend", FLAGS["attention_backend"])) \
             from None

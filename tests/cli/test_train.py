@@ -68,6 +68,10 @@ def test_empty_dataset(capsys, tmp_path):
     (["--weight-decay", "-0.1"], "--weight-decay must be a finite number >= 0, got -0.1"),
     (["--lora-rank", "4", "--lora-alpha", "inf"], "argument --lora-alpha: must be a finite "
                                                   "number, got 'inf'"),
+    (["--chunkflow-cp-kv", "replicated"], "--chunkflow-cp-kv replicated: context-parallel "
+                                          "choices, and --context-parallel-size (--cp) is 1"),
+    (["--chunkflow-cp-attention", "gather", "--chunkflow-cp-placement", "split"],
+     "--chunkflow-cp-attention gather, --chunkflow-cp-placement split: context-parallel choices"),
     (["--data-path", ""], "--data-path is empty (an unset shell variable?)"),
     (["--tokenizer", " "], "--tokenizer is empty"),
     (["--seed", "-1"], "--seed must be in [0, 2**32), got -1"),
@@ -178,3 +182,16 @@ def test_damaged_hf_weights_are_named_before_any_work(capsys, tmp_path, damage):
     rc, err = run_train(capsys, "--load-hf", str(tmp_path))
     assert rc == 2 and f"{weights}: not a readable safetensors file" in err, err[-2000:]
     assert "the checkpoint is damaged or incomplete" in err
+
+
+@pytest.mark.slow
+def test_cp_without_the_ring_says_so(gloo):
+    """CP 2 with sdpa (no log-sum-exp pair): the sharded state's ring cannot run, so the gather
+    path runs with its attention recomputed in the backward, and the log says so."""
+    code, out, err = gloo.cli(2, "train", "--cp", 2, "--attention-backend", "sdpa", "--model",
+                              "qwen2.5-tiny", "--train-iters", 1, "--lr-warmup-iters", 0,
+                              "--global-batch-size", 2, "--seq-length", 256, "--chunk-size", 64,
+                              "--max-samples", 4, "--overlong", "split")
+    assert code == 0, err[-3000:]
+    assert "CP attention: gathered first, not the ring, its backward recomputing the attention: " \
+           "--attention-backend sdpa has no log-sum-exp pair" in out + err

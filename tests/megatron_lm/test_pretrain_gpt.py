@@ -213,6 +213,8 @@ BAD_INPUT = [
      "--context-parallel-size 2"),
     (["--chunkflow", "--sft", "--eval-iters", "2"],
      "--chunkflow cannot run with --sft and --eval-iters 2: Megatron-LM's --sft validation"),
+    (["--chunkflow", "--chunkflow-cp-kv", "replicated"],
+     "--chunkflow-cp-kv replicated: context-parallel choices, and --context-parallel-size is 1"),
     (["--chunkflow", "--num-experts", "4"],
      "--chunkflow cannot run with --num-experts 4: Megatron's router adds its load-balancing"),
     (["--chunkflow", "--attention-backend", "flash"],
