@@ -10,6 +10,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import math
 import sys
 import typing
 from functools import cache
@@ -119,7 +120,7 @@ def finite_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if value != value or value in (float("inf"), float("-inf")):
+    if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
     return value
 

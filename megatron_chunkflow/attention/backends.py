@@ -18,9 +18,10 @@ it (attention/lse.py), for context parallelism's backward.
 - flex: torch.nn.attention.flex_attention with a block mask from per-token segment ids. On CUDA it
   runs compiled (torch.compile), on inputs the compiled kernel takes for every preset's shape
   (flex_compilable_inputs: K/V repeated to every query head, the head dim zero-padded to a power
-  of two >= 16; exact, at N / G times the K/V memory under GQA; UNTESTED until a GPU run). On CPU, as of torch 2.13, FlexAttention is forward-only: eager
-  runs in float32 and float64 (unfused, materializing the scores) and compiled runs float32 only,
-  but there is no CPU backward in either mode. This backend therefore runs eager on CPU and raises
+  of two >= 16; exact, at N / G times the K/V memory under GQA; UNTESTED until a GPU run). On
+  CPU, as of torch 2.13, FlexAttention is forward-only: eager runs in float32 and float64
+  (unfused, materializing the scores) and compiled runs float32 only, but there is no CPU
+  backward in either mode. This backend therefore runs eager on CPU and raises
   a ValueError when a gradient would be needed there; on CUDA it refuses float64.
 - varlen: torch.nn.attention.varlen.varlen_attn, PyTorch's own flash kernel (no extra package;
   torch >= 2.10), causal (bottom-right aligned, as flash-attn's); CUDA, fp16/bf16. UNTESTED

@@ -58,8 +58,12 @@ def check_data_path(path: str) -> None:
         raise ValueError(f"--data-path {path}: no such file or directory, and no {path}.bin + "
                          f"{path}.idx (Megatron indexed dataset)")
     elif p.suffix not in DATA_SUFFIXES:
-        raise ValueError(f"--data-path {path}: unknown file type {p.suffix!r} (expected "
-                         ".jsonl, .json or .parquet, or a Megatron indexed-dataset prefix)")
+        raise _unknown_type(p)
+
+
+def _unknown_type(path: Path) -> ValueError:
+    return ValueError(f"--data-path {path}: unknown file type {path.suffix!r} (expected .jsonl, "
+                      ".json or .parquet, or a Megatron indexed-dataset prefix)")
 
 
 def _data_files(directory: Path) -> list[Path]:
@@ -87,8 +91,7 @@ def iter_file(path: Path) -> Iterator[Item]:
         else:
             yield from iter_jsonl(path)
     else:
-        raise ValueError(f"--data-path {path}: unknown file type {path.suffix!r} (expected "
-                         ".jsonl, .json or .parquet, or a Megatron indexed-dataset prefix)")
+        raise _unknown_type(path)
 
 
 def iter_jsonl(path: Path) -> Iterator[Item]:
@@ -114,7 +117,8 @@ def iter_jsonl(path: Path) -> Iterator[Item]:
 def iter_json_array(name: str, text: str, *, stop_at_truncation: bool = False) -> Iterator[Item]:
     """Elements of a JSON array, decoded one at a time (a consumer that stops early parses only
     what it used). Location NAME:[index]. A malformed element is a ValueError for the whole
-    file: nothing after it can be located. With stop_at_truncation, an element cut off by the end of the text ends the array
+    file: nothing after it can be located. With stop_at_truncation, an element cut off by the end
+    of the text ends the array
     quietly (the shipped ShareGPT file is cut mid-record)."""
     decoder = json.JSONDecoder()
     i = _WS.match(text, 0).end()
@@ -134,7 +138,7 @@ def iter_json_array(name: str, text: str, *, stop_at_truncation: bool = False) -
                 return
             reason = ("the file ends inside this element (truncated?)" if truncated else
                       f"malformed JSON ({e.msg} at line {e.lineno} column {e.colno})")
-            _broken(loc, reason, name)
+            raise _broken(loc, reason, name) from None
         yield name, loc, check_record(record)
         i = _WS.match(text, i).end()
         sep = text[i:i + 1]
@@ -142,18 +146,18 @@ def iter_json_array(name: str, text: str, *, stop_at_truncation: bool = False) -
             return
         if sep != ",":
             what = repr(sep) if sep else "end of file"
-            _broken(f"{name}:[{index + 1}]", f"malformed JSON (expected ',' or ']' after element "
-                    f"{index}, found {what})", name)
+            raise _broken(f"{name}:[{index + 1}]", f"malformed JSON (expected ',' or ']' after "
+                          f"element {index}, found {what})", name)
         i = _WS.match(text, i + 1).end()
         index += 1
 
 
-def _broken(loc: str, reason: str, name: str):
+def _broken(loc: str, reason: str, name: str) -> ValueError:
     """A JSON array broken at `loc`: nothing after it can be located, so the file is refused
     whole, --skip-bad-records or not (it skips records, and would lose the rest unsaid)."""
-    raise ValueError(f"--data-path {loc}: {reason}; the rest of {name} cannot be read, so no "
-                     "record of it is used (--skip-bad-records skips bad records, not a broken "
-                     "file): fix the file")
+    return ValueError(f"--data-path {loc}: {reason}; the rest of {name} cannot be read, so no "
+                      "record of it is used (--skip-bad-records skips bad records, not a broken "
+                      "file): fix the file")
 
 
 def iter_sharegpt() -> Iterator[Item]:

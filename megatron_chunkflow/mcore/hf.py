@@ -373,10 +373,8 @@ HF_COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens
 def copy_hf_companions(out_dir, sources) -> list[str]:
     """Copy the tokenizer files and generation_config.json of the first directory in `sources`
     (the --tokenizer directory, then the --load-hf checkpoint; None entries skipped) that has
-    each, into the export `out_dir`; the names copied (rank 0 only)."""
+    each, into the export `out_dir`; the names copied (one process calls it)."""
     copied = []
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return copied
     for name in HF_COMPANION_FILES:
         for src in (Path(d) for d in sources if d):
             if (src / name).is_file() and not (Path(out_dir) / name).exists():

@@ -68,7 +68,7 @@ class Checkpointer:
                 save_checkpoint(self.config.save, iteration, self.model, self.optimizer,
                                 self.scheduler, consumed, self.settings)
             except Exception as e:  # noqa: BLE001  the disk's failure, named, not a traceback
-                shutil.rmtree(_iter_dir(Path(self.config.save), iteration).with_suffix(".tmp"),
+                shutil.rmtree(_tmp_dir(Path(self.config.save), iteration),
                               ignore_errors=True)  # the half-written copy, never a complete one
                 raise SaveFailed(f"--save {self.config.save}: saving iteration {iteration} "
                                  f"failed: {save_failure_cause(e, self.config.save)}; every "
@@ -126,6 +126,11 @@ def _iter_dir(root: Path, iteration: int) -> Path:
     return root / f"iter_{iteration:07d}"
 
 
+def _tmp_dir(root: Path, iteration: int) -> Path:
+    """Where iteration's checkpoint is written before it is complete."""
+    return root / f"iter_{iteration:07d}.tmp"
+
+
 def _rng_state() -> dict:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
@@ -163,7 +168,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     root_path = Path(root)
-    final, tmp = _iter_dir(root_path, iteration), root_path / f"iter_{iteration:07d}.tmp"
+    final, tmp = _iter_dir(root_path, iteration), _tmp_dir(root_path, iteration)
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
