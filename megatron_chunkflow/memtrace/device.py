@@ -68,15 +68,30 @@ class _FusedRMSNorm(torch.autograd.Function):
     its backward returns one gradient per input. Values are not computed (meta)."""
 
     @staticmethod
-    def forward(ctx, x, weight):
+    def forward(ctx, x, weight, ledger):
         rstd = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
         ctx.save_for_backward(x, weight, rstd)
-        return torch.empty_like(x)
+        ctx.ledger = ledger
+        y = torch.empty_like(x)
+        _census_kernel(ledger, "_fused_rms_norm", (x, weight), (y, rstd))
+        return y
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, _ = ctx.saved_tensors
-        return torch.empty_like(x), None if weight is None else torch.empty_like(weight)
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = torch.empty_like(x), None if weight is None else torch.empty_like(weight)
+        _census_kernel(ctx.ledger, "_fused_rms_norm_backward", (grad, x, weight, rstd), (dx, dw))
+        return dx, dw, None
+
+
+def _census_kernel(ledger: Ledger, name: str, reads, writes) -> None:
+    """One fused kernel into the ledger's census (memtrace/census.py), where one is kept."""
+    if ledger.census is not None:
+        tensors = [t for t in (*reads, *writes) if isinstance(t, torch.Tensor)]
+        on = [t for t in tensors if t.is_meta and not ledger.is_host(t)]
+        ledger.census.kernel(name, ledger.labeler(name).phase,
+                             [t for t in reads if any(t is o for o in on)],
+                             [t for t in writes if any(t is o for o in on)])
 
 
 class _Functions(TorchFunctionMode):
@@ -107,7 +122,7 @@ class _Functions(TorchFunctionMode):
         if (self.stack.fused_rms_norm and not self.cpu and func in (torch.rms_norm, torch.nn.functional.rms_norm)
                 and args[0].is_meta):
             weight = args[2] if len(args) > 2 else kwargs.get("weight")
-            return _FusedRMSNorm.apply(args[0], weight)
+            return _FusedRMSNorm.apply(args[0], weight, self.ledger)
         return func(*args, **kwargs)
 
     def _move(self, func, args, kwargs):
@@ -188,7 +203,9 @@ class _Dispatch(TorchDispatchMode):
             dtype = args[0].dtype
             return False if dtype == torch.bool else 0.0 if dtype.is_floating_point else 0
         if func.namespace == "c10d":
-            return self._collective(func, args, kwargs)
+            out = self._collective(func, args, kwargs)
+            self._count(func, args, kwargs, out)
+            return out
         if _is_cuda(kwargs.get("device")):  # torch-level code the function mode did not see: a
             kwargs = {**kwargs, "device": META}  # backward run inside a torch function's handler
         leaves = tensors_in((args, kwargs.values()))
@@ -213,7 +230,16 @@ class _Dispatch(TorchDispatchMode):
             for t in tensors_in(out):
                 if t.is_meta:
                     self.ledger.allocated(t.untyped_storage(), func)
+        self._count(func, args, kwargs, out)
         return out
+
+    def _count(self, func, args, kwargs, out) -> None:
+        """The op into the ledger's census of kernels (memtrace/census.py), where one is kept."""
+        census = self.ledger.census
+        if census is not None:
+            ledger = self.ledger
+            census.op(func, args, kwargs, out, ledger.labeler(func).phase,
+                      lambda t: t.is_meta and not ledger.is_host(t))
 
     @staticmethod
     def _refuse_real_write(func, args) -> None:
@@ -286,9 +312,20 @@ def _fused_kernels(ledger: Ledger):
             if original is None or not callable(original):
                 continue
 
-            def kernel(*args, __original=original, **kwargs):
-                with ledger.fused():
-                    return __original(*args, **kwargs)
+            def kernel(*args, __original=original, __name=attr, **kwargs):
+                census = ledger.census
+                if census is None:
+                    with ledger.fused():
+                        return __original(*args, **kwargs)
+                census.fused_depth += 1
+                try:
+                    with ledger.fused():
+                        out = __original(*args, **kwargs)
+                finally:
+                    census.fused_depth -= 1
+                _census_kernel(ledger, __name, tensors_in((args, kwargs.values())),
+                               tensors_in(out))
+                return out
 
             setattr(module, attr, kernel)
             patched.append((module, attr, fn))

@@ -62,6 +62,7 @@ class Ledger:
         self.scalar_reads = 0  # device values read back (each a sync on a GPU)
         self.phase_peaks: dict[str, int] = {}
         self._fused: int | None = None  # where the fused kernel being run began in events
+        self.census = None  # memtrace/census.py Census: the kernels, where they are counted
 
     @contextlib.contextmanager
     def fused(self):

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_chunkflow.memtrace.allocator import AllocatorStats, replay
+from megatron_chunkflow.memtrace.census import Census
 from megatron_chunkflow.memtrace.device import traced_device
 from megatron_chunkflow.memtrace.job import traced_rank
 from megatron_chunkflow.memtrace.ledger import BLOCK, Label, Ledger, block_bytes
@@ -75,6 +76,7 @@ class MemoryTrace:
     fits: bool | None = None  # with a capacity: whether the replayed allocator fit in it
     oom: dict | None = None
     events: list = field(default_factory=list, repr=False)  # the device allocations, in order
+    census: Census | None = field(default=None, repr=False)  # the second step's kernels
     _needed: int | None = field(default=None, repr=False)
 
     @property
@@ -91,7 +93,7 @@ class MemoryTrace:
 
     def to_json(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if not f.name.startswith("_") and f.name != "events"}
+               if not f.name.startswith("_") and f.name not in ("events", "census")}
         out["ranks"] = dataclasses.asdict(self.ranks)
         out["terms"] = [list(t) for t in self.terms]
         out["needed"] = self.needed
@@ -204,14 +206,15 @@ def _stock_shapes(settings, lengths, ranks: Ranks):
 
 def trace_memory(settings, lengths, *, world: int | None = None, rank: int = 0,
                  stack: Stack | str | None = None, capacity: float | None = None,
-                 seed: int = 0, warm_optimizer: bool = False) -> MemoryTrace:
+                 seed: int = 0, warm_optimizer: bool = False, census: bool = False) -> MemoryTrace:
     """Trace rank `rank` of a `world`-GPU job (default: the layout's model parallel size, one
     DP rank) training `settings` (mcore/settings.py TrainSettings) on one global batch of
     `lengths`, on GPU software stack `stack` (memtrace/stack.py; default the installed torch's).
     `capacity`: the bytes the GPU can allocate, for `fits` and `oom`. `warm_optimizer`: Adam's
     states made by an optimizer step on zero gradients instead of a first training step (the
     same allocated peak in about a quarter of the time; the allocator's cache has another
-    history, so the reserved bytes differ). A settings.device "cpu" traces a CPU run (every
+    history, so the reserved bytes differ). `census`: the second step's kernels counted too
+    (memtrace/census.py), in MemoryTrace.census. A settings.device "cpu" traces a CPU run (every
     byte exact, no allocator rounding: what the tests compare with a real CPU run)."""
     from megatron_chunkflow.data.synthetic import make_sequences
     from megatron_chunkflow.mcore.step import build_training, training_step
@@ -240,7 +243,9 @@ def trace_memory(settings, lengths, *, world: int | None = None, rank: int = 0,
                     training_step(settings, tr, sequences, 0)
                 begun = len(ledger.events) - 1
                 first, ledger.phase_peaks = ledger.phase_peaks, {}
+                ledger.census = Census() if census else None
                 training_step(settings, tr, sequences, 1)
+                ledger.census, kernels = None, ledger.census
         finally:
             for h in handles:
                 h.remove()
@@ -261,7 +266,7 @@ def trace_memory(settings, lengths, *, world: int | None = None, rank: int = 0,
         terms=terms, phase_peaks=phase_peaks, host_peak=ledger.host_peak,
         scalar_reads=ledger.scalar_reads,
         fits=None if capacity is None else bounded.oom is None, oom=bounded.oom,
-        events=[] if cpu else ledger.events,
+        events=[] if cpu else ledger.events, census=kernels,
         _needed=stats.peak_allocated if cpu else None)
 
 
