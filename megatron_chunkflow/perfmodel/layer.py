@@ -13,7 +13,9 @@ composes into per-op costs (recompute, launch floor), for a micro-batch of T tok
   whole 128x128 tiles, so each segment is charged its tiles (a short sequence wastes most of its
   diagonal tiles) at attn_fwd_eff / attn_bwd_eff of peak.
 - Elementwise work (RMSNorms, residual adds, rotary, SwiGLU) is memory-bound: bytes / (mem bw *
-  mem_eff); the backward moves twice the bytes.
+  mem_eff). Under Transformer Engine's spec (Hardware.spec "te") its bytes are counted by hand
+  below, the backward moving twice the forward's; under megatron-core's local spec ("local") they
+  and the layer's kernels are what the traced step moves and launches (perfmodel/kernels.py).
 - TP with sequence parallelism: forward 4 exposed ring collectives (all-gather before QKV and
   fc1, reduce-scatter after projection and fc2) of T*h activations; backward the two
   row-parallel all-gathers are exposed and, as in Megatron's linear layers, the all-gather of a
@@ -73,7 +75,8 @@ into the buffer is not redone); mlp fc1 and fc2 GEMMs, SwiGLU and the MLP's two 
 whole MLP under tensor_parallel.checkpoint); layernorm the two RMSNorms and the copy of each output
 back into its released storage (CheckpointWithoutOutput._recompute); full the whole layer forward.
 
-Kernels per layer (KERNELS_*), counted from Megatron-LM's GPU layer as its run files use it
+Kernels per layer (KERNELS_*; the local spec's: perfmodel/kernels.py), counted from
+Megatron-LM's GPU layer as its run files use it
 (Transformer Engine spec, bf16, fusions on), module by module (transformer_layer.py,
 attention.py, mlp.py; TE's LayerNormLinear fuses the norm with the linear):
   forward 12: RMSNorm + QKV GEMM with its bias in the epilogue (2), RoPE on Q and on K (2),
@@ -98,9 +101,8 @@ attention.py, mlp.py; TE's LayerNormLinear fuses the norm with the linear):
   kernel, the dq add).
   Recompute re-launches what it re-runs: core_attn 1 (+3 per CP step; +4 for ChunkFlow's CP),
   mlp 3 (+2 collectives), layernorm 4 (two norms, two copies), full the forward's.
-  A cross-check: the unfused local spec on CPU dispatches 55 ATen ops forward and 72 backward
-  for one layer (counted with a TorchDispatchMode on the `tiny` shape), so 12 / 22 is the fused
-  floor; eager PyTorch launches at least this many.
+  megatron-core's local spec launches more: 37-43 forward and 37-46 backward on a GPU
+  (perfmodel/kernels.py, counted from the traced step), so 12 / 22 is Transformer Engine's floor.
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ from megatron_chunkflow.perfmodel.gemm import (  # noqa: F401  (re-exported)
     gemm_time,
 )
 from megatron_chunkflow.perfmodel.hardware import Hardware
+from megatron_chunkflow.perfmodel.kernels import local_layer
 from megatron_chunkflow.perfmodel.pairs import (  # noqa: F401  (re-exported)
     attention_tiles,
     computed_pairs,
@@ -204,7 +207,13 @@ class LayerModel:
         self._parts: dict[Work, Parts] = {}
         self.ends_cache: dict = {}  # perfmodel/roofline.py's embedding and head, by loss piece
         tp, cp = (t > 1), layout.cp - 1
-        self.base_kernels = (KERNELS_FWD + TP_KERNELS_FWD * tp, KERNELS_BWD + TP_KERNELS_BWD * tp)
+        # megatron-core's local spec: its memory-bound work and kernels as the traced step counts
+        # them (perfmodel/kernels.py); Transformer Engine's: counted by hand (module docstring)
+        self.local = (local_layer(shape, t, layout.sequence_parallel, hw.fused_swiglu,
+                                  hw.kv_repeat) if hw.spec == "local" else None)
+        fwd_k, bwd_k = ((self.local.fwd_kernels, self.local.bwd_kernels) if self.local
+                        else (KERNELS_FWD, KERNELS_BWD))
+        self.base_kernels = (fwd_k + TP_KERNELS_FWD * tp, bwd_k + TP_KERNELS_BWD * tp)
         self.kernels_fwd = self.base_kernels[0] + CP_KERNELS_PER_STEP * cp
         self.kernels_bwd = self.base_kernels[1] + CP_KERNELS_PER_STEP * cp
         self.module_kernels = {"core_attn": RECOMPUTE_KERNELS["core_attn"]
@@ -229,11 +238,18 @@ class LayerModel:
         # elements moved per token: 2 RMSNorms (read + write h) and 2 residual adds (2 reads, 1
         # write) on the SP-split h; rotary on Q and K, SwiGLU (read 2f, write f) on TP-split heads
         per_elem = T * hw.dtype_bytes / self.mem_bw
-        swiglu = 3 * self.ffn * per_elem
-        ew = (10 * h / self.layout.tp + 2 * (self.attn_width + self.kv)) * per_elem + swiglu
-        mlp = gemm_time(T, 2 * self.ffn, h, hw) + gemm_time(T, h, self.ffn, hw) + 2 * ag + swiglu
         norms = 8 * h / self.layout.tp * per_elem  # 2 norms (read + write), 2 copy-backs
-        out = Dense(fwd + 4 * ag + ew, bwd + 2 * ew, mlp, norms)
+        if self.local:  # the local spec's kernels as traced (perfmodel/kernels.py), bf16
+            swiglu = (6 if hw.fused_swiglu else 14) * self.ffn * T / self.mem_bw
+            ew_fwd, ew_bwd = self.local.fwd_bytes * T / self.mem_bw, \
+                self.local.bwd_bytes * T / self.mem_bw
+        else:
+            swiglu = 3 * self.ffn * per_elem
+            ew_fwd = (10 * h / self.layout.tp + 2 * (self.attn_width + self.kv)) * per_elem \
+                + swiglu
+            ew_bwd = 2 * ew_fwd
+        mlp = gemm_time(T, 2 * self.ffn, h, hw) + gemm_time(T, h, self.ffn, hw) + 2 * ag + swiglu
+        out = Dense(fwd + 4 * ag + ew_fwd, bwd + ew_bwd, mlp, norms)
         self._dense[tokens] = out
         return out
 

@@ -43,7 +43,16 @@ from megatron_chunkflow.core.costs import layers_per_stage
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.schedule import is_reforwarded
 from megatron_chunkflow.core.types import DataChunk
+from megatron_chunkflow.perfmodel.footprint import layer_params, total_params
 from megatron_chunkflow.perfmodel.hardware import Hardware
+from megatron_chunkflow.perfmodel.kernels import (
+    GRAD_ACCUM_BYTES,
+    LOSS_BYTES,
+    OPTIMIZER_BYTES,
+    OPTIMIZER_KERNELS_PER_TENSOR,
+    ZERO_GRAD_BYTES,
+    param_tensors,
+)
 from megatron_chunkflow.perfmodel.layer import (  # noqa: F401  (re-exported: older imports)
     ATTN_BWD_FLOPS,
     Parts,
@@ -142,7 +151,9 @@ class Roofline:
         hw, h, T = self.hw, self.shape.hidden_size, tokens
         comm = ring_time(T * h * hw.dtype_bytes, self.layout.tp, self.tp_link)
         logits = gemm_time(T, self.vocab, h, hw)
-        streamed = (30, 36) if self.loss_piece else (18, 6)  # bytes per logit moved, F and B
+        # bytes per logit moved, F and B: Megatron's cross entropy as traced (perfmodel/kernels.py);
+        # in pieces the fp32 softmax streams per piece or vocabulary block
+        streamed = (30, 36) if self.loss_piece else LOSS_BYTES
         fwd = logits + comm + T * self.vocab * streamed[0] / self.mem_bw
         bwd = (gemm_time(T, h, self.vocab, hw) + gemm_time(h, self.vocab, T, hw) + comm
                + T * self.vocab * streamed[1] / self.mem_bw + (logits if self.loss_piece else 0))
@@ -179,6 +190,9 @@ class Roofline:
             bwd.append(r * t.bwd_full + (n - r) * t.bwd_keep + host * (1 + r / max(n, 1)))
         fwd[0], bwd[0] = fwd[0] + emb[0], bwd[0] + emb[1]
         fwd[-1], bwd[-1] = fwd[-1] + head[0], bwd[-1] + head[1]
+        if self.layer.local:  # each weight's gradient added into its fp32 main_grad, per chunk
+            per_layer = layer_params(self.shape) / self.layout.tp * GRAD_ACCUM_BYTES / self.mem_bw
+            bwd = [b + n * per_layer for b, n in zip(bwd, layers)]
         return fwd, bwd
 
     def kept_attention_costs(self, work: Work, num_stages: int,
@@ -260,8 +274,16 @@ class Roofline:
         return rs, ag
 
     def optimizer_time(self, stage_params: float) -> float:
-        """Adam on this rank's 1/(DP x CP) shard, memory-bound: read grad, master, m, v (16 bytes),
-        write master, m, v and the param (12 + 2), read grads once more for the norm (4); plus
-        zeroing the whole fp32 gradient buffer (4 per local parameter)."""
+        """Adam on this rank's 1/(DP x CP) shard, memory-bound, plus zeroing the whole fp32
+        gradient buffer (4 bytes per local parameter). Transformer Engine's fused Adam: read grad,
+        master, m, v (16 bytes), write master, m, v and the param (12 + 2), read grads once more
+        for the norm (4). The local build's torch AdamW (foreach): OPTIMIZER_BYTES as traced, and
+        its kernels (two per parameter tensor) launched one by one (perfmodel/kernels.py)."""
         local = stage_params / self.layout.tp
-        return (local / (self.layout.dp * self.layout.cp) * 34 + local * 4) / self.mem_bw
+        shard = local / (self.layout.dp * self.layout.cp)
+        if not self.layer.local:
+            return (shard * 34 + local * ZERO_GRAD_BYTES) / self.mem_bw
+        layers = self.shape.num_layers * stage_params / max(total_params(self.shape), 1)
+        launches = OPTIMIZER_KERNELS_PER_TENSOR * param_tensors(self.shape, math.ceil(layers))
+        return max((shard * OPTIMIZER_BYTES + local * ZERO_GRAD_BYTES) / self.mem_bw,
+                   launches * self.launch_s)

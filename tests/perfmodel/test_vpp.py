@@ -29,8 +29,10 @@ EIGHT = [8192] * 8  # 8 equal micro-batches: few for PP 4, a large bubble
 def test_interleaving_shrinks_the_stock_bubble_and_step():
     one, two = (predict_megatron(EIGHT, Q32B, H100, P(tp=8, pp=4, vpp=v), 8192)
                 for v in (1, 2))
-    # Megatron's 1F1B: (p - 1) / (m + p - 1) = 3 / 11; interleaved about (p - 1) / V of it
-    assert one.bubble == pytest.approx(3 / 11, abs=0.03)
+    # Megatron's 1F1B: (p - 1) / (m + p - 1) = 3 / 11 with equal stages (the last one's output
+    # layer and loss make it longer, the others wait: a little more); interleaved about
+    # (p - 1) / V of it
+    assert 3 / 11 - 0.01 < one.bubble < 3 / 11 + 0.04
     assert two.bubble < one.bubble - 0.05 and two.step_s < one.step_s
     assert two.layout.vpp == 2 and two.to_json()["layout"]["vpp"] == 2
 
