@@ -14,6 +14,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_chunkflow", "megatron_chunkflow.*"]),
+    package_data={"megatron_chunkflow.perfmodel": ["gpu_profiles/*.json"]},
     install_requires=[
         "torch>=2.4",
         "megatron-core==0.16.1",  # the supported version: docs/megatron-lm.md

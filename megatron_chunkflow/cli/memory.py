@@ -25,7 +25,7 @@ from megatron_chunkflow.core.lengths import AS_DRAWN, LengthsConfig
 from megatron_chunkflow.core.models import MODEL_SHAPES
 from megatron_chunkflow.core.step import BASELINES
 from megatron_chunkflow.flags import add_config_arguments, config_from_args
-from megatron_chunkflow.perfmodel.hardware import GPUS, get_gpu, with_overrides
+from megatron_chunkflow.perfmodel.gpu_profiles import add_device_arguments, device_from_args
 
 # the default job: the H200 runs of docs/benchmarks.md, "Memory"
 SCENARIO = dict(model="qwen2.5-1.5b", seq_length=32768, global_batch_size=128, chunk_size=16384,
@@ -65,10 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: megatron-packed)")
     add_config_arguments(g, ChunkFlowConfig, defaults={"chunk_size": SCENARIO["chunk_size"]})
     g = p.add_argument_group("GPU")
-    g.add_argument("--gpu", default=SCENARIO["gpu"], choices=sorted(GPUS),
-                   help=f"the GPU the verdict is for (default: {SCENARIO['gpu']})")
-    g.add_argument("--gpu-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a GPU parameter, e.g. memory_gib=80 or reserve_gib=4")
+    add_device_arguments(g, SCENARIO["gpu"])  # the GPU the verdict is for
     g.add_argument("--stack", default="installed", metavar="NAME",
                    help="the GPU software stack whose kernels' memory to trace: torch-2.11, "
                         "torch-2.13 or installed (default: the torch installed here)")
@@ -102,7 +99,7 @@ def run(args) -> int:
     lengths = [min(n, args.seq_length) for n in raw]
     world = args.world or settings.parallel.model_parallel_size
     settings.parallel.with_world(world)
-    gpu = with_overrides(get_gpu(args.gpu), args.gpu_set)
+    gpu = device_from_args(args)
     settings = dataclasses.replace(settings, global_batch_size=len(lengths))
     report = memory_report(settings, lengths, world=world, gpu=gpu, stack=args.stack,
                            ranks=args.rank, seed=drawn.seed,

@@ -6,7 +6,8 @@ model, docs/benchmarks.md).
     chunkflow simulate --model qwen2.5-72b --seq-length 262144 --gpus 128 --auto
     chunkflow simulate --baseline megatron-sft --megatron-parallel 4,2,1,block:4 \\
         --chunkflow-parallel 4,1,1,selective:mlp --chunk-size 16384 --chunkflow-k 2 --json
-    chunkflow simulate --gpu h100 --calibration h100_calibration.json --gpu-set cp_overlap=1
+    chunkflow simulate --gpu-profile h200-torch2.11-local --model qwen2.5-1.5b --gpus 1
+    chunkflow simulate --gpu-profile h100.json --gpu-set cp_overlap=1   # `chunkflow calibrate`'s
 
 The baselines (core/step.py BASELINES): megatron-sft (Megatron-LM's SFT: lines packed first-fit in
 data order and padded to --seq-length, fixed-shape pipeline sends), megatron-packed (best fit, no
@@ -46,11 +47,11 @@ from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape
 from megatron_chunkflow.core.step import BASELINES
 from megatron_chunkflow.flags import add_config_arguments, config_from_args
 from megatron_chunkflow.mcore.hybrid_cp import balanced_cp_groups
-from megatron_chunkflow.perfmodel.hardware import (
-    GPUS,
-    apply_calibration,
-    get_gpu,
-    with_overrides,
+from megatron_chunkflow.perfmodel.gpu_profiles import (
+    add_device_arguments,
+    describe,
+    device_from_args,
+    is_calibrated,
 )
 from megatron_chunkflow.perfmodel.hybrid_cp import best_hybrid_cp
 from megatron_chunkflow.perfmodel.predict import GIB, Prediction
@@ -77,13 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="maximum context: stock Megatron's micro-batch length (default: 32768)")
     g.add_argument("--gpus", type=int, default=32, metavar="N",
                    help="GPUs in the job (default: 32)")
-    g.add_argument("--gpu", default="h100", choices=sorted(GPUS),
-                   help="GPU type, datasheet numbers in perfmodel/hardware.py (default: h100)")
-    g.add_argument("--gpu-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one hardware parameter, e.g. nvlink_gb_s=400, cp_overlap=1 or "
-                        "kernel_launch_us=10 (repeatable; keys: perfmodel/hardware.py Hardware)")
-    g.add_argument("--calibration", metavar="FILE",
-                   help="efficiencies measured by scripts/benchmarks/gpu_calibrate.py")
+    add_device_arguments(g, "h100")
     g = parser.add_argument_group("sequence lengths")
     add_config_arguments(g, LengthsConfig, fields=AS_DRAWN, default_help={
         "profile": "B", "global_batch_size": SCENARIO["global_batch_size"]})
@@ -174,9 +169,7 @@ def run(args: argparse.Namespace) -> int:
     check_length(args.seq_length, "--seq-length")
     out = Output(args.json)
     shape = get_model_shape(args.model)
-    hw = with_overrides(get_gpu(args.gpu), args.gpu_set)
-    if args.calibration:
-        hw = apply_calibration(hw, args.calibration)
+    hw = device_from_args(args)
     mg_layout = cf_layout = None
     if args.megatron_parallel != "auto":
         mg_layout = ParallelConfig.parse(args.megatron_parallel, args.gpus, shape,
@@ -193,7 +186,10 @@ def run(args: argparse.Namespace) -> int:
     if args.max_seqlen_per_dp_cp_rank is not None and HYBRID not in names:
         raise ValueError(f"{MAX_SEQLEN_FLAG} applies to --baseline {HYBRID} (or all)")
     notes = []
-    if args.baseline == "all" and mg_layout is not None and mg_layout.pp > 1:
+    if args.baseline == "all" and args.gpus < 2:
+        names.remove(HYBRID)
+        notes.append(f"{HYBRID} not predicted: its DP x CP pool needs at least 2 GPUs")
+    elif args.baseline == "all" and mg_layout is not None and mg_layout.pp > 1:
         names.remove(HYBRID)
         notes.append(f"{HYBRID} not predicted: --megatron-parallel {args.megatron_parallel} has "
                      "PP > 1, which Megatron-LM refuses with --hybrid-context-parallel")
@@ -231,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
                             for n, p in again.items()}
 
     out.say(f"{args.model} on {args.gpus} x {hw.name} ({hw.memory_gib:g} GiB, "
-            f"{hw.peak_tflops:g} TFLOP/s peak); {len(lengths)} sequences ({source}), "
+            f"{hw.peak_tflops:g} TFLOP/s peak; {describe(hw)}); {len(lengths)} sequences ({source}), "
             f"{sum(lengths):,} tokens, longest {max(lengths):,}"
             + (f", {truncated} truncated to --seq-length {args.seq_length}" if truncated else ""))
     for note in notes:
@@ -300,7 +296,8 @@ def run(args: argparse.Namespace) -> int:
             "seq_length": args.seq_length, "global_batch_size": len(lengths),
             "tokens": sum(lengths), "longest": max(lengths), "truncated": truncated,
             "source": source,
-            "usable_gib": hw.usable_bytes / GIB, "calibration": args.calibration,
+            "usable_gib": hw.usable_bytes / GIB, "gpu_profile": hw.profile,
+            "calibrated": is_calibrated(hw),
             "baseline": args.baseline, "hardware": dataclasses.asdict(hw),
         },
     })

@@ -1,9 +1,11 @@
 """Devices the cost model runs on: named GPUs from vendor datasheets, overrides, measured rates.
 
 Every number below is a parameter of `Hardware`, overridable by name from the CLI
-(`chunkflow simulate --gpu h100 --gpu-set nvlink_gb_s=400 --gpu-set gemm_max_eff=0.7`), by a
-calibration file written by `scripts/benchmarks/gpu_calibrate.py` (`--calibration FILE`), or built
-from measured rates for a CPU (`hardware_from_measurements`).
+(`chunkflow simulate --gpu h100 --gpu-set nvlink_gb_s=400 --gpu-set gemm_max_eff=0.7`), set by a
+device profile, one per GPU and software stack, built in or written by `chunkflow calibrate`
+(perfmodel/gpu_profiles.py, `--gpu-profile`), or built from measured rates for a CPU
+(`hardware_from_measurements`). A bare `--gpu NAME` is the datasheet with the assumptions below,
+not calibrated, and every printed figure says so.
 
 Datasheet values (dense, i.e. without 2:4 sparsity; GB = 1e9 bytes; link rates per direction):
 
@@ -27,7 +29,8 @@ Sources:
   (https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html); DGX A100:
   8x ConnectX-6 200 Gb/s HDR (https://docs.nvidia.com/dgx/dgxa100-user-guide/).
 
-Assumptions that are not datasheet numbers (stated, overridable, replaced by gpu_calibrate.py):
+Assumptions that are not datasheet numbers (stated, overridable, replaced by a profile's
+measured, published or fitted rates):
 - gemm_max_eff: the fraction of peak the best large, tile-aligned bf16 GEMM sustains. The peak
   assumes the boost clock; under a sustained tensor-core load at the power limit the clock drops
   (H100 SXM: 700 W), and each tile pays a pipeline fill and epilogue. 0.75 on Hopper, 0.85 on
@@ -74,15 +77,14 @@ Assumptions that are not datasheet numbers (stated, overridable, replaced by gpu
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 GB = 1e9
 GIB = 2.0**30
 CP_OVERLAP = 0.8  # assumption, stated in the module docstring; reported at 0 and 1 by simulate
 KERNEL_LAUNCH_US = 3.8  # https://developer.nvidia.com/blog/cuda-graphs/ (module docstring)
+SPECS = ("te", "local")  # Hardware.spec
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,16 @@ class Hardware:
     kv_repeat: bool = False
     """The attention kernel keeps K and V repeated to every query head (torch 2.10-2.12's
     varlen_attn has no grouped-query attention; flash-attn and torch >= 2.13's have)."""
+    spec: str = "te"
+    """The layer the build runs: "te", Transformer Engine's (norms fused into the linears, fused
+    rotary and SwiGLU: a layer's kernels and elementwise bytes counted by hand, perfmodel/layer.py),
+    or "local", megatron-core's local spec as `chunkflow train` builds it without Transformer
+    Engine and Apex (counted from the traced step: perfmodel/kernels.py)."""
+    profile: str = ""
+    """The device profile the rates come from (perfmodel/gpu_profiles.py); "" for a bare
+    datasheet device with the assumptions above."""
+    calibrated: bool = False
+    """Whether the profile's rates were set against measurements on that device."""
 
     @property
     def build(self):
@@ -154,7 +166,9 @@ class Hardware:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name != "name" and not (v >= 0 and math.isfinite(v)):
+            if f.name in ("name", "spec", "profile", "calibrated"):
+                continue
+            if not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"hardware {self.name}: {f.name} must be a finite number >= 0, "
                                  f"got {v}")
         for f in ("peak_tflops", "memory_gib", "hbm_gb_s", "nvlink_gb_s", "network_gb_s",
@@ -172,6 +186,9 @@ class Hardware:
         if not self.reserve_gib < self.memory_gib:
             raise ValueError(f"hardware {self.name}: reserve_gib {self.reserve_gib} leaves "
                              f"nothing of memory_gib {self.memory_gib}")
+        if self.spec not in SPECS:
+            raise ValueError(f"hardware {self.name}: spec must be one of {', '.join(SPECS)}, "
+                             f"got {self.spec!r}")
         if self.dtype_bytes not in (2, 4):
             raise ValueError(f"hardware {self.name}: dtype_bytes must be 2 or 4")
         if self.gpus_per_node < 1:
@@ -217,7 +234,8 @@ def get_gpu(name: str) -> Hardware:
 
 def with_overrides(hw: Hardware, assignments: list[str], flag: str = "--gpu-set") -> Hardware:
     """Apply KEY=VALUE assignments (field names of Hardware) to `hw`."""
-    fields = {f.name: f for f in dataclasses.fields(Hardware) if f.name != "name"}
+    fields = {f.name: f for f in dataclasses.fields(Hardware)
+              if f.name not in ("name", "profile", "calibrated")}
     changes = {}
     for a in assignments:
         key, sep, value = a.partition("=")
@@ -225,7 +243,8 @@ def with_overrides(hw: Hardware, assignments: list[str], flag: str = "--gpu-set"
         if not sep or key not in fields:
             raise ValueError(f"{flag} {a!r}: expected KEY=VALUE with KEY one of "
                              f"{', '.join(fields)}")
-        kind = {"int": int, int: int, "bool": _flag, bool: _flag}.get(fields[key].type, float)
+        kind = {"int": int, int: int, "bool": _flag, bool: _flag, "str": str,
+                str: str}.get(fields[key].type, float)
         try:
             changes[key] = kind(value)
         except ValueError:
@@ -242,33 +261,6 @@ def _flag(value: str) -> bool:
     if text in ("0", "false", "no"):
         return False
     raise ValueError(value)
-
-
-CALIBRATED_KEYS = ("gemm_max_eff", "attn_fwd_eff", "attn_bwd_eff", "mem_eff")
-
-
-def apply_calibration(hw: Hardware, path: str | Path) -> Hardware:
-    """Override the efficiencies with a file written by scripts/benchmarks/gpu_calibrate.py.
-
-    The file's "gpu" must name the same device type; only CALIBRATED_KEYS are read from its
-    "hardware" object (the datasheet peak stays the MFU denominator)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"--calibration {path}: no such file")
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--calibration {path}: not JSON ({e})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("hardware"), dict):
-        raise ValueError(f"--calibration {path}: expected an object with a 'hardware' object")
-    if data.get("gpu") != hw.name:
-        raise ValueError(f"--calibration {path} was measured on {data.get('gpu')!r}, but the "
-                         f"simulated GPU is {hw.name!r}")
-    values = {k: float(v) for k, v in data["hardware"].items() if k in CALIBRATED_KEYS}
-    try:
-        return dataclasses.replace(hw, **values)
-    except ValueError as e:
-        raise ValueError(f"--calibration {path}: {e}") from None
 
 
 def hardware_from_measurements(gemm_flops: float, attn_fwd_flops: float, attn_bwd_flops: float,

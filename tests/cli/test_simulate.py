@@ -2,9 +2,6 @@
 flag). Small batches and fixed layouts keep each run well under a second."""
 
 import json
-import runpy
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -12,7 +9,6 @@ from megatron_chunkflow.cli import main
 from megatron_chunkflow.cli.simulate import NAMES
 from megatron_chunkflow.core.step import BASELINES
 
-ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--global-batch-size", "200", "--gpus", "8"]
 
 
@@ -262,7 +258,7 @@ def test_auto_layouts_and_lengths_file(tmp_path, capsys):
     (["--global-batch-size", "100000"], "--global-batch-size 100,000: at most 65,536 sequences"),
     (["--gpu-set", "peak_tflops=inf"], "peak_tflops must be a finite number >= 0, got inf"),
     (["--gpu-set", "hbm_gb_s=nan"], "hbm_gb_s must be a finite number >= 0, got nan"),
-    (["--calibration", "/nonexistent.json"], "--calibration /nonexistent.json: no such file"),
+    (["--gpu-profile", "/nonexistent.json"], "--gpu-profile '/nonexistent.json': neither a "),
     (["--lengths-file", "/nonexistent"], "--lengths-file /nonexistent: no such file"),
     (["--lengths-file", "x", "--global-batch-size", "9"], "with --lengths-file the file is"),
 ])
@@ -281,34 +277,21 @@ def test_usage_errors_exit_2(capsys, argv, flag):
     assert e.value.code == 2 and flag in capsys.readouterr().err
 
 
-def test_calibration_file_changes_the_prediction(tmp_path, capsys):
+def test_a_gpu_profile_sets_the_clock_and_is_named(tmp_path, capsys):
     argv = [*SMALL, "--megatron-parallel", "2,1,1,none", "--chunkflow-parallel", "2,1,1,none"]
-    _, base, _ = run_json(capsys, *argv)
-    f = tmp_path / "cal.json"
-    f.write_text(json.dumps({"gpu": "h100", "hardware": {"gemm_max_eff": 0.5}}))
-    _, cal, _ = run_json(capsys, *argv, "--calibration", str(f))
+    _, base, err = run_json(capsys, *argv)
+    assert base["setup"]["gpu_profile"] == "h100" and base["setup"]["calibrated"] is False
+    assert "h100 (datasheet; efficiencies assumed, not calibrated" in err
+    f = tmp_path / "slow.json"
+    f.write_text(json.dumps({"name": "slow-h100", "gpu": "h100", "stack": "x", "calibrated": True,
+                             "rates": {"gemm_max_eff": {"value": 0.5, "label": "measured",
+                                                        "source": "a test"}}}))
+    _, cal, err = run_json(capsys, *argv, "--gpu-profile", str(f))
     assert cal["megatron"]["step_s"] > 1.2 * base["megatron"]["step_s"]
     assert cal["setup"]["hardware"]["gemm_max_eff"] == 0.5
-    f.write_text(json.dumps({"gpu": "a100", "hardware": {}}))
-    assert main(["simulate", *argv, "--calibration", str(f)]) == 2
-    assert "measured on 'a100'" in capsys.readouterr().err
-
-
-def test_gpu_calibrate_script(tmp_path, monkeypatch, capsys):
-    """Without a GPU it says so and exits 1; its CPU smoke mode writes a file simulate reads.
-    Run in-process (the module's main) to spare two torch imports."""
-    import torch
-
-    script = runpy.run_path(str(ROOT / "scripts/benchmarks/gpu_calibrate.py"), run_name="calib")
-    if not torch.cuda.is_available():
-        monkeypatch.setattr(sys, "argv", ["gpu_calibrate.py"])
-        assert script["main"]() == 1 and "no CUDA GPU found" in capsys.readouterr().err
-    out = tmp_path / "cal.json"
-    monkeypatch.setattr(sys, "argv", ["gpu_calibrate.py", "--device", "cpu", "--quick", "--gpu",
-                                      "a100", "--repeats", "1", "--warmup", "0", "--out", str(out)])
-    assert script["main"]() == 0
-    data = json.loads(out.read_text())
-    assert data["gpu"] == "a100" and len(data["gemm"]) == 2 and len(data["attention"]) == 2
-    assert set(data["hardware"]) == {"gemm_max_eff", "attn_fwd_eff", "attn_bwd_eff", "mem_eff"}
-    assert main(["simulate", *SMALL, "--gpu", "a100", "--megatron-parallel", "2,1,1,none",
-                 "--chunkflow-parallel", "2,1,1,none", "--calibration", str(out)]) == 0
+    assert cal["setup"]["gpu_profile"] == "slow-h100" and cal["setup"]["calibrated"] is True
+    assert "device profile slow-h100 (calibrated)" in err
+    _, h200, err = run_json(capsys, *argv, "--gpu-profile", "h200-torch2.11-local")
+    assert h200["setup"]["gpu"] == "h200" and h200["setup"]["hardware"]["spec"] == "local"
+    assert main(["simulate", *argv, "--gpu", "a100", "--gpu-profile", str(f)]) == 2
+    assert "name different devices" in capsys.readouterr().err

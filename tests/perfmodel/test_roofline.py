@@ -3,7 +3,6 @@ perfmodel/footprint.py, perfmodel/hardware.py, perfmodel/predict.py): properties
 wrong formula, not golden numbers."""
 
 import dataclasses
-import json
 import math
 import random
 
@@ -21,7 +20,6 @@ from megatron_chunkflow.perfmodel.footprint import (
     total_params,
 )
 from megatron_chunkflow.perfmodel.hardware import (
-    apply_calibration,
     get_gpu,
     hardware_from_measurements,
     with_overrides,
@@ -206,18 +204,15 @@ def test_measured_device_scales_with_its_rates():
         assert predict(fast).step_s == pytest.approx(predict(slow).step_s / 2, rel=1e-9)
 
 
-def test_overrides_and_calibration(tmp_path):
-    hw = with_overrides(H100, ["nvlink_gb_s=400", "num_sms=100"])
+def test_overrides():
+    hw = with_overrides(H100, ["nvlink_gb_s=400", "num_sms=100", "spec=local"])
     assert hw.nvlink_gb_s == 400.0 and hw.num_sms == 100 and hw.memory_gib == H100.memory_gib
+    assert hw.spec == "local"
     for bad, msg in ((["nope=1"], "KEY=VALUE with KEY one of"), (["gemm_max_eff=x"], "not a"),
-                     (["gemm_max_eff=1.5"], "fraction of peak"), (["memory_gib=-1"], ">= 0")):
+                     (["gemm_max_eff=1.5"], "fraction of peak"), (["memory_gib=-1"], ">= 0"),
+                     (["spec=tf"], "spec must be one of te, local"),
+                     (["calibrated=1"], "KEY=VALUE with KEY one of")):
         with pytest.raises(ValueError, match=msg):
             with_overrides(H100, bad)
-    f = tmp_path / "cal.json"
-    f.write_text(json.dumps({"gpu": "h100", "hardware": {"gemm_max_eff": 0.7,
-                                                         "attn_fwd_eff": 0.5, "peak_tflops": 1}}))
-    cal = apply_calibration(H100, f)
-    assert (cal.gemm_max_eff, cal.attn_fwd_eff, cal.peak_tflops) == (0.7, 0.5, H100.peak_tflops)
-    assert cal == dataclasses.replace(H100, gemm_max_eff=0.7, attn_fwd_eff=0.5)
-    with pytest.raises(ValueError, match="measured on 'h100'"):
-        apply_calibration(get_gpu("a100"), f)
+
+

@@ -1,0 +1,117 @@
+"""Device profiles (perfmodel/gpu_profiles.py): the built-in H200 profile against the step times
+measured on an H200, every rate labelled and sourced, bad profiles refused by file and key."""
+
+import dataclasses
+import json
+
+import pytest
+
+from megatron_chunkflow.config import ParallelConfig, Recompute
+from megatron_chunkflow.core.models import get_model_shape
+from megatron_chunkflow.core.profiles import ensure_long, sample_lengths
+from megatron_chunkflow.perfmodel.gpu_profiles import (
+    LABELS,
+    PROFILE_DIR,
+    builtin_profiles,
+    describe,
+    load_profile,
+    profile_hardware,
+    profile_json,
+)
+from megatron_chunkflow.perfmodel.hardware import GPUS
+from megatron_chunkflow.perfmodel.predict import predict_chunkflow, predict_megatron
+
+SEQ = 32768
+# Qwen2.5-1.5B at 32K on one H200 (torch 2.11 + CUDA 13, bf16, the local spec with every fusion
+# off, attention varlen), 128 profile-B sequences (159,485 tokens, longest 28,112), step seconds
+# as measured (mean after the first): (system, C, K, recompute) -> seconds
+MEASURED = {("chunkflow", 16384, 1, "none"): 5.19, ("chunkflow", 8192, 2, "none"): 5.70,
+            ("chunkflow", 8192, 1, "none"): 6.11, ("megatron-packed", None, None, "full"): 6.09}
+
+
+def _batch():
+    lengths = [min(n, SEQ) for n in sample_lengths("B", 128, seed=0)]
+    lengths = ensure_long(lengths, "B", SEQ // 2, 1, 0)
+    return [max(2, min(n, SEQ)) for n in lengths]
+
+
+def _predict(hw, system, c, k, recompute):
+    lengths, shape = _batch(), get_model_shape("qwen2.5-1.5b")
+    layout = ParallelConfig(dp=1, recompute=Recompute.parse(recompute))
+    if system == "chunkflow":
+        return predict_chunkflow(lengths, shape, hw, layout, c, k).step_s
+    return predict_megatron(lengths, shape, hw, layout, SEQ, baseline=system).step_s
+
+
+def test_the_h200_profile_predicts_the_measured_steps():
+    lengths = _batch()
+    assert (sum(lengths), max(lengths)) == (159_485, 28_112)  # the measured batch
+    hw = load_profile("h200-torch2.11-local")
+    predicted = {row: _predict(hw, *row) for row in MEASURED}
+    for row, seconds in MEASURED.items():
+        assert predicted[row] == pytest.approx(seconds, rel=0.15), row
+    cf = [predicted[r] for r in MEASURED if r[0] == "chunkflow"]
+    assert cf == sorted(cf)  # C 16384 K 1 < C 8192 K 2 < C 8192 K 1, as measured
+    # ChunkFlow's best row against megatron-packed with full recompute: measured 1.17x
+    speedup = predicted[("megatron-packed", None, None, "full")] / cf[0]
+    assert speedup == pytest.approx(6.09 / 5.19, rel=0.05)
+    # the datasheet device with its assumed rates is the uncalibrated, optimistic clock
+    bare = dataclasses.replace(GPUS["h200"], kv_repeat=True, fused_swiglu=False)
+    assert all(_predict(bare, *r) < 0.75 * s for r, s in MEASURED.items())
+
+
+def test_every_builtin_rate_is_labelled_and_sourced():
+    assert "h200-torch2.11-local" in builtin_profiles()
+    for name in builtin_profiles():
+        data = json.loads((PROFILE_DIR / f"{name}.json").read_text())
+        assert data["name"] == name and data["gpu"] in GPUS and data["stack"]
+        for key, entry in data["rates"].items():
+            assert entry["label"] in LABELS and len(entry["source"]) > 20, (name, key)
+        hw = load_profile(name)
+        assert hw.profile == name and hw.calibrated is data["calibrated"]
+        assert describe(hw) == f"device profile {name} (calibrated)"
+
+
+def test_a_datasheet_device_is_an_uncalibrated_profile():
+    hw = load_profile("h100")
+    assert dataclasses.replace(hw, profile="") == GPUS["h100"] and not hw.calibrated
+    assert "not calibrated" in describe(hw)
+
+
+def test_profile_json_round_trip():
+    hw = dataclasses.replace(GPUS["a100"], profile="mine", gemm_max_eff=0.5, spec="local")
+    data = profile_json(hw, {"gemm_max_eff": ("measured", "a GEMM"), "spec": ("build", "x")},
+                        stack="torch 2.13", calibrated=True)
+    back = profile_hardware(json.loads(json.dumps(data)), "test")
+    assert back == dataclasses.replace(hw, calibrated=True)
+    with pytest.raises(ValueError, match="label 'guessed'"):
+        profile_json(hw, {"gemm_max_eff": ("guessed", "")}, stack="")
+
+
+@pytest.mark.parametrize("text,message", [
+    ("{", "not JSON (line 1"),
+    ("[]", "expected a JSON object"),
+    ('{"name": "x", "gpu": "h100"}', "no 'rates'"),
+    ('{"name": "x", "gpu": "v100", "rates": {}}', "gpu 'v100' is not a datasheet device"),
+    ('{"name": "x", "gpu": "h100", "rates": {"speedup": {"value": 1, "label": "fitted"}}}',
+     "rate 'speedup' is not a Hardware field"),
+    ('{"name": "x", "gpu": "h100", "rates": {"mem_eff": {"value": 0.5}}}',
+     "rate 'mem_eff' has label None"),
+    ('{"name": "x", "gpu": "h100", "rates": {"mem_eff": {"value": "fast", "label": "measured"}}}',
+     "rate 'mem_eff': expected a number"),
+    ('{"name": "x", "gpu": "h100", "rates": {"mem_eff": {"value": 1.5, "label": "measured"}}}',
+     "mem_eff is a fraction of peak"),
+    ('{"name": "x", "gpu": "h100", "rates": {"kv_repeat": {"value": 1, "label": "build"}}}',
+     "rate 'kv_repeat': expected true or false"),
+])
+def test_bad_profiles_are_refused_by_file_and_key(tmp_path, text, message):
+    f = tmp_path / "p.json"
+    f.write_text(text)
+    with pytest.raises(ValueError, match=f"--gpu-profile {f}") as e:
+        load_profile(str(f))
+    assert message in str(e.value)
+
+
+def test_an_unknown_profile_names_the_known_ones():
+    with pytest.raises(ValueError, match="neither a profile .*h200-torch2.11-local.* nor a file"):
+        load_profile("h300")
