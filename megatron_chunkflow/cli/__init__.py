@@ -25,6 +25,9 @@ SUBCOMMANDS = {
               "layout and memory budget"),
     "simulate": ("megatron_chunkflow.cli.simulate",
                  "predict step time, MFU and memory per GPU on a cluster: Megatron vs ChunkFlow"),
+    "calibrate": ("megatron_chunkflow.cli.calibrate",
+                  "measure this GPU's rates (GEMM, attention, memory-bound kernels, launches) "
+                  "and write a device profile for simulate"),
     "memory": ("megatron_chunkflow.cli.memory",
                "trace one job's GPU memory per GPU on this machine, beside the model, and say "
                "whether it fits a named GPU"),

@@ -10,7 +10,7 @@ device_check.json (every step's result), device_check.log (every step's output),
 device_check.png and calibration.json. The steps:
 
 1. tests: `pytest tests/gpu -m gpu` (kernel error budgets of every installed backend).
-2. calibrate: scripts/benchmarks/gpu_calibrate.py -> DIR/calibration.json.
+2. calibrate: `chunkflow calibrate` -> DIR/calibration.json, a device profile (--gpu-profile).
 3. exactness: chunked vs unchunked megatron-core gradients for each attention backend installed:
    float32 (max relative gradient error <= 1e-5 on a GPU) and bfloat16 (<= BF16_BUDGET: bf16 keeps
    8 mantissa bits, eps 7.8e-3, and chunking reorders its sums).
@@ -129,15 +129,16 @@ def step_tests(out: Path, dry_run: bool) -> dict:
 
 
 def step_calibrate(out: Path, dry_run: bool) -> dict:
-    cmd = [sys.executable, "scripts/benchmarks/gpu_calibrate.py", "--gpu", "h200",
-           "--out", str(out / "calibration.json")]
-    cmd += ["--device", "cpu", "--quick"] if dry_run else []
+    cmd = [sys.executable, "-m", "megatron_chunkflow", "calibrate", "--gpu", "h200",
+           "--no-fusions", "--out", str(out / "calibration.json")]
+    cmd += ["--dry-run", "--repeats", "2", "--warmup", "1"] if dry_run else []
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     ok = run.returncode == 0 and (out / "calibration.json").is_file()
     result = {"passed": ok, "returncode": run.returncode, "log_tail": run.stdout[-2000:]
               + run.stderr[-2000:]}
     if ok:
-        result["hardware"] = json.loads((out / "calibration.json").read_text()).get("hardware")
+        profile = json.loads((out / "calibration.json").read_text())
+        result["rates"] = {k: v["value"] for k, v in profile["rates"].items()}
     return result
 
 
@@ -198,7 +199,8 @@ def step_bench(out: Path, dry_run: bool) -> dict:
     from megatron_chunkflow.core.step import BASELINES
     from megatron_chunkflow.data.synthetic import make_sequences
     from megatron_chunkflow.mcore.settings import OptimizerConfig, TrainSettings
-    from megatron_chunkflow.perfmodel.hardware import get_gpu
+    from megatron_chunkflow.memtrace.stack import installed_stack
+    from megatron_chunkflow.perfmodel.gpu_profiles import load_profile
     from megatron_chunkflow.perfmodel.search import best_chunkflow, best_megatron
 
     exactness = out / "exactness.json"
@@ -214,11 +216,13 @@ def step_bench(out: Path, dry_run: bool) -> dict:
     lengths = [min(n, seq_length) for n in sample_lengths("B", gbs, seed=0)]
     lengths = ensure_long(lengths, "B", seq_length // 2, 1, 0)
     lengths = [max(2, min(n, seq_length)) for n in lengths]
-    # the corrected memory model on this device: the memory PyTorch sees here, and the kernel's
-    # K/V repeated per head where the installed varlen has no grouped-query attention
-    from megatron_chunkflow.memtrace.stack import installed_stack
-
-    hw = dataclasses.replace(get_gpu("h200"), kv_repeat=backend == "varlen"
+    # the rates this run measured (step 2's profile), else the built-in H200 profile; the
+    # memory PyTorch sees here; the kernel's K/V repeated per head where the installed varlen
+    # has no grouped-query attention; Megatron's fusions on, as the bench builds
+    measured = out / "calibration.json"
+    hw = load_profile(str(measured) if measured.is_file() and not dry_run
+                      else "h200-torch2.11-local")
+    hw = dataclasses.replace(hw, fused_swiglu=True, kv_repeat=backend == "varlen"
                              and not installed_stack().varlen_gqa)
     if torch.cuda.is_available():
         hw = dataclasses.replace(

@@ -17,7 +17,7 @@ def parse(argv):
 
 
 def test_every_subcommand_is_covered():
-    assert set(CHUNKING) == set(SUBCOMMANDS)
+    assert set(CHUNKING) | {"calibrate"} == set(SUBCOMMANDS)  # calibrate times kernels only
 
 
 @pytest.mark.parametrize("command", CHUNKING)
