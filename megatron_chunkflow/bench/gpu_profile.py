@@ -161,7 +161,7 @@ def elementwise_mix(tokens: int, vocab: int, dtype, device: str, hidden=1536, he
     bias = leaf((heads + 2 * groups) * head_dim)
     fc1 = leaf(tokens, 2 * ffn)
     logits = leaf(tokens, vocab)
-    freqs = torch.randn(tokens, 1, 1, head_dim, device=device)  # fp32, as Megatron's rotary
+    freqs = torch.randn(tokens, 1, head_dim, device=device)  # fp32, as Megatron's rotary
     target = torch.randint(0, vocab, (tokens,), device=device)
 
     def rotary(t):
