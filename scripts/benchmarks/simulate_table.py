@@ -4,7 +4,7 @@ reach it, 128K, against each stock baseline (megatron-sft, -packed, -unpacked, -
 
     python scripts/benchmarks/simulate_table.py                 # markdown on stdout
     python scripts/benchmarks/simulate_table.py --families      # the other families' table
-    python scripts/benchmarks/simulate_table.py --gpu h200 --json
+    python scripts/benchmarks/simulate_table.py --gpu-profile h200 --json
     python scripts/benchmarks/simulate_table.py --models qwen2.5-7b --seq-lengths 32768
     python scripts/benchmarks/simulate_table.py --resume out/qwen.jsonl   # in parts: run again
 
@@ -33,7 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from megatron_chunkflow.cli import main as cli_main  # noqa: E402
 from megatron_chunkflow.cli.simulate import NAMES  # noqa: E402
 from megatron_chunkflow.core.hybrid_cp import FLAG as MAX_SEQLEN_FLAG  # noqa: E402
-from megatron_chunkflow.perfmodel.hardware import GPUS, get_gpu  # noqa: E402
+from megatron_chunkflow.perfmodel.gpu_profiles import (  # noqa: E402
+    describe,
+    load_profile,
+    profile_names,
+)
 from megatron_chunkflow.perfmodel.predict import GIB  # noqa: E402
 
 GPUS_PER_MODEL = {"qwen2.5-0.5b": 8, "qwen2.5-1.5b": 8, "qwen2.5-3b": 8, "qwen2.5-7b": 32,
@@ -53,7 +57,7 @@ def batch_size(gpus: int) -> int:
 
 
 def setup_args(model: str, seq: int, gpus: int, gpu: str) -> list[str]:
-    return ["--model", model, "--seq-length", str(seq), "--gpus", str(gpus), "--gpu", gpu,
+    return ["--model", model, "--seq-length", str(seq), "--gpus", str(gpus), "--gpu-profile", gpu,
             "--global-batch-size", str(batch_size(gpus))]
 
 
@@ -135,8 +139,9 @@ def rows_for(model: str, seq: int, gpus: int, gpu: str) -> list[dict]:
 
 
 def markdown(rows: list[dict], gpu: str) -> None:
-    hw = get_gpu(gpu)
-    print(f"| # | model | context | GPUs ({gpu}) | tokens (longest) | baseline | "
+    hw = load_profile(gpu)
+    print(f"Every row: {describe(hw)}.\n")
+    print(f"| # | model | context | GPUs ({hw.name}) | tokens (longest) | baseline | "
           "Megatron TP,CP,PP[xV],DP recompute | "
           "step s | MFU | GiB | pad | ChunkFlow TP,CP,PP[xV],DP recompute, C, K | step s | MFU | "
           f"GiB | speedup (CP overlap {rows[0]['cp_overlap']:g}; 0 / 1) |")
@@ -182,7 +187,9 @@ def markdown(rows: list[dict], gpu: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--gpu", choices=sorted(GPUS), default="h100")
+    ap.add_argument("--gpu-profile", dest="gpu", choices=profile_names(), default="h100",
+                    help="the device profile (perfmodel/gpu_profiles.py; default: the h100 "
+                         "datasheet, not calibrated)")
     ap.add_argument("--models", nargs="+", choices=sorted(GPUS_PER_MODEL),
                     default=[m for m in GPUS_PER_MODEL if m.startswith("qwen2.5-")])
     ap.add_argument("--seq-lengths", nargs="+", type=int, default=list(SEQ_LENGTHS))
