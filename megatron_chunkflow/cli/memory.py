@@ -25,7 +25,11 @@ from megatron_chunkflow.core.lengths import AS_DRAWN, LengthsConfig
 from megatron_chunkflow.core.models import MODEL_SHAPES
 from megatron_chunkflow.core.step import BASELINES
 from megatron_chunkflow.flags import add_config_arguments, config_from_args
-from megatron_chunkflow.perfmodel.gpu_profiles import add_device_arguments, device_from_args
+from megatron_chunkflow.perfmodel.gpu_profiles import (
+    add_device_arguments,
+    describe,
+    device_from_args,
+)
 
 # the default job: the H200 runs of docs/benchmarks.md, "Memory"
 SCENARIO = dict(model="qwen2.5-1.5b", seq_length=32768, global_batch_size=128, chunk_size=16384,
@@ -115,7 +119,8 @@ def run(args) -> int:
     out.say(f"model: {pred.peak_mem_bytes / GiB:.1f} GiB at its worst rank "
             f"({pred.peak_mem_bytes / worst.peak_allocated - 1:+.1%} of the traced peak)")
     spare = (report.capacity - report.needed) / GiB
-    out.say(f"{gpu.name} ({gpu.memory_gib:g} GiB, {gpu.reserve_gib:g} outside PyTorch): "
+    out.say(f"{gpu.name} ({gpu.memory_gib:g} GiB, {gpu.reserve_gib:g} outside PyTorch; "
+            f"{describe(gpu)}): "
             + (f"fits, {spare:.1f} GiB to spare" if report.fits
                else f"does NOT fit: rank {rank} needs {report.needed / GiB:.1f} GiB of "
                     f"{report.capacity / GiB:.1f}"))

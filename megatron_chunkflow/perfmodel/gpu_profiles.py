@@ -26,8 +26,42 @@ from pathlib import Path
 from megatron_chunkflow.perfmodel.hardware import GPUS, Hardware, with_overrides
 
 PROFILE_DIR = Path(__file__).with_name("gpu_profiles")
+# Step seconds measured on one H200 (torch 2.11 + CUDA 13, bf16, the local spec with every fusion
+# off, attention varlen), Qwen2.5-1.5B at 32K, one global batch of 128 profile-B sequences (seed
+# 0, clipped to 32K, one above 16K: 159,485 tokens, longest 28,112), the mean after the first
+# step: (system, chunk size, K, recompute) -> seconds. What h200-torch2.11-local was set against.
+REFERENCE_STEPS = {("chunkflow", 16384, 1, "none"): 5.19, ("chunkflow", 8192, 2, "none"): 5.70,
+                   ("chunkflow", 8192, 1, "none"): 6.11,
+                   ("megatron-packed", None, None, "full"): 6.09}
+REFERENCE_MODEL, REFERENCE_SEQ = "qwen2.5-1.5b", 32768
 LABELS = ("measured", "datasheet", "published", "fitted", "build", "assumed")
 _NOT_RATES = ("name", "profile", "calibrated")
+
+
+def reference_batch() -> list[int]:
+    """The lengths of REFERENCE_STEPS' global batch."""
+    from megatron_chunkflow.core.profiles import ensure_long, sample_lengths
+
+    lengths = [min(n, REFERENCE_SEQ) for n in sample_lengths("B", 128, seed=0)]
+    lengths = ensure_long(lengths, "B", REFERENCE_SEQ // 2, 1, 0)
+    return [max(2, min(n, REFERENCE_SEQ)) for n in lengths]
+
+
+def reference_predictions(hw: Hardware) -> dict:
+    """REFERENCE_STEPS' rows predicted on `hw`: row -> seconds."""
+    from megatron_chunkflow.config import ParallelConfig, Recompute
+    from megatron_chunkflow.core.models import get_model_shape
+    from megatron_chunkflow.perfmodel.predict import predict_chunkflow, predict_megatron
+
+    lengths, shape = reference_batch(), get_model_shape(REFERENCE_MODEL)
+    out = {}
+    for row in REFERENCE_STEPS:
+        system, c, k, recompute = row
+        layout = ParallelConfig(dp=1, recompute=Recompute.parse(recompute))
+        out[row] = (predict_chunkflow(lengths, shape, hw, layout, c, k) if system == "chunkflow"
+                    else predict_megatron(lengths, shape, hw, layout, REFERENCE_SEQ,
+                                          baseline=system)).step_s
+    return out
 
 
 def builtin_profiles() -> list[str]:

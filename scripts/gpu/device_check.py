@@ -137,8 +137,19 @@ def step_calibrate(out: Path, dry_run: bool) -> dict:
     result = {"passed": ok, "returncode": run.returncode, "log_tail": run.stdout[-2000:]
               + run.stderr[-2000:]}
     if ok:
+        from megatron_chunkflow.perfmodel.gpu_profiles import (
+            REFERENCE_STEPS,
+            load_profile,
+            reference_predictions,
+        )
+
         profile = json.loads((out / "calibration.json").read_text())
         result["rates"] = {k: v["value"] for k, v in profile["rates"].items()}
+        # the measured H200 steps the built-in profile was set against, predicted with this one
+        predicted = reference_predictions(load_profile(str(out / "calibration.json")))
+        result["reference_steps"] = [
+            {"row": list(row), "measured_s": REFERENCE_STEPS[row], "predicted_s": seconds}
+            for row, seconds in predicted.items()]
     return result
 
 

@@ -6,58 +6,34 @@ import json
 
 import pytest
 
-from megatron_chunkflow.config import ParallelConfig, Recompute
-from megatron_chunkflow.core.models import get_model_shape
-from megatron_chunkflow.core.profiles import ensure_long, sample_lengths
 from megatron_chunkflow.perfmodel.gpu_profiles import (
     LABELS,
     PROFILE_DIR,
+    REFERENCE_STEPS,
     builtin_profiles,
     describe,
     load_profile,
     profile_hardware,
     profile_json,
+    reference_batch,
+    reference_predictions,
 )
 from megatron_chunkflow.perfmodel.hardware import GPUS
-from megatron_chunkflow.perfmodel.predict import predict_chunkflow, predict_megatron
-
-SEQ = 32768
-# Qwen2.5-1.5B at 32K on one H200 (torch 2.11 + CUDA 13, bf16, the local spec with every fusion
-# off, attention varlen), 128 profile-B sequences (159,485 tokens, longest 28,112), step seconds
-# as measured (mean after the first): (system, C, K, recompute) -> seconds
-MEASURED = {("chunkflow", 16384, 1, "none"): 5.19, ("chunkflow", 8192, 2, "none"): 5.70,
-            ("chunkflow", 8192, 1, "none"): 6.11, ("megatron-packed", None, None, "full"): 6.09}
-
-
-def _batch():
-    lengths = [min(n, SEQ) for n in sample_lengths("B", 128, seed=0)]
-    lengths = ensure_long(lengths, "B", SEQ // 2, 1, 0)
-    return [max(2, min(n, SEQ)) for n in lengths]
-
-
-def _predict(hw, system, c, k, recompute):
-    lengths, shape = _batch(), get_model_shape("qwen2.5-1.5b")
-    layout = ParallelConfig(dp=1, recompute=Recompute.parse(recompute))
-    if system == "chunkflow":
-        return predict_chunkflow(lengths, shape, hw, layout, c, k).step_s
-    return predict_megatron(lengths, shape, hw, layout, SEQ, baseline=system).step_s
-
 
 def test_the_h200_profile_predicts_the_measured_steps():
-    lengths = _batch()
+    lengths = reference_batch()
     assert (sum(lengths), max(lengths)) == (159_485, 28_112)  # the measured batch
-    hw = load_profile("h200-torch2.11-local")
-    predicted = {row: _predict(hw, *row) for row in MEASURED}
-    for row, seconds in MEASURED.items():
+    predicted = reference_predictions(load_profile("h200-torch2.11-local"))
+    for row, seconds in REFERENCE_STEPS.items():
         assert predicted[row] == pytest.approx(seconds, rel=0.15), row
-    cf = [predicted[r] for r in MEASURED if r[0] == "chunkflow"]
+    cf = [predicted[r] for r in REFERENCE_STEPS if r[0] == "chunkflow"]
     assert cf == sorted(cf)  # C 16384 K 1 < C 8192 K 2 < C 8192 K 1, as measured
     # ChunkFlow's best row against megatron-packed with full recompute: measured 1.17x
     speedup = predicted[("megatron-packed", None, None, "full")] / cf[0]
     assert speedup == pytest.approx(6.09 / 5.19, rel=0.05)
     # the datasheet device with its assumed rates is the uncalibrated, optimistic clock
     bare = dataclasses.replace(GPUS["h200"], kv_repeat=True, fused_swiglu=False)
-    assert all(_predict(bare, *r) < 0.75 * s for r, s in MEASURED.items())
+    assert all(p < 0.75 * REFERENCE_STEPS[r] for r, p in reference_predictions(bare).items())
 
 
 def test_every_builtin_rate_is_labelled_and_sourced():
