@@ -74,11 +74,12 @@ def add_config_arguments(parser, cls: type, *, fields: tuple[str, ...] | None = 
         help_text = f"{docs[f.name]}" + (f" (default: {shown})" if kind is not bool else "")
         dest = dest_prefix + f.name
         if kind is bool:
-            parser.add_argument(*names, dest=dest, action="store_true", default=default,
+            parser.add_argument(*names, dest=dest, action=_GivenTrue, default=default,
                                 help=help_text)
         else:
             parser.add_argument(*names, dest=dest, type=kind, default=default, choices=choices,
-                                metavar=None if choices else f.name.upper(), help=help_text)
+                                action=_Given, metavar=None if choices else f.name.upper(),
+                                help=help_text)
         for old in f.metadata.get("deprecated", ()) if aliases else ():
             deprecated_alias(parser, old, flag, dest=dest, type=None if kind is bool else kind,
                              choices=choices, **({"nargs": 0} if kind is bool else {}))
@@ -94,10 +95,35 @@ def deprecated_alias(parser, old: str, canonical: str, **kwargs) -> None:
 
 
 def config_from_args(cls: type, args: argparse.Namespace, dest_prefix: str = "", **overrides):
-    """An instance of `cls` from parsed flags (its ValueErrors name the flags)."""
+    """An instance of `cls` from parsed flags (its ValueErrors name the flags); a class with a
+    `check_given(names)` is shown which of its fields were given on the command line."""
     values = {f.name: getattr(args, dest_prefix + f.name) for f in dataclasses.fields(cls)
               if hasattr(args, dest_prefix + f.name)}
-    return cls(**{**values, **overrides})
+    out = cls(**{**values, **overrides})
+    if hasattr(out, "check_given"):
+        given = getattr(args, GIVEN, set())
+        out.check_given({f.name for f in dataclasses.fields(cls)
+                         if dest_prefix + f.name in given})
+    return out
+
+
+GIVEN = "_flags_given"  # the Namespace attribute: destinations given on the command line
+
+
+class _Given(argparse._StoreAction):
+    """store, and note that the flag was given (config_from_args's check_given)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        getattr(namespace, GIVEN, None) or setattr(namespace, GIVEN, set())
+        getattr(namespace, GIVEN).add(self.dest)
+
+
+class _GivenTrue(argparse._StoreTrueAction):
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        getattr(namespace, GIVEN, None) or setattr(namespace, GIVEN, set())
+        getattr(namespace, GIVEN).add(self.dest)
 
 
 def _kind(annotation) -> tuple[type, tuple | None]:

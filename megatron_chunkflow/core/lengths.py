@@ -75,6 +75,17 @@ class LengthsConfig:
         if self.profile is not None and self.profile not in PROFILES:
             raise ValueError(f"--profile {self.profile!r}: choose from {', '.join(PROFILES)}")
 
+    def check_given(self, given: set[str]) -> None:
+        """With --lengths-file, the flags that only shape drawn lengths are refused when given
+        (not ignored)."""
+        if self.lengths_file is None:
+            return
+        for name in ("scale", "step", "min_long"):
+            if name in given:
+                raise ValueError(f"--{name.replace('_', '-')} shapes the lengths drawn from "
+                                 "--profile; with --lengths-file the file's lengths are used as "
+                                 "they are: give one of the two")
+
     def lengths(self, default_batch: int, long_above: int | None = None,
                 step_offset: int = 0) -> tuple[list[int], str]:
         """The lengths, and a one-line description of where they came from; a profile draws

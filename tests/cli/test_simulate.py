@@ -261,6 +261,8 @@ def test_auto_layouts_and_lengths_file(tmp_path, capsys):
     (["--gpu-profile", "/nonexistent.json"], "--gpu-profile '/nonexistent.json': neither a "),
     (["--lengths-file", "/nonexistent"], "--lengths-file /nonexistent: no such file"),
     (["--lengths-file", "x", "--global-batch-size", "9"], "with --lengths-file the file is"),
+    (["--lengths-file", "x", "--scale", "0.5"], "--scale shapes the lengths drawn from --profile"),
+    (["--lengths-file", "x", "--step", "3"], "--step shapes the lengths drawn from --profile"),
 ])
 def test_bad_input_exits_2(capsys, argv, message):
     assert main(["simulate", "--gpus", "8", *argv]) == 2

@@ -31,6 +31,8 @@ def run_verify(capsys, *argv):
     (["--memory", "--tp", "2"], "--memory measures at TP = PP = 1"),
     (["--min-long", "1000", "--global-batch-size", "4"], "--min-long 1000 is more than the "
                                                          "global batch's 4 sequences"),
+    (["--lengths-file", "x", "--min-long", "2"], "--min-long shapes the lengths drawn from "
+                                                 "--profile; with --lengths-file"),
 ])
 def test_verify_bad_input_exits_2(capsys, argv, message):
     rc, err = run_verify(capsys, *argv)
