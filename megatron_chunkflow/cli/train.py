@@ -120,6 +120,7 @@ def settings_from_args(args) -> TrainSettings:
     recompute = args.recompute or Recompute()  # None: not typed
     parallel = config_from_args(ParallelConfig, args, recompute=recompute)
     checkpoint = config_from_args(CheckpointConfig, args)
+    checkpoint.check_positions(args.seq_length)
     shape, hf_shape, name = model_of(args.model, args.model_config, checkpoint.load_hf,
                                      parallel.tp)
     megatron_recompute = recompute_from_megatron_flags(args)

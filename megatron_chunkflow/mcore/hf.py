@@ -63,6 +63,16 @@ def shape_from_hf_dir(path) -> ModelShape:
     return shape_from_hf_config(d, str(file))
 
 
+def hf_max_positions(path) -> int | None:
+    """A checkpoint directory's max_position_embeddings (config.json), None when it has none."""
+    from megatron_chunkflow.flags import read_json_file
+
+    file = Path(path) / "config.json"
+    d = read_json_file(file, str(file)) if file.is_file() else {}
+    n = d.get("max_position_embeddings") if isinstance(d, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     """Megatron-LM's padded vocabulary: the next multiple of divisible_by * tp."""
     multiple = divisible_by * tp

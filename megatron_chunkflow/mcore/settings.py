@@ -77,6 +77,11 @@ class CheckpointConfig:
     save_hf: str | None = None
     """Write the trained model as a Hugging Face checkpoint (safetensors) here."""
 
+    max_position_embeddings: int | None = None
+    """With --load-hf: the positions the run may use (Megatron-LM's flag; default: the
+    checkpoint's config.json). RoPE keeps no position table, so raising it past --seq-length
+    trains on positions the model never saw: a choice made by name, as Megatron-LM asks."""
+
     override_lr_schedule: bool = False
     """With --load: this run's --lr, --min-lr, --lr-warmup-iters and --train-iters set the
     learning-rate schedule, continued from the checkpoint's step (Megatron-LM's
@@ -87,6 +92,30 @@ class CheckpointConfig:
             raise ValueError(f"--save-interval must be >= 1, got {self.save_interval}")
         check_output_dir("--save", self.save)  # before any work, not at the first save
         check_output_dir("--save-hf", self.save_hf)
+        if self.max_position_embeddings is not None and self.max_position_embeddings < 1:
+            raise ValueError(f"--max-position-embeddings must be >= 1, got "
+                             f"{self.max_position_embeddings}")
+
+    def check_positions(self, seq_length: int) -> None:
+        """--seq-length within the --load-hf checkpoint's positions (or the raised
+        --max-position-embeddings): ValueError naming both otherwise."""
+        if not self.load_hf:
+            if self.max_position_embeddings is not None:
+                raise ValueError("--max-position-embeddings applies to --load-hf (a checkpoint's "
+                                 "trained positions); a model from --model has none")
+            return
+        from megatron_chunkflow.mcore.hf import hf_max_positions
+
+        trained = hf_max_positions(self.load_hf)
+        allowed = self.max_position_embeddings or trained
+        if allowed is not None and seq_length > allowed:
+            where = (f"--max-position-embeddings {allowed}" if self.max_position_embeddings
+                     else f"the --load-hf checkpoint's max_position_embeddings {allowed} "
+                          f"({self.load_hf}/config.json)")
+            raise ValueError(f"--seq-length {seq_length} is past {where}: the model was not "
+                             "trained on those positions. Give --seq-length <= "
+                             f"{allowed}, or --max-position-embeddings {seq_length} to train "
+                             "past them (Megatron-LM asks the same)")
 
 
 @dataclass(frozen=True)

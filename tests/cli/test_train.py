@@ -195,3 +195,26 @@ def test_cp_without_the_ring_says_so(gloo):
     assert code == 0, err[-3000:]
     assert "CP attention: gathered first, not the ring, its backward recomputing the attention: " \
            "--attention-backend sdpa has no log-sum-exp pair" in out + err
+
+
+def test_seq_length_past_the_checkpoints_positions_is_refused(capsys, tmp_path):
+    """--load-hf of a model trained on 4,096 positions at --seq-length 16384: refused naming both,
+    before any work (Megatron-LM refuses it too); --max-position-embeddings raises the bound by
+    name, and applies to --load-hf only."""
+    import json
+
+    from megatron_chunkflow.core.models import get_model_shape
+    from megatron_chunkflow.mcore.hf import hf_config_dict
+
+    config = hf_config_dict(get_model_shape("tiny"), "float32")
+    config["max_position_embeddings"] = 4096
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    rc, err = run_train(capsys, "--load-hf", str(tmp_path), "--seq-length", "16384")
+    assert rc == 2, err[-2000:]
+    assert (f"--seq-length 16384 is past the --load-hf checkpoint's max_position_embeddings "
+            f"4096 ({tmp_path}/config.json)") in err and "--max-position-embeddings 16384" in err
+    rc, err = run_train(capsys, "--load-hf", str(tmp_path), "--seq-length", "16384",
+                        "--max-position-embeddings", "8192")
+    assert rc == 2 and "past --max-position-embeddings 8192" in err, err[-2000:]
+    rc, err = run_train(capsys, "--max-position-embeddings", "8192")
+    assert rc == 2 and "--max-position-embeddings applies to --load-hf" in err, err[-2000:]
