@@ -29,6 +29,30 @@ GiB = 2**30
 TIMEOUT_S = 900.0
 
 
+def check_host_memory(settings, world: int, local_ranks: int, available: float) -> None:
+    """A CPU run whose weights, gradients and Adam's states alone (perfmodel/footprint.py
+    static_bytes, the largest pipeline stage) on its `local_ranks` processes of a `world`-rank job
+    exceed the host's `available` bytes: ValueError naming --model, before anything is built (it
+    was an allocation failure or the kernel's OOM killer mid-build)."""
+    from megatron_chunkflow.perfmodel.footprint import stage_params
+
+    p = settings.parallel
+    shards = max(1, world // (p.tp * p.pp))  # Adam's states over DP x CP
+    # bytes per parameter: weight, gradient buffer, Adam's states (bf16: an fp32 master too)
+    weight, grad, states = {"float64": (8, 8, 16), "float32": (4, 4, 8)}.get(settings.dtype,
+                                                                            (2, 4, 12))
+    per_rank = max(stage_params(settings.shape, p.pp)) / p.tp * (weight + grad
+                                                                 + states / shards)
+    needed = per_rank * local_ranks
+    if needed > available:
+        raise ValueError(
+            f"--model {settings.model_name} ({settings.dtype}) needs {needed / GiB:.1f} GiB of "
+            f"host memory for its weights, gradients and Adam's states on {local_ranks} "
+            f"process(es) here ({per_rank / GiB:.1f} GiB each at TP {p.tp}, PP {p.pp}), before "
+            f"any activation; this machine has {available / GiB:.1f} GiB available: a smaller "
+            "--model, a larger TP or PP over more machines, or a GPU")
+
+
 def check_memory(settings, lengths) -> None:
     """Refuse (ValueError on every rank) a run whose first step does not fit its GPUs (module
     docstring); call on every rank of an initialised CUDA job."""

@@ -218,3 +218,20 @@ def test_seq_length_past_the_checkpoints_positions_is_refused(capsys, tmp_path):
     assert rc == 2 and "past --max-position-embeddings 8192" in err, err[-2000:]
     rc, err = run_train(capsys, "--max-position-embeddings", "8192")
     assert rc == 2 and "--max-position-embeddings applies to --load-hf" in err, err[-2000:]
+
+
+def test_a_model_too_large_for_this_host_is_refused_before_building(capsys):
+    """Qwen2.5-72B's weights, gradients and Adam's states on a CPU: refused by --model with the
+    memory needed and available, before data or a process group (it was the OOM killer)."""
+    from megatron_chunkflow.memtrace.guard import check_host_memory
+
+    rc, err = run_train(capsys, "--model", "qwen2.5-72b")
+    assert rc == 2, err[-2000:]
+    assert "--model qwen2.5-72b (float32) needs 1083.4 GiB of host memory" in err
+    from megatron_chunkflow.cli import build_parser
+    from megatron_chunkflow.cli.train import settings_from_args
+
+    s = settings_from_args(build_parser().parse_args(["train", "--model", "tiny"]))
+    check_host_memory(s, 1, 1, 2**30)  # a tiny model fits a GiB
+    with pytest.raises(ValueError, match="on 4 process"):
+        check_host_memory(s, 4, 4, 1000)
