@@ -328,8 +328,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler,
                                          str(directory))
     except (Exception, CheckpointException) as e:  # a damaged shard is the user's file: name it
         raise ValueError(f"--load {directory}: the sharded checkpoint cannot be read "
-                         f"({type(e).__name__}: {str(e)[:300]}); remove this directory to "
-                         "resume from an older one") from None
+                         f"({_cause(e)}); remove this directory to resume from an older "
+                         "one") from None
     if isinstance(model, list):
         for v, chunk in enumerate(model):
             chunk.load_state_dict(loaded[f"model{v}"])
@@ -344,3 +344,15 @@ def load_checkpoint(root: str, model, optimizer, scheduler,
     scheduler.load_state_dict(extra["scheduler"])
     _set_rng_state(extra["rng"])
     return extra["iteration"], extra["consumed"], extra["settings"]
+
+
+def _cause(e: BaseException) -> str:
+    """One line for what went wrong reading a checkpoint: torch's CheckpointException carries
+    each rank's exception with its whole traceback; the first rank's exception alone, its first
+    line, at most 200 characters."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        first = next(iter(failures.values()))
+        e = first[0] if isinstance(first, tuple) else first
+    text = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {text[:200]}"

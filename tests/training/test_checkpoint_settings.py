@@ -107,3 +107,22 @@ def test_a_damaged_extra_state_is_named(tmp_path):
             path.write_bytes(content)
         with pytest.raises(ValueError, match=r"--load .*" + name + r"\.pt: " + re.escape(message)):
             read_extra_state(path)
+
+
+def test_a_damaged_shard_is_named_in_one_line():
+    """torch's CheckpointException carries every rank's traceback in its text: the message keeps
+    the first rank's exception, one line."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_chunkflow.training.checkpoint import _cause
+
+    try:
+        raise RuntimeError("PytorchStreamReader failed reading zip archive\nmore detail")
+    except RuntimeError as inner:
+        import traceback
+
+        e = CheckpointException("load failed", {0: (inner, traceback.extract_tb(
+            inner.__traceback__))})
+    assert "Traceback" in str(e)
+    assert _cause(e) == "RuntimeError: PytorchStreamReader failed reading zip archive"
+    assert _cause(ValueError("x" * 500)) == "ValueError: " + "x" * 200
