@@ -102,6 +102,22 @@ def build_training(s: TrainSettings) -> Training:
     return Training(cm, optimizer, scheduler)
 
 
+def stock_interleaving_problem(s: TrainSettings, microbatches, dp: int,
+                               step_index: int) -> str | None:
+    """Why Megatron's interleaved schedule would refuse a stock step of `microbatches` (every DP
+    rank's, each rank running its own count), or None (train checks every step before the first:
+    training/loop.py)."""
+    if s.parallel.vpp == 1 or not microbatches:
+        return None
+    counts = {sum(c.dp_rank == r for c in microbatches) for r in range(dp)} - {0}
+    for m in sorted(counts):  # a rank with none steps idle
+        problem = interleaving_problem(m, s.parallel.pp, s.parallel.vpp)
+        if problem:
+            return (f"step {step_index}: {problem} ({len(microbatches)} micro-batches over {dp} "
+                    "DP ranks); give a --global-batch-size that makes more")
+    return None
+
+
 def training_step(s: TrainSettings, tr: Training, sequences, step_index: int = 0,
                   observers=()) -> StepOutcome:
     """One optimizer step on the global batch `sequences`: gradients zeroed, forward and
@@ -136,10 +152,9 @@ def forward_backward(s: TrainSettings, tr: Training, sequences, step_index: int 
         with observing_megatron(observers):
             _idle_step(tr.ddp, config)
         return StepOutcome([], len(mbs), (0, 0))
-    problem = interleaving_problem(len(mine), s.parallel.pp, s.parallel.vpp)
+    problem = stock_interleaving_problem(s, mbs, ranks.dp, step_index)
     if problem:  # Megatron would raise its RuntimeError mid-step
-        raise ValueError(f"step {step_index}: {problem} ({len(mbs)} micro-batches over "
-                         f"{ranks.dp} DP ranks); give a --global-batch-size that makes more")
+        raise ValueError(problem)
     pad = s.parallel.pad_multiple
     inputs = [chunk_input(c, sequences, chunk_meta(c, s.seq_length, pad)) for c in mine]
     # Megatron-LM's SFT path sends fixed --seq-length shapes (every line is padded to it); the

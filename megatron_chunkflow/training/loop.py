@@ -48,6 +48,10 @@ def train(s: TrainSettings, dataset, on_step=None) -> list[dict]:
         check_memory(s, batch_lengths(global_batch(dataset, sampler.batch_at(consumed))))
     history = []
     stop = s.train_iters if not s.exit_interval else min(s.train_iters, start + s.exit_interval)
+    if not s.uses_chunkflow and s.parallel.vpp > 1:
+        from megatron_chunkflow.runtime.ranks import Ranks
+
+        check_stock_interleaving(s, dataset, sampler, start, stop, consumed, Ranks.current().dp)
     for it in range(start, stop):
         sequences = global_batch(dataset, sampler.batch_at(consumed))
         metrics = train_step(s, tr, sequences, it)
@@ -60,6 +64,24 @@ def train(s: TrainSettings, dataset, on_step=None) -> list[dict]:
     if s.checkpoint.save_hf:
         _export_hf(s, tr.model)
     return history
+
+
+def check_stock_interleaving(s: TrainSettings, dataset, sampler, start: int, stop: int,
+                             consumed: int, dp: int) -> None:
+    """Stock Megatron with virtual stages: every step's micro-batch count on `dp` DP ranks
+    checked against Megatron's interleaved schedule before the first (a step it refuses would
+    otherwise end the run mid-training), from the lengths alone."""
+    from megatron_chunkflow.core.step import baseline_microbatches
+    from megatron_chunkflow.mcore.step import stock_interleaving_problem
+
+    for it in range(start, stop):
+        lengths = batch_lengths(global_batch(dataset, sampler.batch_at(consumed)))
+        consumed += s.global_batch_size
+        mbs = baseline_microbatches(lengths, s.seq_length, dp, s.system)
+        problem = stock_interleaving_problem(s, mbs, dp, it)
+        if problem:
+            raise ValueError(f"{problem} (checked before step {start}: the run would stop "
+                             "there)")
 
 
 def train_step(s: TrainSettings, tr: Training, sequences, it: int) -> dict:

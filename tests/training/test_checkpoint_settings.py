@@ -126,3 +126,27 @@ def test_a_damaged_shard_is_named_in_one_line():
     assert "Traceback" in str(e)
     assert _cause(e) == "RuntimeError: PytorchStreamReader failed reading zip archive"
     assert _cause(ValueError("x" * 500)) == "ValueError: " + "x" * 200
+
+
+def test_a_stock_interleaved_run_is_checked_at_every_step_before_the_first():
+    """--no-chunkflow --pp 2 --vpp 2: a step Megatron's interleaved schedule would refuse (too
+    few micro-batches) is found before step 0 from the lengths alone, naming the step."""
+    from megatron_chunkflow.config import ParallelConfig
+    from megatron_chunkflow.core.models import get_model_shape
+    from megatron_chunkflow.data.sampler import BatchSampler
+    from megatron_chunkflow.mcore.settings import OptimizerConfig, TrainSettings
+    from megatron_chunkflow.training.loop import check_stock_interleaving
+
+    def settings(batch):
+        return TrainSettings(shape=get_model_shape("tiny"), model_name="tiny",
+                             system="megatron-sft", seq_length=64, global_batch_size=batch,
+                             train_iters=6, parallel=ParallelConfig(pp=2, vpp=2),
+                             optimizer=OptimizerConfig(lr_warmup_iters=0), device="cpu")
+
+    data = [[0] * 40] * 64  # 40 tokens each: one per 64-token line, one line per micro-batch
+    few = settings(1)  # 1 micro-batch, fewer than PP
+    with pytest.raises(ValueError, match=r"step 0: 1 micro-batches per pipeline: Megatron's "
+                                         r"interleaved schedule needs at least 2 .*checked "
+                                         r"before step 0"):
+        check_stock_interleaving(few, data, BatchSampler(64, 1, 0), 0, 6, 0, 1)
+    check_stock_interleaving(settings(8), data, BatchSampler(64, 8, 0), 0, 6, 0, 1)
