@@ -218,14 +218,12 @@ def run(args: argparse.Namespace) -> int:
             + (f"CP={p.cp} " if p.cp > 1 else "") + f"PP={p.pp} "
             f"DP={ranks.dp}, global batch {s.global_batch_size} sequences, "
             f"{s.train_iters} steps")
-    if p.cp > 1 and s.uses_chunkflow and c.cp_attention == "ring" and c.cp_kv == "sharded":
-        from megatron_chunkflow.attention import lse_pair, resolve_backend
+    if s.uses_chunkflow:  # a substitution said, not made silently
+        from megatron_chunkflow.attention import resolve_backend
 
-        backend = resolve_backend(c.attention_backend, s.device)
-        if lse_pair(backend) is None:  # said, not substituted silently
-            out.say(f"CP attention: gathered first, not the ring, its backward recomputing the "
-                    f"attention: --attention-backend {backend} has no log-sum-exp pair for the "
-                    "ring (torch, cpu_flash, varlen and flash have)")
+        note = c.ring_fallback(p.cp, resolve_backend(c.attention_backend, s.device))
+        if note:
+            out.say(note)
     if s.checkpoint.load_hf:
         out.say(f"weights: the Hugging Face checkpoint {s.checkpoint.load_hf}"
                 + (" (a later --load checkpoint replaces them)" if s.checkpoint.load else ""))

@@ -194,7 +194,7 @@ def test_cp_without_the_ring_says_so(gloo):
                               "--max-samples", 4, "--overlong", "split")
     assert code == 0, err[-3000:]
     assert "CP attention: gathered first, not the ring, its backward recomputing the attention: " \
-           "--attention-backend sdpa has no log-sum-exp pair" in out + err
+           "attention backend sdpa has no log-sum-exp pair" in out + err
 
 
 def test_seq_length_past_the_checkpoints_positions_is_refused(capsys, tmp_path):
