@@ -178,15 +178,9 @@ def run(args: argparse.Namespace) -> int:
     from megatron_chunkflow.training.loop import Diverged, train
 
     if s.device == "cpu":  # weights and optimizer states alone past this host's memory
-        import os
+        from megatron_chunkflow.memtrace.guard import check_host_memory, host_memory_of_job
 
-        import psutil
-
-        from megatron_chunkflow.memtrace.guard import check_host_memory
-
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        check_host_memory(s, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)),
-                          psutil.virtual_memory().available)
+        check_host_memory(s.shape, s.model_name, s.dtype, s.parallel, *host_memory_of_job())
     max_samples = data.max_samples
     if max_samples is None and data.data_path is None:
         max_samples = SCENARIO["max_samples"]

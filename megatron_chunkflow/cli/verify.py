@@ -95,6 +95,11 @@ def settings_from_args(args: argparse.Namespace) -> VerifySettings:
 def run(args: argparse.Namespace) -> int:
     s = settings_from_args(args)
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
+    from megatron_chunkflow.memtrace.guard import check_host_memory, host_memory_of_job
+
+    # the chunked model and the unchunked reference, each with its gradients and Adam's states
+    check_host_memory(s.shape, args.model_config or args.model, s.dtype, s.parallel,
+                      *host_memory_of_job(), copies=2)
 
     init_distributed(s.parallel, s.lengths.seed)
     try:

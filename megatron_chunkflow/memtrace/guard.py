@@ -29,28 +29,40 @@ GiB = 2**30
 TIMEOUT_S = 900.0
 
 
-def check_host_memory(settings, world: int, local_ranks: int, available: float) -> None:
-    """A CPU run whose weights, gradients and Adam's states alone (perfmodel/footprint.py
-    static_bytes, the largest pipeline stage) on its `local_ranks` processes of a `world`-rank job
-    exceed the host's `available` bytes: ValueError naming --model, before anything is built (it
-    was an allocation failure or the kernel's OOM killer mid-build)."""
+def check_host_memory(shape, model_name: str, dtype: str, parallel, world: int,
+                      local_ranks: int, available: float, copies: int = 1) -> None:
+    """A CPU job whose weights, gradients and Adam's states alone (the largest pipeline stage,
+    `copies` models per process: verify's reference beside the chunked model) on its
+    `local_ranks` processes of a `world`-rank job exceed the host's `available` bytes: ValueError
+    naming --model, before anything is built (it was an allocation failure or the kernel's OOM
+    killer mid-build)."""
     from megatron_chunkflow.perfmodel.footprint import stage_params
 
-    p = settings.parallel
+    p = parallel
     shards = max(1, world // (p.tp * p.pp))  # Adam's states over DP x CP
     # bytes per parameter: weight, gradient buffer, Adam's states (bf16: an fp32 master too)
-    weight, grad, states = {"float64": (8, 8, 16), "float32": (4, 4, 8)}.get(settings.dtype,
-                                                                            (2, 4, 12))
-    per_rank = max(stage_params(settings.shape, p.pp)) / p.tp * (weight + grad
+    weight, grad, states = {"float64": (8, 8, 16), "float32": (4, 4, 8)}.get(dtype, (2, 4, 12))
+    per_rank = copies * max(stage_params(shape, p.pp)) / p.tp * (weight + grad
                                                                  + states / shards)
     needed = per_rank * local_ranks
     if needed > available:
         raise ValueError(
-            f"--model {settings.model_name} ({settings.dtype}) needs {needed / GiB:.1f} GiB of "
-            f"host memory for its weights, gradients and Adam's states on {local_ranks} "
-            f"process(es) here ({per_rank / GiB:.1f} GiB each at TP {p.tp}, PP {p.pp}), before "
-            f"any activation; this machine has {available / GiB:.1f} GiB available: a smaller "
-            "--model, a larger TP or PP over more machines, or a GPU")
+            f"--model {model_name} ({dtype}) needs {needed / GiB:.1f} GiB of host memory for "
+            f"its weights, gradients and Adam's states on {local_ranks} process(es) here "
+            f"({per_rank / GiB:.1f} GiB each at TP {p.tp}, PP {p.pp}"
+            + (f", {copies} models each" if copies > 1 else "") + "), before any activation; "
+            f"this machine has {available / GiB:.1f} GiB available: a smaller --model, a "
+            "larger TP or PP over more machines, or a GPU")
+
+
+def host_memory_of_job(world: int | None = None) -> tuple[int, int, float]:
+    """(world, processes on this host, available host bytes) of the job this process is in (or
+    will start: `world` processes here)."""
+    import psutil
+
+    world = world or int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return world, local, psutil.virtual_memory().available
 
 
 def check_memory(settings, lengths) -> None:

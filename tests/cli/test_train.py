@@ -232,6 +232,9 @@ def test_a_model_too_large_for_this_host_is_refused_before_building(capsys):
     from megatron_chunkflow.cli.train import settings_from_args
 
     s = settings_from_args(build_parser().parse_args(["train", "--model", "tiny"]))
-    check_host_memory(s, 1, 1, 2**30)  # a tiny model fits a GiB
-    with pytest.raises(ValueError, match="on 4 process"):
-        check_host_memory(s, 4, 4, 1000)
+    check_host_memory(s.shape, "tiny", s.dtype, s.parallel, 1, 1, 2**30)  # it fits a GiB
+    with pytest.raises(ValueError, match=r"on 4 process\(es\) here .*, 2 models each"):
+        check_host_memory(s.shape, "tiny", s.dtype, s.parallel, 4, 4, 1000, copies=2)
+    for command in ("verify", "bench"):
+        assert main([command, "--model", "qwen2.5-72b"]) == 2
+        assert "--model qwen2.5-72b" in capsys.readouterr().err
