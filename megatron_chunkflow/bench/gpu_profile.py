@@ -261,3 +261,47 @@ def measure_launch(timer: Timer, device: str, model: str = "qwen2.5-0.5b") -> di
         shutdown()
     return {"model": f"{model}, 2 layers", "tokens": sum(lengths), "kernels": kernels,
             "seconds": seconds, "kernel_launch_us": seconds / kernels * 1e6}
+
+
+FAMILIES = (("attention", ("attn", "attention", "flash", "fmha")),
+            ("gemm", ("::mm", "::addmm", "::bmm", "::baddbmm", "::_scaled_mm", "gemm")),
+            ("optimizer", ("foreach", "adam", "multi_tensor")),
+            ("communication", ("c10d", "nccl", "allreduce", "all_gather", "reduce_scatter",
+                               "broadcast", "send", "recv")),
+            ("loss", ("cross_entropy", "nll_loss", "log_softmax")))
+
+
+def kernel_family(op: str) -> str:
+    """The family (FAMILIES, else "elementwise") an ATen or c10d op's kernels belong to."""
+    name = op.lower()
+    for family, marks in FAMILIES:
+        if any(m in name for m in marks):
+            return family
+    return "elementwise"
+
+
+def profile_families(fn, device: str) -> dict:
+    """fn() run once under torch.profiler: seconds by kernel family (self time of every ATen and
+    c10d op: the device's on a GPU, the host's on a CPU) and the ten costliest ops. Megatron's
+    cross entropy is pointwise ops (max, exp, sum, log): its time counts as elementwise."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    families: dict[str, float] = {}
+    ops = []
+    for e in prof.key_averages():
+        if not e.key.startswith(("aten::", "c10d::")):
+            continue  # ranges (record_function) and Python: not kernels
+        us = (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+              if device == "cuda" else e.self_cpu_time_total)
+        family = kernel_family(e.key)
+        families[family] = families.get(family, 0.0) + us * 1e-6
+        ops.append((us * 1e-6, e.key, e.count, family))
+    ops.sort(reverse=True)
+    return {"device": device, "seconds": families, "total_s": sum(families.values()),
+            "top": [{"op": k, "seconds": t, "calls": n, "family": f} for t, k, n, f in ops[:10]]}

@@ -256,7 +256,7 @@ def step_bench(out: Path, dry_run: bool) -> dict:
                         "allocate 18.55 GiB.")
                 chunkflow = ChunkFlowConfig(chunk_size, k, backend)
                 s = TrainSettings(shape=shape, model_name=model, system=name, dtype=dtype,
-                                  seq_length=seq_length, global_batch_size=gbs, train_iters=steps,
+                                  seq_length=seq_length, global_batch_size=gbs, train_iters=steps + 1,
                                   chunkflow=chunkflow, optimizer=OptimizerConfig(lr_warmup_iters=0),
                                   parallel=ParallelConfig(recompute=recompute))
                 row.update(attempt, **_measure(s, sequences, lengths, steps))
@@ -318,6 +318,7 @@ def _measure(s, sequences, lengths, steps) -> dict:
     """Build and run `steps` steps of settings `s` from the same weights as every system."""
     import torch
 
+    from megatron_chunkflow.bench.gpu_profile import profile_families
     from megatron_chunkflow.mcore.dist import init_distributed
     from megatron_chunkflow.mcore.step import build_training
     from megatron_chunkflow.training.loop import train_step
@@ -330,6 +331,9 @@ def _measure(s, sequences, lengths, steps) -> dict:
     tr = build_training(s)
     try:
         metrics = [train_step(s, tr, sequences, i) for i in range(steps)]
+        # one more step under torch.profiler: time by kernel family, for the next calibration
+        families = profile_families(lambda: train_step(s, tr, sequences, steps),
+                                    "cuda" if torch.cuda.is_available() else "cpu")
     finally:
         del tr
     timed = metrics[1:] or metrics
@@ -340,7 +344,7 @@ def _measure(s, sequences, lengths, steps) -> dict:
             # CUDA: torch.cuda.max_memory_allocated since this system's build; CPU (dry run): the
             # process's peak RSS, which only grows
             "max_memory_allocated": metrics[-1]["peak_mem_bytes"],
-            "loss": [m["loss"] for m in metrics]}
+            "loss": [m["loss"] for m in metrics], "profile": families}
 
 
 def _plot(report: dict, path: Path) -> None:

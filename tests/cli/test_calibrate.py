@@ -44,3 +44,16 @@ def test_bad_flags_exit_2(tmp_path, capsys):
     assert "--repeats must be >= 1" in capsys.readouterr().err
     assert main(["calibrate", "--dry-run", "--out", str(tmp_path / "no" / "x.json")]) == 2
     assert "--out" in capsys.readouterr().err
+
+
+def test_kernel_families_of_a_profiled_step():
+    from megatron_chunkflow.bench.gpu_profile import kernel_family, profile_families
+
+    assert [kernel_family(k) for k in (
+        "aten::mm", "aten::addmm", "aten::_flash_attention_forward", "aten::_varlen_attn",
+        "aten::_foreach_addcdiv_", "c10d::allreduce_", "aten::mul", "aten::_fused_rms_norm",
+        "aten::nll_loss_forward")] == ["gemm", "gemm", "attention", "attention", "optimizer",
+                                       "communication", "elementwise", "elementwise", "loss"]
+    a = torch.randn(256, 256, requires_grad=True)
+    summary = profile_families(lambda: (a @ a).relu().sum().backward(), "cpu")
+    assert summary["seconds"]["gemm"] > 0 and "elementwise" in summary["seconds"]

@@ -45,6 +45,12 @@ def test_dry_run_reports_every_step(tmp_path):
         packed["attempts"][0]["recompute"]
     assert [a["status"] for a in bench["systems"]["megatron-sft"]["attempts"]] == ["ok"]
     assert bench["step1_loss_rel_spread"] < 1e-6  # the same weights and data everywhere
+    # one profiled step per system: its time by kernel family, GEMMs and attention among them
+    for r in bench["systems"].values():
+        assert {"gemm", "attention", "elementwise"} <= set(r["profile"]["seconds"]), r["profile"]
+        assert r["profile"]["total_s"] > 0 and len(r["profile"]["top"]) == 10
+    calibrate = report["steps"]["calibrate"]  # the reference H200 steps re-predicted with it
+    assert len(calibrate["reference_steps"]) == 4 and calibrate["rates"]["spec"] == "local"
     assert (out / "device_check.png").stat().st_size > 0
     assert (out / "calibration.json").is_file()
     # what a GPU machine returns: at most 8 files, the steps' logs folded into one
