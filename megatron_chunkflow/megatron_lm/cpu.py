@@ -90,9 +90,6 @@ def install_megatron_lm_cpu_shims() -> bool:
         stub.enable_batch_invariant_mode = enable_batch_invariant_mode
         sys.modules[stub.__name__] = stub
     _parameters_name_cuda_types()
-    from megatron.core.datasets import utils as dataset_utils
-
-    dataset_utils.compile_helpers = lambda: None  # the wheel ships helpers_cpp; no Makefile
     return True
 
 

@@ -89,6 +89,23 @@ class _Hooks:
 _HOOKS = _Hooks()
 
 
+def prebuilt_dataset_helpers() -> bool:
+    """Megatron-LM's initialize runs `make` in megatron/core/datasets to build its C++ dataset
+    helpers (pybind11 and a compiler); the megatron-core wheel ships them built (helpers_cpp) and
+    no Makefile, so that `make` fails and ends the run on a bare machine. With the built module
+    importable the build is skipped (True); from a source checkout Megatron builds it as usual."""
+    import importlib.util
+
+    from megatron.core.datasets import utils as dataset_utils
+
+    here = Path(dataset_utils.__file__).parent
+    if (here / "Makefile").is_file() or importlib.util.find_spec(
+            "megatron.core.datasets.helpers_cpp") is None:
+        return False
+    dataset_utils.compile_helpers = lambda: None
+    return True
+
+
 def install(megatron_lm_dir: str | Path, allow_untested: bool | None = None) -> None:
     """Patch megatron/training so that pretrain_gpt.py honours --chunkflow; idempotent.
     `allow_untested` None: whether --chunkflow-allow-untested-megatron is on the command line."""
@@ -99,6 +116,8 @@ def install(megatron_lm_dir: str | Path, allow_untested: bool | None = None) -> 
     megatron_lm_dir = Path(megatron_lm_dir).resolve()
     cpu.install_megatron_lm_cpu_shims()
     import megatron.core  # noqa: F401  the installed megatron-core, before the checkout's copy
+
+    prebuilt_dataset_helpers()
 
     check_versions(megatron_lm_dir, allow_untested)
     if str(megatron_lm_dir) not in sys.path:

@@ -22,7 +22,13 @@ device_check.png and calibration.json. The steps:
    tried again with the next smaller plan (ChunkFlow: half the chunk; stock: the next recompute
    option), each attempt in the JSON; DEVICE_CHECK_SIMULATE_OOM=system,... makes the first
    attempt of those systems fail so, for the dry run.
-5. report: DIR/device_check.json, .log and .png.
+5. launcher: Megatron-LM's own pretrain_gpt.py with --chunkflow through `python -m
+   megatron_chunkflow.launch`: qwen2.5-0.5b (tiny on the dry run), bf16, the distributed optimizer,
+   mock data, LAUNCHER_ITERS steps; its losses and iteration times. The checkout is
+   MEGATRON_LM_DIR or third_party/Megatron-LM (on a GPU machine: `make megatron-lm-slim` here, carry
+   third_party/megatron-lm-slim, MEGATRON_LM_DIR pointing at it); without one the step says so and
+   is skipped.
+6. report: DIR/device_check.json, .log and .png.
 
 The dry run (CPU, gloo): the same steps with a tiny model, float64 instead of float32 (CPU
 exactness bound 1e-10), a short bench; it is what the test suite runs.
@@ -45,8 +51,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-STEPS = ("tests", "calibrate", "exactness", "bench")
-TIMEOUT_S = {"tests": 120, "calibrate": 90, "exactness": 120, "bench": 150}
+STEPS = ("tests", "calibrate", "exactness", "bench", "launcher")
+TIMEOUT_S = {"tests": 120, "calibrate": 90, "exactness": 120, "bench": 150, "launcher": 90}
+LAUNCHER_ITERS = 4
 FP32_BOUND, FP64_BOUND, BF16_BUDGET = 1e-5, 1e-10, 5e-2
 BACKENDS = ("flash", "te", "varlen", "flex", "cpu_flash", "sdpa", "torch")  # fastest first
 SEQ_LENGTH, GLOBAL_BATCH, PEAK_BF16_TFLOPS = 32768, 128, 989.4  # H100/H200 dense bf16
@@ -81,7 +88,8 @@ def main(argv=None) -> int:
                 report["steps"][step] = _run_child(step, work, args.dry_run)
                 print(f"[device_check] {step}: {report['steps'][step]['status']} "
                       f"({report['steps'][step]['wall_s']:.0f} s)", flush=True)
-                for part in (f"{step}.log", "tests_pytest.txt" if step == "tests" else None):
+                extra = {"tests": "tests_pytest.txt", "launcher": "launcher.log"}.get(step)
+                for part in (f"{step}.log", extra):
                     if part and (work / part).is_file():
                         text = (work / part).read_text(errors="replace")
                         log.write(f"==== {part} ====\n{text}\n")
@@ -91,7 +99,7 @@ def main(argv=None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     (out / "device_check.json").write_text(json.dumps(report, indent=2))
     _plot(report, out / "device_check.png")
-    failed = [s for s, r in report["steps"].items() if r["status"] != "ok"]
+    failed = [s for s, r in report["steps"].items() if r["status"] not in ("ok", "skipped")]
     print(f"[device_check] wrote {out / 'device_check.json'}; "
           + (f"not ok: {', '.join(failed)}" if failed else "all steps ok"), flush=True)
     return 1 if failed else 0
@@ -113,8 +121,9 @@ def _run_child(step: str, out: Path, dry_run: bool) -> dict:
     result_file = out / f"{step}.json"
     if rc == 0 and result_file.is_file():
         result = json.loads(result_file.read_text())
-        return {"status": "ok" if result.get("passed", True) else "failed", "wall_s": wall,
-                **result}
+        status = ("skipped" if result.get("skipped") else
+                  "ok" if result.get("passed", True) else "failed")
+        return {"status": status, "wall_s": wall, **result}
     tail = log.read_text(errors="replace")[-3000:] if log.is_file() else ""
     return {"status": "error", "returncode": rc, "wall_s": wall, "log_tail": tail}
 
@@ -293,6 +302,66 @@ def step_bench(out: Path, dry_run: bool) -> dict:
             "seq_length": seq_length, "global_batch_size": gbs, "tokens": sum(lengths),
             "longest": max(lengths), "dtype": dtype, "attention_backend": backend,
             "systems": systems}
+
+
+def step_launcher(out: Path, dry_run: bool) -> dict:
+    """pretrain_gpt.py --chunkflow through the launcher (module docstring, step 5)."""
+    import re
+
+    import torch
+
+    megatron = Path(os.environ.get("MEGATRON_LM_DIR",
+                                   ROOT / "third_party" / "Megatron-LM")).resolve()
+    script = megatron / "pretrain_gpt.py"
+    if not script.is_file():
+        return {"skipped": f"no Megatron-LM checkout at {megatron} (MEGATRON_LM_DIR, or "
+                           "`make megatron-lm` and carry third_party/Megatron-LM)"}
+    if dry_run:
+        model = ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "176",
+                 "--num-attention-heads", "4", "--group-query-attention",
+                 "--num-query-groups", "2", "--max-position-embeddings", "1024",
+                 "--position-embedding-type", "rope", "--rotary-base", "1000000",
+                 "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu",
+                 "--disable-bias-linear", "--add-qkv-bias", "--vocab-size", "999",
+                 "--distributed-backend", "gloo", "--use-cpu-initialization"]
+        seq, chunk, gbs = 512, 128, 4
+    else:
+        from megatron_chunkflow.core.models import get_model_shape
+
+        shape = get_model_shape("qwen2.5-0.5b")
+        model = ["--num-layers", shape.num_layers, "--hidden-size", shape.hidden_size,
+                 "--ffn-hidden-size", shape.ffn_hidden_size, "--num-attention-heads",
+                 shape.num_attention_heads, "--group-query-attention", "--num-query-groups",
+                 shape.num_query_groups, "--kv-channels", shape.head_dim,
+                 "--max-position-embeddings", 32768, "--position-embedding-type", "rope",
+                 "--rotary-base", "1000000", "--normalization", "RMSNorm", "--norm-epsilon",
+                 "1e-6", "--swiglu", "--disable-bias-linear", "--add-qkv-bias",
+                 "--vocab-size", shape.vocab_size - 1, "--bf16", "--use-distributed-optimizer"]
+        seq, chunk, gbs = 8192, 4096, 16
+    args = [*map(str, model), "--tokenizer-type", "NullTokenizer", "--mock-data",
+            "--transformer-impl", "local", "--no-persist-layer-norm",
+            "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-rope-fusion",
+            "--no-bias-dropout-fusion", "--no-bias-swiglu-fusion",
+            "--attention-dropout", "0", "--hidden-dropout", "0", "--seq-length", str(seq),
+            "--micro-batch-size", "1", "--global-batch-size", str(gbs), "--train-iters",
+            str(LAUNCHER_ITERS), "--lr", "1e-4", "--min-lr", "1e-5", "--lr-warmup-iters", "1",
+            "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
+            "--chunkflow", "--chunk-size", str(chunk), "--chunkflow-k", "1"]
+    t0 = time.perf_counter()
+    run = subprocess.run([sys.executable, "-m", "megatron_chunkflow.launch", str(script), *args],
+                         cwd=out, capture_output=True, text=True,
+                         timeout=TIMEOUT_S["launcher"] * (3 if dry_run else 1) - 5)
+    log = run.stdout + run.stderr
+    (out / "launcher.log").write_text(log[-200_000:])
+    losses = [float(x) for x in re.findall(r"\| lm loss: ([0-9.E+-]+) \|", log)]
+    times = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", log)]
+    return {"passed": run.returncode == 0 and len(losses) == LAUNCHER_ITERS
+            and all(x == x and abs(x) != float("inf") for x in losses),
+            "returncode": run.returncode, "losses": losses, "iteration_ms": times,
+            "wall_s": time.perf_counter() - t0, "model": "tiny" if dry_run else "qwen2.5-0.5b",
+            "seq_length": seq, "chunk_size": chunk, "global_batch_size": gbs,
+            "device": "cuda" if torch.cuda.is_available() else "cpu",
+            **({} if run.returncode == 0 else {"log_tail": log[-3000:]})}
 
 
 def _attempts(name: str, plan, seq_length: int, dry_run: bool):
