@@ -107,19 +107,6 @@ class ChunkFlowConfig:
                              f"{', '.join(LSE_BACKENDS)}); --attention-backend "
                              f"{self.attention_backend} has none")
 
-    def ring_fallback(self, cp: int, backend: str) -> str | None:
-        """What a CP run on `backend` (resolved) runs instead of the sharded state's ring, said
-        in one line (train and the Megatron-LM launcher print it), or None."""
-        from megatron_chunkflow.attention import lse_pair
-
-        if cp == 1 or self.cp_attention != "ring" or self.cp_kv != "sharded":
-            return None
-        if lse_pair(backend) is not None:
-            return None
-        return (f"CP attention: gathered first, not the ring, its backward recomputing the "
-                f"attention: attention backend {backend} has no log-sum-exp pair for the ring "
-                "(torch, cpu_flash, varlen and flash have)")
-
     def check_context_parallel_flags(self, cp: int, name: str = "--context-parallel-size") -> None:
         """At CP 1 the CP choices do nothing: a value other than the default was meant for a CP
         run, so it is refused by flag instead of ignored."""

@@ -111,13 +111,3 @@ def test_the_chunk_size_rule_is_one_rule_named_for_its_caller(naming, expected):
         ParallelConfig(tp=4, sequence_parallel=True).check_chunk_size(130)
     ParallelConfig(tp=4).check_chunk_size(130)  # without sequence parallelism nothing splits
 
-
-def test_the_ring_fallback_is_said_where_it_happens():
-    """CP with a backend that has no log-sum-exp pair runs the gather path (train and the
-    Megatron-LM launcher print this line); the ring's backends, CP 1, gather or replicated
-    state: nothing to say."""
-    cfg = ChunkFlowConfig(64, 1)
-    assert "attention backend sdpa has no log-sum-exp pair" in cfg.ring_fallback(2, "sdpa")
-    assert cfg.ring_fallback(2, "torch") is None and cfg.ring_fallback(1, "sdpa") is None
-    assert ChunkFlowConfig(64, 1, cp_kv="replicated").ring_fallback(2, "sdpa") is None
-    assert ChunkFlowConfig(64, 1, cp_attention="gather").ring_fallback(2, "sdpa") is None

@@ -179,3 +179,65 @@ def test_only_cli_imports_checks_and_bench(path):
         parts = module.split(".")
         if parts[0] == "megatron_chunkflow" and len(parts) > 1 and parts[1] in ("checks", "bench"):
             assert parts[1] == mine, f"{path.relative_to(PKG)} ({mine}/) imports {module}"
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(REPO).with_suffix("")
+    return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+
+
+KNOWN = {_module_name(p) for p in MODULES}
+
+
+def _import_edges(path: pathlib.Path) -> tuple[set[str], set[str]]:
+    """(modules imported at module level, modules imported inside a function) by `path`, both
+    of this package; imports under `if TYPE_CHECKING:` are neither (nothing runs them)."""
+    tree = ast.parse(path.read_text())
+    top, local = set(), set()
+
+    def names(node) -> set[str]:
+        if isinstance(node, ast.Import):
+            return {a.name for a in node.names}
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            # `from pkg import module` names that module; `from module import name` the module
+            subs = {f"{node.module}.{a.name}" for a in node.names} & KNOWN
+            return subs if len(subs) == len(node.names) else subs | {node.module}
+        return set()
+
+    def visit(node, in_function: bool):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            found = names(child)
+            (local if in_function else top).update(
+                m for m in found if m.startswith("megatron_chunkflow."))
+            visit(child, in_function or isinstance(child, (ast.FunctionDef,
+                                                            ast.AsyncFunctionDef)))
+    visit(tree, False)
+    mine = _module_name(path)  # a submodule importing its own package: no circle to speak of
+    return ({m for m in top if not mine.startswith(m + ".")},
+            {m for m in local if not mine.startswith(m + ".")})
+
+
+def test_no_function_local_import_closes_a_circle():
+    """A module imported inside a function may not import (at module level, transitively) the
+    module that imports it: a circle hidden by a late import. The helper both need moves down."""
+    known = KNOWN
+    edges = {_module_name(p): _import_edges(p) for p in MODULES}
+    top = {m: {t for t in e[0] if t in known} for m, e in edges.items()}
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            m = todo.pop()
+            if m == goal:
+                return True
+            if m not in seen:
+                seen.add(m)
+                todo.extend(top.get(m, ()))
+        return False
+
+    circles = sorted(f"{m} -> {t} (inside a function) -> ... -> {m}"
+                     for m, (_, local) in edges.items() for t in local
+                     if t in known and t != m and reaches(t, m))
+    assert not circles, "\n".join(circles)

@@ -266,3 +266,15 @@ def _varlen_backward(dout_TNH, q_TNH, k_TGH, v_TGH, out_TNH, lse, cu_q, cu_kv, s
     backends._require_cuda_half("varlen", q_TNH)
     return flash_ops_backward(_aten_flash_ops(), dout_TNH, q_TNH, k_TGH, v_TGH, out_TNH, lse,
                               cu_q, cu_kv, scale, causal)
+
+
+def ring_fallback(cfg, cp: int, backend: str) -> str | None:
+    """What a CP run of ChunkFlowConfig `cfg` on `backend` (resolved) runs instead of the sharded
+    state's ring, in one line (train and the Megatron-LM launcher print it), or None."""
+    if cp == 1 or cfg.cp_attention != "ring" or cfg.cp_kv != "sharded":
+        return None
+    if lse_pair(backend) is not None:
+        return None
+    return (f"CP attention: gathered first, not the ring, its backward recomputing the "
+            f"attention: attention backend {backend} has no log-sum-exp pair for the ring "
+            "(torch, cpu_flash, varlen and flash have)")

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from megatron_chunkflow.checks.verify import _run_reference, build_chunked_model
 from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
 from megatron_chunkflow.data.synthetic import make_sequences
-from megatron_chunkflow.mcore.build import full_model_name
+from megatron_chunkflow.mcore.names import full_model_name
 from megatron_chunkflow.runtime.execute import execute_step, plan_step
 from megatron_chunkflow.runtime.loss import global_loss, make_forward_step
 from megatron_chunkflow.runtime.sparse import inclusion_probability, sparsify

@@ -29,7 +29,8 @@ import sys
 from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
 from megatron_chunkflow.console import Output
 from megatron_chunkflow.core.lengths import LengthsConfig
-from megatron_chunkflow.core.models import MODEL_SHAPES, load_model_shape
+from megatron_chunkflow.core.hf_config import load_model_shape
+from megatron_chunkflow.core.models import MODEL_SHAPES
 from megatron_chunkflow.core.step import BASELINES
 from megatron_chunkflow.flags import (
     add_config_arguments,

@@ -214,8 +214,9 @@ def run(args: argparse.Namespace) -> int:
             f"{s.train_iters} steps")
     if s.uses_chunkflow:  # a substitution said, not made silently
         from megatron_chunkflow.attention import resolve_backend
+        from megatron_chunkflow.attention.lse import ring_fallback
 
-        note = c.ring_fallback(p.cp, resolve_backend(c.attention_backend, s.device))
+        note = ring_fallback(c, p.cp, resolve_backend(c.attention_backend, s.device))
         if note:
             out.say(note)
     if s.checkpoint.load_hf:

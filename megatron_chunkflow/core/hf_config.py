@@ -17,11 +17,16 @@ ChunkFlow would compute the router's load-balancing loss per data chunk, not per
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron_chunkflow.core.models import (
+    HF_CARDS,
+    HF_MODELS,
     LLAMA3_ROPE_FIXED,
     ModelShape,
     check_shape,
     field_problem,
+    get_model_shape,
 )
 
 FAMILIES = {"qwen2": "Qwen2 / Qwen2.5", "qwen3": "Qwen3 (dense)", "llama": "Llama 3.x",
@@ -131,8 +136,6 @@ def hf_config_dict(shape: ModelShape, dtype: str = "float32") -> dict:
     max_position_embeddings is the preset's where `shape` is one (else what its RoPE was made
     for: 131,072 with Llama 3's scaling, 32,768 without). Token ids (bos, eos) are the
     tokenizer's business and are left out."""
-    from megatron_chunkflow.core.models import HF_CARDS, HF_MODELS
-
     preset = next((HF_CARDS[k] for k, v in HF_MODELS.items() if v == shape), None)
     positions = preset.max_position_embeddings if preset else (
         131072 if shape.rope_scaling_factor is not None else 32768)
@@ -156,3 +159,40 @@ def hf_config_dict(shape: ModelShape, dtype: str = "float32") -> dict:
     else:
         out["use_sliding_window"] = False
     return out
+
+
+def model_shape_from_dict(d: dict, source: str = "model config") -> ModelShape:
+    """Our field names, or a Hugging Face config.json (it has a model_type: read and checked
+    here); unknown keys of our format are ignored."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{source}: expected a JSON object with the model's fields, got "
+                         f"{type(d).__name__}")
+    if "model_type" in d:
+        return shape_from_hf_config(d, source)
+    fields = {f.name: f for f in dataclasses.fields(ModelShape)}
+    hf_only = set(d) & (set(HF_SHAPE_KEYS) - set(fields))
+    if hf_only:
+        raise ValueError(f"{source}: has Hugging Face config.json keys "
+                         f"({', '.join(sorted(hf_only))}) but no model_type; "
+                         "give the checkpoint's whole config.json, or ModelShape's field names")
+    kw = {k: v for k, v in d.items() if k in fields}
+    missing = [f.name for f in fields.values()
+               if f.default is dataclasses.MISSING and f.name not in kw]
+    if missing:
+        raise ValueError(f"{source}: missing {', '.join(missing)}")
+    for name, value in kw.items():
+        problem = field_problem(name, value)
+        if problem:
+            raise ValueError(f"{source}: {name} must be {problem}, got {value!r}")
+    return check_shape(ModelShape(**kw), source)
+
+
+def load_model_shape(name: str, config_path: str | None = None) -> ModelShape:
+    """The shape --model-config FILE describes (our field names or a Hugging Face config.json),
+    else the --model preset `name`; ValueErrors name the flag and file."""
+    if not config_path:
+        return get_model_shape(name)
+    from megatron_chunkflow.flags import read_json_file
+
+    data = read_json_file(config_path, f"--model-config {config_path}")
+    return model_shape_from_dict(data, f"--model-config {config_path}")

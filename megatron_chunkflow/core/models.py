@@ -10,7 +10,8 @@ are ours, for CPU runs.
 
 HF_CARDS holds, per model, the config.json values that ModelShape does not (maximum positions,
 model_type, tokenizer size) and the hub id. With HF_MODELS they generate configs/models/*.sh
-(scripts/gen_model_configs.py). core/hf_config.py reads a config.json into a ModelShape.
+(scripts/gen_model_configs.py). core/hf_config.py reads a config.json, or --model-config's file,
+into a ModelShape.
 """
 
 from __future__ import annotations
@@ -193,34 +194,6 @@ def get_model_shape(name: str) -> ModelShape:
         ) from None
 
 
-def model_shape_from_dict(d: dict, source: str = "model config") -> ModelShape:
-    """Our field names, or a Hugging Face config.json (it has a model_type: core/hf_config.py
-    reads and checks it); unknown keys of our format are ignored."""
-    if not isinstance(d, dict):
-        raise ValueError(f"{source}: expected a JSON object with the model's fields, got "
-                         f"{type(d).__name__}")
-    from megatron_chunkflow.core.hf_config import HF_SHAPE_KEYS, shape_from_hf_config
-
-    if "model_type" in d:
-        return shape_from_hf_config(d, source)
-    fields = {f.name: f for f in dataclasses.fields(ModelShape)}
-    hf_only = set(d) & (set(HF_SHAPE_KEYS) - set(fields))
-    if hf_only:
-        raise ValueError(f"{source}: has Hugging Face config.json keys "
-                         f"({', '.join(sorted(hf_only))}) but no model_type; "
-                         "give the checkpoint's whole config.json, or ModelShape's field names")
-    kw = {k: v for k, v in d.items() if k in fields}
-    missing = [f.name for f in fields.values()
-               if f.default is dataclasses.MISSING and f.name not in kw]
-    if missing:
-        raise ValueError(f"{source}: missing {', '.join(missing)}")
-    for name, value in kw.items():
-        problem = field_problem(name, value)
-        if problem:
-            raise ValueError(f"{source}: {name} must be {problem}, got {value!r}")
-    return check_shape(ModelShape(**kw), source)
-
-
 def field_problem(name: str, value) -> str | None:
     """What ModelShape field `name` needs that `value` is not ("a positive integer", "a positive
     number", "true or false"), or None when it is fine; None passes where the field allows it."""
@@ -252,14 +225,3 @@ def check_shape(shape: ModelShape, source: str) -> ModelShape:
     if shape.head_dim % 2:
         raise ValueError(f"{source}: the head dim {shape.head_dim} is odd (RoPE rotates pairs)")
     return shape
-
-
-def load_model_shape(name: str, config_path: str | None = None) -> ModelShape:
-    """The shape --model-config FILE describes (our field names or a Hugging Face config.json),
-    else the --model preset `name`; ValueErrors name the flag and file."""
-    if not config_path:
-        return get_model_shape(name)
-    from megatron_chunkflow.flags import read_json_file
-
-    data = read_json_file(config_path, f"--model-config {config_path}")
-    return model_shape_from_dict(data, f"--model-config {config_path}")

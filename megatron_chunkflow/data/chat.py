@@ -12,12 +12,17 @@ checks it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from megatron_chunkflow.data.sequence import TokenSequence
-from megatron_chunkflow.data.tokenizer import QWEN25_SYSTEM_MESSAGE, Tokenizer
 
+if TYPE_CHECKING:  # annotations only: data/tokenizer.py imports this module's helpers
+    from megatron_chunkflow.data.tokenizer import Tokenizer
+
+QWEN25_SYSTEM_MESSAGE = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 DEFAULT_SYSTEM_MESSAGE = QWEN25_SYSTEM_MESSAGE
 ROLES = ("system", "user", "assistant")
 # ShareGPT's "from" values; the ChatML names are accepted there too.

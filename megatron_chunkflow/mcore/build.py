@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.core.models import ModelShape
+from megatron_chunkflow.mcore.names import full_model_name
 
 
 def transformer_config(shape: ModelShape, dtype: torch.dtype = torch.float32,
@@ -165,25 +166,6 @@ def wrap_ddp(models, config, distributed_optimizer: bool = False):
     config.no_sync_func = ddps[0].no_sync if len(ddps) == 1 else [d.no_sync for d in ddps]
     config.finalize_model_grads_func = finalize_model_grads
     return ddps if isinstance(models, list) else ddps[0]
-
-
-def full_model_name(stage_name: str, config, tie_embeddings: bool,
-                    vp_stage: int | None = None) -> str:
-    """The name a pipeline stage's parameter (of model chunk `vp_stage`) has in the PP = 1 model
-    of the same architecture.
-
-    Stage layers are numbered from 0 locally; the global index adds the stage's layer offset. With
-    tied embeddings and PP > 1 the last stage's output_layer.weight is its copy of the embedding.
-    """
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    parts = stage_name.split(".")
-    if parts[:2] == ["decoder", "layers"]:
-        parts[2] = str(int(parts[2]) + get_transformer_layer_offset(config, vp_stage))
-        return ".".join(parts)
-    if tie_embeddings and stage_name == "output_layer.weight":
-        return "embedding.word_embeddings.weight"
-    return stage_name
 
 
 @dataclass

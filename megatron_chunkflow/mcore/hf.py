@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from megatron_chunkflow.core.hf_config import hf_config_dict, shape_from_hf_config
 from megatron_chunkflow.core.models import ModelShape
+from megatron_chunkflow.mcore.names import full_model_name
 from megatron_chunkflow.runtime.ranks import Ranks
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers that old transformers versions saved
@@ -276,8 +277,6 @@ def import_hf_weights(model, hf_dir_or_state_dict, config, shape: ModelShape) ->
     missing, unexpected or wrongly shaped HF tensor raises the same ValueError everywhere. With
     tied embeddings an lm_head.weight (HF's state_dict() has the tied copy) is ignored, as in HF.
     """
-    from megatron_chunkflow.mcore.build import full_model_name
-
     src = _HFSource(hf_dir_or_state_dict)
     src.check(shape)
     ranks = Ranks.current()
@@ -326,8 +325,6 @@ def export_hf_weights(model, config, shape: ModelShape) -> dict[str, torch.Tenso
     Collective: every rank of the model-parallel group must call it.
     """
     from megatron.core import parallel_state
-
-    from megatron_chunkflow.mcore.build import full_model_name
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp = Ranks.current().tp

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_chunkflow.mcore.names import full_model_name
 from megatron_chunkflow.runtime.ranks import Ranks
 
 TARGETS = {  # --lora-targets name -> (module path inside a transformer layer, parallel mode)
@@ -121,8 +122,6 @@ def apply_lora(model, lora: LoRAConfig, seed: int = 0, b_init_std: float = 0.0) 
         RowParallelLinear,
         set_tensor_model_parallel_attributes,
     )
-
-    from megatron_chunkflow.mcore.build import full_model_name
 
     gpt = _unwrap(model)
     config = gpt.config

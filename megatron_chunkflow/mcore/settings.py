@@ -267,7 +267,7 @@ def model_of(model: str, model_config: str | None, load_hf: str | None,
         hf = shape_from_hf_dir(load_hf)
         check_hf_checkpoint(load_hf, hf)  # damaged weights named before any work
         return dataclasses.replace(hf, vocab_size=padded_vocab_size(hf.vocab_size, tp)), hf, load_hf
-    from megatron_chunkflow.core.models import load_model_shape
+    from megatron_chunkflow.core.hf_config import load_model_shape
 
     shape = load_model_shape(model, model_config)
     if shape.vocab_size % tp:  # TP splits the output layer's rows: padded as Megatron-LM pads,

@@ -186,9 +186,12 @@ def _get_model(original, model_provider_func, *args, **kwargs):
         model = original(model_provider_func, *args, **kwargs)
     if a.chunkflow_load_hf:
         load_hf(model, a.chunkflow_load_hf)
-    note = chunkflow_config(a).ring_fallback(a.context_parallel_size, resolve_backend(a)) \
-        if a.chunkflow else None
     import torch.distributed as dist
+
+    from megatron_chunkflow.attention.lse import ring_fallback
+
+    note = ring_fallback(chunkflow_config(a), a.context_parallel_size, resolve_backend(a)) \
+        if a.chunkflow else None
 
     if note and dist.get_rank() == 0:  # a substitution said, as train says it
         print(f"chunkflow: {note}", flush=True)

@@ -278,3 +278,17 @@ def test_varlen_pair_needs_no_varlen_lse_api():
     q, k, v, _ = make_inputs([3], [5], 2, 1, 8, torch.float64)
     with pytest.raises(ValueError, match="backend 'varlen' needs CUDA fp16/bf16 tensors"):
         attention_with_lse(q, k, v, [0, 3], [0, 5], backend="varlen")
+
+
+def test_the_ring_fallback_is_said_where_it_happens():
+    """CP with a backend that has no log-sum-exp pair runs the gather path (train and the
+    Megatron-LM launcher print this line); the ring's backends, CP 1, gather or replicated
+    state: nothing to say."""
+    from megatron_chunkflow.attention.lse import ring_fallback
+    from megatron_chunkflow.config import ChunkFlowConfig
+
+    cfg = ChunkFlowConfig(64, 1)
+    assert "attention backend sdpa has no log-sum-exp pair" in ring_fallback(cfg, 2, "sdpa")
+    assert ring_fallback(cfg, 2, "torch") is None and ring_fallback(cfg, 1, "sdpa") is None
+    assert ring_fallback(ChunkFlowConfig(64, 1, cp_kv="replicated"), 2, "sdpa") is None
+    assert ring_fallback(ChunkFlowConfig(64, 1, cp_attention="gather"), 2, "sdpa") is None

@@ -8,8 +8,12 @@ rope_scaling at the top level), so each must give the preset of core/models.py e
 
 import pytest
 
-from megatron_chunkflow.core.hf_config import hf_config_dict, shape_from_hf_config
-from megatron_chunkflow.core.models import HF_MODELS, get_model_shape, model_shape_from_dict
+from megatron_chunkflow.core.hf_config import (
+    hf_config_dict,
+    model_shape_from_dict,
+    shape_from_hf_config,
+)
+from megatron_chunkflow.core.models import HF_MODELS, get_model_shape
 
 LLAMA31_8B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
               "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
