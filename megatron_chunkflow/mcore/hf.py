@@ -80,29 +80,43 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
+# One name map, both directions. Outside the layers: megatron -> Hugging Face
+OUTER_NAMES = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
+               "output_layer.weight": "lm_head.weight",
+               "decoder.final_layernorm.weight": "model.norm.weight"}
+# a layer's tensors kept whole (megatron name after decoder.layers.N. -> after model.layers.N.)
+LAYER_NAMES = {"input_layernorm.weight": "input_layernorm.weight",
+               "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+               "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+               "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+               "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+               "mlp.linear_fc2.weight": "mlp.down_proj.weight"}
+# and the two fused ones: Q, K, V interleaved by group into linear_qkv; gate and up into fc1
+QKV, FC1 = "self_attention.linear_qkv", ("mlp.linear_fc1.weight", ("mlp.gate_proj.weight",
+                                                                  "mlp.up_proj.weight"))
+
+
 def hf_tensor_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     """Every tensor of the Hugging Face checkpoint of `shape`'s family, with its shape."""
     h, f, v, q, kv = (shape.hidden_size, shape.ffn_hidden_size, shape.vocab_size,
                       shape.num_attention_heads * shape.head_dim, shape.kv_dim)
-    out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    outer = {"embedding.word_embeddings.weight": (v, h), "decoder.final_layernorm.weight": (h,)}
     if not shape.tie_embeddings:
-        out["lm_head.weight"] = (v, h)
+        outer["output_layer.weight"] = (v, h)
+    out = {OUTER_NAMES[k]: s for k, s in outer.items()}
+    whole = {"input_layernorm.weight": (h,), "self_attention.linear_proj.weight": (h, q),
+             "pre_mlp_layernorm.weight": (h,), "mlp.linear_fc2.weight": (h, f)}
+    if shape.qk_norm:  # one weight per head dim, shared by every head
+        whole.update({"self_attention.q_layernorm.weight": (shape.head_dim,),
+                      "self_attention.k_layernorm.weight": (shape.head_dim,)})
     for g in range(shape.num_layers):
         p = f"model.layers.{g}."
-        out.update({
-            p + "input_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
-            p + "mlp.down_proj.weight": (h, f),
-        })
-        if shape.qkv_bias:
-            out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                        p + "self_attn.v_proj.bias": (kv,)})
-        if shape.qk_norm:  # one weight per head dim, shared by every head
-            out.update({p + "self_attn.q_norm.weight": (shape.head_dim,),
-                        p + "self_attn.k_norm.weight": (shape.head_dim,)})
+        out.update({p + LAYER_NAMES[k]: s for k, s in whole.items()})
+        out.update({p + name: (f, h) for name in FC1[1]})
+        for suffix in ("weight", "bias") if shape.qkv_bias else ("weight",):
+            tail = (h,) if suffix == "weight" else ()
+            out.update({f"{p}self_attn.{x}_proj.{suffix}": (n, *tail)
+                        for x, n in (("q", q), ("k", kv), ("v", kv))})
     return out
 
 
@@ -205,61 +219,42 @@ def _megatron_from_hf(name: str, src: _HFSource, shape: ModelShape) -> torch.Ten
 
 
 def _megatron_tensor(name: str, src: _HFSource, shape: ModelShape) -> torch.Tensor:
-    if name == "embedding.word_embeddings.weight":
-        return src.get("model.embed_tokens.weight")
-    if name == "output_layer.weight":
-        return src.get("lm_head.weight")
-    if name == "decoder.final_layernorm.weight":
-        return src.get("model.norm.weight")
+    if name in OUTER_NAMES:
+        return src.get(OUTER_NAMES[name])
     if not name.startswith("decoder.layers."):
         raise KeyError(name)
     _, _, g, rest = name.split(".", 3)
     p = f"model.layers.{g}."
-    if rest.startswith("self_attention.linear_qkv."):
+    if rest.startswith(QKV + "."):
         suffix = rest.rsplit(".", 1)[1]  # weight [.., h] or bias [..]
         ng = shape.num_query_groups
         q, k, v = (src.get(f"{p}self_attn.{x}_proj.{suffix}") for x in "qkv")
         # [ng, nh/ng * hd | hd | hd, (h)] -> [ng * (nh/ng + 2) * hd, (h)]
         qkv = torch.cat([t.reshape(ng, -1, *t.shape[1:]) for t in (q, k, v)], dim=1)
         return qkv.reshape(-1, *q.shape[1:])
-    if rest == "mlp.linear_fc1.weight":
-        return torch.cat([src.get(p + "mlp.gate_proj.weight"), src.get(p + "mlp.up_proj.weight")])
-    hf = {"input_layernorm.weight": "input_layernorm.weight",
-          "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-          "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
-          "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
-          "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-          "mlp.linear_fc2.weight": "mlp.down_proj.weight"}
-    return src.get(p + hf[rest])
+    if rest == FC1[0]:
+        return torch.cat([src.get(p + n) for n in FC1[1]])
+    return src.get(p + LAYER_NAMES[rest])
 
 
 def _hf_from_megatron(full: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
     """HF tensors from the TP = 1, PP = 1 megatron state (padded vocabulary rows dropped)."""
     v, ng, hd = shape.vocab_size, shape.num_query_groups, shape.head_dim
-    out = {"model.embed_tokens.weight": full["embedding.word_embeddings.weight"][:v],
-           "model.norm.weight": full["decoder.final_layernorm.weight"]}
-    if not shape.tie_embeddings:
-        out["lm_head.weight"] = full["output_layer.weight"][:v]
+    outer = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight"]
+    outer += [] if shape.tie_embeddings else ["output_layer.weight"]
+    out = {OUTER_NAMES[k]: full[k][:v] if "norm" not in k else full[k] for k in outer}
     for g in range(shape.num_layers):
         m, p = f"decoder.layers.{g}.", f"model.layers.{g}."
         for suffix in ("weight", "bias") if shape.qkv_bias else ("weight",):
-            qkv = full[f"{m}self_attention.linear_qkv.{suffix}"]
+            qkv = full[f"{m}{QKV}.{suffix}"]
             qkv = qkv.reshape(ng, -1, hd, *qkv.shape[1:])  # [ng, nh/ng + 2, hd, (h)]
             tail = qkv.shape[3:]
             out[f"{p}self_attn.q_proj.{suffix}"] = qkv[:, :-2].reshape(-1, *tail)
             out[f"{p}self_attn.k_proj.{suffix}"] = qkv[:, -2].reshape(-1, *tail)
             out[f"{p}self_attn.v_proj.{suffix}"] = qkv[:, -1].reshape(-1, *tail)
-        gate, up = full[m + "mlp.linear_fc1.weight"].chunk(2)
-        out.update({
-            p + "input_layernorm.weight": full[m + "input_layernorm.weight"],
-            p + "self_attn.o_proj.weight": full[m + "self_attention.linear_proj.weight"],
-            p + "post_attention_layernorm.weight": full[m + "pre_mlp_layernorm.weight"],
-            p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-            p + "mlp.down_proj.weight": full[m + "mlp.linear_fc2.weight"],
-        })
-        if shape.qk_norm:
-            out[p + "self_attn.q_norm.weight"] = full[m + "self_attention.q_layernorm.weight"]
-            out[p + "self_attn.k_norm.weight"] = full[m + "self_attention.k_layernorm.weight"]
+        out.update(zip((p + n for n in FC1[1]), full[m + FC1[0]].chunk(2)))
+        out.update({p + hf: full[m + mg] for mg, hf in LAYER_NAMES.items()
+                    if m + mg in full})  # the Q/K norms where the family has them
     return {k: t.contiguous() for k, t in out.items()}
 
 
