@@ -150,3 +150,27 @@ def test_nothing_fits_returns_the_smallest_footprint():
     tiny_hbm = with_overrides(CF_HW, ["memory_gib=4.0"])
     p = best_chunkflow(LENGTHS, SHAPE, tiny_hbm, 2, SEQ, chunk_size=2048)
     assert not p.fits and p.layout.recompute == Recompute("full")
+
+
+@pytest.mark.parametrize("baseline", BASELINES)
+def test_searches_are_exact_on_the_calibrated_local_build(baseline):
+    """The H200 profile's clock (megatron-core's local layer, its launch floor and per-chunk
+    gradient accumulation): the floors still bound, the pruned searches still find what brute
+    force finds."""
+    from megatron_chunkflow.perfmodel.gpu_profiles import load_profile
+
+    local = load_profile("h200-torch2.11-local")
+    stock_hw, cf_hw = (with_overrides(local, [f"memory_gib={m}"]) for m in (14.9, 8.9))
+    layouts = [lay for lay in candidate_layouts(SHAPE, stock_hw, 2, allow_cp=True)
+               if not unsupported_interleaving(
+                   baseline_microbatches(LENGTHS, SEQ, lay.dp, baseline, lay.cp), lay)]
+    brute = fastest_fitting(predict_megatron(LENGTHS, SHAPE, stock_hw, lay, SEQ, baseline)
+                            for lay in layouts)
+    found = best_megatron(LENGTHS, SHAPE, stock_hw, 2, SEQ, baseline=baseline)
+    assert found.step_s == pytest.approx(brute.step_s, rel=1e-12)
+    if baseline == "megatron-packed":
+        lay = P(tp=2, recompute="selective:mlp")
+        brute = fastest_fitting(predict_chunkflow(LENGTHS, SHAPE, cf_hw, lay, c, k)
+                                for c, k in chunking_candidates(LENGTHS, SEQ, 2))
+        found = best_chunkflow(LENGTHS, SHAPE, cf_hw, 2, SEQ, layout=lay, auto_chunking=True)
+        assert found.step_s == pytest.approx(brute.step_s, rel=1e-12)
