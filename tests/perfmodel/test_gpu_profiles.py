@@ -45,7 +45,8 @@ def test_every_builtin_rate_is_labelled_and_sourced():
             assert entry["label"] in LABELS and len(entry["source"]) > 20, (name, key)
         hw = load_profile(name)
         assert hw.profile == name and hw.calibrated is data["calibrated"]
-        assert describe(hw) == f"device profile {name} (calibrated)"
+        assert describe(hw) == (f"device profile {name} (calibrated)" if data["calibrated"]
+                                else f"device profile {name} (not calibrated)")
 
 
 def test_a_datasheet_device_is_an_uncalibrated_profile():
