@@ -53,20 +53,13 @@ from megatron_chunkflow.perfmodel.gpu_profiles import (
     device_from_args,
     is_calibrated,
 )
-from megatron_chunkflow.perfmodel.hybrid_cp import best_hybrid_cp
+from megatron_chunkflow.perfmodel.comparison import CP_OVERLAP_ENDS, compare
 from megatron_chunkflow.perfmodel.predict import GIB, Prediction
-from megatron_chunkflow.perfmodel.search import (
-    CP_KV,
-    LOSS_PIECES,
-    REFORWARD,
-    best_chunkflow,
-    best_megatron,
-)
+from megatron_chunkflow.perfmodel.search import CP_KV, LOSS_PIECES, REFORWARD
 
 SCENARIO = dict(model="qwen2.5-7b", global_batch_size=2048)  # README, "Defaults"
 STRONGEST = "megatron-packed"  # what the JSON's "megatron" and "speedup" keep reporting
 NAMES = (*BASELINES, HYBRID)  # every stock baseline the simulator predicts
-CP_OVERLAP_ENDS = (0.0, 1.0)
 MAX_GPUS = 1 << 17  # 131,072: past the largest clusters; the layout search stays bounded
 
 
@@ -134,11 +127,6 @@ def _row(name: str, p: Prediction, usable: float) -> str:
             f"{p.peak_mem_bytes / GIB:>7.1f} / {usable / GIB:<5.1f} {'yes' if p.fits else 'NO'}")
 
 
-def speedup_of(stock: Prediction, cf: Prediction) -> float | None:
-    """Stock step time over ChunkFlow's, None unless both fit."""
-    return stock.step_s / cf.step_s if stock.fits and cf.fits else None
-
-
 def _x(value: float | None) -> str:
     return f"{value:.2f}x" if value is not None else "n/a"
 
@@ -194,37 +182,19 @@ def run(args: argparse.Namespace) -> int:
         notes.append(f"{HYBRID} not predicted: --megatron-parallel {args.megatron_parallel} has "
                      "PP > 1, which Megatron-LM refuses with --hybrid-context-parallel")
 
-    def stock(name: str, device, loss_piece: int = 0) -> Prediction:
-        try:
-            if name == HYBRID:
-                return best_hybrid_cp(lengths, shape, device, args.gpus, balanced_cp_groups,
-                                      mg_layout, args.max_seqlen_per_dp_cp_rank)
-            return best_megatron(lengths, shape, device, args.gpus, args.seq_length, mg_layout,
-                                 name, loss_piece)
-        except ValueError as e:
-            raise ValueError(f"--baseline {name}: {e}") from None
-
-    preds = {name: stock(name, hw) for name in names}
-    cf = best_chunkflow(lengths, shape, hw, args.gpus, args.seq_length, cf_layout,
-                        cfg.chunk_size, cfg.num_kept, auto_chunking=args.auto,
-                        cp_kv=None if args.chunkflow_cp_kv == "auto" else args.chunkflow_cp_kv,
-                        cp_placement=cfg.cp_placement,
-                        reforward=(None if args.chunkflow_reforward_attention == "auto"
-                                   else args.chunkflow_reforward_attention), loss_piece=piece)
-    # ChunkFlow's loss in pieces given to the stock baselines too (Megatron's per-sample CP runs
-    # Transformer Engine's path: as shipped only), so the gain is attributed honestly
-    same_loss = ({name: stock(name, hw, cf.loss_piece) for name in names if name != HYBRID}
-                 if cf.loss_piece else {})
-    speedups = {name: speedup_of(p, cf) for name, p in preds.items()}
-    speedups_same_loss = {name: speedup_of(p, cf) for name, p in same_loss.items()}
-    ratios = {name: p.step_s / cf.step_s for name, p in preds.items()}
-    ends = {}  # CP overlap 0 and 1: the stock systems again (ChunkFlow's CP does not overlap)
-    for end in CP_OVERLAP_ENDS:
-        device = dataclasses.replace(hw, cp_overlap=end)
-        again = {n: preds[n] if end == hw.cp_overlap else stock(n, device) for n in names}
-        ends[f"{end:g}"] = {n: {"step_s": p.step_s, "speedup": speedup_of(p, cf),
-                                "layout": p.layout.to_json(), "fits": p.fits}
-                            for n, p in again.items()}
+    result = compare(
+        lengths, shape, hw, args.gpus, args.seq_length, names, balanced_cp_groups,
+        megatron_layout=mg_layout, chunkflow_layout=cf_layout, chunk_size=cfg.chunk_size,
+        num_kept=cfg.num_kept, auto_chunking=args.auto,
+        cp_kv=None if args.chunkflow_cp_kv == "auto" else args.chunkflow_cp_kv,
+        cp_placement=cfg.cp_placement,
+        reforward=(None if args.chunkflow_reforward_attention == "auto"
+                   else args.chunkflow_reforward_attention), loss_piece=piece,
+        max_seqlen=args.max_seqlen_per_dp_cp_rank)
+    preds, cf, same_loss, ends = (result.baselines, result.chunkflow, result.same_loss,
+                                  result.cp_overlap_ends)
+    speedups, speedups_same_loss, ratios = (result.speedups, result.speedups_same_loss,
+                                            result.ratios)
 
     out.say(f"{args.model} on {args.gpus} x {hw.name} ({hw.memory_gib:g} GiB, "
             f"{hw.peak_tflops:g} TFLOP/s peak; {describe(hw)}); {len(lengths)} sequences ({source}), "
@@ -253,8 +223,7 @@ def run(args: argparse.Namespace) -> int:
                                if not p.fits)
             out.say(f"vs {name}: {who} does not fit in {hw.usable_bytes / GIB:.1f} GiB per GPU; "
                     f"step-time ratio ignoring memory: {ratios[name]:.2f}x")
-    fitting = [n for n, p in preds.items() if p.fits]
-    strongest = min(fitting, key=lambda n: preds[n].step_s) if fitting else None
+    strongest = result.strongest
     if strongest is not None and len(names) > 1:
         out.say(f"strongest stock baseline: {strongest}; ChunkFlow against it: "
                 f"{_x(speedups[strongest])}")
