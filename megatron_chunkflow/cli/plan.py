@@ -31,83 +31,23 @@ import argparse
 
 from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
 from megatron_chunkflow.console import Output
-from megatron_chunkflow.core.costs import OpCosts
 from megatron_chunkflow.core.hybrid_cp import BASELINE as HYBRID
 from megatron_chunkflow.core.hybrid_cp import FLAG as MAX_SEQLEN_FLAG
-from megatron_chunkflow.core.hybrid_cp import (
-    cp_size_needed,
-    hybrid_schedule,
-    hybrid_step_time,
-    sequence_chunks,
-)
 from megatron_chunkflow.core.lengths import AS_DRAWN, LengthsConfig
 from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape
 from megatron_chunkflow.core.simulate import SimResult
-from megatron_chunkflow.core.step import BASELINES, plan_baseline, plan_chunkflow
 from megatron_chunkflow.core.types import PipelinePlan
 from megatron_chunkflow.flags import add_config_arguments, check_output_file, config_from_args
 from megatron_chunkflow.mcore.hybrid_cp import balanced_cp_groups
-from megatron_chunkflow.perfmodel.footprint import per_token_bytes
-from megatron_chunkflow.perfmodel.held import memory_hooks
+from megatron_chunkflow.perfmodel.batch_plan import baseline_summary, plan_batch
 
 SCENARIO = dict(model="qwen2.5-7b", global_batch_size=2000)  # README, "Defaults"
 GIB = 2.0**30
-BF16_BYTES = 2  # the printed memory model's element size
 STRONGEST = "megatron-packed"  # the JSON's "baseline" (kept for compatibility)
-
-
-def _per_gpu_flops(shape, cp: int):
-    """core/step.py's FLOP costs per GPU: a micro-batch's FLOPs split evenly over its CP ranks
-    (the zigzag pieces balance causal attention)."""
-    def costs(chunks, num_stages):
-        flops = OpCosts.from_model(chunks, shape, num_stages)
-        if cp > 1:
-            flops.forward = {c: [f / cp for f in per_stage]
-                             for c, per_stage in flops.forward.items()}
-        return flops
-
-    return costs
 
 
 def _gib(values) -> str:
     return "[" + ", ".join(f"{v / GIB:.1f}" for v in values) + "]"
-
-
-def _baseline_summary(rp, dp_rank: int) -> dict:
-    """One stock baseline's plan in numbers (the JSON's "baselines" entries)."""
-    chunks = [c for rank in rp.chunks for c in rank]
-    computed = sum(c.computed_tokens for c in chunks)
-    return {"num_microbatches": len(chunks),
-            "padding_fraction": 1 - sum(c.num_tokens for c in chunks) / max(computed, 1),
-            "bubble_ratio": rp.sims[dp_rank].bubble_ratio, "step_time": rp.step_time,
-            "peak_memory_gib": [round(b / GIB, 3) for b in rp.peak_memory_bytes(dp_rank)]}
-
-
-def _hybrid_summary(lengths, shape, num_gpus: int, max_seqlen: int | None, chunk_size: int):
-    """megatron-hybrid-cp on all `num_gpus` GPUs as its pool (PP 1), FLOPs per GPU as for the
-    other systems (a sequence's FLOPs / its CP size on each of its ranks); (summary, note): the
-    summary None and the note saying why where Megatron cannot run it."""
-    if num_gpus < 2 or num_gpus & (num_gpus - 1):
-        return None, (f"{HYBRID} not planned: its DP x CP pool ({num_gpus} GPUs here) must be a "
-                      "power of two >= 2")
-    if max_seqlen is None:  # ChunkFlow's tokens per GPU, or the least that fits the pool
-        max_seqlen = chunk_size
-        while cp_size_needed(max(lengths), max_seqlen) > num_gpus:
-            max_seqlen *= 2
-    schedule = hybrid_schedule(lengths, num_gpus, max_seqlen, balanced_cp_groups)
-    chunks = sequence_chunks(lengths, schedule)
-    flops = OpCosts.from_model(chunks, shape, 1)
-    step = hybrid_step_time(schedule, lambda i: (flops("F", i, 0) / schedule.cp[i],
-                                                 flops("B", i, 0) / schedule.cp[i]))
-    per_token = per_token_bytes(shape, ParallelConfig.layout(), BF16_BYTES, 1)[0]
-    peak = max(per_token * -(-c.computed_tokens // schedule.cp[c.id]) for c in chunks)
-    computed = sum(c.computed_tokens for c in chunks)
-    return {"num_microbatches": len(chunks), "max_seqlen_per_dp_cp_rank": max_seqlen,
-            "pool": num_gpus, "num_groups": len(schedule.groups),
-            "cp_sizes": sorted(set(schedule.cp)),
-            "padding_fraction": 1 - sum(lengths) / max(computed, 1),
-            "bubble_ratio": step.idle_ratio, "step_time": step.step_time,
-            "peak_memory_gib": [round(peak / GIB, 3)]}, None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -153,21 +93,9 @@ def run(args: argparse.Namespace) -> int:
                                                else 0)
 
     cp, vpp = parallel.cp, parallel.vpp
-    held_for, _ = memory_hooks(shape, layout, BF16_BYTES)  # the baselines' micro-batches
-    cf_held_for, state_for = memory_hooks(shape, layout, BF16_BYTES, cfg.chunk_size, cfg.num_kept,
-                                          cp_placement="hybrid")  # the runtime's default
-    costs = _per_gpu_flops(shape, cp)
-    batch, cf = plan_chunkflow(lengths, cfg.chunk_size, cfg.num_kept, args.pp, args.dp, shape,
-                               costs_for=costs, held_bytes_for=cf_held_for,
-                               state_bytes_for=state_for,
-                               segment_multiple=parallel.segment_multiple,
-                               num_model_chunks=vpp, chunk_multiple=parallel.chunk_padding)
-    try:
-        bases = {b: plan_baseline(lengths, seq_length, args.pp, args.dp, shape, costs_for=costs,
-                                  held_bytes_for=held_for, baseline=b, cp=cp,
-                                  num_model_chunks=vpp) for b in BASELINES}
-    except ValueError as e:  # Megatron's interleaving refuses the micro-batch count
-        raise ValueError(f"--vpp {vpp}: stock Megatron: {e}") from None
+    plans = plan_batch(lengths, shape, cfg, layout, seq_length, balanced_cp_groups,
+                       args.max_seqlen_per_dp_cp_rank)
+    batch, cf, bases = plans.batch, plans.chunkflow, plans.baselines
     base = bases[STRONGEST]
     r = args.dp_rank
     plan, sim = cf.plans[r], cf.sims[r]
@@ -189,9 +117,8 @@ def run(args: argparse.Namespace) -> int:
     out.say(f"ChunkFlow peak activation memory per stage, GiB (bf16, no recompute, K/V state "
             f"included): {_gib(cf.peak_memory_bytes(r))}; step time {cf.step_time:.3e} FLOPs "
             f"(model {args.model}, slowest DP rank)")
-    summaries = {b: _baseline_summary(p, r) for b, p in bases.items()}
-    hybrid, note = _hybrid_summary(lengths, shape, args.pp * args.dp * cp,
-                                   args.max_seqlen_per_dp_cp_rank, cfg.chunk_size)
+    summaries = {b: baseline_summary(p, r) for b, p in bases.items()}
+    hybrid, note = plans.hybrid, plans.note
     for b, x in summaries.items():
         out.say(f"Stock {b:<17} seq-length {seq_length}: {x['num_microbatches']} micro-batches, "
                 f"padding {x['padding_fraction']:.1%}, DP rank {r} bubble "
