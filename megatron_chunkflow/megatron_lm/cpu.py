@@ -90,6 +90,9 @@ def install_megatron_lm_cpu_shims() -> bool:
         stub.enable_batch_invariant_mode = enable_batch_invariant_mode
         sys.modules[stub.__name__] = stub
     _parameters_name_cuda_types()
+    from megatron.core.datasets import utils as dataset_utils
+
+    dataset_utils.compile_helpers = lambda: None  # no C++ build on CPU: the wheel's, or none used
     return True
 
 

@@ -92,8 +92,9 @@ _HOOKS = _Hooks()
 def prebuilt_dataset_helpers() -> bool:
     """Megatron-LM's initialize runs `make` in megatron/core/datasets to build its C++ dataset
     helpers (pybind11 and a compiler); the megatron-core wheel ships them built (helpers_cpp) and
-    no Makefile, so that `make` fails and ends the run on a bare machine. With the built module
-    importable the build is skipped (True); from a source checkout Megatron builds it as usual."""
+    no Makefile, so that `make` fails and ends the run on a bare GPU machine. With the built
+    module importable the build is skipped (True); from a source checkout Megatron builds it as
+    usual (on a CPU the launcher's shims skip it: megatron_lm/cpu.py)."""
     import importlib.util
 
     from megatron.core.datasets import utils as dataset_utils
