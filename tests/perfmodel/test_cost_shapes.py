@@ -10,13 +10,12 @@ import pytest
 import torch
 
 from megatron_chunkflow.bench.gpu_profile import Timer, count_kernels, elementwise_mix
-from megatron_chunkflow.core.costs import attention_flops_per_pair_per_layer
+from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.perfmodel.gemm import gemm_time
 from megatron_chunkflow.perfmodel.hardware import hardware_from_measurements
 from megatron_chunkflow.perfmodel.layer import LayerModel
 from megatron_chunkflow.perfmodel.pairs import computed_pairs
-from megatron_chunkflow.config import ParallelConfig
 
 MEASURED_OVER_MODEL = (0.6, 1.6)
 CPU = hardware_from_measurements(1e11, 2e10, 1e10, 8e9, 1e9)  # rates cancel in ratios
