@@ -90,11 +90,9 @@ _HOOKS = _Hooks()
 
 
 def prebuilt_dataset_helpers() -> bool:
-    """Megatron-LM's initialize runs `make` in megatron/core/datasets to build its C++ dataset
-    helpers (pybind11 and a compiler); the megatron-core wheel ships them built (helpers_cpp) and
-    no Makefile, so that `make` fails and ends the run on a bare GPU machine. With the built
-    module importable the build is skipped (True); from a source checkout Megatron builds it as
-    usual (on a CPU the launcher's shims skip it: megatron_lm/cpu.py)."""
+    """Megatron-LM's initialize `make`s its C++ dataset helpers; the megatron-core wheel ships them
+    built and no Makefile, so on a bare GPU machine the build is skipped (True) where the built
+    module imports (a source checkout builds as usual; on CPU megatron_lm/cpu.py skips it)."""
     import importlib.util
 
     from megatron.core.datasets import utils as dataset_utils
