@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 STEPS = ("tests", "calibrate", "exactness", "bench", "launcher")
-TIMEOUT_S = {"tests": 120, "calibrate": 90, "exactness": 120, "bench": 150, "launcher": 90}
+TIMEOUT_S = {"tests": 90, "calibrate": 90, "exactness": 90, "bench": 180, "launcher": 60}
 LAUNCHER_ITERS = 4
 FP32_BOUND, FP64_BOUND, BF16_BUDGET = 1e-5, 1e-10, 5e-2
 BACKENDS = ("flash", "te", "varlen", "flex", "cpu_flash", "sdpa", "torch")  # fastest first
