@@ -11,8 +11,8 @@ TEST_STAMP := $(VENV)/.installed-test
 MEGATRON_LM_GIT ?= https://github.com/NVIDIA/Megatron-LM.git
 MEGATRON_LM_TAG := core_v0.16.1
 
-.PHONY: demo plan test test-fast test-medium bench bench-cpu clean megatron-lm megatron-lm-slim configs \
-	gpu-wheels
+.PHONY: demo plan test test-fast test-medium bench bench-cpu clean megatron-lm megatron-lm-slim \
+	configs gpu-wheels
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)

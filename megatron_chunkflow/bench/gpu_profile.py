@@ -1,5 +1,6 @@
-"""`chunkflow calibrate`'s microbenchmarks: the rates of a device profile (perfmodel/gpu_profiles.py)
-measured on the installed stack, each of exactly the work the cost model charges to it.
+"""`chunkflow calibrate`'s microbenchmarks: the rates of a device profile
+(perfmodel/gpu_profiles.py) measured on the installed stack, each of exactly the work the cost
+model charges to it.
 
 - GEMMs: bf16 matmuls of the shapes Qwen2.5 layers run (forward, data- and weight-gradient) and a
   few awkward ones; gemm_max_eff = the median over the near-ideal shapes of measured / (peak x

@@ -197,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
                                             result.ratios)
 
     out.say(f"{args.model} on {args.gpus} x {hw.name} ({hw.memory_gib:g} GiB, "
-            f"{hw.peak_tflops:g} TFLOP/s peak; {describe(hw)}); {len(lengths)} sequences ({source}), "
+            f"{hw.peak_tflops:g} TFLOP/s peak; {describe(hw)}); {len(lengths)} sequences "
+            f"({source}), "
             f"{sum(lengths):,} tokens, longest {max(lengths):,}"
             + (f", {truncated} truncated to --seq-length {args.seq_length}" if truncated else ""))
     for note in notes:
