@@ -199,7 +199,7 @@ class LayerModel:
         self.mem_bw = hw.hbm_gb_s * 1e9 * hw.mem_eff
         self.tp_link = hw.link(layout.span("tp"))
         self.cp_link = hw.link(layout.span("cp"))
-        # fp32 reduce-scatter of dK/dV under half precision (runtime/cp.py _GatherKV)
+        # fp32 reduce-scatter of dK/dV under half precision (runtime/cp_comm.py _GatherKV)
         self.grad_bytes = 4 if hw.dtype_bytes < 4 else hw.dtype_bytes
         # the dense part depends on neither CP overlap nor launch cost: shared across both
         self._dense = _dense_cache(shape, t, dataclasses.replace(hw, cp_overlap=0.0,

@@ -1,5 +1,6 @@
 """Context parallelism (CP) for ChunkFlow: zigzag shards of every chunk; attention over the other
-ranks' K/V passed around a ring behind the kernel, or all-gathered first.
+ranks' K/V passed around a ring behind the kernel, or all-gathered first (the exchanges
+themselves: runtime/cp_comm.py).
 
 Layout. core/packer pads every segment of a chunk to a multiple of 2 x CP tokens, and the chunk
 (its last segment) to 2 x CP x TP under sequence parallelism. A segment is cut into 2 x CP equal
@@ -66,7 +67,6 @@ Shapes: THD per TP rank, q [t, np, hn], k/v [t, ng, hn], t = this CP rank's toke
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megatron_chunkflow.attention import (
     attention_backward,
@@ -76,20 +76,8 @@ from megatron_chunkflow.attention import (
     merge_lse,
     resolve_backend,
 )
+from megatron_chunkflow.runtime.cp_comm import Peers, Traffic, gather_chunk_kv
 from megatron_chunkflow.runtime.cp_keys import KeySelection, RingSelection
-
-
-class Traffic:
-    """Bytes one rank receives in ChunkFlow's CP collectives, as NCCL's ring runs them:
-    (CP - 1)/CP of an all-gather's output, and of a reduce-scatter's input."""
-
-    def __init__(self):
-        self.gathered = 0  # all-gathers of K/V (forwards, and again in backwards)
-        self.reduce_scattered = 0  # dK/dV
-
-    @staticmethod
-    def received(t: torch.Tensor, size: int) -> int:
-        return t.numel() * t.element_size() * (size - 1) // size
 
 
 def cp_attention(q, k, v, selection: KeySelection | RingSelection, group, softmax_scale: float,
@@ -173,7 +161,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         ring, group, softmax_scale, backend, traffic = ctx.args
-        peers = _Peers(group)
+        peers = Peers(group)
         wide = torch.float32 if k.dtype in (torch.float16, torch.bfloat16) else k.dtype
         kv = torch.stack([k, v], dim=1)
         dq = torch.zeros_like(q, dtype=wide)
@@ -210,7 +198,7 @@ class _RingAttention(torch.autograd.Function):
 
 def _ring_forward(q, k, v, ring, group, softmax_scale, backend, traffic):
     """The ring's forward (module docstring): (out, lse) of this rank's queries."""
-    peers = _Peers(group)
+    peers = Peers(group)
     kv, out, lse = torch.stack([k, v], dim=1), None, None
     for step, block in enumerate(ring.blocks):
         arriving = peers.exchange(kv, traffic, "gathered") if step + 1 < peers.size else None
@@ -247,39 +235,6 @@ def _block_kv(kv, block, k, v, step):
     return selected[:, 0], selected[:, 1]
 
 
-class _Peers:
-    """This rank's ring neighbours in `group`: exchange() sends to the next rank and receives
-    from the previous one (one batch_isend_irecv, as NCCL needs a ring's sends and receives
-    grouped); wait() returns what arrived. Every rank issues the same exchanges in the same
-    order, so the sends and receives between two ranks pair up in order."""
-
-    def __init__(self, group):
-        self.size, rank = dist.get_world_size(group), dist.get_rank(group)
-        self.group = group
-        self.next = dist.get_global_rank(group, (rank + 1) % self.size)
-        self.prev = dist.get_global_rank(group, (rank - 1) % self.size)
-
-    def exchange(self, tensor, traffic: Traffic | None, counter: str):
-        return _Exchange(self, tensor.contiguous(), traffic, counter)
-
-
-class _Exchange:
-    def __init__(self, peers: _Peers, tensor, traffic, counter):
-        self.sent, self.received = tensor, torch.empty_like(tensor)  # both held until done
-        self.works = dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, tensor, peers.next, peers.group),
-            dist.P2POp(dist.irecv, self.received, peers.prev, peers.group)])
-        if traffic is not None:
-            setattr(traffic, counter, getattr(traffic, counter)
-                    + self.received.numel() * self.received.element_size())
-
-    def wait(self) -> torch.Tensor:
-        for work in self.works:
-            work.wait()
-        self.sent = None
-        return self.received
-
-
 class _RecomputedAttention(torch.autograd.Function):
     """Saves only the local q, k, v; the backward gathers and recomputes, then back-propagates
     (backends without the pair: sdpa, flex, te).
@@ -312,59 +267,7 @@ def _select(k, v, selection, group, traffic=None):
     return k.index_select(0, selection.index), v.index_select(0, selection.index)
 
 
-def gather_chunk_kv(k, v, group, traffic: Traffic | None = None):
-    """The whole K and V [cp * s, ng, hn] from every rank's shard (rank after rank), in one
-    collective (the attention's gather, and a chunk's own K/V under replicated state); the
-    backward reduce-scatters their gradient (fp32 under half precision)."""
-    kv = _GatherKV.apply(torch.stack([k, v], dim=1), group, traffic)  # [cp * s, 2, ng, hn]
-    return kv[:, 0], kv[:, 1]
-
-
 def _attend(q, k, v, selection, group, softmax_scale, backend, traffic=None):
     k, v = _select(k, v, selection, group, traffic)
     return chunk_attention(q, k, v, selection.cu_q, selection.cu_kv, softmax_scale=softmax_scale,
                            backend=backend)
-
-
-# torch >= 2.12 names them *_single (the *_tensor names are deprecated)
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class _GatherKV(torch.autograd.Function):
-    """All-gather along dim 0 over `group`; backward: reduce-scatter (summed in fp32 under half
-    precision; all-reduce and slice for CPU tensors: gloo has no reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx, x, group, traffic):
-        ctx.group, ctx.dtype, ctx.traffic = group, x.dtype, traffic
-        size = dist.get_world_size(group)
-        out = x.new_empty((size * x.size(0), *x.shape[1:]))
-        _ALL_GATHER(out, x.contiguous(), group=group)
-        if traffic is not None:
-            traffic.gathered += Traffic.received(out, size)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        group = ctx.group
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        wide = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
-        out = _reduce_scatter(grad.to(wide), group, size, rank, ctx.traffic)
-        return out.to(ctx.dtype), None, None
-
-
-def _reduce_scatter(grad, group, size: int, rank: int, traffic: Traffic | None):
-    """This rank's block of the sum over `group` of `grad` [size * s, ...] (all-reduce and slice
-    for CPU tensors: gloo has no reduce-scatter)."""
-    if grad.device.type == "cpu":
-        summed = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(summed, group=group)
-        out = summed.chunk(size)[rank]
-    else:
-        grad = grad.contiguous()
-        out = grad.new_empty((grad.size(0) // size, *grad.shape[1:]))
-        _REDUCE_SCATTER(out, grad, group=group)
-    if traffic is not None:
-        traffic.reduce_scattered += out.numel() * out.element_size() * (size - 1)
-    return out

@@ -28,7 +28,8 @@ import torch
 
 from megatron_chunkflow.attention import chunk_attention, lse_pair, resolve_backend
 from megatron_chunkflow.runtime import reforward
-from megatron_chunkflow.runtime.cp import cp_attention, gather_chunk_kv
+from megatron_chunkflow.runtime.cp import cp_attention
+from megatron_chunkflow.runtime.cp_comm import gather_chunk_kv
 from megatron_chunkflow.runtime.cp_keys import (
     KeySelection,
     hybrid_cu,

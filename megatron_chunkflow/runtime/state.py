@@ -52,7 +52,7 @@ from typing import NamedTuple
 
 import torch
 
-from megatron_chunkflow.runtime.cp import Traffic
+from megatron_chunkflow.runtime.cp_comm import Traffic
 
 
 class Kept(NamedTuple):
