@@ -110,20 +110,24 @@ def config_from_args(cls: type, args: argparse.Namespace, dest_prefix: str = "",
 GIVEN = "_flags_given"  # the Namespace attribute: destinations given on the command line
 
 
+def _note_given(namespace, dest: str) -> None:
+    if not hasattr(namespace, GIVEN):
+        setattr(namespace, GIVEN, set())
+    getattr(namespace, GIVEN).add(dest)
+
+
 class _Given(argparse._StoreAction):
     """store, and note that the flag was given (config_from_args's check_given)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         super().__call__(parser, namespace, values, option_string)
-        getattr(namespace, GIVEN, None) or setattr(namespace, GIVEN, set())
-        getattr(namespace, GIVEN).add(self.dest)
+        _note_given(namespace, self.dest)
 
 
 class _GivenTrue(argparse._StoreTrueAction):
     def __call__(self, parser, namespace, values, option_string=None):
         super().__call__(parser, namespace, values, option_string)
-        getattr(namespace, GIVEN, None) or setattr(namespace, GIVEN, set())
-        getattr(namespace, GIVEN).add(self.dest)
+        _note_given(namespace, self.dest)
 
 
 def _kind(annotation) -> tuple[type, tuple | None]:

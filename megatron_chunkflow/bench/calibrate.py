@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from megatron_chunkflow.bench.gpu_profile import Timer
 from megatron_chunkflow.core.costs import attention_flops_per_pair_per_layer, attention_pairs
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.perfmodel.hardware import Hardware, hardware_from_measurements
@@ -50,13 +51,7 @@ class CpuRates:
 
 
 def _median_time(fn, repeats: int = 3) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return Timer("cpu", warmup=1, repeats=repeats)(fn)
 
 
 def gemm_rate(shape: ModelShape, tokens: int, dtype=torch.float32) -> float:

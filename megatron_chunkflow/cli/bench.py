@@ -166,10 +166,8 @@ def run(args: argparse.Namespace) -> int:
     settings, source = settings_from_args(args)
     from megatron_chunkflow.memtrace.guard import check_host_memory, host_memory_of_job
 
-    world = settings.parallel.tp * settings.parallel.pp * settings.parallel.cp * \
-        settings.parallel.dp
     check_host_memory(settings.shape, settings.model_name, "float32", settings.parallel,
-                      *host_memory_of_job(world))
+                      *host_memory_of_job(settings.parallel.num_gpus))
     if args.png:
         os.makedirs(args.png, exist_ok=True)
     if "WORLD_SIZE" in os.environ or args.nproc == 1:

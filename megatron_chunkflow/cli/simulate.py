@@ -51,7 +51,6 @@ from megatron_chunkflow.perfmodel.gpu_profiles import (
     add_device_arguments,
     describe,
     device_from_args,
-    is_calibrated,
 )
 from megatron_chunkflow.perfmodel.comparison import CP_OVERLAP_ENDS, compare
 from megatron_chunkflow.perfmodel.predict import GIB, Prediction
@@ -267,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
             "tokens": sum(lengths), "longest": max(lengths), "truncated": truncated,
             "source": source,
             "usable_gib": hw.usable_bytes / GIB, "gpu_profile": hw.profile,
-            "calibrated": is_calibrated(hw),
+            "calibrated": hw.calibrated,
             "baseline": args.baseline, "hardware": dataclasses.asdict(hw),
         },
     })

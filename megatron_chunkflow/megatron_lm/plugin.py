@@ -191,7 +191,6 @@ def _get_model(original, model_provider_func, *args, **kwargs):
 
     note = ring_fallback(chunkflow_config(a), a.context_parallel_size, resolve_backend(a)) \
         if a.chunkflow else None
-
     if note and dist.get_rank() == 0:  # a substitution said, as train says it
         print(f"chunkflow: {note}", flush=True)
     return model

@@ -117,26 +117,27 @@ class Census:
             p.attention_kernels += 1
             p.attention_bytes += nbytes
         else:
-            p.memory_kernels += 1
-            p.memory_bytes += nbytes
-            p.bytes_by_op[name] += nbytes
+            _memory_kernel(p, name, nbytes)
 
     def kernel(self, name: str, phase: str, reads, writes) -> None:
         """One fused kernel (a compiled function, the fused RMSNorm): its tensors moved once."""
         if self.fused_depth:
             return
         p = self.phase(phase)
-        nbytes = _bytes(reads) + _bytes(writes)
         p.kernels += 1
-        p.memory_kernels += 1
-        p.memory_bytes += nbytes
         p.by_op[name] += 1
-        p.bytes_by_op[name] += nbytes
+        _memory_kernel(p, name, _bytes(reads) + _bytes(writes))
 
     def summary(self) -> dict:
         return {k: {"kernels": p.kernels, "memory_bytes": p.memory_bytes,
                     "gemm_flops": p.gemm_flops, "attention_kernels": p.attention_kernels,
                     "collectives": p.collectives} for k, p in self.phases.items()}
+
+
+def _memory_kernel(p: PhaseCensus, name: str, nbytes: int) -> None:
+    p.memory_kernels += 1
+    p.memory_bytes += nbytes
+    p.bytes_by_op[name] += nbytes
 
 
 def _bytes(tensors) -> int:

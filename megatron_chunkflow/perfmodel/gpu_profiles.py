@@ -23,7 +23,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from megatron_chunkflow.perfmodel.hardware import GPUS, Hardware, with_overrides
+from megatron_chunkflow.perfmodel.hardware import GPUS, IDENTITY, Hardware, with_overrides
 
 PROFILE_DIR = Path(__file__).with_name("gpu_profiles")
 # Step seconds measured on one H200 (torch 2.11 + CUDA 13, bf16, the local spec with every fusion
@@ -35,7 +35,6 @@ REFERENCE_STEPS = {("chunkflow", 16384, 1, "none"): 5.19, ("chunkflow", 8192, 2,
                    ("megatron-packed", None, None, "full"): 6.09}
 REFERENCE_MODEL, REFERENCE_SEQ = "qwen2.5-1.5b", 32768
 LABELS = ("measured", "datasheet", "published", "fitted", "build", "assumed")
-_NOT_RATES = ("name", "profile", "calibrated")
 
 
 def reference_batch() -> list[int]:
@@ -65,17 +64,13 @@ def reference_predictions(hw: Hardware) -> dict:
 
 
 def builtin_profiles() -> list[str]:
-    """Names of the built-in calibrated profiles (gpu_profiles/*.json)."""
+    """Names of the built-in profiles (gpu_profiles/*.json)."""
     return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
 
 
 def profile_names() -> list[str]:
     """Everything --gpu-profile takes by name: the datasheet devices and the built-in files."""
     return sorted(GPUS) + builtin_profiles()
-
-
-def is_calibrated(hw: Hardware) -> bool:
-    return hw.calibrated
 
 
 def describe(hw: Hardware) -> str:
@@ -120,7 +115,7 @@ def profile_hardware(data, where: str) -> Hardware:
                          f"({', '.join(GPUS)})")
     if not isinstance(data["rates"], dict):
         raise ValueError(f"{where}: 'rates' must be an object")
-    fields = {f.name: f for f in dataclasses.fields(Hardware) if f.name not in _NOT_RATES}
+    fields = {f.name: f for f in dataclasses.fields(Hardware) if f.name not in IDENTITY}
     values = {}
     for key, entry in data["rates"].items():
         if key not in fields:

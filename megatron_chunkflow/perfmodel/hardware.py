@@ -85,6 +85,7 @@ GIB = 2.0**30
 CP_OVERLAP = 0.8  # assumption, stated in the module docstring; reported at 0 and 1 by simulate
 KERNEL_LAUNCH_US = 3.8  # https://developer.nvidia.com/blog/cuda-graphs/ (module docstring)
 SPECS = ("te", "local")  # Hardware.spec
+IDENTITY = ("name", "profile", "calibrated")  # Hardware fields that say which device, not a rate
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,7 @@ class Hardware:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("name", "spec", "profile", "calibrated"):
+            if f.name in IDENTITY or f.name == "spec":
                 continue
             if not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"hardware {self.name}: {f.name} must be a finite number >= 0, "
@@ -234,8 +235,7 @@ def get_gpu(name: str) -> Hardware:
 
 def with_overrides(hw: Hardware, assignments: list[str], flag: str = "--gpu-set") -> Hardware:
     """Apply KEY=VALUE assignments (field names of Hardware) to `hw`."""
-    fields = {f.name: f for f in dataclasses.fields(Hardware)
-              if f.name not in ("name", "profile", "calibrated")}
+    fields = {f.name: f for f in dataclasses.fields(Hardware) if f.name not in IDENTITY}
     changes = {}
     for a in assignments:
         key, sep, value = a.partition("=")

@@ -54,6 +54,7 @@ class LayerKernels(NamedTuple):
     bwd_bytes: float
     fwd_kernels: int
     bwd_kernels: int
+    swiglu_bytes: float  # of fwd_bytes, SwiGLU's (what a recompute of the MLP runs again)
 
 
 def local_layer(shape: ModelShape, tp: int, sequence_parallel: bool, fused: bool,
@@ -65,13 +66,14 @@ def local_layer(shape: ModelShape, tp: int, sequence_parallel: bool, fused: bool
     f = shape.ffn_hidden_size / tp
     r, b, n = int(kv_repeat), int(shape.qkv_bias), int(shape.qk_norm)
     d = shape.head_dim
+    swiglu = (6 if fused else 14) * f
     fwd = (20 * h + (28 + 8 * r + 4 * b + 4.0625 * n) * q + (24 + 8 * b + 4.0625 * n) * kv
-           + (6 if fused else 14) * f + 112.125 * d)
+           + swiglu + 112.125 * d)
     bwd = (24 * h + (32.0625 + 4 * r + 2 * b + 6.0625 * n) * q
            + (36 + 4 * r + 4 * b + 6.0625 * n) * kv + (10 if fused else 26) * f + 8.125 * d)
     fk = 39 + 2 * r + b + 2 * n - 2 * fused
     bk = 40 + 2 * r + 2 * b + 4 * n - 3 * fused
-    return LayerKernels(fwd, bwd, fk, bk)
+    return LayerKernels(fwd, bwd, fk, bk, swiglu)
 
 
 def param_tensors(shape: ModelShape, num_layers: int) -> int:

@@ -240,7 +240,7 @@ class LayerModel:
         per_elem = T * hw.dtype_bytes / self.mem_bw
         norms = 8 * h / self.layout.tp * per_elem  # 2 norms (read + write), 2 copy-backs
         if self.local:  # the local spec's kernels as traced (perfmodel/kernels.py), bf16
-            swiglu = (6 if hw.fused_swiglu else 14) * self.ffn * T / self.mem_bw
+            swiglu = self.local.swiglu_bytes * T / self.mem_bw
             ew_fwd, ew_bwd = self.local.fwd_bytes * T / self.mem_bw, \
                 self.local.bwd_bytes * T / self.mem_bw
         else:

@@ -129,6 +129,9 @@ class Roofline:
         self.pp_link = hw.link(layout.span("pp"))
         self.dp_link = hw.link(layout.span("dp"))
         self.launch_s = hw.kernel_launch_us * 1e-6
+        # the local build adds each weight's gradient into its fp32 main_grad, per chunk and layer
+        self.grad_accum_s = (layer_params(shape) / layout.tp * GRAD_ACCUM_BYTES / self.mem_bw
+                             if self.layer.local else 0.0)
         # (tokens, stages) -> embedding, head, layers; the head depends on the loss piece
         self._ends = self.layer.ends_cache.setdefault(loss_piece, {})
 
@@ -187,12 +190,10 @@ class Roofline:
         for n in layers:
             r = self.layout.recompute.layers_recomputed(n)
             fwd.append(n * t.fwd + host)
-            bwd.append(r * t.bwd_full + (n - r) * t.bwd_keep + host * (1 + r / max(n, 1)))
+            bwd.append(r * t.bwd_full + (n - r) * t.bwd_keep + host * (1 + r / max(n, 1))
+                       + n * self.grad_accum_s)
         fwd[0], bwd[0] = fwd[0] + emb[0], bwd[0] + emb[1]
         fwd[-1], bwd[-1] = fwd[-1] + head[0], bwd[-1] + head[1]
-        if self.layer.local:  # each weight's gradient added into its fp32 main_grad, per chunk
-            per_layer = layer_params(self.shape) / self.layout.tp * GRAD_ACCUM_BYTES / self.mem_bw
-            bwd = [b + n * per_layer for b, n in zip(bwd, layers)]
         return fwd, bwd
 
     def kept_attention_costs(self, work: Work, num_stages: int,

@@ -128,7 +128,7 @@ def _iter_dir(root: Path, iteration: int) -> Path:
 
 def _tmp_dir(root: Path, iteration: int) -> Path:
     """Where iteration's checkpoint is written before it is complete."""
-    return root / f"iter_{iteration:07d}.tmp"
+    return _iter_dir(root, iteration).with_suffix(".tmp")
 
 
 def _rng_state() -> dict:

@@ -110,14 +110,27 @@ def test_dominance_holds_op_by_op():
                                    Recompute("selective", ("core_attn",)))
 
 
-@pytest.mark.parametrize("baseline", BASELINES)
-def test_megatron_search_is_exact(baseline):
-    layouts = [lay for lay in candidate_layouts(SHAPE, STOCK_HW, 2, allow_cp=True)
+def stock_brute_and_found(hw, baseline):
+    """(brute force over every layout Megatron runs, the pruned search) of one baseline."""
+    layouts = [lay for lay in candidate_layouts(SHAPE, hw, 2, allow_cp=True)
                if not unsupported_interleaving(
                    baseline_microbatches(LENGTHS, SEQ, lay.dp, baseline, lay.cp), lay)]
-    brute = fastest_fitting(predict_megatron(LENGTHS, SHAPE, STOCK_HW, lay, SEQ, baseline)
+    brute = fastest_fitting(predict_megatron(LENGTHS, SHAPE, hw, lay, SEQ, baseline)
                             for lay in layouts)
-    found = best_megatron(LENGTHS, SHAPE, STOCK_HW, 2, SEQ, baseline=baseline)
+    return brute, best_megatron(LENGTHS, SHAPE, hw, 2, SEQ, baseline=baseline)
+
+
+def chunkflow_auto_brute_and_found(hw):
+    """(brute force over every (C, K), the pruned --auto search) at TP 2, selective:mlp."""
+    lay = P(tp=2, recompute="selective:mlp")
+    brute = fastest_fitting(predict_chunkflow(LENGTHS, SHAPE, hw, lay, c, k)
+                            for c, k in chunking_candidates(LENGTHS, SEQ, 2))
+    return brute, best_chunkflow(LENGTHS, SHAPE, hw, 2, SEQ, layout=lay, auto_chunking=True)
+
+
+@pytest.mark.parametrize("baseline", BASELINES)
+def test_megatron_search_is_exact(baseline):
+    brute, found = stock_brute_and_found(STOCK_HW, baseline)
     assert found.fits and found.step_s == pytest.approx(brute.step_s, rel=1e-12)
     assert found.baseline == baseline
 
@@ -139,10 +152,7 @@ def test_chunkflow_search_is_exact():
 
 
 def test_chunkflow_auto_search_is_exact():
-    lay = P(tp=2, recompute="selective:mlp")
-    brute = fastest_fitting(predict_chunkflow(LENGTHS, SHAPE, CF_HW, lay, c, k)
-                            for c, k in chunking_candidates(LENGTHS, SEQ, 2))
-    found = best_chunkflow(LENGTHS, SHAPE, CF_HW, 2, SEQ, layout=lay, auto_chunking=True)
+    brute, found = chunkflow_auto_brute_and_found(CF_HW)
     assert found.step_s == pytest.approx(brute.step_s, rel=1e-12)
 
 
@@ -155,22 +165,13 @@ def test_nothing_fits_returns_the_smallest_footprint():
 @pytest.mark.parametrize("baseline", BASELINES)
 def test_searches_are_exact_on_the_calibrated_local_build(baseline):
     """The H200 profile's clock (megatron-core's local layer, its launch floor and per-chunk
-    gradient accumulation): the floors still bound, the pruned searches still find what brute
-    force finds."""
+    gradient accumulation): the pruned searches still find what brute force finds."""
     from megatron_chunkflow.perfmodel.gpu_profiles import load_profile
 
     local = load_profile("h200-torch2.11-local")
     stock_hw, cf_hw = (with_overrides(local, [f"memory_gib={m}"]) for m in (14.9, 8.9))
-    layouts = [lay for lay in candidate_layouts(SHAPE, stock_hw, 2, allow_cp=True)
-               if not unsupported_interleaving(
-                   baseline_microbatches(LENGTHS, SEQ, lay.dp, baseline, lay.cp), lay)]
-    brute = fastest_fitting(predict_megatron(LENGTHS, SHAPE, stock_hw, lay, SEQ, baseline)
-                            for lay in layouts)
-    found = best_megatron(LENGTHS, SHAPE, stock_hw, 2, SEQ, baseline=baseline)
+    brute, found = stock_brute_and_found(stock_hw, baseline)
     assert found.step_s == pytest.approx(brute.step_s, rel=1e-12)
     if baseline == "megatron-packed":
-        lay = P(tp=2, recompute="selective:mlp")
-        brute = fastest_fitting(predict_chunkflow(LENGTHS, SHAPE, cf_hw, lay, c, k)
-                                for c, k in chunking_candidates(LENGTHS, SEQ, 2))
-        found = best_chunkflow(LENGTHS, SHAPE, cf_hw, 2, SEQ, layout=lay, auto_chunking=True)
+        brute, found = chunkflow_auto_brute_and_found(cf_hw)
         assert found.step_s == pytest.approx(brute.step_s, rel=1e-12)
