@@ -161,6 +161,39 @@ def test_one_layout_type():
     assert not [p for p in MODULES if re.search(r"^class \w*Layout\b", p.read_text(), re.M)]
 
 
+def _reads_parallel_state(path: pathlib.Path) -> bool:
+    """Whether a file asks Megatron's parallel_state (under any alias) for a group, a size or a
+    rank (get_* / is_*), or calls Ranks.current()."""
+    text = path.read_text()
+    if "Ranks.current(" in text:
+        return True
+    aliases = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom) and node.module == "megatron.core.parallel_state":
+            if any(a.name.startswith(("get_", "is_")) for a in node.names):
+                return True
+        elif isinstance(node, ast.ImportFrom) and node.module == "megatron.core":
+            aliases |= {a.asname or a.name for a in node.names
+                        if a.name in ("parallel_state", "mpu")}
+        elif isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names
+                        if a.name == "megatron.core.parallel_state" and a.asname}
+    return any(isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+               and node.value.id in aliases and node.attr.startswith(("get_", "is_"))
+               for node in ast.walk(ast.parse(text)))
+
+
+def test_process_groups_come_from_the_job():
+    """Megatron's global parallel_state is read in one place, mcore/job.py (Job.from_megatron),
+    right after the groups are built; the build, the step, the loss, the exchanges, the checks,
+    the scripts and the tests take their degrees and groups from the Job they are given."""
+    files = [p for folder in (PKG, TESTS, REPO / "scripts") for p in folder.rglob("*.py")
+             if "__pycache__" not in p.parts]
+    readers = {str(p.relative_to(REPO)) for p in files
+               if p != pathlib.Path(__file__) and _reads_parallel_state(p)}
+    assert readers == {"megatron_chunkflow/mcore/job.py"}, sorted(readers)
+
+
 def test_cli_modules_import_no_other_cli_module():
     """Each subcommand is argparse and printing; what two of them share lives in a room below."""
     for path in (PKG / "cli").glob("*.py"):

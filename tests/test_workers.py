@@ -31,8 +31,8 @@ def _groups():
     from megatron_chunkflow.config import ParallelConfig
     from megatron_chunkflow.mcore.dist import init_distributed
 
-    ranks = init_distributed(ParallelConfig(tp=2))
-    return ranks.tp, len(dist.distributed_c10d._world.pg_map)
+    job = init_distributed(ParallelConfig(tp=2))
+    return job.ranks.tp, len(dist.distributed_c10d._world.pg_map)
 
 
 def _bad_input():

@@ -51,13 +51,11 @@ from megatron_chunkflow.core.costs import sequence_model_flops
 from megatron_chunkflow.data.synthetic import make_sequences
 from megatron_chunkflow.perfmodel.budget import ActivationRates
 from megatron_chunkflow.perfmodel.predict import predict_chunkflow, predict_megatron
-from megatron_chunkflow.runtime.ranks import Ranks
 
 
-def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
-    """The whole comparison on an initialised job (every rank); the same result on every rank."""
-    from megatron.core import parallel_state
-
+def run_bench(s: BenchSettings, job, log=lambda text: None) -> dict:
+    """The whole comparison on `job` (mcore/job.py; every rank); the same result on every
+    rank."""
     from megatron_chunkflow.bench.calibrate import (
         CpuRates,
         average_rates,
@@ -66,17 +64,17 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
     )
     torch.set_num_threads(s.threads)
     caching = s.caching_malloc and cache_freed_memory()
-    dp = Ranks.current().dp
+    dp = job.ranks.dp
     load = [os.getloadavg()[0]]
     pp = s.parallel.pp
-    chunkflow = build_system("chunkflow", train_settings(s, "chunkflow"))
+    chunkflow = build_system("chunkflow", train_settings(s, "chunkflow"), job)
     calibrations, fit = [], {}
 
     def calibrate():
         """Kernel rates and probe step times, measured now (the machine may be shared, so this
         runs again before every measured round and the simulator takes the medians)."""
         rates = average_rates(measure_cpu_rates(
-            s.shape, s.attention_backend, parallel_state.get_pipeline_model_parallel_group(),
+            s.shape, s.attention_backend, job.groups.pp,
             tokens=min(2048, max(128, s.seq_length // 16))))
         calibrations.append((rates, probe_step_times(chunkflow, s)))
         rates = CpuRates(*(statistics.median(col) for col in zip(
@@ -101,9 +99,9 @@ def run_bench(s: BenchSettings, log=lambda text: None) -> dict:
     cf_plan = plans["chunkflow"]
     chunkflow.settings = train_settings(s, "chunkflow", cf_plan.choice.chunk_size,
                                         cf_plan.choice.num_kept, cf_plan.recompute)
-    chunkflow = build_system("chunkflow", chunkflow.settings) \
+    chunkflow = build_system("chunkflow", chunkflow.settings, job) \
         if cf_plan.recompute.kind != "none" else chunkflow
-    systems = [build_system(b, train_settings(s, b, recompute=plans[b].recompute))
+    systems = [build_system(b, train_settings(s, b, recompute=plans[b].recompute), job)
                for b in s.baselines] + [chunkflow]
     for name, plan in plans.items():
         what = (f"C={plan.choice.chunk_size} K={plan.choice.num_kept} " if name == "chunkflow"

@@ -243,9 +243,9 @@ def measure_launch(timer: Timer, device: str, model: str = "qwen2.5-0.5b") -> di
         chunkflow=ChunkFlowConfig(128, 1, "auto"), optimizer=OptimizerConfig(lr_warmup_iters=0),
         device=device, fusions=False, memory_check=False)
     sequences = make_sequences(lengths, shape.vocab_size, 0)
-    init_distributed(seed=0)
+    job = init_distributed(seed=0)
     try:
-        tr = build_training(settings)
+        tr = build_training(settings, job)
         step = [0]
 
         def one():

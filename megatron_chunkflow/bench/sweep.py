@@ -1,7 +1,7 @@
 """Measure many training configurations on one batch: the engine of scripts/benchmarks/sweep_*.py.
 
-    rows = sweep(settings, [{"system": "chunkflow", "chunk_size": 1024, "k": 1},
-                            {"system": "megatron-packed", "recompute": "block:1"}])
+    rows = sweep(settings, job, [{"system": "chunkflow", "chunk_size": 1024, "k": 1},
+                                 {"system": "megatron-packed", "recompute": "block:1"}])
 
 Run in every process of a job (mcore/dist.py: run_processes). Each configuration is a
 system of bench/systems.py (ChunkFlow with its (C, K), or a stock baseline of core/step.py
@@ -31,15 +31,14 @@ from megatron_chunkflow.perfmodel.budget import chunkflow_peak
 MIB = 2.0**20
 
 
-def sweep(s: BenchSettings, configs: list[dict], log=lambda text: None) -> list[dict]:
-    """One row per configuration (same on every rank)."""
+def sweep(s: BenchSettings, job, configs: list[dict], log=lambda text: None) -> list[dict]:
+    """One row per configuration on `job` (mcore/job.py; the same rows on every rank)."""
     from megatron_chunkflow.data.synthetic import make_sequences
-    from megatron_chunkflow.runtime.ranks import Ranks
 
     torch.set_num_threads(s.threads)
     if s.caching_malloc:
         cache_freed_memory()
-    dp = Ranks.current().dp
+    dp = job.ranks.dp
     sequences = make_sequences(s.lengths, s.shape.vocab_size, s.seed)
     systems = {}
     act = None
@@ -48,7 +47,7 @@ def sweep(s: BenchSettings, configs: list[dict], log=lambda text: None) -> list[
         if cfg["system"] == "chunkflow":
             key = "chunkflow"
             if key not in systems:
-                systems[key] = build_system(key, train_settings(s, "chunkflow"))
+                systems[key] = build_system(key, train_settings(s, "chunkflow"), job)
                 act = probe_rates(systems[key], s)
             system = systems[key]
             system.settings = train_settings(s, "chunkflow", cfg["chunk_size"], cfg["k"])
@@ -57,7 +56,7 @@ def sweep(s: BenchSettings, configs: list[dict], log=lambda text: None) -> list[
             key = f"{baseline}-{cfg['recompute']}"
             if key not in systems:
                 systems[key] = build_system(baseline, train_settings(
-                    s, baseline, recompute=Recompute.parse(cfg["recompute"])))
+                    s, baseline, recompute=Recompute.parse(cfg["recompute"])), job)
             system = systems[key]
         records = [timed_step(system, sequences, trim=i < s.warmup or not s.warmup)
                    for i in range(s.warmup + s.repeats)]

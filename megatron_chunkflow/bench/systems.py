@@ -29,15 +29,14 @@ from megatron_chunkflow.data.synthetic import make_sequences
 from megatron_chunkflow.mcore.settings import OptimizerConfig, TrainSettings
 from megatron_chunkflow.mcore.step import (
     Training,
+    batch_forward_backward,
     build_training,
-    forward_backward,
     training_step,
 )
 from megatron_chunkflow.perfmodel.budget import ActivationRates, OptionRates
 from megatron_chunkflow.perfmodel.kvstate import kv_state_bytes_per_token
 from megatron_chunkflow.runtime.meter import ActivationMeter
 from megatron_chunkflow.runtime.observe import StageTimeline
-from megatron_chunkflow.runtime.ranks import Ranks
 
 PROBE_TOKENS = 1024
 
@@ -52,9 +51,11 @@ class System:
     training: Training
 
 
-def build_system(name: str, ts: TrainSettings) -> System:
+def build_system(name: str, ts: TrainSettings, job) -> System:
+    """`name` built on `job` (mcore/job.py) from the seed: every system starts from the same
+    weights."""
     torch.manual_seed(ts.seed)
-    return System(name, ts, build_training(ts))
+    return System(name, ts, build_training(ts, job))
 
 
 def train_settings(s: BenchSettings, system: str, chunk_size: int | None = None,
@@ -89,8 +90,8 @@ def gather(row: dict) -> list[dict]:
 def timed_step(system: System, sequences, trim: bool = True) -> list[dict]:
     """One step of `system`, measured on every rank; every rank's record. `trim`: return freed
     heap to the OS first, so the step's peak RSS is its own (and its pages fault in again)."""
-    ranks = Ranks.current()
     tr = system.training
+    ranks = tr.job.ranks
     meter, timeline = ActivationMeter(tr.model, tr.store), StageTimeline()
     gc.collect()
     reset_peak_rss(trim)
@@ -114,7 +115,7 @@ def probe_rates(system: System, s: BenchSettings,
     between its forward and its backward and the most live while it runs (a model per option,
     since Megatron's layers read the recompute setting when they are built); K/V, accumulator
     and hidden bytes from the tensors' shapes and dtypes."""
-    ranks = Ranks.current()
+    ranks = system.training.job.ranks
     probe = make_sequences([PROBE_TOKENS // 4] * 4 * ranks.dp, s.shape.vocab_size, s.seed)
     pp, tp = s.parallel.pp, s.parallel.tp
     measured = {}
@@ -123,10 +124,9 @@ def probe_rates(system: System, s: BenchSettings,
                                  seq_length=PROBE_TOKENS,
                                  parallel=dataclasses.replace(s.parallel, recompute=option))
         torch.manual_seed(s.seed)
-        tr = system.training if option.kind == "none" else build_training(ts)
+        tr = system.training if option.kind == "none" else build_training(ts, system.training.job)
         meter = ActivationMeter(tr.model, tr.store)
-        forward_backward(ts, tr, probe, observers=[meter])
-        tr.ddp.zero_grad_buffer()
+        batch_forward_backward(ts, tr, probe, observers=[meter])
         rows = gather({"stage": ranks.pp_rank,
                        "held": meter.max_chunk_activation / PROBE_TOKENS,
                        "peak": meter.peak_total / PROBE_TOKENS})
@@ -159,19 +159,19 @@ def probe_step_times(system: System, s: BenchSettings, repeats: int = 3) -> dict
     recompute: the median of `repeats` runs after one unrecorded."""
     out = {}
     for tokens in PROBE_SIZES:
-        batch = make_sequences([PROBE_SEGMENT] * (tokens // PROBE_SEGMENT) * Ranks.current().dp,
-                               s.shape.vocab_size, s.seed)
+        batch = make_sequences(
+            [PROBE_SEGMENT] * (tokens // PROBE_SEGMENT) * system.training.job.ranks.dp,
+            s.shape.vocab_size, s.seed)
         ts = dataclasses.replace(system.settings, system="megatron-packed", seq_length=tokens,
                                  parallel=dataclasses.replace(s.parallel, recompute=Recompute()))
         times = []
         for _ in range(repeats + 1):
             timeline = StageTimeline()
             tr = system.training
-            forward_backward(ts, tr, batch, observers=[ActivationMeter(tr.model, tr.store),
-                                                       timeline])
+            batch_forward_backward(ts, tr, batch, observers=[ActivationMeter(tr.model, tr.store),
+                                                             timeline])
             times.append(sum(end - start for _, _, start, end in timeline.ops))
         mine = torch.tensor([statistics.median(times[1:])], dtype=torch.float64)
         dist.all_reduce(mine)
         out[tokens] = float(mine) / dist.get_world_size()
-    system.training.ddp.zero_grad_buffer()
     return out

@@ -84,7 +84,8 @@ def run_hf_verify(hf_dir: str, lengths: Sequence[int], chunkflow: ChunkFlowConfi
     from megatron_chunkflow.mcore.build import build_chunkflow_model
     from megatron_chunkflow.mcore.dist import init_distributed
     from megatron_chunkflow.mcore.hf import export_hf_weights, padded_vocab_size, shape_from_hf_dir
-    from megatron_chunkflow.runtime.execute import execute_step, plan_step
+    from megatron_chunkflow.mcore.step import forward_backward
+    from megatron_chunkflow.runtime.execute import plan_step
     from megatron_chunkflow.runtime.loss import global_loss, make_forward_step
 
     dtype = torch.float64
@@ -92,23 +93,22 @@ def run_hf_verify(hf_dir: str, lengths: Sequence[int], chunkflow: ChunkFlowConfi
     sequences = make_sequences(lengths, shape.vocab_size, seed)
     ref_loss, ref_grads = hf_reference(hf_dir, sequences, dtype)
 
-    ranks = init_distributed(parallel, seed)
+    job = init_distributed(parallel, seed)
     padded = dataclasses.replace(shape, vocab_size=padded_vocab_size(shape.vocab_size,
                                                                      parallel.tp))
-    cm = build_chunkflow_model(padded, dtype, parallel, load_hf=hf_dir, hf_shape=shape,
+    cm = build_chunkflow_model(padded, dtype, job, load_hf=hf_dir, hf_shape=shape,
                                attention_backend=chunkflow.attention_backend)
-    ddp, config = cm.ddp, cm.config
-    step = plan_step(sequences, chunkflow, parallel, padded, ranks)
-    reports = execute_step(step, ddp, make_forward_step(exact_loss=True,
-                                                        vocab_size=shape.vocab_size))
-    loss, count = global_loss(reports)
+    step = plan_step(sequences, chunkflow, job.parallel, padded, job.ranks)
+    reports = forward_backward(job, cm, step, make_forward_step(
+        job.groups.tp, exact_loss=True, vocab_size=shape.vocab_size))
+    loss, count = global_loss(reports, job.ranks.tp)
 
     params = [p for model in cm.models for p in model.parameters()]
     saved = [p.data for p in params]
     try:  # the gradients have the parameters' layout: export them as if they were weights
         for p in params:
             p.data = p.main_grad.to(p.dtype)
-        grads = export_hf_weights(cm.models, config, shape)
+        grads = export_hf_weights(cm.models, cm.config, shape)
     finally:
         for p, data in zip(params, saved):
             p.data = data

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_chunkflow.config import NO_RECOMPUTE, ChunkFlowConfig, ParallelConfig, Recompute
+from megatron_chunkflow.config import ChunkFlowConfig
 from megatron_chunkflow.runtime.meter import ActivationMeter
 from megatron_chunkflow.runtime.ranks import Ranks
 
@@ -40,27 +40,28 @@ class MemoryRow:
     cp_reduce_scattered: int = 0  # and in dK/dV reduce-scatters
 
 
-def measure_one_sequence(shape, length: int, chunkflow: ChunkFlowConfig, dtype, seed: int = 0,
-                         lora=None, cp: int = 1, recompute: Recompute = NO_RECOMPUTE) -> MemoryRow:
-    """One training step of one sequence through ChunkFlow's schedule, metered (PP=1), on this
-    rank; with `lora` (mcore/lora.py LoRAConfig) the base is frozen and only adapters train. With
-    `cp` > 1 the process groups must have that CP size: this CP rank's share is measured; with
-    `recompute`, Megatron's recompute inside each chunk."""
+def measure_one_sequence(job, shape, length: int, chunkflow: ChunkFlowConfig, dtype,
+                         seed: int = 0, lora=None) -> MemoryRow:
+    """One training step of one sequence through ChunkFlow's schedule, metered, on this rank of
+    `job` (mcore/job.py; PP 1): with CP > 1 this CP rank's share, with the job's recompute
+    Megatron's recompute inside each chunk; with `lora` (mcore/lora.py LoRAConfig) the base is
+    frozen and only adapters train."""
     from megatron_chunkflow.data.synthetic import make_sequences
     from megatron_chunkflow.mcore.build import build_chunkflow_model
+    from megatron_chunkflow.mcore.step import forward_backward
     from megatron_chunkflow.perfmodel.kvstate import kv_state_bytes_per_token
-    from megatron_chunkflow.runtime.execute import execute_step, plan_step
+    from megatron_chunkflow.runtime.execute import plan_step
     from megatron_chunkflow.runtime.loss import make_forward_step
 
-    parallel, ranks = ParallelConfig(cp=cp, recompute=recompute), Ranks.current()
+    parallel, ranks, cp = job.parallel, job.ranks, job.parallel.cp
     alone = Ranks(tp=ranks.tp, tp_rank=ranks.tp_rank, cp=ranks.cp, cp_rank=ranks.cp_rank)
-    cm = build_chunkflow_model(shape, dtype, parallel, lora=lora, lora_seed=seed,
+    cm = build_chunkflow_model(shape, dtype, job, lora=lora, lora_seed=seed,
                                attention_backend=chunkflow.attention_backend)
     store = cm.store
     sequences = make_sequences([length], shape.vocab_size, seed)
     step = plan_step(sequences, chunkflow, parallel, shape, alone)  # whole on every DP rank
     meter = ActivationMeter(cm.ddp, store)
-    execute_step(step, cm.ddp, make_forward_step(exact_loss=True), observers=[meter])
+    forward_backward(job, cm, step, make_forward_step(job.groups.tp, exact_loss=True), [meter])
     kv, acc = (kv_state_bytes_per_token(shape, shape.num_layers, nbytes, ranks.tp,
                                         with_grad=False)
                for nbytes in (torch.finfo(dtype).bits // 8, 8 if dtype == torch.float64 else 4))

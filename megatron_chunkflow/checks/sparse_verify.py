@@ -31,7 +31,8 @@ from megatron_chunkflow.checks.verify import _run_reference, build_chunked_model
 from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
 from megatron_chunkflow.data.synthetic import make_sequences
 from megatron_chunkflow.mcore.names import full_model_name
-from megatron_chunkflow.runtime.execute import execute_step, plan_step
+from megatron_chunkflow.mcore.step import forward_backward
+from megatron_chunkflow.runtime.execute import plan_step
 from megatron_chunkflow.runtime.loss import global_loss, make_forward_step
 from megatron_chunkflow.runtime.sparse import inclusion_probability, sparsify
 
@@ -56,27 +57,24 @@ def run_sparse_verify(shape, lengths: Sequence[int], chunkflow: ChunkFlowConfig,
                       parallel: ParallelConfig = ParallelConfig(), lora=None,
                       exhaustive: bool = False, blocks: Sequence[int] = ()) -> SparseVerifyResult:
     """One batch: the exact gradient, then `draws` SpaCO gradients (or all selections)."""
-    from megatron.core import parallel_state
-
     from megatron_chunkflow.mcore.dist import init_distributed
 
     sequences = make_sequences(lengths, shape.vocab_size, seed)
-    init_distributed(ParallelConfig(tp=parallel.tp), seed)
-    ref_state, [(ref_loss, ref_count, ref_grads)] = _run_reference(shape, [sequences], dtype,
-                                                                   lora, seed)
-    ranks = init_distributed(parallel, seed)
-    cm = build_chunked_model(shape, ref_state, dtype, chunkflow, parallel, lora)
-    ddp = cm.ddp
-    base = plan_step(sequences, chunkflow, parallel, shape, ranks)
+    reference_job = init_distributed(ParallelConfig(tp=parallel.tp), seed)
+    ref_state, [(ref_loss, ref_count, ref_grads)] = _run_reference(
+        reference_job, shape, [sequences], dtype, lora, seed)
+    job = init_distributed(parallel, seed)
+    cm = build_chunked_model(job, shape, ref_state, dtype, chunkflow, lora)
+    base = plan_step(sequences, chunkflow, job.parallel, shape, job.ranks)
     batch = base.batch
-    step_fn = make_forward_step(exact_loss=True)
+    step_fn = make_forward_step(job.groups.tp, exact_loss=True)
     # (this stage's name, the PP = 1 model's name, parameter) over every model chunk
     params = [(n, full_model_name(n, cm.config, shape.tie_embeddings,
                                   getattr(model, "vp_stage", None)), p)
               for model in cm.models for n, p in model.named_parameters() if p.requires_grad]
     counted = _counted(params)
     g = torch.cat([ref_grads[full].double().flatten() for _, full, _ in params])
-    group = parallel_state.get_model_parallel_group()
+    group = job.groups.mp
 
     def norm2(x: torch.Tensor) -> float:
         total = torch.tensor([float((x[counted] ** 2).sum())], dtype=torch.float64)
@@ -95,10 +93,8 @@ def run_sparse_verify(shape, lengths: Sequence[int], chunkflow: ChunkFlowConfig,
         step = sparsify(base, t, **how)
         kept += sum(1 for c, m in step.metas.items() if m.dependent and c not in step.forward_only)
         dep += sum(1 for m in step.metas.values() if m.dependent)
-        for chunk_ddp in cm.ddps:
-            chunk_ddp.zero_grad_buffer()
-        reports = execute_step(step, ddp, step_fn)
-        loss_sum, count = global_loss(reports)
+        reports = forward_backward(job, cm, step, step_fn)
+        loss_sum, count = global_loss(reports, job.ranks.tp)
         assert count == ref_count, f"token counts differ: {count} vs {ref_count}"
         loss = loss_sum / max(count, 1)
         x = torch.cat([p.main_grad.double().flatten() for *_, p in params])
@@ -119,7 +115,7 @@ def run_sparse_verify(shape, lengths: Sequence[int], chunkflow: ChunkFlowConfig,
                 block_errors[b].append(norm2(acc / b - g) / g_norm ** 2)
                 acc.zero_()
     counts = torch.tensor([kept, dep], dtype=torch.float64)
-    dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+    dist.all_reduce(counts, group=job.groups.dp)
     rel_err = math.sqrt(norm2(mean - g)) / g_norm
     trace_var = _masked_sum(m2, counted, group) / (n - 1) if n > 1 else 0.0
     expected = 0.0 if exhaustive else math.sqrt(trace_var / n) / g_norm

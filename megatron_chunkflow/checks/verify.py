@@ -5,7 +5,7 @@ local DotProductAttention (causal), Megatron's forward_backward_no_pipelining, D
 finalize_model_grads, with DP = world / TP. Then the process groups are rebuilt for the layout under
 test (TP x CP x PP x DP, sequence parallelism and recompute as it says), each pipeline stage's model
 is built by mcore/build.py's build_chunkflow_model with its slice of the reference weights and runs
-the step through runtime/execute.py (plan_step, execute_step).
+the step through runtime/execute.py's plan_step and mcore/step.py's forward_backward.
 Both use per-token loss, so both gradients are (sum of masked token-loss gradients) / (global token
 count). Several steps (batches of different sizes, so different chunk counts) run in one go.
 
@@ -24,12 +24,12 @@ from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.simulate import simulate
 from megatron_chunkflow.data.synthetic import make_sequences
-from megatron_chunkflow.runtime.execute import execute_step, plan_step
+from megatron_chunkflow.mcore.step import forward_backward
+from megatron_chunkflow.runtime.execute import plan_step
 from megatron_chunkflow.runtime.inputs import whole_sequence_input
 from megatron_chunkflow.runtime.loss import global_loss, make_forward_step
 from megatron_chunkflow.runtime.observe import StageTimeline
 from megatron_chunkflow.runtime.p2p import comm_device
-from megatron_chunkflow.runtime.ranks import Ranks
 
 BOUNDS = {torch.float64: 1e-10, torch.float32: 1e-4}
 
@@ -75,11 +75,11 @@ def run_verify(shape: ModelShape, steps: Sequence[Sequence[int]],
     key = (shape, tuple(map(tuple, steps)), dtype, seed, tuple(fully_masked), lora, parallel.tp,
            dist.get_world_size() if dist.is_initialized() else 1)
     if key not in REFERENCES:
-        init_distributed(ParallelConfig(tp=parallel.tp), seed)
-        REFERENCES[key] = _run_reference(shape, batches, dtype, lora, seed)
-    init_distributed(parallel, seed)
-    out = [_run_chunked(shape, batches, REFERENCES[key], config, parallel, dtype, meter_cls,
-                        lora) for config in configs]
+        reference_job = init_distributed(ParallelConfig(tp=parallel.tp), seed)
+        REFERENCES[key] = _run_reference(reference_job, shape, batches, dtype, lora, seed)
+    job = init_distributed(parallel, seed)
+    out = [_run_chunked(job, shape, batches, REFERENCES[key], config, dtype, meter_cls, lora)
+           for config in configs]
     return out[0] if isinstance(chunkflow, ChunkFlowConfig) else out
 
 
@@ -89,16 +89,16 @@ REFERENCES: dict[tuple, tuple] = {}  # run_verify's unchunked runs, by what they
 LORA_B_STD = 0.05
 
 
-def _run_reference(shape, batches, dtype, lora=None, seed: int = 0):
-    """Stock Megatron, PP = 1: per step, (loss sum, count, {param name: gradient})."""
+def _run_reference(job, shape, batches, dtype, lora=None, seed: int = 0):
+    """Stock Megatron on `job` (PP = 1): per step, (loss sum, count, {param name: gradient})."""
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
     from megatron_chunkflow.mcore.build import build_gpt_model, transformer_config, wrap_ddp
 
-    ranks = Ranks.current()
-    step_fn = make_forward_step(exact_loss=True)
-    config = transformer_config(shape, dtype)
-    model = build_gpt_model(shape, config)
+    ranks = job.ranks
+    step_fn = make_forward_step(job.groups.tp, exact_loss=True)
+    config = transformer_config(shape, job, dtype)
+    model = build_gpt_model(shape, config, job)
     if lora is not None:
         from megatron_chunkflow.mcore.lora import apply_lora
 
@@ -121,38 +121,33 @@ def _run_reference(shape, batches, dtype, lora=None, seed: int = 0):
                                                                 device=comm_device()))
         grads = {name: p.main_grad.detach().clone() for name, p in model.named_parameters()
                  if p.requires_grad}
-        out.append((*global_loss(reports), grads))
+        out.append((*global_loss(reports, ranks.tp), grads))
     return state, out
 
 
-def build_chunked_model(shape, ref_state, dtype, chunkflow: ChunkFlowConfig,
-                        parallel: ParallelConfig, lora=None):
-    """This stage's ChunkFlow model (mcore/build.py; every model chunk with virtual stages) with
-    the reference weights (and adapters)."""
+def build_chunked_model(job, shape, ref_state, dtype, chunkflow: ChunkFlowConfig, lora=None):
+    """This stage of `job`'s ChunkFlow model (mcore/build.py; every model chunk with virtual
+    stages) with the reference weights (and adapters)."""
     from megatron_chunkflow.mcore.build import build_chunkflow_model
 
-    return build_chunkflow_model(shape, dtype, parallel, lora=lora, weights=ref_state,
+    return build_chunkflow_model(shape, dtype, job, lora=lora, weights=ref_state,
                                  attention_backend=chunkflow.attention_backend,
                                  loss_piece=chunkflow.loss_piece)
 
 
-def _run_chunked(shape, batches, reference, chunkflow: ChunkFlowConfig, parallel: ParallelConfig,
-                 dtype, meter_cls, lora=None) -> list[VerifyResult]:
+def _run_chunked(job, shape, batches, reference, chunkflow: ChunkFlowConfig, dtype, meter_cls,
+                 lora=None) -> list[VerifyResult]:
     ref_state, ref_steps = reference
-    ranks = Ranks.current()
-    cm = build_chunked_model(shape, ref_state, dtype, chunkflow, parallel, lora)
-    ddp, store = cm.ddp, cm.store
-    step_fn = make_forward_step(exact_loss=True)
+    cm = build_chunked_model(job, shape, ref_state, dtype, chunkflow, lora)
+    step_fn = make_forward_step(job.groups.tp, exact_loss=True)
     results = []
     for sequences, (ref_loss, ref_count, ref_grads) in zip(batches, ref_steps):
-        step = plan_step(sequences, chunkflow, parallel, shape, ranks)
-        meter = meter_cls(cm.models, store) if meter_cls is not None else None
+        step = plan_step(sequences, chunkflow, job.parallel, shape, job.ranks)
+        meter = meter_cls(cm.models, cm.store) if meter_cls is not None else None
         timeline = StageTimeline()
-        for chunk_ddp in cm.ddps:
-            chunk_ddp.zero_grad_buffer()
-        reports = execute_step(step, ddp, step_fn,
-                               observers=[timeline] + ([meter] if meter is not None else []))
-        loss, count = global_loss(reports)
+        reports = forward_backward(job, cm, step, step_fn,
+                                   [timeline] + ([meter] if meter is not None else []))
+        loss, count = global_loss(reports, job.ranks.tp)
         assert count == ref_count, f"token counts differ: {count} vs {ref_count}"
         errors = _grad_errors(cm.named_parameters(), ref_grads)
         worst = max(errors, key=lambda e: e[1])
@@ -162,7 +157,7 @@ def _run_chunked(shape, batches, reference, chunkflow: ChunkFlowConfig, parallel
             bubble_predicted=(simulate(step.plan, step.costs).bubble_ratio
                               if step.plan.chunks else 0.0),
             num_chunks=len(step.batch.chunks))
-        _pipeline_stats(result, timeline, meter)
+        _pipeline_stats(result, timeline, meter, job.groups.pp)
         results.append(result)
     return results
 
@@ -184,11 +179,9 @@ def _grad_errors(named_parameters, ref_grads) -> list[tuple[str, float]]:
     return [(n, float(d / s) if s > 0 else float(d)) for n, (d, s) in zip(full, stats.tolist())]
 
 
-def _pipeline_stats(result: VerifyResult, timeline, meter) -> None:
-    """Measured bubble of this DP replica's pipeline, and peak bytes per stage."""
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_pipeline_model_parallel_group()
+def _pipeline_stats(result: VerifyResult, timeline, meter, group) -> None:
+    """Measured bubble of this DP replica's pipeline (its pipeline `group`), and peak bytes per
+    stage."""
     p = dist.get_world_size(group)
     peaks = ((meter.peak_total, meter.peak_state, meter.peak_activation,
               meter.max_chunk_activation) if meter else (0, 0, 0, 0))

@@ -149,7 +149,7 @@ def _job(settings) -> dict:
     from megatron_chunkflow.bench.compare import run_bench
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
 
-    init_distributed(settings.parallel, settings.seed)
+    job = init_distributed(settings.parallel, settings.seed)
     rank0 = dist.get_rank() == 0
 
     def log(text: str) -> None:
@@ -157,7 +157,7 @@ def _job(settings) -> dict:
             print(f"chunkflow bench: {text}", file=sys.stderr, flush=True)
 
     try:
-        return run_bench(settings, log)
+        return run_bench(settings, job, log)
     finally:
         shutdown()
 

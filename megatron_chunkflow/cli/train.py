@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"token id {top} does not fit the model's vocabulary of "
                          f"{s.shape.vocab_size} (--model {s.model_name}); the data was tokenized "
                          f"by {tokenizer.name}: give the model's own tokenizer (--tokenizer DIR)")
-    ranks = init_distributed(s.parallel, s.seed)
+    job = init_distributed(s.parallel, s.seed)
     rank0 = torch.distributed.get_rank() == 0
     out = Output(args.json, quiet=not rank0)
     p = s.parallel
@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
             f"{p.recompute})")
     out.say(f"chunkflow train: {path}; model {s.model_name} ({s.dtype}), TP={p.tp} "
             + (f"CP={p.cp} " if p.cp > 1 else "") + f"PP={p.pp} "
-            f"DP={ranks.dp}, global batch {s.global_batch_size} sequences, "
+            f"DP={job.ranks.dp}, global batch {s.global_batch_size} sequences, "
             f"{s.train_iters} steps")
     if s.uses_chunkflow:  # a substitution said, not made silently
         from megatron_chunkflow.attention import resolve_backend
@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
                 f"({len(dataset)} samples): samples repeat within every step")
     log = StepLog(log_config, s.train_iters, quiet=not rank0)
     try:
-        history = train(s, dataset, on_step=log)
+        history = train(s, job, dataset, on_step=log)
     except (Diverged, SaveFailed) as e:  # a failed run, not bad usage: exit 1
         if rank0 or isinstance(e, SaveFailed):  # a save may fail on one rank only
             print(f"chunkflow train: error: {e}", file=sys.stderr)

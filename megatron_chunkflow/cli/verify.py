@@ -35,7 +35,6 @@ from megatron_chunkflow.core.hf_config import load_model_shape
 from megatron_chunkflow.core.models import MODEL_SHAPES
 from megatron_chunkflow.flags import add_config_arguments, config_from_args
 from megatron_chunkflow.mcore.lora import LoRAConfig
-from megatron_chunkflow.runtime.ranks import Ranks
 from megatron_chunkflow.runtime.sparse import SparseConfig
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -102,10 +101,10 @@ def run(args: argparse.Namespace) -> int:
     check_host_memory(s.shape, args.model_config or args.model, s.dtype, s.parallel,
                       *host_memory_of_job(), copies=2)
 
-    init_distributed(s.parallel, s.lengths.seed)
+    job = init_distributed(s.parallel, s.lengths.seed)
     try:
         return {"hf": _run_hf, "memory": _run_memory, "memory_cp": _run_memory_cp,
-                "sparse": _run_sparse, "exact": _run_check}[s.mode](s, args.json)
+                "sparse": _run_sparse, "exact": _run_check}[s.mode](s, job, args.json)
     finally:
         shutdown()
 
@@ -114,7 +113,7 @@ def _is_main() -> bool:
     return torch.distributed.get_rank() == 0
 
 
-def _run_check(s: VerifySettings, as_json: bool) -> int:
+def _run_check(s: VerifySettings, job, as_json: bool) -> int:
     from megatron_chunkflow.checks.verify import BOUNDS, run_verify
     from megatron_chunkflow.runtime.meter import ActivationMeter
 
@@ -131,7 +130,7 @@ def _run_check(s: VerifySettings, as_json: bool) -> int:
     ok = all(r.max_rel_grad_err <= bound
              and abs(r.loss_chunked - r.loss_ref) <= bound * max(1.0, abs(r.loss_ref))
              for r in results)
-    dp = Ranks.current().dp
+    dp = job.ranks.dp
     worst = max(results, key=lambda r: r.max_rel_grad_err)
     out = Output(as_json, quiet=not _is_main())
     n_dep = sum(1 for n in steps[0] if n > cfg.chunk_size)
@@ -174,7 +173,7 @@ def _run_check(s: VerifySettings, as_json: bool) -> int:
     return 0 if ok else 1
 
 
-def _run_hf(s: VerifySettings, as_json: bool) -> int:
+def _run_hf(s: VerifySettings, job, as_json: bool) -> int:
     from megatron_chunkflow.checks.hf_verify import run_hf_verify
 
     cfg, parallel = s.chunkflow, s.parallel
@@ -191,7 +190,7 @@ def _run_hf(s: VerifySettings, as_json: bool) -> int:
     out.say(f"max relative gradient error {r.max_rel_grad_err:.2e} ({r.worst_param}); bound 1e-10: "
             f"{'PASS' if ok else 'FAIL'}")
     out.result({"dtype": "float64", "tp": parallel.tp, "pp": parallel.pp,
-                "dp": Ranks.current().dp, "chunk_size": cfg.chunk_size,
+                "dp": job.ranks.dp, "chunk_size": cfg.chunk_size,
                 "k": cfg.num_kept, "loss_ref": r.loss_ref, "loss_chunked": r.loss_chunked,
                 "max_rel_grad_err": r.max_rel_grad_err, "worst_param": r.worst_param,
                 "reference": "transformers", "passed": ok})
@@ -211,7 +210,7 @@ def _lora_json(lora) -> dict | None:
     return {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.target_names)}
 
 
-def _run_memory(s: VerifySettings, as_json: bool) -> int:
+def _run_memory(s: VerifySettings, job, as_json: bool) -> int:
     from megatron_chunkflow.checks.memory import measure_one_sequence
 
     cfg, shape, dtype, lora = s.chunkflow, s.shape, DTYPES[s.dtype], s.lora
@@ -224,9 +223,9 @@ def _run_memory(s: VerifySettings, as_json: bool) -> int:
             + _recompute_note(rc))
     out.say(f"{'length':>8} {'chunked':>14} {'unchunked':>14} {'state':>14} {'state formula':>14}")
     for n in s.memory_lengths:
-        chunked = measure_one_sequence(shape, n, cfg, dtype, lora=lora, recompute=rc)
+        chunked = measure_one_sequence(job, shape, n, cfg, dtype, lora=lora)
         whole = dataclasses.replace(cfg, chunk_size=n, num_kept=1)
-        unchunked = measure_one_sequence(shape, n, whole, dtype, lora=lora, recompute=rc)
+        unchunked = measure_one_sequence(job, shape, n, whole, dtype, lora=lora)
         row = {"length": n, "chunked_bytes": chunked.activation, "unchunked_bytes":
                unchunked.activation + unchunked.state, "state_bytes": chunked.state,
                "state_formula_bytes": chunked.state_formula}
@@ -249,7 +248,7 @@ def _recompute_json(recompute) -> dict:
     return {} if recompute.kind == "none" else {"recompute": str(recompute)}
 
 
-def _run_memory_cp(s: VerifySettings, as_json: bool) -> int:
+def _run_memory_cp(s: VerifySettings, job, as_json: bool) -> int:
     """Per rank, peak activation + K/V state bytes of one sequence at CP = `cp` against CP = 1
     (each rank of the world runs it alone), same chunk size: the largest over the ranks."""
     from megatron_chunkflow.checks.memory import measure_one_sequence
@@ -272,9 +271,9 @@ def _run_memory_cp(s: VerifySettings, as_json: bool) -> int:
     for n in s.memory_lengths:
         measured = []
         for size in (1, cp):
-            init_distributed(ParallelConfig(cp=size), seed)
-            row = measure_one_sequence(shape, n, cfg, dtype, seed=seed, cp=size,
-                                       recompute=s.parallel.recompute)
+            layout = ParallelConfig(cp=size, recompute=s.parallel.recompute)
+            row = measure_one_sequence(init_distributed(layout, seed), shape, n, cfg, dtype,
+                                       seed=seed)
             peaks = torch.tensor([row.total, row.state, row.cp_gathered,
                                   row.cp_reduce_scattered], dtype=torch.float64,
                                  device=comm_device())
@@ -297,7 +296,7 @@ def _run_memory_cp(s: VerifySettings, as_json: bool) -> int:
 FACTOR = 4.0  # pass if rel_err_of_mean <= FACTOR * expected_rel_err
 
 
-def _run_sparse(s: VerifySettings, as_json: bool) -> int:
+def _run_sparse(s: VerifySettings, job, as_json: bool) -> int:
     """SpaCO is approximate: each draw's gradient differs from the exact one; their expectation
     is the exact gradient (docs/sparse.md). The check prints the relative error of the mean after
     1, 4, 16, ... draws (it should fall like 1 / sqrt(draws)) and passes when the final error is
@@ -315,7 +314,7 @@ def _run_sparse(s: VerifySettings, as_json: bool) -> int:
     bound = BOUNDS[dtype]
     loss_ok = abs(r.loss_sparse - r.loss_ref) <= bound * max(1.0, abs(r.loss_ref))
     ok = loss_ok and r.rel_err_of_mean <= FACTOR * r.expected_rel_err
-    dp = Ranks.current().dp
+    dp = job.ranks.dp
     out = Output(as_json, quiet=not _is_main())
     out.say(f"APPROXIMATE (SpaCO): {len(lengths)} sequences ({source}), {sum(lengths):,} tokens; "
             f"C={cfg.chunk_size} K={cfg.num_kept}, {s.dtype}, TP={parallel.tp} PP={parallel.pp} "

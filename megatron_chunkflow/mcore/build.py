@@ -1,8 +1,9 @@
 """Build a megatron-core GPTModel from a core.models.ModelShape (Qwen2/2.5, Qwen3, Llama 3.x,
 Mistral), and the one ChunkFlow model every entry point trains (`build_chunkflow_model`).
 
-    cm = build_chunkflow_model(shape, torch.float64, ParallelConfig(pp=2))  # after init_distributed
-    execute_step(step, cm.ddp, make_forward_step())      # cm.model, cm.store, cm.config
+    job = init_distributed(ParallelConfig(pp=2))         # mcore/dist.py; mcore/job.py
+    cm = build_chunkflow_model(shape, torch.float64, job)
+    forward_backward(job, cm, step, make_forward_step(job.groups.tp))   # mcore/step.py
 
 Every family: GQA (num_query_groups), RMSNorm, SwiGLU MLP, RoPE, tied or untied embeddings; the
 shape's switches add Qwen2's bias on QKV, Qwen3's QK norm (qk_layernorm) and head dim
@@ -17,24 +18,22 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.core.models import ModelShape
+from megatron_chunkflow.mcore.job import Job
 from megatron_chunkflow.mcore.names import full_model_name
 
 
-def transformer_config(shape: ModelShape, dtype: torch.dtype = torch.float32,
+def transformer_config(shape: ModelShape, job: Job, dtype: torch.dtype = torch.float32,
                        device: str | None = None, fusions: bool = True, **overrides):
-    """Megatron's TransformerConfig of `shape` for a run on `device` ("cuda", "cpu"; None: this
-    machine's). On a GPU with `fusions`, Megatron-LM's default fused kernels that need neither
-    Transformer Engine nor Apex: bias-SwiGLU (saves fc1's output only, SiLU and the product are
-    recomputed in its backward) and bias-dropout-add; RoPE fusion stays off (ChunkFlow's
-    positions continue across chunks)."""
-    from megatron.core import parallel_state
+    """Megatron's TransformerConfig of `shape` for a run of `job`'s layout (its degrees; its
+    sequence parallelism and recompute are the caller's overrides) on `device` ("cuda", "cpu";
+    None: this machine's). On a GPU with `fusions`, Megatron-LM's default fused kernels that need
+    neither Transformer Engine nor Apex: bias-SwiGLU (saves fc1's output only, SiLU and the
+    product are recomputed in its backward) and bias-dropout-add; RoPE fusion stays off
+    (ChunkFlow's positions continue across chunks)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_chunkflow.runtime.ranks import Ranks
-
-    ranks = Ranks.current()
+    parallel = job.parallel
     on_gpu = torch.cuda.is_available() if device is None else device == "cuda"
     fused = on_gpu and fusions
     kw = dict(
@@ -56,11 +55,10 @@ def transformer_config(shape: ModelShape, dtype: torch.dtype = torch.float32,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        tensor_model_parallel_size=ranks.tp,
-        pipeline_model_parallel_size=ranks.pp,
-        virtual_pipeline_model_parallel_size=(
-            parallel_state.get_virtual_pipeline_model_parallel_world_size()),
-        context_parallel_size=ranks.cp,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp > 1 else None,
+        context_parallel_size=parallel.cp,
         use_cpu_initialization=not on_gpu,
         apply_rope_fusion=False,
         bias_activation_fusion=fused,
@@ -113,11 +111,11 @@ def local_layer_spec(config, vp_stage: int | None = None):
         layer_norm=TorchRMSNorm)
 
 
-def build_gpt_model(shape: ModelShape, config, max_seq_length: int = 1 << 20,
+def build_gpt_model(shape: ModelShape, config, job: Job, max_seq_length: int = 1 << 20,
                     vp_stage: int | None = None, device: str | None = None):
-    """A GPTModel for this pipeline stage (model chunk `vp_stage` of it with virtual stages) on
-    `device` (None: this machine's), cast to config.params_dtype (norms included)."""
-    from megatron.core import parallel_state
+    """A GPTModel for this rank's pipeline stage of `job` (model chunk `vp_stage` of it with
+    virtual stages) on the job's process groups, on `device` (None: this machine's), cast to
+    config.params_dtype (norms included)."""
     from megatron.core.models.gpt import GPTModel
 
     from megatron_chunkflow.mcore.cpu import fix_checkpoint_without_output, has_real_cuda
@@ -130,16 +128,15 @@ def build_gpt_model(shape: ModelShape, config, max_seq_length: int = 1 << 20,
             transformer_layer_spec=local_layer_spec(config, vp_stage),
             vocab_size=shape.vocab_size,
             max_sequence_length=max_seq_length,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
-                                                               vp_stage=vp_stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
-                                                               vp_stage=vp_stage),
+            pre_process=job.is_first_stage(vp_stage),
+            post_process=job.is_last_stage(vp_stage),
             share_embeddings_and_output_weights=shape.tie_embeddings,
             position_embedding_type="rope",
             rotary_base=int(shape.rotary_base),
             rope_scaling=shape.rope_scaling_factor is not None,
             rope_scaling_factor=shape.rope_scaling_factor or 8.0,
             vp_stage=vp_stage,
+            pg_collection=job.groups,
         )
     # megatron-core builds linears and embeddings on the GPU but the local spec's norms on the
     # CPU; Megatron-LM's get_model moves the whole model, as this does
@@ -209,8 +206,7 @@ class ChunkFlowModel:
         return items[0]
 
 
-def build_chunkflow_model(shape: ModelShape, dtype: torch.dtype = torch.float32,
-                          parallel: ParallelConfig = ParallelConfig(), *,
+def build_chunkflow_model(shape: ModelShape, dtype: torch.dtype, job: Job, *,
                           attention_backend: str = "auto", load_hf: str | None = None,
                           hf_shape: ModelShape | None = None, lora=None, lora_seed: int = 0,
                           lora_b_init_std: float = 0.0, weights: dict | None = None,
@@ -218,9 +214,9 @@ def build_chunkflow_model(shape: ModelShape, dtype: torch.dtype = torch.float32,
                           loss_piece: int = 0, vocab_size: int | None = None,
                           distributed_optimizer: bool = False) -> ChunkFlowModel:
     """The ChunkFlow model of `chunkflow train`, verify, bench and the memory check, built in one
-    order on the process groups of `parallel` (mcore/dist.py: init_distributed):
+    order on `job`'s process groups (mcore/dist.py: init_distributed):
 
-    1. this stage's GPTModel in `dtype`, with `parallel`'s sequence parallelism and recompute;
+    1. this stage's GPTModel in `dtype`, with the job's sequence parallelism and recompute;
     2. `load_hf`: a Hugging Face checkpoint directory's weights (`hf_shape`: its unpadded shape);
     3. `lora` (mcore/lora.py LoRAConfig): adapters seeded by `lora_seed` (B drawn from
        N(0, lora_b_init_std) for gradient checks), every other weight frozen;
@@ -232,13 +228,14 @@ def build_chunkflow_model(shape: ModelShape, dtype: torch.dtype = torch.float32,
     `distributed_optimizer`: DDP's buffers laid out for Megatron's distributed optimizer."""
     from megatron_chunkflow.runtime.model import apply_chunkflow
 
-    config = transformer_config(shape, dtype, device, fusions,
+    parallel = job.parallel
+    config = transformer_config(shape, job, dtype, device, fusions,
                                 sequence_parallel=parallel.sequence_parallel,
                                 **parallel.recompute.megatron_kwargs())
     stages = [None] if parallel.vpp == 1 else list(range(parallel.vpp))
     models, store = [], None
     for vp_stage in stages:
-        model = build_gpt_model(shape, config, vp_stage=vp_stage, device=device)
+        model = build_gpt_model(shape, config, job, vp_stage=vp_stage, device=device)
         if load_hf:
             from megatron_chunkflow.mcore.hf import import_hf_weights
 

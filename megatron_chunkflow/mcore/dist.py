@@ -1,7 +1,7 @@
 """Process groups for one process or a torchrun job: torch.distributed + Megatron's parallel_state.
 
-    ranks = init_distributed(ParallelConfig(tp=2), seed=1234)   # under torchrun: env://
-    ranks.dp, ranks.dp_rank, ranks.pp_rank, ranks.cp_rank
+    job = init_distributed(ParallelConfig(tp=2), seed=1234)   # under torchrun: env://
+    job.ranks.dp, job.ranks.pp_rank, job.groups.cp            # mcore/job.py
     results = run_processes(fn, 4, arg)   # fn(arg) in 4 new processes forming one job
 
 On CPU the backend is gloo and mcore/cpu.py's shims are installed first. Alone (no WORLD_SIZE in
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_chunkflow.config import ParallelConfig
-from megatron_chunkflow.runtime.ranks import Ranks
+from megatron_chunkflow.mcore.job import Job
 
 _OWNS_DEFAULT_GROUP = False  # init_distributed started the default group, so shutdown ends it
 _GROUPS: tuple | None = None  # (world, TP, PP, V, CP) of the model-parallel groups built
@@ -53,10 +53,11 @@ def start_job() -> bool:
     return True
 
 
-def init_distributed(parallel: ParallelConfig = ParallelConfig(), seed: int = 1234) -> Ranks:
+def init_distributed(parallel: ParallelConfig = ParallelConfig(), seed: int = 1234) -> Job:
     """Megatron's model-parallel groups for `parallel` (TP, CP, PP; DP is what the world leaves)
-    in this job, started if needed, and its RNG seeded; this process's Ranks. ValueError when the
-    world is not a multiple of TP x CP x PP (or a given DP does not match)."""
+    in this job, started if needed, and its RNG seeded; the Job (the layout, this process's ranks
+    and the groups). ValueError when the world is not a multiple of TP x CP x PP (or a given DP
+    does not match)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -78,7 +79,7 @@ def init_distributed(parallel: ParallelConfig = ParallelConfig(), seed: int = 12
             context_parallel_size=parallel.cp)
         _GROUPS = groups
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
-    return Ranks.current()
+    return Job.from_megatron(parallel)
 
 
 def shutdown() -> None:

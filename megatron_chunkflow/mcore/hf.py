@@ -3,7 +3,7 @@ of mcore/build.py.
 
     shape = shape_from_hf_dir(hf_dir)                          # the checkpoint's vocabulary
     padded = dataclasses.replace(shape, vocab_size=padded_vocab_size(shape.vocab_size, tp))
-    config = transformer_config(padded); model = build_gpt_model(padded, config)
+    config = transformer_config(padded, job); model = build_gpt_model(padded, config, job)
     import_hf_weights(model, hf_dir, config, shape)            # this rank's TP / PP slice
     save_hf_checkpoint(model, config, shape, out_dir, hf_dir / "config.json")  # every rank calls
 
@@ -44,8 +44,8 @@ import torch.distributed as dist
 
 from megatron_chunkflow.core.hf_config import hf_config_dict, shape_from_hf_config
 from megatron_chunkflow.core.models import ModelShape
+from megatron_chunkflow.mcore.job import tensor_parallel_of
 from megatron_chunkflow.mcore.names import full_model_name
-from megatron_chunkflow.runtime.ranks import Ranks
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers that old transformers versions saved
 
@@ -274,8 +274,7 @@ def import_hf_weights(model, hf_dir_or_state_dict, config, shape: ModelShape) ->
     """
     src = _HFSource(hf_dir_or_state_dict)
     src.check(shape)
-    ranks = Ranks.current()
-    tp, rank = ranks.tp, ranks.tp_rank
+    tp, rank, _ = tensor_parallel_of(_unwrap(model))
     vp_stage = getattr(_unwrap(model), "vp_stage", None)
     for name, param in _unwrap(model).named_parameters():
         full_name = local_spec_name(full_model_name(name, config, shape.tie_embeddings, vp_stage))
@@ -319,11 +318,8 @@ def export_hf_weights(model, config, shape: ModelShape) -> dict[str, torch.Tenso
 
     Collective: every rank of the model-parallel group must call it.
     """
-    from megatron.core import parallel_state
-
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    tp = Ranks.current().tp
     chunks = [_unwrap(m) for m in (model if isinstance(model, list) else [model])]
+    tp, _, tp_group = tensor_parallel_of(chunks[0])
     if any(".lora_" in name for chunk in chunks for name, _ in chunk.named_parameters()):
         raise ValueError("the model has LoRA adapters: merge them into the base weights first "
                          "(mcore/lora.py merge_lora), or they would be left out")
@@ -337,7 +333,7 @@ def export_hf_weights(model, config, shape: ModelShape) -> dict[str, torch.Tenso
             # a copy even on CPU: the export must not alias live weights
             mine[local_spec_name(full_name)] = t.to("cpu", copy=True)
     stages = [mine]
-    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    pp_group = chunks[0].pg_collection.pp
     if dist.get_world_size(pp_group) > 1:
         stages = [None] * dist.get_world_size(pp_group)
         dist.all_gather_object(stages, mine, group=pp_group)

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_chunkflow.mcore.job import tensor_parallel_of
 from megatron_chunkflow.mcore.names import full_model_name
-from megatron_chunkflow.runtime.ranks import Ranks
 
 TARGETS = {  # --lora-targets name -> (module path inside a transformer layer, parallel mode)
     "qkv": ("self_attention.linear_qkv", "column"),
@@ -125,8 +125,7 @@ def apply_lora(model, lora: LoRAConfig, seed: int = 0, b_init_std: float = 0.0) 
 
     gpt = _unwrap(model)
     config = gpt.config
-    ranks = Ranks.current()
-    tp, tp_rank = ranks.tp, ranks.tp_rank
+    tp, tp_rank, _ = tensor_parallel_of(gpt)
     for p in gpt.parameters():
         p.requires_grad_(False)
     wanted = {TARGETS[t][0]: TARGETS[t][1] for t in lora.target_names}

@@ -2,8 +2,9 @@
 between a global batch and Megatron's optimizer. `chunkflow train`'s loop, bench's measured
 systems and the device check all step through here.
 
-    tr = build_training(settings)    # build_chunkflow_model, Megatron's Adam and LR schedule
+    tr = build_training(settings, job)  # build_chunkflow_model, Megatron's Adam and LR schedule
     out = training_step(settings, tr, sequences, step_index, observers=[timeline, meter])
+    reports = forward_backward(job, cm, step, forward_step)  # one planned ChunkFlow step
 
 Per step, every rank takes the same global batch `sequences` and then:
 - ChunkFlow: runtime/execute.py's plan_step (cut, pack, distribute over DP, plan for PP) and
@@ -14,7 +15,8 @@ Per step, every rank takes the same global batch `sequences` and then:
   its variable_seq_lengths shape exchange), Megatron's recompute as configured.
 Both then run Megatron's optimizer (get_megatron_optimizer: Adam, weight decay, gradient
 clipping) and OptimizerParamScheduler (linear warmup, cosine decay), per-token loss throughout.
-`observers` (runtime/observe.py) measure either schedule the same way.
+`observers` (runtime/observe.py) measure either schedule the same way. forward_backward is the
+one planned ChunkFlow step without training settings that training, bench and the checks share.
 """
 
 from __future__ import annotations
@@ -27,12 +29,12 @@ from megatron_chunkflow.core.schedule import interleaving_problem
 from megatron_chunkflow.core.step import baseline_microbatches
 from megatron_chunkflow.data.store import batch_lengths
 from megatron_chunkflow.mcore.build import ChunkFlowModel, build_chunkflow_model
+from megatron_chunkflow.mcore.job import Job
 from megatron_chunkflow.mcore.settings import TrainSettings
 from megatron_chunkflow.runtime.execute import execute_step, plan_step
-from megatron_chunkflow.runtime.inputs import chunk_input, chunk_meta
+from megatron_chunkflow.runtime.inputs import ChunkedStep, chunk_input, chunk_meta
 from megatron_chunkflow.runtime.loss import make_forward_step
 from megatron_chunkflow.runtime.observe import observing_megatron
-from megatron_chunkflow.runtime.ranks import Ranks
 from megatron_chunkflow.runtime.sparse import num_backward_chunks
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -40,9 +42,10 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 
 @dataclass
 class Training:
-    """What build_training makes: this rank's model stage (patched for chunk attention, in DDP),
-    Megatron's optimizer and LR scheduler."""
+    """What build_training makes: the job it runs on, this rank's model stage (patched for chunk
+    attention, in DDP), Megatron's optimizer and LR scheduler."""
 
+    job: Job
     chunkflow_model: ChunkFlowModel
     optimizer: object
     scheduler: object
@@ -73,15 +76,17 @@ class StepOutcome:
     grad_norm: float | None = None
 
 
-def build_training(s: TrainSettings) -> Training:
-    """Model (mcore/build.py: build_chunkflow_model; the baselines use the same attention, as
-    plain THD attention within packed sequences), Megatron's optimizer and LR scheduler."""
+def build_training(s: TrainSettings, job: Job) -> Training:
+    """Model on `job`'s process groups running s.parallel (mcore/job.py Job.for_layout; mcore/
+    build.py: build_chunkflow_model; the baselines use the same attention, as plain THD attention
+    within packed sequences), Megatron's optimizer and LR scheduler."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     dtype = DTYPES[s.dtype]
+    job = job.for_layout(s.parallel)  # its recompute and sequence parallelism
     cm = build_chunkflow_model(
-        s.shape, dtype, s.parallel, attention_backend=s.chunkflow.attention_backend,
+        s.shape, dtype, job, attention_backend=s.chunkflow.attention_backend,
         load_hf=s.checkpoint.load_hf, hf_shape=s.hf_shape, lora=s.lora, lora_seed=s.seed,
         device=s.device, fusions=s.fusions, loss_piece=s.chunkflow.loss_piece,
         vocab_size=s.real_vocab_size, distributed_optimizer=s.distributed_optimizer)
@@ -99,7 +104,7 @@ def build_training(s: TrainSettings) -> Training:
         wd_incr_steps=s.train_iters, wd_incr_style="constant",
         override_opt_param_scheduler=s.checkpoint.override_lr_schedule,
         use_checkpoint_opt_param_scheduler=not s.checkpoint.override_lr_schedule)
-    return Training(cm, optimizer, scheduler)
+    return Training(job, cm, optimizer, scheduler)
 
 
 def stock_interleaving_problem(s: TrainSettings, microbatches, dp: int,
@@ -122,30 +127,43 @@ def training_step(s: TrainSettings, tr: Training, sequences, step_index: int = 0
                   observers=()) -> StepOutcome:
     """One optimizer step on the global batch `sequences`: gradients zeroed, forward and
     backward, Adam, the LR schedule advanced."""
-    for ddp in tr.chunkflow_model.ddps:
-        ddp.zero_grad_buffer()
     tr.optimizer.zero_grad()
-    out = forward_backward(s, tr, sequences, step_index, observers)
+    out = batch_forward_backward(s, tr, sequences, step_index, observers)
     out.lr = tr.optimizer.param_groups[0]["lr"]  # the rate this step applies (the scheduler's)
     _, out.grad_norm, _ = tr.optimizer.step()
     tr.scheduler.step(increment=1)
     return out
 
 
-def forward_backward(s: TrainSettings, tr: Training, sequences, step_index: int = 0,
-                     observers=()) -> StepOutcome:
-    """Forward and backward of one global batch, gradients left in DDP's buffers (`observers`
-    called from ChunkFlow's schedule, or from Megatron's own)."""
+def forward_backward(job: Job, cm: ChunkFlowModel, step: ChunkedStep, forward_step,
+                     observers=()) -> list:
+    """One planned ChunkFlow step (runtime/execute.py plan_step) through `cm` on `job`: DDP's
+    gradient buffers zeroed, this stage's forward and backward (execute_step, `observers`
+    called from ChunkFlow's schedule), the gradients left in the buffers (reduced over DP and
+    divided by the step's tokens); the last stage's loss reports (runtime/loss.py global_loss)."""
+    for ddp in cm.ddps:
+        ddp.zero_grad_buffer()
+    return execute_step(step, cm.ddp, forward_step, observers=observers,
+                        pg_collection=job.groups)
+
+
+def batch_forward_backward(s: TrainSettings, tr: Training, sequences, step_index: int = 0,
+                           observers=()) -> StepOutcome:
+    """Forward and backward of one global batch from zeroed gradients, left in DDP's buffers
+    (`observers` called from ChunkFlow's schedule, or from Megatron's own)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    ranks = Ranks.current()
+    ranks = tr.job.ranks
     config = tr.chunkflow_model.config
-    step_fn = make_forward_step(exact_loss=s.dtype == "float64", vocab_size=s.real_vocab_size)
+    step_fn = make_forward_step(tr.job.groups.tp, exact_loss=s.dtype == "float64",
+                                vocab_size=s.real_vocab_size)
     if s.uses_chunkflow:
         step = plan_step(sequences, s.chunkflow, s.parallel, s.shape, ranks, sparse=s.sparse,
                          seed=s.seed, step_index=step_index)
-        reports = execute_step(step, tr.ddp, step_fn, observers=observers)
+        reports = forward_backward(tr.job, tr.chunkflow_model, step, step_fn, observers)
         return StepOutcome(reports, len(step.batch.chunks), num_backward_chunks(step))
+    for ddp in tr.chunkflow_model.ddps:
+        ddp.zero_grad_buffer()
     mbs = baseline_microbatches(batch_lengths(sequences), s.seq_length, ranks.dp, s.system)
     mine = [c for c in mbs if c.dp_rank == ranks.dp_rank]
     if not mine:  # fewer micro-batches than DP ranks: idle, as ChunkFlow's idle ranks are

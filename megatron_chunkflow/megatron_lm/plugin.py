@@ -84,6 +84,7 @@ class _Hooks:
         self.store = None  # the K/V state store every model chunk of this rank shares
         self.iterators = None  # built once; every virtual stage's slot gets the same
         self.memory_checked = False  # memtrace/guard.py before the first step
+        self.job = None  # mcore/job.py: Megatron-LM's process groups, read once
 
 
 _HOOKS = _Hooks()
@@ -222,21 +223,21 @@ def _build_iterators(original, provider):
     from megatron.core.rerun_state_machine import RerunDataIterator
 
     from megatron_chunkflow.config import ParallelConfig
+    from megatron_chunkflow.mcore.job import Job
     from megatron_chunkflow.megatron_lm.data import ChunkFlowStepIterator, open_datasets
-    from megatron_chunkflow.runtime.ranks import Ranks
 
     train, valid, split = open_datasets(a)
     chunkflow = chunkflow_config(a)
-    ranks = Ranks.current()
-    parallel = ParallelConfig(tp=ranks.tp, pp=ranks.pp, cp=ranks.cp, dp=ranks.dp,
-                              vpp=a.virtual_pipeline_model_parallel_size or 1,
-                              sequence_parallel=a.sequence_parallel)
+    job = _HOOKS.job = Job.from_megatron(ParallelConfig(
+        tp=a.tensor_model_parallel_size, pp=a.pipeline_model_parallel_size,
+        cp=a.context_parallel_size, vpp=a.virtual_pipeline_model_parallel_size or 1,
+        sequence_parallel=a.sequence_parallel))
 
     def steps(dataset, consumed):
         return ChunkFlowStepIterator(
             dataset=dataset, global_batch_size=a.global_batch_size, seed=a.seed,
-            chunkflow=chunkflow, parallel=parallel, ranks=ranks, shape=shape_from_args(a),
-            consumed=consumed)
+            chunkflow=chunkflow, parallel=job.parallel, ranks=job.ranks,
+            shape=shape_from_args(a), consumed=consumed)
 
     _HOOKS.iterator = steps(train, a.consumed_train_samples)
     evaluating = bool(a.eval_iters and a.eval_interval and valid is not None and len(valid))
@@ -282,16 +283,17 @@ def _chunkflow_forward_backward(*, forward_step_func, **kwargs):
     broadcast; chunks carry their own shapes, so the plugin's forward step runs instead (the same
     model call and Megatron's own vocab-parallel cross entropy, summed per token)."""
     import torch
-    from megatron.core import parallel_state
 
     from megatron_chunkflow.runtime.loss import make_forward_step
     from megatron_chunkflow.runtime.schedules import forward_backward_chunkflow
 
     if _HOOKS.loss_vocab is None:
         _HOOKS.loss_vocab = _loss_vocab_size(_args())
-    step_fn = make_forward_step(vocab_size=_HOOKS.loss_vocab)
+    job = _HOOKS.job  # the data iterator's, built before the first step
+    step_fn = make_forward_step(job.groups.tp, vocab_size=_HOOKS.loss_vocab)
+    kwargs["pg_collection"] = kwargs.get("pg_collection") or job.groups
     reports = forward_backward_chunkflow(forward_step_func=step_fn, **kwargs)
-    if not reports and parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+    if not reports and job.ranks.pp_rank == job.ranks.pp - 1:
         from megatron_chunkflow.runtime.p2p import comm_device
 
         # a DP rank without chunks this step: the same dtype and device as the others' reports,

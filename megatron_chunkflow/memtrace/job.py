@@ -1,6 +1,6 @@
 """One rank of a job, alone in this process: torch's fake process group and Megatron's groups.
 
-    with traced_rank(ParallelConfig(tp=2, pp=4), world=16, rank=5) as ranks:
+    with traced_rank(ParallelConfig(tp=2, pp=4), world=16, rank=5) as job:
         ...   # build and step as rank 5 of a 16-GPU job; every collective is a no-op
 
 torch's fake backend (torch.testing._internal.distributed.fake_pg, the one torchtitan's memory
@@ -19,6 +19,7 @@ import contextlib
 import torch.distributed as dist
 
 from megatron_chunkflow.config import ParallelConfig
+from megatron_chunkflow.mcore.job import Job
 from megatron_chunkflow.runtime.ranks import Ranks
 
 
@@ -42,7 +43,7 @@ def _gloo_groups_fake():
 @contextlib.contextmanager
 def traced_rank(parallel: ParallelConfig, world: int, rank: int, seed: int = 0):
     """Rank `rank` of a `world`-process job with the layout `parallel` (DP = what the world
-    leaves), on the fake process group; its Ranks. Everything is torn down on exit."""
+    leaves), on the fake process group; its Job (mcore/job.py). Everything is torn down on exit."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -65,7 +66,7 @@ def traced_rank(parallel: ParallelConfig, world: int, rank: int, seed: int = 0):
                 virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp > 1 else None,
                 context_parallel_size=parallel.cp)
         model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
-        yield Ranks.current()
+        yield Job.from_megatron(parallel)
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()

@@ -226,11 +226,11 @@ def trace_memory(settings, lengths, *, world: int | None = None, rank: int = 0,
     labeler = _Labeler()
     ledger = Ledger(labeler, block=1 if cpu else BLOCK)
     handles = []
-    with traced_rank(settings.parallel, world, rank, seed) as ranks:
+    with traced_rank(settings.parallel, world, rank, seed) as job:
         try:
             with traced_device(ledger, stack, settings.device), \
-                    _stock_shapes(settings, lengths, ranks):
-                tr = build_training(settings)
+                    _stock_shapes(settings, lengths, job.ranks):
+                tr = build_training(settings, job)
                 handles = labeler.watch(tr.chunkflow_model.models)
                 params = {id(p.untyped_storage()) for m in tr.chunkflow_model.models
                           for p in m.parameters()}
@@ -260,7 +260,7 @@ def trace_memory(settings, lengths, *, world: int | None = None, rank: int = 0,
     label = ledger.events[stats.peak_index].label
     phase_peaks = {f"step 0 {k}": v for k, v in first.items()} | ledger.phase_peaks
     return MemoryTrace(
-        ranks=ranks, stack=stack.name, peak_allocated=stats.peak_allocated,
+        ranks=job.ranks, stack=stack.name, peak_allocated=stats.peak_allocated,
         peak_reserved=stats.peak_reserved, peak_phase=label.phase,
         peak_where=f"{label.module} {label.op}".strip(), at_peak=at_peak, static=static,
         terms=terms, phase_peaks=phase_peaks, host_peak=ledger.host_peak,

@@ -1,8 +1,9 @@
 """A ChunkFlow training step on megatron-core: plan it, then execute it. Every caller (`chunkflow
 train`, the Megatron-LM plugin, verify, bench) goes through these two functions.
 
-    step = plan_step(sequences, chunkflow, parallel, shape, ranks)    # ranks: runtime/ranks.py
-    reports = execute_step(step, ddp_model, make_forward_step(), observers=[timeline])
+    step = plan_step(sequences, chunkflow, parallel, shape, job.ranks)   # job: mcore/job.py
+    reports = execute_step(step, ddp_model, make_forward_step(job.groups.tp),
+                           pg_collection=job.groups, observers=[timeline])
 
 plan_step: the core planner cuts, packs and distributes the global batch over DP (every rank builds
 the same chunks from the same lengths), plans this DP rank's chunks for the pipeline (state-aware
@@ -71,13 +72,14 @@ def plan_step(sequences: Sequence[TokenSequence], chunkflow: ChunkFlowConfig,
 
 def execute_step(step: ChunkedStep, model, forward_step_func, *,
                  observers: Sequence[StepObserver] = (), forward_only: bool = False,
-                 collect_non_loss_data: bool = False, pg_collection=None,
+                 collect_non_loss_data: bool = False, pg_collection,
                  p2p_communicator=None, force_all_reduce: bool = False) -> list:
     """Run this stage's share of `step` on `model` (a GPTModel stage patched by apply_chunkflow,
     usually wrapped in Megatron's DDP; with virtual stages the list of this rank's model chunks,
-    as Megatron's schedules take them); `forward_step_func` is a Megatron forward_step_func
-    (runtime/loss.py: make_forward_step). With `forward_only` (evaluation) every chunk runs once,
-    in forward order, without graph."""
+    as Megatron's schedules take them) over the job's process groups `pg_collection` (a
+    megatron-core ProcessGroupCollection: mcore/job.py Job.groups); `forward_step_func` is a
+    Megatron forward_step_func (runtime/loss.py: make_forward_step). With `forward_only`
+    (evaluation) every chunk runs once, in forward order, without graph."""
     from megatron.core.utils import get_model_config
 
     models = model if isinstance(model, list) else [model]
@@ -155,14 +157,10 @@ def check_same_plan(step: ChunkedStep, group) -> None:
 
 
 def _group(pg_collection, name: str):
-    """The pipeline ("pp"), context-parallel ("cp") or model-parallel ("mp") group: from
-    `pg_collection` when it has one, else megatron's parallel_state."""
-    if pg_collection is not None and getattr(pg_collection, name, None) is not None:
-        return getattr(pg_collection, name)
-    from megatron.core import parallel_state
-
-    if name == "pp":
-        return parallel_state.get_pipeline_model_parallel_group()
-    if name == "cp":
-        return parallel_state.get_context_parallel_group(check_initialized=False)
-    return parallel_state.get_model_parallel_group()
+    """The pipeline ("pp"), context-parallel ("cp") or model-parallel ("mp") group of the job's
+    `pg_collection`."""
+    group = getattr(pg_collection, name, None)
+    if group is None:
+        raise ValueError(f"the process groups given to execute_step have no {name!r} group "
+                         "(pass the job's: mcore/job.py Job.groups)")
+    return group

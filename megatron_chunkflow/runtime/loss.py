@@ -105,19 +105,18 @@ def token_loss_sum(labels: torch.Tensor, loss_mask: torch.Tensor, output: torch.
     return loss, num_tokens, {"lm loss": report}
 
 
-def global_loss(reports) -> tuple[float, float]:
-    """(loss sum, token count) over the whole job from the last stages' loss reports.
+def global_loss(reports, tp: int) -> tuple[float, float]:
+    """(loss sum, token count) over the whole job from the last stages' loss reports (every one of
+    the job's `tp` tensor-parallel ranks reports the same).
 
     A collective over all ranks: every rank must call it, those without reports add nothing.
     """
     from megatron_chunkflow.runtime.p2p import comm_device
-    from megatron_chunkflow.runtime.ranks import Ranks
 
     device = comm_device()
     total = sum((r["lm loss"].double().to(device) for r in reports),
                 torch.zeros(2, dtype=torch.float64, device=device))
     dist.all_reduce(total)
-    tp = Ranks.current().tp
     return float(total[0]) / tp, float(total[1]) / tp  # every TP rank reports the same
 
 
@@ -153,11 +152,7 @@ def _model_vocab(model) -> tuple[int | None, bool]:
     return getattr(model, "vocab_size", None), bool(getattr(model, "chunkflow_loss_piece", 0))
 
 
-def make_forward_step(exact_loss: bool = False, vocab_size: int | None = None, tp_group=None):
-    """forward_step bound to this rank's tensor-parallel group (megatron's parallel_state unless
-    `tp_group` is given)."""
-    if tp_group is None:
-        from megatron.core import parallel_state
-
-        tp_group = parallel_state.get_tensor_model_parallel_group()
+def make_forward_step(tp_group, exact_loss: bool = False, vocab_size: int | None = None):
+    """forward_step bound to this rank's tensor-parallel group (the job's: mcore/job.py
+    Job.groups.tp)."""
     return partial(forward_step, tp_group=tp_group, exact_loss=exact_loss, vocab_size=vocab_size)

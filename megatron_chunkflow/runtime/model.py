@@ -249,12 +249,12 @@ def apply_chunkflow(model, backend: str = "torch", store: KVStateStore | None = 
 
 
 def _context_parallel_group(attention):
-    """The CP group the attention module's RoPE uses (its pg_collection), else parallel_state's."""
+    """The CP group of the attention module's process groups (its pg_collection: the job's, given
+    to GPTModel by mcore/build.py)."""
     group = getattr(getattr(attention, "pg_collection", None), "cp", None)
     if group is None:
-        from megatron.core import parallel_state
-
-        group = parallel_state.get_context_parallel_group(check_initialized=False)
+        raise ValueError(f"{type(attention).__name__} has no context-parallel group: build the "
+                         "model on the job's process groups (mcore/build.py build_gpt_model)")
     return group
 
 

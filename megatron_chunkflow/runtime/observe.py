@@ -1,7 +1,7 @@
 """Observers: measurement attached to a step from outside its op loop.
 
     timeline = StageTimeline()
-    execute_step(step, model, forward_step, observers=[timeline, meter])
+    execute_step(step, model, forward_step, pg_collection=job.groups, observers=[timeline, meter])
     timeline.busy, timeline.step_time
 
 runtime/execute.py calls every observer, in list order, at these points of one pipeline stage's

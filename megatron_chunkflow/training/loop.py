@@ -1,6 +1,6 @@
 """The training loop behind `chunkflow train`: ChunkFlow, or a stock-Megatron baseline.
 
-    history = train(settings, dataset, on_step=print)
+    history = train(settings, job, dataset, on_step=print)   # job: mcore/dist.py init_distributed
 
 Per step, every rank takes the same global batch of `global_batch_size` sequences (a seeded
 shuffle of the dataset, epoch after epoch, data/sampler.py) and takes one step through
@@ -33,11 +33,11 @@ class Diverged(RuntimeError):
     """A step's loss or gradient norm was not finite: training stopped before saving it."""
 
 
-def train(s: TrainSettings, dataset, on_step=None) -> list[dict]:
-    """Run the loop on an initialised process group; returns one metrics dict per step. A step
+def train(s: TrainSettings, job, dataset, on_step=None) -> list[dict]:
+    """Run the loop on `job` (mcore/job.py); returns one metrics dict per step. A step
     whose loss or gradient norm is not finite (every rank sees the same reduced values) raises
     Diverged before that step is saved: the last checkpoint on disk is the last good one."""
-    tr = build_training(s)
+    tr = build_training(s, job)
     checkpointer = Checkpointer(s.checkpoint, tr.model, tr.optimizer, tr.scheduler,
                                 dataclasses.asdict(s))
     start, consumed = checkpointer.load()
@@ -49,9 +49,7 @@ def train(s: TrainSettings, dataset, on_step=None) -> list[dict]:
     history = []
     stop = s.train_iters if not s.exit_interval else min(s.train_iters, start + s.exit_interval)
     if not s.uses_chunkflow and s.parallel.vpp > 1:
-        from megatron_chunkflow.runtime.ranks import Ranks
-
-        check_stock_interleaving(s, dataset, sampler, start, stop, consumed, Ranks.current().dp)
+        check_stock_interleaving(s, dataset, sampler, start, stop, consumed, job.ranks.dp)
     for it in range(start, stop):
         sequences = global_batch(dataset, sampler.batch_at(consumed))
         metrics = train_step(s, tr, sequences, it)
@@ -90,7 +88,7 @@ def train_step(s: TrainSettings, tr: Training, sequences, it: int) -> dict:
     before = (traffic.gathered, traffic.reduce_scattered) if traffic else None
     t0 = time.perf_counter()
     out = training_step(s, tr, sequences, it)
-    loss_sum, count = global_loss(out.reports)
+    loss_sum, count = global_loss(out.reports, tr.job.ranks.tp)
     elapsed = time.perf_counter() - t0
     lengths = batch_lengths(sequences)
     metrics = {
@@ -104,7 +102,7 @@ def train_step(s: TrainSettings, tr: Training, sequences, it: int) -> dict:
         metrics.update(cp_kv_received_bytes=traffic.gathered - before[0],
                        cp_grad_received_bytes=traffic.reduce_scattered - before[1])
     if s.sparse.enabled:  # approximate: say so in every record
-        metrics.update(_sparse_metrics(s, out.backward))
+        metrics.update(_sparse_metrics(s, out.backward, tr.job.groups.dp))
     return metrics
 
 
@@ -144,16 +142,15 @@ def _export_hf(s: TrainSettings, model) -> None:
     save_hf_checkpoint(model, config, s.hf_shape or s.shape, s.checkpoint.save_hf, source)
 
 
-def _sparse_metrics(s: TrainSettings, backward: tuple[int, int]) -> dict:
+def _sparse_metrics(s: TrainSettings, backward: tuple[int, int], dp_group) -> dict:
     """SpaCO's per-step record: labelled approximate, with the chunks that ran backward (all DP
-    ranks)."""
+    ranks: `dp_group`)."""
     import torch
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
     from megatron_chunkflow.runtime.p2p import comm_device
 
     counts = torch.tensor(backward, dtype=torch.int64, device=comm_device())
-    dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+    dist.all_reduce(counts, group=dp_group)
     return {"approximate": True, "sparse_backward": s.sparse.sparse_backward,
             "backward_chunks": int(counts[0]), "dependent_chunks": int(counts[1])}

@@ -48,10 +48,10 @@ def _job(settings, configs):
     from megatron_chunkflow.bench.sweep import sweep
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
 
-    init_distributed(settings.parallel, settings.seed)
+    job = init_distributed(settings.parallel, settings.seed)
     rank0 = dist.get_rank() == 0
     try:
-        return sweep(settings, configs,
+        return sweep(settings, job, configs,
                      lambda text: rank0 and print(text, file=sys.stderr, flush=True))
     finally:
         shutdown()

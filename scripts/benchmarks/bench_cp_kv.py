@@ -66,7 +66,7 @@ def _job(lengths, chunk_size: int, steps: int, model: str, threads: int) -> list
     shape = get_model_shape(model)
     sequences = make_sequences(lengths, shape.vocab_size, seed=7)
     runs, parallel = [], ParallelConfig(cp=2)
-    init_distributed(parallel, 3)  # one set of groups: the four models live side by side
+    job = init_distributed(parallel, 3)  # one set of groups: the four models live side by side
     for name, (cp_kv, cp_attention, placement) in zip(NAMES, SYSTEMS):
         torch.manual_seed(3)
         config = ChunkFlowConfig(chunk_size, 1, cp_kv=cp_kv, cp_attention=cp_attention,
@@ -77,7 +77,7 @@ def _job(lengths, chunk_size: int, steps: int, model: str, threads: int) -> list
                           seq_length=max(lengths),
                           optimizer=OptimizerConfig(lr=1e-4, min_lr=1e-5, lr_warmup_iters=0),
                           dtype="float32", seed=3)
-        tr = build_training(s)
+        tr = build_training(s, job)
         runs.append((name, config, s, tr, StatePeaks(tr.chunkflow_model.store), []))
     for it in range(steps + 1):  # the systems take turns, step by step: the same load for each
         for name, config, s, tr, peak, rows in runs:

@@ -58,7 +58,6 @@ def _job(lengths, chunk_size: int, steps: int, model: str, threads: int,
     from megatron_chunkflow.mcore.step import build_training, training_step
     from megatron_chunkflow.runtime.execute import plan_step
     from megatron_chunkflow.runtime.observe import StageTimeline
-    from megatron_chunkflow.runtime.ranks import Ranks
 
     torch.set_num_threads(threads)
     shape = get_model_shape(model)
@@ -72,9 +71,9 @@ def _job(lengths, chunk_size: int, steps: int, model: str, threads: int,
                           global_batch_size=len(lengths), seq_length=seq_length,
                           optimizer=OptimizerConfig(lr=1e-4, min_lr=1e-5, lr_warmup_iters=0),
                           dtype="float32", seed=3)
-        init_distributed(parallel, s.seed)
-        ranks = Ranks.current()
-        tr = build_training(s)
+        job = init_distributed(parallel, s.seed)
+        ranks = job.ranks
+        tr = build_training(s, job)
         if system == "chunkflow":
             step = plan_step(sequences, s.chunkflow, parallel, shape, ranks)
             plan, costs = step.plan, step.costs

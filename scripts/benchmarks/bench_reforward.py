@@ -53,7 +53,7 @@ def _job(lengths, chunk_size: int, steps: int, model: str, threads: int) -> list
     shape = get_model_shape(model)
     sequences = make_sequences(lengths, shape.vocab_size, seed=7)
     runs, parallel = [], ParallelConfig(cp=2)
-    init_distributed(parallel, 3)
+    job = init_distributed(parallel, 3)
     for mode in MODES:
         torch.manual_seed(3)
         config = ChunkFlowConfig(chunk_size, 1, reforward_attention=mode)
@@ -62,7 +62,7 @@ def _job(lengths, chunk_size: int, steps: int, model: str, threads: int) -> list
                           global_batch_size=len(lengths), seq_length=max(lengths),
                           optimizer=OptimizerConfig(lr=1e-4, min_lr=1e-5, lr_warmup_iters=0),
                           dtype="float32", seed=3)
-        tr = build_training(s)
+        tr = build_training(s, job)
         runs.append((mode, s, tr, StatePeaks(tr.chunkflow_model.store), []))
     for it in range(steps + 1):  # the systems take turns, step by step: the same load for each
         for mode, s, tr, peaks, rows in runs:

@@ -42,9 +42,9 @@ def main() -> int:
                       global_batch_size=16, seq_length=max(lengths),
                       system="chunkflow" if args.chunkflow else "megatron-packed",
                       chunkflow=ChunkFlowConfig(256), optimizer=OptimizerConfig(lr_warmup_iters=2))
-    init_distributed(seed=s.seed)
+    job = init_distributed(seed=s.seed)
     proc, rss = psutil.Process(), []
-    train(s, dataset, on_step=lambda m: rss.append(proc.memory_info().rss))
+    train(s, job, dataset, on_step=lambda m: rss.append(proc.memory_info().rss))
     shutdown()
     half = rss[len(rss) // 2:]
     slope = float(np.polyfit(np.arange(len(half)), np.array(half, dtype=float), 1)[0])

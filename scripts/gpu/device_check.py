@@ -339,8 +339,8 @@ def _measure(s, sequences, lengths, steps) -> dict:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    init_distributed(seed=0)  # every system starts from the same weights
-    tr = build_training(s)
+    job = init_distributed(seed=0)  # every system starts from the same weights
+    tr = build_training(s, job)
     try:
         metrics = [train_step(s, tr, sequences, i) for i in range(steps)]
         # one more step under torch.profiler: time by kernel family, for the next calibration

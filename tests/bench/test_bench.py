@@ -103,11 +103,12 @@ def _peaks(lengths_list):
     from megatron_chunkflow.runtime.meter import ActivationMeter
     from megatron_chunkflow.runtime.observe import StageTimeline
 
-    init_distributed(ParallelConfig(pp=2))
+    parallel = ParallelConfig(pp=2)
+    job = init_distributed(parallel)
     s = BenchSettings(shape=get_model_shape("tiny"), model_name="tiny", lengths=[1],
-                      seq_length=1024, budget_bytes=2**30)
-    systems = [build_system("megatron-packed", train_settings(s, "megatron-packed")),
-               build_system("chunkflow", train_settings(s, "chunkflow", chunk_size=64))]
+                      seq_length=1024, budget_bytes=2**30, parallel=parallel)
+    systems = [build_system("megatron-packed", train_settings(s, "megatron-packed"), job),
+               build_system("chunkflow", train_settings(s, "chunkflow", chunk_size=64), job)]
     out = []
     for lengths in lengths_list:
         sequences = make_sequences(lengths, 1000, seed=0)

@@ -157,15 +157,19 @@ for _name in LAYOUTS:
 
 
 def _run_group(names):
-    """Every layout of one process-group shape, in one call: {name: its results}."""
-    from megatron.core import parallel_state
-
+    """Every layout of one process-group shape, in one call: {name: its results}, with the
+    virtual stages of the process groups it ran on (Job.from_megatron refuses groups of another
+    shape)."""
+    from megatron_chunkflow.config import ParallelConfig
     from megatron_chunkflow.mcore.dist import shutdown
+    from megatron_chunkflow.mcore.job import Job
 
     out = {}
     for name in names:
         out[name] = _run_layout(name)
-        out[name]["virtual"] = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+        _, tp, pp, cp, vpp = _group(name)
+        ran = Job.from_megatron(ParallelConfig(tp=tp, pp=pp, cp=cp, vpp=vpp))
+        out[name]["virtual"] = ran.parallel.vpp
     shutdown()
     return out
 

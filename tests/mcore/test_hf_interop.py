@@ -36,24 +36,24 @@ def checkpoints(tmp_path_factory):
     return build_checkpoints(tmp_path_factory)
 
 
-def _megatron_logits(model, tokens):
+def _megatron_logits(job, model, tokens):
     """Logits [1, s, V_padded], TP shards gathered, on the last stage; None on the others."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     pos = torch.arange(tokens.shape[1]).view(1, -1)
     hidden_shape = (tokens.shape[1], 1, model.config.hidden_size)  # [s, b, h]
-    if not ps.is_pipeline_first_stage():
+    stage, pp_group = job.ranks.pp_rank, job.groups.pp
+    if not job.is_first_stage():
         recv = torch.empty(hidden_shape)
-        dist.recv(recv, src=ps.get_pipeline_model_parallel_prev_rank())
+        dist.recv(recv, src=dist.get_global_rank(pp_group, stage - 1))
         model.set_input_tensor(recv)
     with torch.no_grad():
         out = model(tokens, pos, None)
-    if not ps.is_pipeline_last_stage():
-        dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+    if not job.is_last_stage():
+        dist.send(out.contiguous(), dst=dist.get_global_rank(pp_group, stage + 1))
         return None
-    shards = [torch.empty_like(out) for _ in range(ps.get_tensor_model_parallel_world_size())]
-    dist.all_gather(shards, out.contiguous(), group=ps.get_tensor_model_parallel_group())
+    shards = [torch.empty_like(out) for _ in range(job.ranks.tp)]
+    dist.all_gather(shards, out.contiguous(), group=job.groups.tp)
     return torch.cat(shards, dim=-1)
 
 
@@ -73,15 +73,15 @@ def _run_layout(layout, cases, out_root, bad_inputs=None):
 
     rank = int(os.environ["RANK"])
     tp, pp, _ = LAYOUTS[layout]
-    init_distributed(ParallelConfig(tp=tp, pp=pp))
+    job = init_distributed(ParallelConfig(tp=tp, pp=pp))
     results = {}
     for name, (path, tokens) in cases.items():
         shape = shape_from_hf_dir(path)
         padded = dataclasses.replace(shape, vocab_size=padded_vocab_size(shape.vocab_size, tp))
-        config = transformer_config(padded, torch.float32)
-        model = build_gpt_model(padded, config).eval()
+        config = transformer_config(padded, job, torch.float32)
+        model = build_gpt_model(padded, config, job).eval()
         import_hf_weights(model, path, config, shape)
-        logits = _megatron_logits(model, tokens)
+        logits = _megatron_logits(job, model, tokens)
         exported = export_hf_weights(model, config, shape)
         source = path / "config.json" if layout != "pp2" else None  # pp2: a generated config
         save_hf_checkpoint(model, config, shape, out_root / f"{layout}_{name}", source)

@@ -19,7 +19,6 @@
 import pytest
 
 from megatron_chunkflow.config import ParallelConfig
-from megatron_chunkflow.runtime.ranks import Ranks
 
 pytestmark = pytest.mark.slow
 
@@ -98,14 +97,11 @@ def test_lora_chunked_equals_unchunked_layout(gloo, name):
         _check(name, rows)
 
 
-def _full_grads(model):
+def _full_grads(job, model):
     """Adapter gradients gathered over TP into their TP = 1 layout (fc1's B by gate/up halves)."""
-    from megatron.core import parallel_state
-
     from megatron_chunkflow.mcore.hf import gather_tensor_parallel
 
-    group = parallel_state.get_tensor_model_parallel_group()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+    group, tp = job.groups.tp, job.ranks.tp
     out = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -133,9 +129,9 @@ def _tp_invariance():
     sequences = make_sequences(MIXED, shape.vocab_size, seed=4)
     base, out = None, {}
     for tp, sp in [(1, False), (2, False), (2, True)]:
-        init_distributed(ParallelConfig(tp=tp), 4)
-        config = transformer_config(shape, torch.float64, sequence_parallel=sp)
-        model = build_gpt_model(shape, config)
+        job = init_distributed(ParallelConfig(tp=tp, sequence_parallel=sp), 4)
+        config = transformer_config(shape, job, torch.float64, sequence_parallel=sp)
+        model = build_gpt_model(shape, config, job)
         if base is None:
             # a copy: on CPU at TP = 1 the exported tensors are the parameters themselves
             base = {k: v.clone() for k, v in export_hf_weights(model, config, shape).items()}
@@ -144,11 +140,12 @@ def _tp_invariance():
         apply_lora(model, LoRAConfig(rank=4, alpha=8), seed=4, b_init_std=0.05)
         apply_chunkflow(model, backend="torch")
         ddp = wrap_ddp(model, config)
-        step = plan_step(sequences, ChunkFlowConfig(C, 1, "torch"),
-                         ParallelConfig(tp=tp, sequence_parallel=sp), shape, Ranks.current())
-        reports = execute_step(step, ddp, make_forward_step(exact_loss=True))
-        loss_sum, count = global_loss(reports)
-        grads = _full_grads(model)
+        step = plan_step(sequences, ChunkFlowConfig(C, 1, "torch"), job.parallel, shape,
+                         job.ranks)
+        reports = execute_step(step, ddp, make_forward_step(job.groups.tp, exact_loss=True),
+                               pg_collection=job.groups)
+        loss_sum, count = global_loss(reports, tp)
+        grads = _full_grads(job, model)
         standalone = next(c for c, m in step.metas.items() if not m.dependent)
         inp = step.inputs[standalone]
         with torch.no_grad():
@@ -202,18 +199,17 @@ def _train(ckpt, hf_dir):
     from megatron_chunkflow.data.synthetic import make_sequences
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
     from megatron_chunkflow.mcore.settings import CheckpointConfig
-    from megatron_chunkflow.mcore.step import build_training, forward_backward
+    from megatron_chunkflow.mcore.step import batch_forward_backward, build_training
     from megatron_chunkflow.training.loop import train
 
     dataset = make_sequences(TRAIN_LENGTHS, 1000, seed=3)
     out = {}
     # one step by hand: what is trainable, what has optimizer state, what changes
     s = _settings(warmup=0)  # (warmup starts at lr 0)
-    init_distributed(seed=s.seed)
-    tr = build_training(s)
+    tr = build_training(s, init_distributed(seed=s.seed))
     model, optimizer = tr.model, tr.optimizer
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    forward_backward(s, tr, dataset[:6])
+    batch_forward_backward(s, tr, dataset[:6])
     optimizer.step()
     out["trainable"] = sorted(n for n, p in model.named_parameters() if p.requires_grad)
     out["optimizer_params"] = sum(len(g["params"]) for g in optimizer.param_groups)
@@ -227,8 +223,8 @@ def _train(ckpt, hf_dir):
                           exit_interval=3),
             "resumed": dict(checkpoint=CheckpointConfig(load=ckpt))}
     for name, kw in runs.items():
-        init_distributed(seed=s.seed)
-        out[name] = [m["loss"] for m in train(_settings(**kw), dataset)]
+        job = init_distributed(seed=s.seed)
+        out[name] = [m["loss"] for m in train(_settings(**kw), job, dataset)]
     shutdown()
     from safetensors.torch import load_file
 
@@ -267,11 +263,11 @@ def _resume_tp2(ckpt):
     out = []
     for kw in [{}, dict(checkpoint=CheckpointConfig(save=ckpt, save_interval=2),
                         exit_interval=2), dict(checkpoint=CheckpointConfig(load=ckpt))]:
-        init_distributed(ParallelConfig(tp=2), 5)
+        job = init_distributed(ParallelConfig(tp=2), 5)
         s = _settings(train_iters=4, warmup=0,
                       parallel=ParallelConfig(tp=2, sequence_parallel=True),
                       sparse=SparseConfig(2), **kw)
-        out.append([m["loss"] for m in train(s, dataset)])
+        out.append([m["loss"] for m in train(s, job, dataset)])
     shutdown()
     return out
 

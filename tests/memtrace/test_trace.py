@@ -38,9 +38,9 @@ def _real_peak(settings) -> int:
     from megatron_chunkflow.memtrace.job import traced_rank
 
     sequences = make_sequences(LENGTHS, SHAPE.vocab_size, 0)
-    with traced_rank(settings.parallel, 1, 0, 0):
+    with traced_rank(settings.parallel, 1, 0, 0) as job:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            tr = build_training(settings)
+            tr = build_training(settings, job)
             tr.optimizer.step()
             training_step(settings, tr, sequences, 1)
         del tr

@@ -13,12 +13,11 @@ def _losses(tp: int, dtype_name: str):
     """Per-token losses and the logits' gradient on this TP rank's shard, with padded rows holding
     large logits (so that leaving them in would show)."""
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
     from megatron_chunkflow.mcore.dist import init_distributed
     from megatron_chunkflow.runtime.loss import token_loss_sum
 
-    init_distributed(ParallelConfig(tp=tp))
+    job = init_distributed(ParallelConfig(tp=tp))
     dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(0)
     full = torch.randn(1, TOKENS, PADDED, generator=g, dtype=torch.float64)
@@ -26,10 +25,10 @@ def _losses(tp: int, dtype_name: str):
     labels = torch.randint(0, VOCAB, (1, TOKENS), generator=g)
     labels[0, :4] = torch.tensor([0, VOCAB - 1, 255, 256])  # both sides of TP 2's shard edge
     mask = torch.ones(1, TOKENS)
-    rank = parallel_state.get_tensor_model_parallel_rank()
+    rank = job.ranks.tp_rank
     local = full.chunk(tp, dim=-1)[rank].to(dtype).requires_grad_()
     logits = local * 1  # a non-leaf, as the output layer's
-    group = parallel_state.get_tensor_model_parallel_group()
+    group = job.groups.tp
     loss, count, _ = token_loss_sum(labels, mask, logits, tp_group=group,
                                     exact=dtype == torch.float64, vocab_size=VOCAB)
     loss.backward()

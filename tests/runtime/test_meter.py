@@ -215,7 +215,7 @@ def test_saved_views_of_the_store_buffer_and_kept_inputs_are_state():
 
 
 # ---- ChunkFlow's schedule on megatron-core, in the world-of-one job ------------------------------
-def _chunkflow_state(c: int, n: int) -> dict:
+def _chunkflow_state(job, c: int, n: int) -> dict:
     """One sequence of n chunks of c tokens, K = 1, float64, through ChunkFlow's schedule: at the
     end of every op, the meter's live split and the store's own bytes."""
     from megatron_chunkflow.checks.memory import kv_state_formula
@@ -228,7 +228,7 @@ def _chunkflow_state(c: int, n: int) -> dict:
     from megatron_chunkflow.runtime.loss import make_forward_step
 
     shape = get_model_shape("tiny")
-    cm = build_chunkflow_model(shape, torch.float64, attention_backend="cpu_flash")
+    cm = build_chunkflow_model(shape, torch.float64, job, attention_backend="cpu_flash")
     model, store = cm.ddp, cm.store
     cfg = ChunkFlowConfig(c, 1, "cpu_flash")
     step = plan_step(make_sequences([n * c], shape.vocab_size, 0), cfg, ParallelConfig(), shape)
@@ -247,7 +247,8 @@ def _chunkflow_state(c: int, n: int) -> dict:
             yield
             ends.append(("B", step.metas[op.chunk].index, False, meter.live, store.nbytes()))
 
-    execute_step(step, model, make_forward_step(exact_loss=True), observers=[meter, AtOpEnds()])
+    execute_step(step, model, make_forward_step(job.groups.tp, exact_loss=True),
+                 pg_collection=job.groups, observers=[meter, AtOpEnds()])
     u = kv_state_bytes_per_token(shape, shape.num_layers, 8, 1, with_grad=False)
     return {"ends": ends, "peak_state": meter.peak_state, "u": u, "c": c,
             "formula": kv_state_formula(n * c, c, u, u), "live_after": meter.live.total}
@@ -271,7 +272,7 @@ class CountsStaleStoreReads(ActivationMeter):
         self.stale += self._store_bytes != self.store.nbytes()
 
 
-def _chunkflow_with_megatron_recompute() -> list[tuple]:
+def _chunkflow_with_megatron_recompute(job) -> list[tuple]:
     """Sequences of up to 11 chunks (C = 64, K = 2), bfloat16, with Megatron's full recompute on
     top of ChunkFlow (views of the K/V buffer saved again by each recompute):
     every peak, for the meter and for ReadsStoreAlways, twice each."""
@@ -283,7 +284,8 @@ def _chunkflow_with_megatron_recompute() -> list[tuple]:
     from megatron_chunkflow.runtime.loss import make_forward_step
 
     shape = get_model_shape("tiny")
-    cm = build_chunkflow_model(shape, torch.bfloat16, ParallelConfig(recompute="full"),
+    cm = build_chunkflow_model(shape, torch.bfloat16,
+                               job.for_layout(ParallelConfig(recompute="full")),
                                attention_backend="cpu_flash")
     store, ddp = cm.store, cm.ddp
     step = plan_step(make_sequences([700, 60, 130, 300], shape.vocab_size, 0),
@@ -291,7 +293,8 @@ def _chunkflow_with_megatron_recompute() -> list[tuple]:
     out = []
     for cls in (CountsStaleStoreReads, ReadsStoreAlways) * 2:
         meter = cls(ddp, store)
-        execute_step(step, ddp, make_forward_step(), observers=[meter])
+        execute_step(step, ddp, make_forward_step(job.groups.tp), pg_collection=job.groups,
+                     observers=[meter])
         ddp.zero_grad_buffer()
         out.append((meter.peak_total, meter.peak_activation, meter.peak_state,
                     meter.peak_recompute, meter.max_chunk_activation, meter.at_peak,
@@ -302,10 +305,10 @@ def _chunkflow_with_megatron_recompute() -> list[tuple]:
 def _chunkflow_child():
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
 
-    init_distributed()
+    job = init_distributed()
     try:
-        return {"state": _chunkflow_state(64, 4),
-                "recompute": _chunkflow_with_megatron_recompute()}
+        return {"state": _chunkflow_state(job, 64, 4),
+                "recompute": _chunkflow_with_megatron_recompute(job)}
     finally:
         shutdown()
 

@@ -133,14 +133,14 @@ def _micro_batch(t: int, vocab: int, seed: int):
                                       max_seqlen_q=t, max_seqlen_kv=t))
 
 
-def _gpt(shape_name: str, recompute: str, dtype):
+def _gpt(job, shape_name: str, recompute: str, dtype):
     from megatron_chunkflow.config import ParallelConfig
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.mcore.build import build_chunkflow_model
 
     shape = get_model_shape(shape_name)
     torch.manual_seed(0)
-    cm = build_chunkflow_model(shape, dtype, ParallelConfig(recompute=recompute),
+    cm = build_chunkflow_model(shape, dtype, job.for_layout(ParallelConfig(recompute=recompute)),
                                attention_backend="cpu_flash")  # flash-style: no score-sized tensor
     return shape, cm.model, cm.store, cm.ddp
 
@@ -148,13 +148,16 @@ def _gpt(shape_name: str, recompute: str, dtype):
 def _megatron_step(ddp, shape, tokens: int, observers, forward_only=False):
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
+    from megatron_chunkflow.mcore.job import tensor_parallel_of
     from megatron_chunkflow.runtime.loss import make_forward_step
     from megatron_chunkflow.runtime.observe import observing_megatron
+
+    *_, tp_group = tensor_parallel_of(ddp.module)
 
     with observing_megatron(observers), \
             torch.no_grad() if forward_only else contextlib.nullcontext():
         forward_backward_no_pipelining(
-            forward_step_func=make_forward_step(exact_loss=True), model=ddp,
+            forward_step_func=make_forward_step(tp_group, exact_loss=True), model=ddp,
             data_iterator=iter([_micro_batch(tokens, shape.vocab_size, tokens)]),
             num_microbatches=1, seq_length=tokens, micro_batch_size=1, forward_only=forward_only)
     ddp.zero_grad_buffer()
@@ -210,11 +213,11 @@ def _meter_run(ddp, gpt, store, shape, tokens, recompute):
 def _child():
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
 
-    init_distributed()
+    job = init_distributed()
     out = {"layers": {}, "recompute": {}}
     try:
         # no recompute, tiny, float64, three lengths: the independent count and the meter
-        shape, gpt, store, ddp = _gpt("tiny", "none", torch.float64)
+        shape, gpt, store, ddp = _gpt(job, "tiny", "none", torch.float64)
         for t in (64, 128, 256):
             counted = SavedByModule(gpt)
             _megatron_step(ddp, shape, t, [counted])
@@ -227,7 +230,7 @@ def _child():
         # recompute menu on tiny-bench (float32: a layer outweighs the output layer's saves)
         t = 64
         for recompute in ("none", "block:1", "block:3", "full", "selective:layernorm"):
-            shape, gpt, store, ddp = _gpt("tiny-bench", recompute, torch.float32)
+            shape, gpt, store, ddp = _gpt(job, "tiny-bench", recompute, torch.float32)
             row = _meter_run(ddp, gpt, store, shape, t, recompute)
             if recompute == "none":
                 counted = SavedByModule(gpt)

@@ -40,8 +40,6 @@ def _failing_step():
     import itertools
     from functools import partial
 
-    from megatron.core import parallel_state
-
     from megatron_chunkflow.core.costs import OpCosts
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.core.packer import build_chunks
@@ -54,10 +52,10 @@ def _failing_step():
     from megatron_chunkflow.runtime.model import apply_chunkflow
     from megatron_chunkflow.runtime.schedules import forward_backward_chunkflow
 
-    init_distributed(ParallelConfig(pp=2))
+    job = init_distributed(ParallelConfig(pp=2))
     shape = get_model_shape("tiny")
-    config = transformer_config(shape)
-    model = build_gpt_model(shape, config)
+    config = transformer_config(shape, job)
+    model = build_gpt_model(shape, config, job)
     apply_chunkflow(model)
     model = wrap_ddp(model, config)
     chunks = build_chunks(LENGTHS, C, 1, 1, shape).chunks
@@ -66,12 +64,13 @@ def _failing_step():
     calls = itertools.count()
 
     def failing_forward_step(data_iterator, model):
-        if parallel_state.get_pipeline_model_parallel_rank() == 1 and next(calls) == 2:
+        if job.ranks.pp_rank == 1 and next(calls) == 2:
             raise RuntimeError("injected failure on stage 1")
         return forward_step(data_iterator, model)
 
     forward_backward_chunkflow(forward_step_func=partial(failing_forward_step), model=model,
-                               data_iterator=iter([step]), num_microbatches=len(chunks))
+                               data_iterator=iter([step]), num_microbatches=len(chunks),
+                               pg_collection=job.groups)
 
 
 def test_exception_on_one_rank_ends_all_ranks(gloo):
@@ -93,16 +92,17 @@ def _diverging_plans():
     from megatron_chunkflow.runtime.model import apply_chunkflow
     from megatron_chunkflow.runtime.schedules import forward_backward_chunkflow
 
-    init_distributed(ParallelConfig(pp=2))
+    job = init_distributed(ParallelConfig(pp=2))
     shape = get_model_shape("tiny")
-    model = build_gpt_model(shape, transformer_config(shape))
+    model = build_gpt_model(shape, transformer_config(shape, job), job)
     apply_chunkflow(model)
     lengths = LENGTHS if int(os.environ["RANK"]) == 0 else LENGTHS[:-1]
     chunks = build_chunks(lengths, C, 1, 1, shape).chunks
     plan = state_aware_plan(chunks, 2, 1, OpCosts.from_model(chunks, shape, 2))
     step = build_step(plan, make_sequences(lengths, shape.vocab_size, 0), C)
     forward_backward_chunkflow(forward_step_func=forward_step, model=model,
-                               data_iterator=iter([step]), num_microbatches=len(chunks))
+                               data_iterator=iter([step]), num_microbatches=len(chunks),
+                               pg_collection=job.groups)
 
 
 def test_ranks_with_different_plans_are_refused(gloo):
@@ -122,15 +122,17 @@ def _traced_step():
     from megatron_chunkflow.runtime.execute import execute_step, plan_step
     from megatron_chunkflow.runtime.loss import forward_step
 
+    import torch
+
     os.environ["CHUNKFLOW_TRACE"] = "1"
     parallel = ParallelConfig(pp=2)
-    ranks = init_distributed(parallel)
+    job = init_distributed(parallel)
     shape = get_model_shape("tiny")
-    cm = build_chunkflow_model(shape, parallel=parallel, attention_backend="torch")
+    cm = build_chunkflow_model(shape, torch.float32, job, attention_backend="torch")
     step = plan_step(make_sequences(LENGTHS, shape.vocab_size, 0), ChunkFlowConfig(C, 1),
-                     parallel, shape, ranks)
-    execute_step(step, cm.ddp, forward_step)
-    return [(op.kind, op.chunk) for op in step.plan.stages[ranks.pp_rank]]
+                     parallel, shape, job.ranks)
+    execute_step(step, cm.ddp, forward_step, pg_collection=job.groups)
+    return [(op.kind, op.chunk) for op in step.plan.stages[job.ranks.pp_rank]]
 
 
 def test_trace_names_every_op_and_exchange_in_order(gloo, capfd):

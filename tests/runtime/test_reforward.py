@@ -23,18 +23,18 @@ def _run(modes, backend, cp):
     from megatron_chunkflow.mcore.build import build_chunkflow_model
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
     from megatron_chunkflow.runtime.cp import Traffic
-    from megatron_chunkflow.runtime.execute import execute_step, plan_step
+    from megatron_chunkflow.mcore.step import forward_backward
+    from megatron_chunkflow.runtime.execute import plan_step
     from megatron_chunkflow.runtime.loss import make_forward_step
-    from megatron_chunkflow.runtime.ranks import Ranks
 
     shape = get_model_shape("tiny")
     parallel = ParallelConfig(cp=cp)
-    init_distributed(parallel, 0)
+    job = init_distributed(parallel, 0)
     sequences = make_sequences(LENGTHS, shape.vocab_size, 0)
     out = {}
     for mode in modes:
         torch.manual_seed(0)
-        cm = build_chunkflow_model(shape, torch.float64, parallel, attention_backend=backend)
+        cm = build_chunkflow_model(shape, torch.float64, job, attention_backend=backend)
         store = cm.store
         store.cp_traffic = Traffic()
         peaks = {"device": 0, "host": 0}
@@ -47,9 +47,8 @@ def _run(modes, backend, cp):
 
         store.keep_attention = keep_and_sample
         config = ChunkFlowConfig(C, 1, backend, reforward_attention=mode)
-        step = plan_step(sequences, config, parallel, shape, Ranks.current())
-        cm.ddp.zero_grad_buffer()
-        execute_step(step, cm.ddp, make_forward_step(exact_loss=True))
+        step = plan_step(sequences, config, parallel, shape, job.ranks)
+        forward_backward(job, cm, step, make_forward_step(job.groups.tp, exact_loss=True))
         chunks = {i: (m.prefix_len + m.num_tokens, i in step.plan.recomputed, m.local_tokens,
                       m.dependent) for i, m in step.metas.items()}
         ops = [(op.kind, op.chunk) for op in step.plan.stages[0]]

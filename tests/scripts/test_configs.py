@@ -196,7 +196,7 @@ def test_tokenizer_variable_reaches_the_flags():
     assert flags(argv)["--tokenizer-model"] == "/ckpt/tok"
 
 
-def _build_on_meta(shapes):
+def _build_on_meta(job, shapes):
     """(child) Build each shape with mcore/build.py on the meta device."""
     import torch
 
@@ -204,9 +204,9 @@ def _build_on_meta(shapes):
 
     out = {}
     for name, shape in shapes.items():
-        config = transformer_config(shape, dtype=torch.bfloat16)
+        config = transformer_config(shape, job, dtype=torch.bfloat16)
         with torch.device("meta"):
-            model = build_gpt_model(shape, config, max_seq_length=4096)
+            model = build_gpt_model(shape, config, job, max_seq_length=4096)
         out[name] = {k: (tuple(p.shape), p.device.type) for k, p in model.named_parameters()}
     return out
 
@@ -218,9 +218,9 @@ def _child(shapes, megatron_lm_dir, model_argvs, run_argvs):
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
 
     has_cuda = torch.cuda.is_available()  # before mcore/cpu.py's shims
-    init_distributed()
+    job = init_distributed()
     try:
-        out = {"core": _build_on_meta(shapes)}
+        out = {"core": _build_on_meta(job, shapes)}
         if megatron_lm_dir is not None:
             out.update(_megatron_lm_parse(megatron_lm_dir, model_argvs, run_argvs, has_cuda))
         return out

@@ -33,8 +33,8 @@ def _train(ckpt):
             "resumed": dict(checkpoint=CheckpointConfig(load=ckpt))}
     out = {}
     for name, kw in runs.items():
-        init_distributed(seed=5)
-        out[name] = train(TrainSettings(**{**base, **kw}), dataset)
+        job = init_distributed(seed=5)
+        out[name] = train(TrainSettings(**{**base, **kw}), job, dataset)
     shutdown()
     return out
 

@@ -34,8 +34,8 @@ def _losses(runs):
     out = []
     for kw in runs:
         s = _settings(**kw)
-        init_distributed(s.parallel, s.seed)
-        out.append([m["loss"] for m in train(s, _dataset())])
+        job = init_distributed(s.parallel, s.seed)
+        out.append([m["loss"] for m in train(s, job, _dataset())])
     shutdown()
     return out
 
@@ -211,8 +211,8 @@ def _lrs(ckpt):
 
     def run(**kw):
         s = _settings(**kw)
-        init_distributed(s.parallel, s.seed)
-        return [m["lr"] for m in train(s, _dataset())]
+        job = init_distributed(s.parallel, s.seed)
+        return [m["lr"] for m in train(s, job, _dataset())]
 
     old = run(train_iters=14)
     run(train_iters=14, checkpoint=CheckpointConfig(save=ckpt), exit_interval=10)
@@ -244,8 +244,8 @@ def _cp_records(placements):
     for placement in placements:
         s = _settings(parallel=ParallelConfig(cp=2), train_iters=3, global_batch_size=18,
                       chunkflow=ChunkFlowConfig(128, 1, cp_placement=placement))
-        init_distributed(s.parallel, s.seed)
-        out.append(train(s, _dataset()))
+        job = init_distributed(s.parallel, s.seed)
+        out.append(train(s, job, _dataset()))
     shutdown()
     return out
 
@@ -273,10 +273,10 @@ def _diverged(ckpt):
     s = _settings(train_iters=8, optimizer=OptimizerConfig(lr=1e6, min_lr=1e5, lr_warmup_iters=0,
                                                            clip_grad=0.0),
                   checkpoint=CheckpointConfig(save=ckpt, save_interval=1))
-    init_distributed(s.parallel, s.seed)
+    job = init_distributed(s.parallel, s.seed)
     steps = []
     try:
-        train(s, _dataset(), on_step=lambda m: steps.append(m["loss"]))
+        train(s, job, _dataset(), on_step=lambda m: steps.append(m["loss"]))
         error = None
     except Diverged as e:
         error = str(e)

@@ -1,0 +1,90 @@
+"""Job: one process's view of the distributed job it belongs to, made once where the process
+groups are made (mcore/dist.py init_distributed; memtrace/job.py traced_rank for a memory trace).
+
+    job = init_distributed(ParallelConfig(tp=2, pp=2), seed=1234)
+    job.parallel      # the layout this job runs (DP filled in from the world)
+    job.ranks         # this process's size and rank along every axis (runtime/ranks.py Ranks)
+    job.groups        # megatron-core's ProcessGroupCollection: .tp .pp .cp .dp .mp .dp_cp ...
+    cm = build_chunkflow_model(shape, dtype, job)
+
+The build, the step, the loss and the CP/PP exchanges take their degrees and groups from the Job
+they are handed, never from Megatron's global parallel_state: this module is the one place that
+reads it, once, right after the groups are built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_chunkflow.config import ParallelConfig
+from megatron_chunkflow.runtime.ranks import Ranks
+
+
+@dataclass(frozen=True)
+class Job:
+    """The layout `parallel`, this process's `ranks` in it and Megatron's process groups for it
+    (`groups`, a megatron.core.process_groups_config.ProcessGroupCollection)."""
+
+    parallel: ParallelConfig
+    ranks: Ranks
+    groups: object = field(repr=False)
+
+    @classmethod
+    def from_megatron(cls, parallel: ParallelConfig) -> Job:
+        """The Job of the groups Megatron's parallel_state holds now, built for `parallel`
+        (RuntimeError when their degrees are not `parallel`'s: the two must be one layout)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        ranks = Ranks(tp=ps.get_tensor_model_parallel_world_size(),
+                      tp_rank=ps.get_tensor_model_parallel_rank(),
+                      cp=ps.get_context_parallel_world_size(),
+                      cp_rank=ps.get_context_parallel_rank(),
+                      pp=ps.get_pipeline_model_parallel_world_size(),
+                      pp_rank=ps.get_pipeline_model_parallel_rank(),
+                      dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank())
+        vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+        built = (ranks.tp, ranks.cp, ranks.pp, vpp, ranks.dp)
+        wanted = (parallel.tp, parallel.cp, parallel.pp, parallel.vpp, parallel.dp or ranks.dp)
+        if built != wanted:
+            raise RuntimeError(f"Megatron's process groups (TP, CP, PP, VPP, DP) = {built} are "
+                               f"not the layout's {wanted}")
+        return cls(parallel.with_world(ranks.tp * ranks.cp * ranks.pp * ranks.dp), ranks,
+                   ProcessGroupCollection.use_mpu_process_groups())
+
+    def for_layout(self, parallel: ParallelConfig) -> Job:
+        """This job running `parallel`, another layout of the same process groups (its sequence
+        parallelism or recompute may differ: they are the model's, not the groups'); ValueError
+        when its degrees are not the job's."""
+        mine, theirs = _degrees(self.parallel), _degrees(parallel)
+        if parallel.dp is None:
+            theirs = theirs[:-1] + (mine[-1],)
+        if mine != theirs:
+            raise ValueError(f"the layout's (TP, CP, PP, VPP, DP) = {theirs} are not the job's "
+                             f"process groups' {mine}")
+        return Job(parallel.with_world(self.parallel.num_gpus), self.ranks, self.groups)
+
+    def is_first_stage(self, vp_stage: int | None = None) -> bool:
+        """Whether model chunk `vp_stage` of this rank (None: its only one) holds the
+        embedding: the first pipeline stage's first model chunk."""
+        return self.ranks.pp_rank == 0 and (vp_stage or 0) == 0
+
+    def is_last_stage(self, vp_stage: int | None = None) -> bool:
+        """Whether model chunk `vp_stage` of this rank (None: its only one) holds the output
+        layer and the loss: the last pipeline stage's last model chunk."""
+        last_chunk = vp_stage is None or vp_stage == self.parallel.vpp - 1
+        return self.ranks.pp_rank == self.ranks.pp - 1 and last_chunk
+
+
+def tensor_parallel_of(gpt) -> tuple[int, int, object]:
+    """(TP size, this rank's TP rank, the TP group) of a built megatron-core GPTModel: from the
+    process groups it was built on (its pg_collection, the job's: mcore/build.py)."""
+    group = getattr(getattr(gpt, "pg_collection", None), "tp", None)
+    if group is None:
+        raise ValueError(f"{type(gpt).__name__} has no tensor-parallel group: build it on the "
+                         "job's process groups (mcore/build.py build_gpt_model)")
+    return group.size(), group.rank(), group
+
+
+def _degrees(parallel: ParallelConfig) -> tuple:
+    return parallel.tp, parallel.cp, parallel.pp, parallel.vpp, parallel.dp
