@@ -78,9 +78,24 @@ def _norms_in_float64(model) -> None:
         module.forward = types.MethodType(_rms_norm_same_dtype, module)
 
 
+HF_REFERENCES: dict[tuple, tuple] = {}  # run_hf_verify's transformers runs, by what they depend on
+
+
+def _checkpoint_signature(hf_dir: str) -> tuple:
+    """The checkpoint directory and each file's name, size and modification time: a rewritten
+    checkpoint is another reference."""
+    from pathlib import Path
+
+    root = Path(hf_dir).resolve()
+    return str(root), tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
+                                   for p in root.iterdir() if p.is_file()))
+
+
 def run_hf_verify(hf_dir: str, lengths: Sequence[int], chunkflow: ChunkFlowConfig,
                   parallel: ParallelConfig = ParallelConfig(), seed: int = 0) -> VerifyResult:
-    """One step of ChunkFlow (megatron-core, float64) against transformers on the same batch."""
+    """One step of ChunkFlow (megatron-core, float64) against transformers on the same batch. The
+    transformers run of one (checkpoint, lengths, seed) is computed once per process
+    (HF_REFERENCES): a long-lived job checking many layouts runs it once."""
     from megatron_chunkflow.mcore.build import build_chunkflow_model
     from megatron_chunkflow.mcore.dist import init_distributed
     from megatron_chunkflow.mcore.hf import export_hf_weights, padded_vocab_size, shape_from_hf_dir
@@ -91,7 +106,10 @@ def run_hf_verify(hf_dir: str, lengths: Sequence[int], chunkflow: ChunkFlowConfi
     dtype = torch.float64
     shape = shape_from_hf_dir(hf_dir)
     sequences = make_sequences(lengths, shape.vocab_size, seed)
-    ref_loss, ref_grads = hf_reference(hf_dir, sequences, dtype)
+    key = (_checkpoint_signature(hf_dir), tuple(lengths), seed, dtype)
+    if key not in HF_REFERENCES:
+        HF_REFERENCES[key] = hf_reference(hf_dir, sequences, dtype)
+    ref_loss, ref_grads = HF_REFERENCES[key]
 
     job = init_distributed(parallel, seed)
     padded = dataclasses.replace(shape, vocab_size=padded_vocab_size(shape.vocab_size,

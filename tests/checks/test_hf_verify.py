@@ -64,3 +64,21 @@ def test_verify_against_transformers_with_virtual_stages(gloo, checkpoints):
                                                        timeout=600):
         assert err <= 1e-10, f"max relative grad error {err:.2e} at {worst}"
         assert loss_cf == pytest.approx(loss_ref, rel=1e-12)
+
+
+def test_reference_key_changes_when_the_checkpoint_is_rewritten(tmp_path):
+    """The transformers reference is kept per (checkpoint, lengths, seed) in a long-lived process;
+    a checkpoint rewritten in place (another size or time) is another key, so never a stale one."""
+    import os
+
+    from megatron_chunkflow.checks.hf_verify import _checkpoint_signature
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"0" * 8)
+    first = _checkpoint_signature(str(tmp_path))
+    assert _checkpoint_signature(str(tmp_path / ".." / tmp_path.name)) == first
+    (tmp_path / "model.safetensors").write_bytes(b"1" * 9)
+    assert _checkpoint_signature(str(tmp_path)) != first
+    second = _checkpoint_signature(str(tmp_path))
+    os.utime(tmp_path / "config.json", ns=(1, 1))
+    assert _checkpoint_signature(str(tmp_path)) != second
