@@ -156,3 +156,14 @@ def true_vocab_size(a) -> int:
         return int(get_tokenizer().vocab_size)
     except Exception:  # noqa: BLE001  tokenizers without vocab_size: the model's rows
         return int(a.padded_vocab_size)
+
+
+def loss_vocab_size(a) -> int:
+    """The vocabulary ChunkFlow's loss is taken over: --chunkflow-load-hf's config.json vocabulary
+    (the Hugging Face model's softmax), else the tokenizer's; the rows Megatron pads beyond it are
+    masked (stock Megatron-LM keeps them in its softmax)."""
+    if a.chunkflow_load_hf:
+        from megatron_chunkflow.mcore.hf import shape_from_hf_dir
+
+        return shape_from_hf_dir(a.chunkflow_load_hf).vocab_size
+    return true_vocab_size(a)

@@ -80,7 +80,7 @@ class _Hooks:
         self.in_log = False
         self.interval_flops = self.interval_tokens = self.interval_time = 0.0
         self.interval_steps = 0
-        self.loss_vocab = None  # _loss_vocab_size, read once
+        self.loss_vocab = None  # megatron_lm/data.py loss_vocab_size, read once
         self.store = None  # the K/V state store every model chunk of this rank shares
         self.iterators = None  # built once; every virtual stage's slot gets the same
         self.memory_checked = False  # memtrace/guard.py before the first step
@@ -222,16 +222,11 @@ def _build_iterators(original, provider):
         return _HOOKS.iterators
     from megatron.core.rerun_state_machine import RerunDataIterator
 
-    from megatron_chunkflow.config import ParallelConfig
-    from megatron_chunkflow.mcore.job import Job
     from megatron_chunkflow.megatron_lm.data import ChunkFlowStepIterator, open_datasets
 
     train, valid, split = open_datasets(a)
     chunkflow = chunkflow_config(a)
-    job = _HOOKS.job = Job.from_megatron(ParallelConfig(
-        tp=a.tensor_model_parallel_size, pp=a.pipeline_model_parallel_size,
-        cp=a.context_parallel_size, vpp=a.virtual_pipeline_model_parallel_size or 1,
-        sequence_parallel=a.sequence_parallel))
+    job = _job()
 
     def steps(dataset, consumed):
         return ChunkFlowStepIterator(
@@ -259,17 +254,18 @@ def _build_iterators(original, provider):
     return _HOOKS.iterators
 
 
-def _loss_vocab_size(a) -> int:
-    """The vocabulary ChunkFlow's loss is taken over: --chunkflow-load-hf's config.json vocabulary
-    (the Hugging Face model's softmax), else the tokenizer's; the rows Megatron pads beyond it are
-    masked (stock Megatron-LM keeps them in its softmax)."""
-    if a.chunkflow_load_hf:
-        from megatron_chunkflow.mcore.hf import shape_from_hf_dir
+def _job():
+    """The Job of Megatron-LM's process groups (mcore/job.py), read once, for its layout."""
+    if _HOOKS.job is None:
+        from megatron_chunkflow.config import ParallelConfig
+        from megatron_chunkflow.mcore.job import Job
 
-        return shape_from_hf_dir(a.chunkflow_load_hf).vocab_size
-    from megatron_chunkflow.megatron_lm.data import true_vocab_size
-
-    return true_vocab_size(a)
+        a = _args()
+        _HOOKS.job = Job.from_megatron(ParallelConfig(
+            tp=a.tensor_model_parallel_size, pp=a.pipeline_model_parallel_size,
+            cp=a.context_parallel_size, vpp=a.virtual_pipeline_model_parallel_size or 1,
+            sequence_parallel=a.sequence_parallel))
+    return _HOOKS.job
 
 
 def _get_fb_func(original, *args, **kwargs):
@@ -284,12 +280,13 @@ def _chunkflow_forward_backward(*, forward_step_func, **kwargs):
     model call and Megatron's own vocab-parallel cross entropy, summed per token)."""
     import torch
 
+    from megatron_chunkflow.megatron_lm.data import loss_vocab_size
     from megatron_chunkflow.runtime.loss import make_forward_step
     from megatron_chunkflow.runtime.schedules import forward_backward_chunkflow
 
     if _HOOKS.loss_vocab is None:
-        _HOOKS.loss_vocab = _loss_vocab_size(_args())
-    job = _HOOKS.job  # the data iterator's, built before the first step
+        _HOOKS.loss_vocab = loss_vocab_size(_args())
+    job = _job()
     step_fn = make_forward_step(job.groups.tp, vocab_size=_HOOKS.loss_vocab)
     kwargs["pg_collection"] = kwargs.get("pg_collection") or job.groups
     reports = forward_backward_chunkflow(forward_step_func=step_fn, **kwargs)
