@@ -3,6 +3,7 @@ defaults, their JSON at two commits byte-identical except the wall-clock fields.
 
     python scripts/golden_json.py HEAD~3            # that commit against the working tree
     python scripts/golden_json.py main HEAD --keep out/golden   # two commits; keep the JSON
+    python scripts/golden_json.py HEAD~3 --layouts  # also verify at TP 2, PP 2, PP 2 x VPP 2, CP 2
 
 The older tree runs from a temporary `git worktree` with this checkout's Python; each command
 runs in a fresh process, its stdout (one JSON object) parsed, the fields a clock or the host's
@@ -26,6 +27,13 @@ COMMANDS = {
     "train": ["train", "--train-iters", "3"],
     "plan": ["plan"],
     "simulate": ["simulate", "--global-batch-size", "256", "--gpus", "8"],
+}
+# `verify` in a job of 2 processes (torchrun) for each parallel layout (--layouts)
+LAYOUTS = {
+    "verify_tp2": ["verify", "--tp", "2"],
+    "verify_pp2": ["verify", "--pp", "2"],
+    "verify_pp2_vpp2": ["verify", "--pp", "2", "--vpp", "2"],
+    "verify_cp2": ["verify", "--cp", "2"],
 }
 # fields a clock or the process's memory sets: never compared
 WALL_CLOCK = {"step_s", "tokens_per_s", "model_tflops", "peak_mem_bytes", "wall_s", "elapsed_s",
@@ -64,13 +72,18 @@ def first_difference(a, b, path: str = "") -> str | None:
     return None if a == b else f"{path}: {a!r} vs {b!r}"
 
 
-def run_all(tree: Path) -> dict:
-    """{command: its stripped JSON} with the package of `tree`."""
+def run_all(tree: Path, commands: dict) -> dict:
+    """{command: its stripped JSON} with the package of `tree` (the LAYOUTS ones under torchrun,
+    2 processes: rank 0 prints the JSON)."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     out = {}
-    for name, argv in COMMANDS.items():
+    for name, argv in commands.items():
+        launcher = [sys.executable, "-m", "megatron_chunkflow"]
+        if name in LAYOUTS:
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        "-m", "megatron_chunkflow"]
         with tempfile.TemporaryDirectory() as cwd:
-            run = subprocess.run([sys.executable, "-m", "megatron_chunkflow", *argv, "--json"],
+            run = subprocess.run([*launcher, *argv, "--json"],
                                  cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
         if run.returncode != 0:
             raise SystemExit(f"{tree}: chunkflow {' '.join(argv)} exited {run.returncode}:\n"
@@ -84,7 +97,10 @@ def main() -> int:
     ap.add_argument("old", help="the commit to compare against")
     ap.add_argument("new", nargs="?", default=None, help="a commit (default: the working tree)")
     ap.add_argument("--keep", metavar="DIR", help="write each side's JSON here")
+    ap.add_argument("--layouts", action="store_true",
+                    help="also `verify` at TP 2, PP 2, PP 2 x VPP 2 and CP 2 (2 processes each)")
     args = ap.parse_args()
+    commands = {**COMMANDS, **(LAYOUTS if args.layouts else {})}
     with tempfile.TemporaryDirectory() as tmp:
         trees = {}
         for side, rev in (("old", args.old), ("new", args.new)):
@@ -96,7 +112,7 @@ def main() -> int:
                             rev], check=True, capture_output=True)
             trees[side] = path
         try:
-            results = {side: run_all(tree) for side, tree in trees.items()}
+            results = {side: run_all(tree, commands) for side, tree in trees.items()}
         finally:
             for side, rev in (("old", args.old), ("new", args.new)):
                 if rev is not None:
@@ -108,7 +124,7 @@ def main() -> int:
             (Path(args.keep) / f"{side}.json").write_text(json.dumps(result, indent=1,
                                                                      sort_keys=True))
     failed = 0
-    for name in COMMANDS:
+    for name in commands:
         found = first_difference(results["old"][name], results["new"][name])
         print(f"{name}: " + ("identical" if found is None else f"differs at {found}"))
         failed += found is not None
