@@ -161,37 +161,90 @@ def test_one_layout_type():
     assert not [p for p in MODULES if re.search(r"^class \w*Layout\b", p.read_text(), re.M)]
 
 
+PARALLEL_STATE = ("megatron.core.parallel_state", "megatron.core.mpu")
+BUILDS_GROUPS = ("initialize_model_parallel", "destroy_model_parallel",
+                 "model_parallel_is_initialized", "set_virtual_pipeline_model_parallel_rank")
+
+
 def _reads_parallel_state(path: pathlib.Path) -> bool:
-    """Whether a file asks Megatron's parallel_state (under any alias) for a group, a size or a
-    rank (get_* / is_*), or calls Ranks.current()."""
+    """Whether a file asks Megatron's parallel_state (under any name: an import alias, an
+    assignment, a dotted path, getattr, a star import) for anything but building and tearing down
+    the groups, takes megatron-core's groups from it (use_mpu_process_groups), or calls
+    Ranks.current()."""
     text = path.read_text()
-    if "Ranks.current(" in text:
+    if "Ranks.current(" in text or "use_mpu_process_groups" in text:
         return True
+    tree = ast.parse(text)
     aliases = set()
-    for node in ast.walk(ast.parse(text)):
-        if isinstance(node, ast.ImportFrom) and node.module == "megatron.core.parallel_state":
-            if any(a.name.startswith(("get_", "is_")) for a in node.names):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module in PARALLEL_STATE:
+            if any(a.name not in BUILDS_GROUPS for a in node.names):
                 return True
         elif isinstance(node, ast.ImportFrom) and node.module == "megatron.core":
             aliases |= {a.asname or a.name for a in node.names
                         if a.name in ("parallel_state", "mpu")}
         elif isinstance(node, ast.Import):
-            aliases |= {a.asname for a in node.names
-                        if a.name == "megatron.core.parallel_state" and a.asname}
-    return any(isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-               and node.value.id in aliases and node.attr.startswith(("get_", "is_"))
-               for node in ast.walk(ast.parse(text)))
+            aliases |= {a.asname for a in node.names if a.name in PARALLEL_STATE and a.asname}
+    for node in ast.walk(tree):  # X = parallel_state
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Name) and \
+                node.value.id in aliases:
+            aliases |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+
+    def is_state(expr) -> bool:
+        dotted = ast.unparse(expr)
+        return dotted in aliases or dotted.split(".")[-1] in ("parallel_state", "mpu")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and is_state(node.value) and \
+                node.attr not in BUILDS_GROUPS:
+            return True
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                node.func.id == "getattr" and node.args and is_state(node.args[0]):
+            return True
+    return False
+
+
+# where a Job is made from groups that something else built: init_distributed, the memory
+# tracer's fake job, the Megatron-LM plugin; and the tests of the Job and of layouts' groups
+JOB_MAKERS = {"megatron_chunkflow/mcore/dist.py", "megatron_chunkflow/memtrace/job.py",
+              "megatron_chunkflow/megatron_lm/plugin.py", "tests/mcore/test_job.py",
+              "tests/checks/test_exact.py"}
 
 
 def test_process_groups_come_from_the_job():
-    """Megatron's global parallel_state is read in one place, mcore/job.py (Job.from_megatron),
-    right after the groups are built; the build, the step, the loss, the exchanges, the checks,
-    the scripts and the tests take their degrees and groups from the Job they are given."""
-    files = [p for folder in (PKG, TESTS, REPO / "scripts") for p in folder.rglob("*.py")
+    """Megatron's global parallel_state is read in one place, mcore/job.py (Job.from_megatron,
+    called where the groups are built); the build, the step, the loss, the exchanges, the
+    checks, the scripts and the tests take their degrees and groups from the Job they are
+    given."""
+    me = pathlib.Path(__file__).resolve()
+    files = [p.resolve() for folder in (PKG, TESTS, REPO / "scripts") for p in folder.rglob("*.py")
              if "__pycache__" not in p.parts]
-    readers = {str(p.relative_to(REPO)) for p in files
-               if p != pathlib.Path(__file__) and _reads_parallel_state(p)}
+    files = [p for p in files if p != me]
+    readers = {str(p.relative_to(REPO)) for p in files if _reads_parallel_state(p)}
     assert readers == {"megatron_chunkflow/mcore/job.py"}, sorted(readers)
+    makers = {str(p.relative_to(REPO)) for p in files if "Job.from_megatron(" in p.read_text()}
+    assert makers - {"megatron_chunkflow/mcore/job.py"} <= JOB_MAKERS, sorted(makers - JOB_MAKERS)
+
+
+@pytest.mark.parametrize("source", [
+    "from megatron.core import parallel_state as ps\nps.get_data_parallel_rank()",
+    "import megatron.core.parallel_state\nmegatron.core.parallel_state.get_data_parallel_rank()",
+    "from megatron.core import parallel_state\nps = parallel_state\nps.get_data_parallel_rank()",
+    "from megatron.core.parallel_state import *",
+    "from megatron.core.parallel_state import get_tensor_model_parallel_group",
+    "from megatron.core import parallel_state\ngetattr(parallel_state, 'get_data_parallel_rank')()",
+    "import megatron.core as mc\nmc.mpu.get_data_parallel_rank()",
+    "from megatron.core import parallel_state\nparallel_state._DATA_PARALLEL_GROUP",
+    "groups = ProcessGroupCollection.use_mpu_process_groups()",
+    "ranks = Ranks.current()"])
+def test_every_way_of_reading_parallel_state_is_found(tmp_path, source):
+    path = tmp_path / "reader.py"
+    path.write_text(source + "\n")
+    assert _reads_parallel_state(path)
+    path.write_text("from megatron.core import parallel_state\n"
+                    "parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)\n"
+                    "parallel_state.destroy_model_parallel()\n")
+    assert not _reads_parallel_state(path)
 
 
 def test_cli_modules_import_no_other_cli_module():

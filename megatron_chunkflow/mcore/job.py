@@ -8,8 +8,10 @@ groups are made (mcore/dist.py init_distributed; memtrace/job.py traced_rank for
     cm = build_chunkflow_model(shape, dtype, job)
 
 The build, the step, the loss and the CP/PP exchanges take their degrees and groups from the Job
-they are handed, never from Megatron's global parallel_state: this module is the one place that
-reads it, once, right after the groups are built.
+they are handed, never from Megatron's global parallel_state: this module is the one place of
+ours that reads it (Job.from_megatron, where the groups are built, or, in the Megatron-LM plugin,
+where Megatron-LM built them). megatron-core's own DDP, optimizer and stock schedules, which this
+project calls without groups, take the same groups from parallel_state themselves.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ class Job:
     parallel: ParallelConfig
     ranks: Ranks
     groups: object = field(repr=False)
+
+    def __post_init__(self):
+        if self.parallel.dp is None:
+            raise ValueError("a Job's layout has its DP filled in (ParallelConfig.with_world)")
 
     @classmethod
     def from_megatron(cls, parallel: ParallelConfig) -> Job:
@@ -67,13 +73,19 @@ class Job:
     def is_first_stage(self, vp_stage: int | None = None) -> bool:
         """Whether model chunk `vp_stage` of this rank (None: its only one) holds the
         embedding: the first pipeline stage's first model chunk."""
-        return self.ranks.pp_rank == 0 and (vp_stage or 0) == 0
+        return self.ranks.pp_rank == 0 and self._chunk(vp_stage) == 0
 
     def is_last_stage(self, vp_stage: int | None = None) -> bool:
         """Whether model chunk `vp_stage` of this rank (None: its only one) holds the output
         layer and the loss: the last pipeline stage's last model chunk."""
-        last_chunk = vp_stage is None or vp_stage == self.parallel.vpp - 1
-        return self.ranks.pp_rank == self.ranks.pp - 1 and last_chunk
+        last = self._chunk(vp_stage) == self.parallel.vpp - 1
+        return self.ranks.pp_rank == self.ranks.pp - 1 and last
+
+    def _chunk(self, vp_stage: int | None) -> int:
+        if vp_stage is None and self.parallel.vpp > 1:
+            raise ValueError(f"this rank holds {self.parallel.vpp} model chunks (virtual "
+                             "stages): say which (vp_stage)")
+        return vp_stage or 0
 
 
 def tensor_parallel_of(gpt) -> tuple[int, int, object]:

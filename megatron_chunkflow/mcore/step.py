@@ -168,7 +168,7 @@ def batch_forward_backward(s: TrainSettings, tr: Training, sequences, step_index
     mine = [c for c in mbs if c.dp_rank == ranks.dp_rank]
     if not mine:  # fewer micro-batches than DP ranks: idle, as ChunkFlow's idle ranks are
         with observing_megatron(observers):
-            _idle_step(tr.ddp, config)
+            _idle_step(tr.ddp, config, tr.job.groups)
         return StepOutcome([], len(mbs), (0, 0))
     problem = stock_interleaving_problem(s, mbs, ranks.dp, step_index)
     if problem:  # Megatron would raise its RuntimeError mid-step
@@ -190,7 +190,7 @@ def batch_forward_backward(s: TrainSettings, tr: Training, sequences, step_index
     return StepOutcome(reports, len(mbs), (0, 0))
 
 
-def _idle_step(ddp, config) -> None:
+def _idle_step(ddp, config, groups) -> None:
     """A DP rank without a micro-batch this step: no forward or backward, but the same gradient
     reduction as the others (Megatron's finalize_model_grads, 0 tokens), so it contributes zero
     gradients and no token to the per-token mean and every collective still matches."""
@@ -198,7 +198,8 @@ def _idle_step(ddp, config) -> None:
         return
     chunks = ddp if isinstance(ddp, list) else [ddp]
     device = next(chunks[0].parameters()).device
-    config.finalize_model_grads_func(chunks, torch.zeros((), dtype=torch.int, device=device))
+    config.finalize_model_grads_func(chunks, torch.zeros((), dtype=torch.int, device=device),
+                                     pg_collection=groups)
 
 
 def peak_memory_bytes() -> int:

@@ -2,7 +2,7 @@
 TensorBoard scalars.
 
     log = StepLog(LogConfig(log_json="metrics.jsonl"), total_steps=100)
-    train(settings, dataset, on_step=log); log.close()
+    train(settings, job, dataset, on_step=log); log.close()
 
 Each record holds the loss, tokens/s, model TFLOP/s (attention counted per sequence, recompute not
 counted), peak memory, chunks per step, the learning rate the step applied and the gradient norm;

@@ -53,3 +53,10 @@ def test_embedding_and_loss_stages(vpp, pp_rank, vp_stage, first, last):
     the loss on the last rank's last one (Megatron's is_pipeline_first/last_stage)."""
     job = _job(vpp, pp_rank)
     assert (job.is_first_stage(vp_stage), job.is_last_stage(vp_stage)) == (first, last)
+
+
+def test_which_model_chunk_must_be_said_with_virtual_stages():
+    with pytest.raises(ValueError, match="holds 2 model chunks"):
+        _job(vpp=2).is_last_stage()
+    with pytest.raises(ValueError, match="DP filled in"):
+        Job(ParallelConfig(tp=2), Ranks(tp=2), groups=None)
