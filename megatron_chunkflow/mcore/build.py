@@ -190,6 +190,11 @@ class ChunkFlowModel:
     def config(self):
         return self.models[0].config
 
+    def zero_grad_buffers(self) -> None:
+        """Every model chunk's DDP gradient buffer zeroed (before a step's forward-backward)."""
+        for ddp in self.ddps:
+            ddp.zero_grad_buffer()
+
     def named_parameters(self):
         """(PP = 1 model's name, parameter) over every model chunk of this rank."""
         tie = self.models[0].share_embeddings_and_output_weights

@@ -51,7 +51,7 @@ class Job:
                       dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank())
         vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
         built = (ranks.tp, ranks.cp, ranks.pp, vpp, ranks.dp)
-        wanted = (parallel.tp, parallel.cp, parallel.pp, parallel.vpp, parallel.dp or ranks.dp)
+        wanted = _degrees(parallel, built)
         if built != wanted:
             raise RuntimeError(f"Megatron's process groups (TP, CP, PP, VPP, DP) = {built} are "
                                f"not the layout's {wanted}")
@@ -62,9 +62,8 @@ class Job:
         """This job running `parallel`, another layout of the same process groups (its sequence
         parallelism or recompute may differ: they are the model's, not the groups'); ValueError
         when its degrees are not the job's."""
-        mine, theirs = _degrees(self.parallel), _degrees(parallel)
-        if parallel.dp is None:
-            theirs = theirs[:-1] + (mine[-1],)
+        mine = _degrees(self.parallel)
+        theirs = _degrees(parallel, mine)
         if mine != theirs:
             raise ValueError(f"the layout's (TP, CP, PP, VPP, DP) = {theirs} are not the job's "
                              f"process groups' {mine}")
@@ -98,5 +97,7 @@ def tensor_parallel_of(gpt) -> tuple[int, int, object]:
     return group.size(), group.rank(), group
 
 
-def _degrees(parallel: ParallelConfig) -> tuple:
-    return parallel.tp, parallel.cp, parallel.pp, parallel.vpp, parallel.dp
+def _degrees(parallel: ParallelConfig, of_groups: tuple | None = None) -> tuple:
+    """(TP, CP, PP, VPP, DP) of `parallel`; a DP it leaves open is the one of `of_groups`."""
+    dp = parallel.dp if parallel.dp is not None or of_groups is None else of_groups[-1]
+    return parallel.tp, parallel.cp, parallel.pp, parallel.vpp, dp

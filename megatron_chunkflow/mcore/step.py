@@ -141,8 +141,7 @@ def forward_backward(job: Job, cm: ChunkFlowModel, step: ChunkedStep, forward_st
     gradient buffers zeroed, this stage's forward and backward (execute_step, `observers`
     called from ChunkFlow's schedule), the gradients left in the buffers (reduced over DP and
     divided by the step's tokens); the last stage's loss reports (runtime/loss.py global_loss)."""
-    for ddp in cm.ddps:
-        ddp.zero_grad_buffer()
+    cm.zero_grad_buffers()
     return execute_step(step, cm.ddp, forward_step, observers=observers,
                         pg_collection=job.groups)
 
@@ -162,8 +161,7 @@ def batch_forward_backward(s: TrainSettings, tr: Training, sequences, step_index
                          seed=s.seed, step_index=step_index)
         reports = forward_backward(tr.job, tr.chunkflow_model, step, step_fn, observers)
         return StepOutcome(reports, len(step.batch.chunks), num_backward_chunks(step))
-    for ddp in tr.chunkflow_model.ddps:
-        ddp.zero_grad_buffer()
+    tr.chunkflow_model.zero_grad_buffers()
     mbs = baseline_microbatches(batch_lengths(sequences), s.seq_length, ranks.dp, s.system)
     mine = [c for c in mbs if c.dp_rank == ranks.dp_rank]
     if not mine:  # fewer micro-batches than DP ranks: idle, as ChunkFlow's idle ranks are
