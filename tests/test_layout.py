@@ -22,8 +22,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 PKG = REPO / "megatron_chunkflow"
 TESTS = REPO / "tests"
 # dependencies point down this list: a folder may import the ones before it, never after
-ORDER = ["flags", "recompute", "config", "core", "perfmodel", "attention", "data", "runtime", "mcore",
-         "memtrace", "training", "megatron_lm", "checks", "bench", "console", "cli"]
+ORDER = ["flags", "recompute", "config", "core", "perfmodel", "attention", "data", "compat",
+         "runtime", "mcore", "memtrace", "training", "megatron_lm", "checks", "bench", "console", "cli"]
 TOP_LEVEL = {"__init__", "__main__", "launch"}  # entry points: may import anything
 OUTSIDE = {"gpu", "scripts"}  # test folders of no package folder: CUDA tests; scripts/, configs/
 MODULES = sorted(p for p in PKG.rglob("*.py") if "__pycache__" not in p.parts)

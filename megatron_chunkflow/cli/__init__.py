@@ -32,6 +32,8 @@ SUBCOMMANDS = {
                "trace one job's GPU memory per GPU on this machine, beside the model, and say "
                "whether it fits a named GPU"),
 }
+# the subcommands that run megatron-core: refused at start on a release outside compat.RANGE
+RUN_MEGATRON = {"train", "verify", "bench", "calibrate", "memory"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in RUN_MEGATRON:
+        from megatron_chunkflow import compat
+
+        try:
+            compat.check_release()
+        except compat.UnsupportedRelease as e:
+            print(f"chunkflow {args.command}: error: {e}", file=sys.stderr)
+            return 2
     try:
         return importlib.import_module(args.module).run(args)
     except ValueError as e:  # user-facing errors (core raises ValueError only for bad input)

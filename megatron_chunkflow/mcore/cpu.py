@@ -49,6 +49,40 @@ class _CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _Stream:
+    """torch.cuda.Stream / Event stand-in: every operation is already complete on CPU."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def wait_stream(self, *a, **k):
+        pass
+
+    def wait_event(self, *a, **k):
+        pass
+
+    def record_event(self, *a, **k):
+        return _Stream()
+
+    def record(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
 def _clip_grad_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False):
     """megatron-core's clip_grad_by_total_norm_fp32 without its CUDA-type assert."""
     if isinstance(parameters, torch.Tensor):
@@ -100,6 +134,9 @@ def install_cpu_shims() -> bool:
     cuda.manual_seed_all = lambda seed: None
     cuda.random.get_rng_state = cuda.get_rng_state
     cuda.random.set_rng_state = cuda.set_rng_state
+    cuda.Stream = cuda.Event = _Stream
+    cuda.current_stream = cuda.default_stream = lambda *a, **k: _Stream()
+    cuda.stream = lambda *a, **k: _Stream()
 
     from megatron.core.tensor_parallel import random as mcore_random
 

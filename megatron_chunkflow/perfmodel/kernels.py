@@ -27,8 +27,9 @@ real shapes (Qwen2.5-1.5B, Qwen3-0.6B) within 1%.
 Outside the layers, per token: the output layer's cross entropy (Megatron's vocabulary-parallel
 one, upcast to fp32) moves LOSS_BYTES per logit forward and backward; per micro-batch (chunk) the
 backward adds each weight's gradient into its fp32 main_grad (GRAD_ACCUM_BYTES per parameter: no
-gradient-accumulation fusion without Apex); per step the gradient buffer is zeroed (4 bytes per
-parameter) and torch's AdamW (foreach, unfused) moves OPTIMIZER_BYTES per parameter of its shard
+gradient-accumulation fusion without Apex); per step the gradient buffer is zeroed and then
+divided by the global token count (finalize_model_grads: 4 + 8 bytes per parameter,
+GRAD_BUFFER_BYTES) and torch's AdamW (foreach, unfused) moves OPTIMIZER_BYTES per parameter of its shard
 with 2 kernels per parameter tensor (the norm for clipping, the copy into the bf16 weight).
 """
 
@@ -41,7 +42,9 @@ from megatron_chunkflow.core.models import ModelShape
 LOSS_BYTES = (34, 14)  # per logit, forward and backward: fp32 upcast, max, exp, sum; grad, cast
 LOSS_KERNELS = (35, 8)
 GRAD_ACCUM_BYTES = 10  # per parameter and micro-batch: read the bf16 grad, read + write fp32
-ZERO_GRAD_BYTES = 4  # per parameter and step
+ZERO_GRAD_BYTES = 4  # per parameter and step: the fp32 gradient buffer zeroed
+GRAD_SCALE_BYTES = 8  # per parameter and step: read + write it, times 1 / the global token count
+GRAD_BUFFER_BYTES = ZERO_GRAD_BYTES + GRAD_SCALE_BYTES
 OPTIMIZER_BYTES = 62  # per parameter of the shard: torch AdamW foreach, clip norm, bf16 copy
 OPTIMIZER_KERNELS_PER_TENSOR = 2  # the clip norm and the copy into the compute-dtype weight
 PARAM_TENSORS_PER_LAYER = 7  # QKV (weight), projection, fc1, fc2, two norms; + QKV bias

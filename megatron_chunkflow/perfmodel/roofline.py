@@ -47,10 +47,10 @@ from megatron_chunkflow.perfmodel.footprint import layer_params, total_params
 from megatron_chunkflow.perfmodel.hardware import Hardware
 from megatron_chunkflow.perfmodel.kernels import (
     GRAD_ACCUM_BYTES,
+    GRAD_BUFFER_BYTES,
     LOSS_BYTES,
     OPTIMIZER_BYTES,
     OPTIMIZER_KERNELS_PER_TENSOR,
-    ZERO_GRAD_BYTES,
     param_tensors,
 )
 from megatron_chunkflow.perfmodel.layer import (  # noqa: F401  (re-exported: older imports)
@@ -276,15 +276,16 @@ class Roofline:
 
     def optimizer_time(self, stage_params: float) -> float:
         """Adam on this rank's 1/(DP x CP) shard, memory-bound, plus zeroing the whole fp32
-        gradient buffer (4 bytes per local parameter). Transformer Engine's fused Adam: read grad,
+        gradient buffer and scaling it by 1 / tokens (GRAD_BUFFER_BYTES per local parameter).
+        Transformer Engine's fused Adam: read grad,
         master, m, v (16 bytes), write master, m, v and the param (12 + 2), read grads once more
         for the norm (4). The local build's torch AdamW (foreach): OPTIMIZER_BYTES as traced, and
         its kernels (two per parameter tensor) launched one by one (perfmodel/kernels.py)."""
         local = stage_params / self.layout.tp
         shard = local / (self.layout.dp * self.layout.cp)
         if not self.layer.local:
-            return (shard * 34 + local * ZERO_GRAD_BYTES) / self.mem_bw
+            return (shard * 34 + local * GRAD_BUFFER_BYTES) / self.mem_bw
         layers = self.shape.num_layers * stage_params / max(total_params(self.shape), 1)
         launches = OPTIMIZER_KERNELS_PER_TENSOR * param_tensors(self.shape, math.ceil(layers))
-        return max((shard * OPTIMIZER_BYTES + local * ZERO_GRAD_BYTES) / self.mem_bw,
+        return max((shard * OPTIMIZER_BYTES + local * GRAD_BUFFER_BYTES) / self.mem_bw,
                    launches * self.launch_s)

@@ -27,6 +27,7 @@ import contextlib
 
 import torch
 
+from megatron_chunkflow import compat
 from megatron_chunkflow.runtime.observe import observing
 
 
@@ -36,15 +37,12 @@ class StageRun:
 
     def __init__(self, *, step, ops, models, config, link, store, forward_step_func, observers,
                  forward_only: bool, collect_non_loss_data: bool, stage: int):
-        from megatron.core.utils import get_model_type
-
         self.step, self.ops, self.models, self.config = step, ops, models, config
         self.link, self.store, self.forward_step_func = link, store, forward_step_func
         self.observers = observers
         self.forward_only, self.collect_non_loss_data = forward_only, collect_non_loss_data
         self.stage, self.plan = stage, step.plan
         self.num_virtual = step.plan.num_virtual_stages
-        self.model_type = get_model_type(models[0])
         sp = config.tensor_model_parallel_size if config.sequence_parallel else 1
         self.shapes = {c: (m.local_tokens // sp, 1, config.hidden_size)
                        for c, m in step.metas.items()}
@@ -143,8 +141,6 @@ class StageRun:
             self.store.end()
 
     def _backward(self, i: int, op) -> None:
-        from megatron.core.pipeline_parallel.schedules import backward_step
-
         k = self._virtual(op)
         grad = None
         if k < self.num_virtual - 1:
@@ -157,8 +153,7 @@ class StageRun:
         try:
             with observing(self.observers, "backward", op), \
                     (contextlib.nullcontext() if i == self.last_backward else _no_sync(self.config)):
-                input_grad = backward_step(input_tensor, output, grad, self.model_type,
-                                           self.config)
+                input_grad = compat.backward_step(input_tensor, output, grad, self.config)
         finally:
             self.store.end()
         if op.model_chunk == 0:  # the chunk's last backward on this rank (its V model chunks)
