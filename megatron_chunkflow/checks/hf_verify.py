@@ -92,8 +92,10 @@ def _checkpoint_signature(hf_dir: str) -> tuple:
 
 
 def run_hf_verify(hf_dir: str, lengths: Sequence[int], chunkflow: ChunkFlowConfig,
-                  parallel: ParallelConfig = ParallelConfig(), seed: int = 0) -> VerifyResult:
-    """One step of ChunkFlow (megatron-core, float64) against transformers on the same batch. The
+                  parallel: ParallelConfig = ParallelConfig(), seed: int = 0,
+                  model_class: str = "gpt") -> VerifyResult:
+    """One step of ChunkFlow (megatron-core's `model_class`, float64) against transformers on the
+    same batch. The
     transformers run of one (checkpoint, lengths, seed) is computed once per process
     (HF_REFERENCES): a long-lived job checking many layouts runs it once."""
     from megatron_chunkflow.mcore.build import build_chunkflow_model
@@ -115,7 +117,8 @@ def run_hf_verify(hf_dir: str, lengths: Sequence[int], chunkflow: ChunkFlowConfi
     padded = dataclasses.replace(shape, vocab_size=padded_vocab_size(shape.vocab_size,
                                                                      parallel.tp))
     cm = build_chunkflow_model(padded, dtype, job, load_hf=hf_dir, hf_shape=shape,
-                               attention_backend=chunkflow.attention_backend)
+                               attention_backend=chunkflow.attention_backend,
+                               model_class=model_class)
     step = plan_step(sequences, chunkflow, job.parallel, padded, job.ranks)
     reports = forward_backward(job, cm, step, make_forward_step(
         job.groups.tp, exact_loss=True, vocab_size=shape.vocab_size))

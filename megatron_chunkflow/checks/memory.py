@@ -41,7 +41,7 @@ class MemoryRow:
 
 
 def measure_one_sequence(job, shape, length: int, chunkflow: ChunkFlowConfig, dtype,
-                         seed: int = 0, lora=None) -> MemoryRow:
+                         seed: int = 0, lora=None, model_class: str = "gpt") -> MemoryRow:
     """One training step of one sequence through ChunkFlow's schedule, metered, on this rank of
     `job` (mcore/job.py; PP 1): with CP > 1 this CP rank's share, with the job's recompute
     Megatron's recompute inside each chunk; with `lora` (mcore/lora.py LoRAConfig) the base is
@@ -56,7 +56,8 @@ def measure_one_sequence(job, shape, length: int, chunkflow: ChunkFlowConfig, dt
     parallel, ranks, cp = job.parallel, job.ranks, job.parallel.cp
     alone = Ranks(tp=ranks.tp, tp_rank=ranks.tp_rank, cp=ranks.cp, cp_rank=ranks.cp_rank)
     cm = build_chunkflow_model(shape, dtype, job, lora=lora, lora_seed=seed,
-                               attention_backend=chunkflow.attention_backend)
+                               attention_backend=chunkflow.attention_backend,
+                               model_class=model_class)
     store = cm.store
     sequences = make_sequences([length], shape.vocab_size, seed)
     step = plan_step(sequences, chunkflow, parallel, shape, alone)  # whole on every DP rank

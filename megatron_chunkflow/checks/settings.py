@@ -39,8 +39,12 @@ class VerifySettings:
     memory: str | None = None  # --lengths of the memory check, comma-separated; None: no check
     hf_reference: str | None = None  # a Hugging Face checkpoint directory
     default_batch: int = 32  # sequences a profile draws without --global-batch-size
+    model_class: str = "auto"  # --model-class, resolved here (compat.resolve_model_class)
 
     def __post_init__(self):
+        from megatron_chunkflow import compat
+
+        object.__setattr__(self, "model_class", compat.resolve_model_class(self.model_class))
         p = self.parallel
         if self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")

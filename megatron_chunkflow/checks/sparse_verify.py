@@ -55,22 +55,22 @@ class SparseVerifyResult:
 def run_sparse_verify(shape, lengths: Sequence[int], chunkflow: ChunkFlowConfig, t: int,
                       draws: int = 16, dtype=torch.float64, seed: int = 0, draw_seed: int = 0,
                       parallel: ParallelConfig = ParallelConfig(), lora=None,
-                      exhaustive: bool = False, blocks: Sequence[int] = ()) -> SparseVerifyResult:
+                      exhaustive: bool = False, blocks: Sequence[int] = (),
+                      model_class: str = "gpt") -> SparseVerifyResult:
     """One batch: the exact gradient, then `draws` SpaCO gradients (or all selections)."""
     from megatron_chunkflow.mcore.dist import init_distributed
 
     sequences = make_sequences(lengths, shape.vocab_size, seed)
     reference_job = init_distributed(ParallelConfig(tp=parallel.tp), seed)
     ref_state, [(ref_loss, ref_count, ref_grads)] = _run_reference(
-        reference_job, shape, [sequences], dtype, lora, seed)
+        reference_job, shape, [sequences], dtype, lora, seed, model_class)
     job = init_distributed(parallel, seed)
-    cm = build_chunked_model(job, shape, ref_state, dtype, chunkflow, lora)
+    cm = build_chunked_model(job, shape, ref_state, dtype, chunkflow, lora, model_class)
     base = plan_step(sequences, chunkflow, job.parallel, shape, job.ranks)
     batch = base.batch
     step_fn = make_forward_step(job.groups.tp, exact_loss=True)
     # (this stage's name, the PP = 1 model's name, parameter) over every model chunk
-    params = [(n, full_model_name(n, cm.config, shape.tie_embeddings,
-                                  getattr(model, "vp_stage", None)), p)
+    params = [(n, full_model_name(n, model), p)
               for model in cm.models for n, p in model.named_parameters() if p.requires_grad]
     counted = _counted(params)
     g = torch.cat([ref_grads[full].double().flatten() for _, full, _ in params])

@@ -54,7 +54,7 @@ def run_verify(shape: ModelShape, steps: Sequence[Sequence[int]],
                chunkflow: ChunkFlowConfig | Sequence[ChunkFlowConfig],
                parallel: ParallelConfig = ParallelConfig(), dtype: torch.dtype = torch.float64,
                seed: int = 0, fully_masked: Sequence[int] = (), meter_cls=None,
-               lora=None) -> list:
+               lora=None, model_class: str = "gpt") -> list:
     """One training step per entry of `steps` (sequence lengths), both ways; one result each
     (for a list of configs, a list of results per config, all run on one set of process groups
     against one reference).
@@ -64,7 +64,8 @@ def run_verify(shape: ModelShape, steps: Sequence[Sequence[int]],
     (mcore/lora.py LoRAConfig): both models get the same adapters, B initialised at random
     (LORA_B_STD) so that A's gradient is not zero, and only the adapters are compared. The
     reference of one (model, steps, seed, dtype, TP, world) is computed once per process
-    (REFERENCES): a long-lived job checking many layouts runs it once."""
+    (REFERENCES): a long-lived job checking many layouts runs it once. `model_class`: "gpt"
+    (GPTModel) or "hybrid" (HybridModel, mcore/hybrid.py), both models of it."""
     from megatron_chunkflow.mcore.dist import init_distributed
 
     configs = [chunkflow] if isinstance(chunkflow, ChunkFlowConfig) else list(chunkflow)
@@ -73,13 +74,14 @@ def run_verify(shape: ModelShape, steps: Sequence[Sequence[int]],
     batches = [make_sequences(lengths, shape.vocab_size, seed + i, fully_masked=fully_masked)
                for i, lengths in enumerate(steps)]
     key = (shape, tuple(map(tuple, steps)), dtype, seed, tuple(fully_masked), lora, parallel.tp,
-           dist.get_world_size() if dist.is_initialized() else 1)
+           dist.get_world_size() if dist.is_initialized() else 1, model_class)
     if key not in REFERENCES:
         reference_job = init_distributed(ParallelConfig(tp=parallel.tp), seed)
-        REFERENCES[key] = _run_reference(reference_job, shape, batches, dtype, lora, seed)
+        REFERENCES[key] = _run_reference(reference_job, shape, batches, dtype, lora, seed,
+                                         model_class)
     job = init_distributed(parallel, seed)
-    out = [_run_chunked(job, shape, batches, REFERENCES[key], config, dtype, meter_cls, lora)
-           for config in configs]
+    out = [_run_chunked(job, shape, batches, REFERENCES[key], config, dtype, meter_cls, lora,
+                        model_class) for config in configs]
     return out[0] if isinstance(chunkflow, ChunkFlowConfig) else out
 
 
@@ -89,21 +91,26 @@ REFERENCES: dict[tuple, tuple] = {}  # run_verify's unchunked runs, by what they
 LORA_B_STD = 0.05
 
 
-def _run_reference(job, shape, batches, dtype, lora=None, seed: int = 0):
-    """Stock Megatron on `job` (PP = 1): per step, (loss sum, count, {param name: gradient})."""
+def _run_reference(job, shape, batches, dtype, lora=None, seed: int = 0,
+                   model_class: str = "gpt"):
+    """Stock Megatron on `job` (PP = 1): per step, (loss sum, count, {param name: gradient}),
+    parameters named as the PP = 1 GPTModel names them (mcore/names.py)."""
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
-    from megatron_chunkflow.mcore.build import build_gpt_model, transformer_config, wrap_ddp
+    from megatron_chunkflow.mcore.build import build_model, transformer_config, wrap_ddp
+    from megatron_chunkflow.mcore.names import full_model_name
 
     ranks = job.ranks
     step_fn = make_forward_step(job.groups.tp, exact_loss=True)
     config = transformer_config(shape, job, dtype)
-    model = build_gpt_model(shape, config, job)
+    model = build_model(shape, config, job, model_class)
+    config = model.config  # a HybridModel's: twice the layers
     if lora is not None:
         from megatron_chunkflow.mcore.lora import apply_lora
 
         apply_lora(model, lora, seed, b_init_std=LORA_B_STD)
-    state = {k: (v.clone() if v is not None else None) for k, v in model.state_dict().items()}
+    state = {full_model_name(k, model): (v.clone() if v is not None else None)
+             for k, v in model.state_dict().items()}
     ddp = wrap_ddp(model, config)
     out = []
     for sequences in batches:
@@ -119,26 +126,27 @@ def _run_reference(job, shape, batches, dtype, lora=None, seed: int = 0):
             reports = []
             config.finalize_model_grads_func([ddp], torch.zeros([], dtype=torch.int,
                                                                 device=comm_device()))
-        grads = {name: p.main_grad.detach().clone() for name, p in model.named_parameters()
-                 if p.requires_grad}
+        grads = {full_model_name(name, model): p.main_grad.detach().clone()
+                 for name, p in model.named_parameters() if p.requires_grad}
         out.append((*global_loss(reports, ranks.tp), grads))
     return state, out
 
 
-def build_chunked_model(job, shape, ref_state, dtype, chunkflow: ChunkFlowConfig, lora=None):
+def build_chunked_model(job, shape, ref_state, dtype, chunkflow: ChunkFlowConfig, lora=None,
+                        model_class: str = "gpt"):
     """This stage of `job`'s ChunkFlow model (mcore/build.py; every model chunk with virtual
     stages) with the reference weights (and adapters)."""
     from megatron_chunkflow.mcore.build import build_chunkflow_model
 
     return build_chunkflow_model(shape, dtype, job, lora=lora, weights=ref_state,
                                  attention_backend=chunkflow.attention_backend,
-                                 loss_piece=chunkflow.loss_piece)
+                                 loss_piece=chunkflow.loss_piece, model_class=model_class)
 
 
 def _run_chunked(job, shape, batches, reference, chunkflow: ChunkFlowConfig, dtype, meter_cls,
-                 lora=None) -> list[VerifyResult]:
+                 lora=None, model_class: str = "gpt") -> list[VerifyResult]:
     ref_state, ref_steps = reference
-    cm = build_chunked_model(job, shape, ref_state, dtype, chunkflow, lora)
+    cm = build_chunked_model(job, shape, ref_state, dtype, chunkflow, lora, model_class)
     step_fn = make_forward_step(job.groups.tp, exact_loss=True)
     results = []
     for sequences, (ref_loss, ref_count, ref_grads) in zip(batches, ref_steps):

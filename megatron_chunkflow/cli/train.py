@@ -33,12 +33,14 @@ from megatron_chunkflow.data.config import DataConfig
 from megatron_chunkflow.flags import add_config_arguments, config_from_args, deprecated_alias
 from megatron_chunkflow.mcore.lora import LoRAConfig
 from megatron_chunkflow.mcore.settings import (
+    add_model_class_argument,
     CheckpointConfig,
     OptimizerConfig,
     TrainSettings,
     model_of,
 )
 from megatron_chunkflow.runtime.sparse import SparseConfig
+from megatron_chunkflow.training.checkpoint import resumed_model_class
 from megatron_chunkflow.training.metrics import LogConfig, StepLog
 
 # The embedded scenario (README, "Defaults"): a few minutes on 2 CPU cores, the loss falls from
@@ -57,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-config", metavar="FILE",
                    help="JSON with ModelShape fields, or a Hugging Face config.json (Qwen2/2.5, "
                         "Qwen3, Llama 3.x, Mistral)")
+    add_model_class_argument(g)
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float64"), default="float32",
                    help="training precision: bfloat16 on a GPU, float64 for exactness checks "
                         "(default: float32)")
@@ -140,7 +143,8 @@ def settings_from_args(args) -> TrainSettings:
         seq_length=args.seq_length, seed=args.seed, exit_interval=args.exit_interval,
         dtype=args.dtype, hf_shape=hf_shape, lora=LoRAConfig.from_args(args),
         sparse=config_from_args(SparseConfig, args),
-        memory_check=not args.chunkflow_skip_memory_check)
+        memory_check=not args.chunkflow_skip_memory_check,
+        model_class=resumed_model_class(args.model_class, checkpoint.load))
 
 
 def recompute_from_megatron_flags(args) -> Recompute | None:
@@ -208,7 +212,11 @@ def run(args: argparse.Namespace) -> int:
             f"stock Megatron, {s.system} (micro-batches of up to {s.seq_length} tokens, "
             f"{'1F1B' if p.pp > 1 else 'forward_backward_no_pipelining'}, recompute "
             f"{p.recompute})")
-    out.say(f"chunkflow train: {path}; model {s.model_name} ({s.dtype}), TP={p.tp} "
+    from megatron_chunkflow import compat
+
+    out.say(f"chunkflow train: {path}; model {s.model_name} ({s.dtype}, "
+            f"{'HybridModel' if s.model_class == 'hybrid' else 'GPTModel'} of megatron-core "
+            f"{compat.version_text()}), TP={p.tp} "
             + (f"CP={p.cp} " if p.cp > 1 else "") + f"PP={p.pp} "
             f"DP={job.ranks.dp}, global batch {s.global_batch_size} sequences, "
             f"{s.train_iters} steps")

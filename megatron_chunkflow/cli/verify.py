@@ -27,6 +27,7 @@ import math
 
 import torch
 
+from megatron_chunkflow import compat
 from megatron_chunkflow.checks.settings import VerifySettings
 from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
 from megatron_chunkflow.console import Output
@@ -35,6 +36,7 @@ from megatron_chunkflow.core.hf_config import load_model_shape
 from megatron_chunkflow.core.models import MODEL_SHAPES
 from megatron_chunkflow.flags import add_config_arguments, config_from_args
 from megatron_chunkflow.mcore.lora import LoRAConfig
+from megatron_chunkflow.mcore.settings import add_model_class_argument
 from megatron_chunkflow.runtime.sparse import SparseConfig
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -56,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model-config", metavar="FILE",
                    help="JSON with ModelShape fields, or a Hugging Face config.json (Qwen2/2.5, "
                         "Qwen3, Llama 3.x, Mistral)")
+    add_model_class_argument(g)
     g.add_argument("--dtype", choices=sorted(DTYPES), default=SCENARIO["dtype"],
                    help=f"precision of both runs (default: {SCENARIO['dtype']})")
     g.add_argument("--hf-reference", metavar="DIR",
@@ -89,7 +92,8 @@ def settings_from_args(args: argparse.Namespace) -> VerifySettings:
         parallel=config_from_args(ParallelConfig, args), dtype=args.dtype, steps=args.steps,
         lora=LoRAConfig.from_args(args), sparse=config_from_args(SparseConfig, args),
         draws=args.draws, memory=args.lengths if args.memory else None,
-        hf_reference=args.hf_reference, default_batch=SCENARIO["global_batch_size"])
+        hf_reference=args.hf_reference, default_batch=SCENARIO["global_batch_size"],
+        model_class=args.model_class)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,7 +124,7 @@ def _run_check(s: VerifySettings, job, as_json: bool) -> int:
     cfg, parallel, lora, shape = s.chunkflow, s.parallel, s.lora, s.shape
     steps, source = s.step_lengths()
     common = dict(dtype=DTYPES[s.dtype], seed=s.lengths.seed, meter_cls=ActivationMeter,
-                  lora=lora)
+                  lora=lora, model_class=s.model_class)
     results = run_verify(shape, steps, cfg, parallel, **common)
     longest = max(max(lengths) for lengths in steps)
     multiple = math.lcm(parallel.tp, parallel.chunk_multiple)  # one chunk per sequence
@@ -137,7 +141,8 @@ def _run_check(s: VerifySettings, job, as_json: bool) -> int:
     out.say(f"{len(steps[0])} sequences ({source}), {sum(steps[0]):,} tokens, {n_dep} longer than "
             f"C={cfg.chunk_size}; K={cfg.num_kept}, {s.dtype}, TP={parallel.tp}"
             f"{' (sequence parallel)' if parallel.sequence_parallel else ''} CP={parallel.cp} "
-            f"PP={parallel.pp} DP={dp}, attention {_backend(cfg)}; reference: stock Megatron at PP=1"
+            f"PP={parallel.pp} DP={dp}, attention {_backend(cfg)}, {_class_name(s)}; reference: "
+            "stock Megatron at PP=1"
             + (f"; LoRA rank {lora.rank} on {lora.targets} (adapter gradients compared, base "
                "frozen)" if lora else ""))
     out.say(f"{'parameter':<58} rel. grad error (worst step)")
@@ -158,6 +163,7 @@ def _run_check(s: VerifySettings, job, as_json: bool) -> int:
         "dtype": s.dtype, "tp": parallel.tp, "cp": parallel.cp, "pp": parallel.pp,
         "vpp": parallel.vpp, "dp": dp, "sequence_parallel": parallel.sequence_parallel,
         "chunk_size": cfg.chunk_size, "k": cfg.num_kept, "lora": _lora_json(lora),
+        "model_class": s.model_class, "megatron_core": compat.version_text(),
         "loss_ref": worst.loss_ref, "loss_chunked": worst.loss_chunked,
         "max_rel_grad_err": worst.max_rel_grad_err, "worst_param": worst.worst_param,
         "activation_bytes": {"chunked": max(last.activation_bytes_per_stage),
@@ -178,7 +184,7 @@ def _run_hf(s: VerifySettings, job, as_json: bool) -> int:
 
     cfg, parallel = s.chunkflow, s.parallel
     steps, source = s.step_lengths()
-    r = run_hf_verify(s.hf_reference, steps[0], cfg, parallel, s.lengths.seed)
+    r = run_hf_verify(s.hf_reference, steps[0], cfg, parallel, s.lengths.seed, s.model_class)
     ok = r.max_rel_grad_err <= 1e-10
     out = Output(as_json, quiet=not _is_main())
     out.say(f"{len(steps[0])} sequences ({source}); C={cfg.chunk_size} K={cfg.num_kept}, float64, "
@@ -195,6 +201,12 @@ def _run_hf(s: VerifySettings, job, as_json: bool) -> int:
                 "max_rel_grad_err": r.max_rel_grad_err, "worst_param": r.worst_param,
                 "reference": "transformers", "passed": ok})
     return 0 if ok else 1
+
+
+def _class_name(s: VerifySettings) -> str:
+    """"HybridModel of megatron-core 0.19.2"."""
+    name = "HybridModel" if s.model_class == "hybrid" else "GPTModel"
+    return f"{name} of megatron-core {compat.version_text()}"
 
 
 def _backend(cfg) -> str:
@@ -223,9 +235,11 @@ def _run_memory(s: VerifySettings, job, as_json: bool) -> int:
             + _recompute_note(rc))
     out.say(f"{'length':>8} {'chunked':>14} {'unchunked':>14} {'state':>14} {'state formula':>14}")
     for n in s.memory_lengths:
-        chunked = measure_one_sequence(job, shape, n, cfg, dtype, lora=lora)
+        chunked = measure_one_sequence(job, shape, n, cfg, dtype, lora=lora,
+                                       model_class=s.model_class)
         whole = dataclasses.replace(cfg, chunk_size=n, num_kept=1)
-        unchunked = measure_one_sequence(job, shape, n, whole, dtype, lora=lora)
+        unchunked = measure_one_sequence(job, shape, n, whole, dtype, lora=lora,
+                                         model_class=s.model_class)
         row = {"length": n, "chunked_bytes": chunked.activation, "unchunked_bytes":
                unchunked.activation + unchunked.state, "state_bytes": chunked.state,
                "state_formula_bytes": chunked.state_formula}
@@ -273,7 +287,7 @@ def _run_memory_cp(s: VerifySettings, job, as_json: bool) -> int:
         for size in (1, cp):
             layout = ParallelConfig(cp=size, recompute=s.parallel.recompute)
             row = measure_one_sequence(init_distributed(layout, seed), shape, n, cfg, dtype,
-                                       seed=seed)
+                                       seed=seed, model_class=s.model_class)
             peaks = torch.tensor([row.total, row.state, row.cp_gathered,
                                   row.cp_reduce_scattered], dtype=torch.float64,
                                  device=comm_device())
@@ -310,7 +324,7 @@ def _run_sparse(s: VerifySettings, job, as_json: bool) -> int:
     lengths = steps[0]
     t = s.sparse.sparse_backward
     r = run_sparse_verify(s.shape, lengths, cfg, t, s.draws, dtype, seed=s.lengths.seed,
-                          parallel=parallel, lora=lora)
+                          parallel=parallel, lora=lora, model_class=s.model_class)
     bound = BOUNDS[dtype]
     loss_ok = abs(r.loss_sparse - r.loss_ref) <= bound * max(1.0, abs(r.loss_ref))
     ok = loss_ok and r.rel_err_of_mean <= FACTOR * r.expected_rel_err
@@ -335,6 +349,7 @@ def _run_sparse(s: VerifySettings, job, as_json: bool) -> int:
     out.result({
         "approximate": True, "dtype": s.dtype, "tp": parallel.tp, "pp": parallel.pp, "dp": dp,
         "chunk_size": cfg.chunk_size, "k": cfg.num_kept, "lora": _lora_json(lora),
+        "model_class": s.model_class, "megatron_core": compat.version_text(),
         "loss_ref": r.loss_ref, "loss_sparse": r.loss_sparse,
         "sparse": {"t": t, "draws": r.draws, "rel_err_of_mean": r.rel_err_of_mean,
                    "expected_rel_err": r.expected_rel_err, "rel_std_one_draw": r.rel_std,

@@ -116,30 +116,56 @@ def build_gpt_model(shape: ModelShape, config, job: Job, max_seq_length: int = 1
     """A GPTModel for this rank's pipeline stage of `job` (model chunk `vp_stage` of it with
     virtual stages) on the job's process groups, on `device` (None: this machine's), cast to
     config.params_dtype (norms included)."""
-    from megatron.core.models.gpt import GPTModel
+    return build_model(shape, config, job, "gpt", max_seq_length, vp_stage, device)
 
-    from megatron_chunkflow.mcore.cpu import fix_checkpoint_without_output, has_real_cuda
+
+def build_model(shape: ModelShape, config, job: Job, model_class: str = "gpt",
+                max_seq_length: int = 1 << 20, vp_stage: int | None = None,
+                device: str | None = None):
+    """This rank's stage of `shape` as `model_class` ("gpt": GPTModel; "hybrid": HybridModel,
+    mcore/hybrid.py, built from the GPT `config` with its layers split in two), on `device`, cast
+    to config.params_dtype."""
+    from megatron_chunkflow.mcore.cpu import fix_checkpoint_without_output
     from megatron_chunkflow.runtime.model import building_core_attention_without_cp
 
     fix_checkpoint_without_output()  # selective layernorm recompute without Transformer Engine
-    with building_core_attention_without_cp(config.context_parallel_size):  # under CP, ChunkFlow's replaces it
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=local_layer_spec(config, vp_stage),
-            vocab_size=shape.vocab_size,
-            max_sequence_length=max_seq_length,
-            pre_process=job.is_first_stage(vp_stage),
-            post_process=job.is_last_stage(vp_stage),
-            share_embeddings_and_output_weights=shape.tie_embeddings,
-            position_embedding_type="rope",
-            rotary_base=int(shape.rotary_base),
-            rope_scaling=shape.rope_scaling_factor is not None,
-            rope_scaling_factor=shape.rope_scaling_factor or 8.0,
-            vp_stage=vp_stage,
-            pg_collection=job.groups,
-        )
-    # megatron-core builds linears and embeddings on the GPU but the local spec's norms on the
-    # CPU; Megatron-LM's get_model moves the whole model, as this does
+    # under CP, ChunkFlow's attention replaces the local one, which refuses CP when it is built
+    with building_core_attention_without_cp(config.context_parallel_size):
+        if model_class == "hybrid":
+            from megatron_chunkflow.mcore.hybrid import build_hybrid_model, hybrid_config
+
+            model = build_hybrid_model(shape, hybrid_config(config), job, max_seq_length,
+                                       vp_stage)
+        else:
+            model = _gpt_model(shape, config, job, max_seq_length, vp_stage)
+    return _placed(model, config, device)
+
+
+def _gpt_model(shape: ModelShape, config, job: Job, max_seq_length: int, vp_stage):
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=local_layer_spec(config, vp_stage),
+        vocab_size=shape.vocab_size,
+        max_sequence_length=max_seq_length,
+        pre_process=job.is_first_stage(vp_stage),
+        post_process=job.is_last_stage(vp_stage),
+        share_embeddings_and_output_weights=shape.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(shape.rotary_base),
+        rope_scaling=shape.rope_scaling_factor is not None,
+        rope_scaling_factor=shape.rope_scaling_factor or 8.0,
+        vp_stage=vp_stage,
+        pg_collection=job.groups,
+    )
+
+
+def _placed(model, config, device):
+    """megatron-core builds linears and embeddings on the GPU but the local spec's norms on the
+    CPU; Megatron-LM's get_model moves the whole model, as this does."""
+    from megatron_chunkflow.mcore.cpu import has_real_cuda
+
     if device == "cuda" if device is not None else has_real_cuda():
         model = model.cuda(torch.cuda.current_device())
     return model.to(dtype=config.params_dtype)
@@ -197,11 +223,9 @@ class ChunkFlowModel:
 
     def named_parameters(self):
         """(PP = 1 model's name, parameter) over every model chunk of this rank."""
-        tie = self.models[0].share_embeddings_and_output_weights
         for model in self.models:
-            vp_stage = getattr(model, "vp_stage", None)
             for name, param in model.named_parameters():
-                yield full_model_name(name, self.config, tie, vp_stage), param
+                yield full_model_name(name, model), param
 
     @staticmethod
     def _only(items):
@@ -217,11 +241,13 @@ def build_chunkflow_model(shape: ModelShape, dtype: torch.dtype, job: Job, *,
                           lora_b_init_std: float = 0.0, weights: dict | None = None,
                           device: str | None = None, fusions: bool = True,
                           loss_piece: int = 0, vocab_size: int | None = None,
-                          distributed_optimizer: bool = False) -> ChunkFlowModel:
+                          distributed_optimizer: bool = False,
+                          model_class: str = "gpt") -> ChunkFlowModel:
     """The ChunkFlow model of `chunkflow train`, verify, bench and the memory check, built in one
     order on `job`'s process groups (mcore/dist.py: init_distributed):
 
-    1. this stage's GPTModel in `dtype`, with the job's sequence parallelism and recompute;
+    1. this stage's `model_class` (build_model: "gpt" or "hybrid") in `dtype`, with the job's
+       sequence parallelism and recompute;
     2. `load_hf`: a Hugging Face checkpoint directory's weights (`hf_shape`: its unpadded shape);
     3. `lora` (mcore/lora.py LoRAConfig): adapters seeded by `lora_seed` (B drawn from
        N(0, lora_b_init_std) for gradient checks), every other weight frozen;
@@ -240,7 +266,7 @@ def build_chunkflow_model(shape: ModelShape, dtype: torch.dtype, job: Job, *,
     stages = [None] if parallel.vpp == 1 else list(range(parallel.vpp))
     models, store = [], None
     for vp_stage in stages:
-        model = build_gpt_model(shape, config, job, vp_stage=vp_stage, device=device)
+        model = build_model(shape, config, job, model_class, vp_stage=vp_stage, device=device)
         if load_hf:
             from megatron_chunkflow.mcore.hf import import_hf_weights
 
@@ -250,8 +276,7 @@ def build_chunkflow_model(shape: ModelShape, dtype: torch.dtype, job: Job, *,
 
             apply_lora(model, lora, lora_seed, b_init_std=lora_b_init_std)
         if weights is not None:
-            names = {n: full_model_name(n, config, shape.tie_embeddings, vp_stage)
-                     for n in model.state_dict()}
+            names = {n: full_model_name(n, model) for n in model.state_dict()}
             model.load_state_dict({n: weights[names[n]] for n in names})
         store = apply_chunkflow(model, backend=attention_backend, store=store,
                                 loss_piece=loss_piece, vocab_size=vocab_size)

@@ -275,9 +275,8 @@ def import_hf_weights(model, hf_dir_or_state_dict, config, shape: ModelShape) ->
     src = _HFSource(hf_dir_or_state_dict)
     src.check(shape)
     tp, rank, _ = tensor_parallel_of(_unwrap(model))
-    vp_stage = getattr(_unwrap(model), "vp_stage", None)
     for name, param in _unwrap(model).named_parameters():
-        full_name = local_spec_name(full_model_name(name, config, shape.tie_embeddings, vp_stage))
+        full_name = local_spec_name(full_model_name(name, _unwrap(model)))
         full = _megatron_from_hf(full_name, src, shape)
         if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
             rows = param.shape[0] * tp
@@ -325,11 +324,10 @@ def export_hf_weights(model, config, shape: ModelShape) -> dict[str, torch.Tenso
                          "(mcore/lora.py merge_lora), or they would be left out")
     mine = {}
     for chunk in reversed(chunks):  # tied embeddings: the first model chunk's copy wins
-        vp_stage = getattr(chunk, "vp_stage", None)
         for name, param in chunk.named_parameters():
             t = gather_tensor_parallel(param.detach(), param,
                                        name.endswith("mlp.linear_fc1.weight"), tp, tp_group)
-            full_name = full_model_name(name, config, shape.tie_embeddings, vp_stage)
+            full_name = full_model_name(name, chunk)
             # a copy even on CPU: the export must not alias live weights
             mine[local_spec_name(full_name)] = t.to("cpu", copy=True)
     stages = [mine]

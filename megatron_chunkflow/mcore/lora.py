@@ -142,7 +142,7 @@ def apply_lora(model, lora: LoRAConfig, seed: int = 0, b_init_std: float = 0.0) 
                              f"spec); {name} is a {type(module).__name__}")
         out_full, in_full = module.output_size, module.input_size
         glu = mode == "column" and parts[-1] == "linear_fc1" and config.gated_linear_unit
-        full = full_model_name(name, config, False, getattr(gpt, "vp_stage", None))
+        full = full_model_name(name, gpt)
         dtype = module.weight.dtype
         a = torch.empty(lora.rank, in_full, dtype=torch.float64)
         a.uniform_(-in_full ** -0.5, in_full ** -0.5, generator=_generator(seed, full + ".lora_a"))

@@ -1,24 +1,37 @@
-"""Parameter names across pipeline stages: what a stage's parameter is called in the PP = 1 model
-of the same architecture (mcore/build.py's named parameters, Hugging Face import and export in
-mcore/hf.py, LoRA's adapters in mcore/lora.py, SpaCO's check)."""
+"""Parameter names across pipeline stages and model classes: what a stage's parameter is called in
+the PP = 1 GPTModel of the same architecture (mcore/build.py's named parameters, Hugging Face
+import and export in mcore/hf.py, LoRA's adapters in mcore/lora.py, verify's reference weights,
+SpaCO's check). A HybridModel's (mcore/hybrid.py) map to the same names."""
 
 from __future__ import annotations
 
 
-def full_model_name(stage_name: str, config, tie_embeddings: bool,
-                    vp_stage: int | None = None) -> str:
-    """The name a pipeline stage's parameter (of model chunk `vp_stage`) has in the PP = 1 model
-    of the same architecture.
+def full_model_name(stage_name: str, model) -> str:
+    """The name parameter `stage_name` of the built stage `model` (a GPTModel or HybridModel
+    stage, or one model chunk of it) has in the PP = 1 GPTModel of the same architecture.
 
-    Stage layers are numbered from 0 locally; the global index adds the stage's layer offset. With
-    tied embeddings and PP > 1 the last stage's output_layer.weight is its copy of the embedding.
+    Stage layers are numbered from 0 locally; the global index adds the stage's layer offset (a
+    HybridModel's layer j is GPT layer j // 2). With tied embeddings and PP > 1 the last stage's
+    output_layer.weight is its copy of the embedding.
     """
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    from megatron_chunkflow.mcore.hybrid import gpt_layer_name, is_hybrid
 
     parts = stage_name.split(".")
     if parts[:2] == ["decoder", "layers"]:
-        parts[2] = str(int(parts[2]) + get_transformer_layer_offset(config, vp_stage))
-        return ".".join(parts)
-    if tie_embeddings and stage_name == "output_layer.weight":
+        parts[2] = str(int(parts[2]) + layer_offset(model))
+        stage_name = ".".join(parts)
+    elif model.share_embeddings_and_output_weights and stage_name == "output_layer.weight":
         return "embedding.word_embeddings.weight"
-    return stage_name
+    return gpt_layer_name(stage_name) if is_hybrid(model) else stage_name
+
+
+def layer_offset(model) -> int:
+    """The global index of the stage's first layer (in its own model class's layers)."""
+    from megatron_chunkflow.mcore.hybrid import is_hybrid
+
+    if is_hybrid(model):
+        layers = model.decoder.layers
+        return layers[0].layer_number - 1 if len(layers) else 0
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return get_transformer_layer_offset(model.config, getattr(model, "vp_stage", None))

@@ -146,8 +146,13 @@ class TrainSettings:
     # or Apex (bias-SwiGLU, bias-dropout-add) as Megatron-LM turns them on; CPU runs have none
     memory_check: bool = True  # on a GPU, refuse before step 1 a first step that does not fit
     # (memtrace/guard.py; --chunkflow-skip-memory-check)
+    model_class: str = "auto"  # megatron-core's GPTModel or HybridModel (--model-class): "auto"
+    # is the installed release's recommendation (compat.py), resolved here
 
     def __post_init__(self):
+        from megatron_chunkflow import compat
+
+        object.__setattr__(self, "model_class", compat.resolve_model_class(self.model_class))
         for flag, value in (("--global-batch-size", self.global_batch_size),
                             ("--seq-length", self.seq_length), ("--train-iters", self.train_iters)):
             if value < 1:
@@ -241,6 +246,16 @@ class TrainSettings:
         """The vocabulary the loss is taken over: the checkpoint's, without the rows Megatron pads
         (runtime/loss.py masks them; Megatron-LM keeps them in the softmax)."""
         return (self.hf_shape or self.shape).vocab_size
+
+
+def add_model_class_argument(group) -> None:
+    """--model-class, for the commands that build the model (train, verify)."""
+    group.add_argument("--model-class", choices=("auto", "gpt", "hybrid"), default="auto",
+                       help="megatron-core's model class: GPTModel, or HybridModel (0.18 on: the "
+                            "same transformer as an attention layer and an MLP layer per layer) "
+                            "(default auto: what the installed megatron-core recommends, "
+                            "HybridModel from 0.19, which deprecates GPTModel; resuming, the "
+                            "checkpoint's)")
 
 
 def default_device() -> str:

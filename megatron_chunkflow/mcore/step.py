@@ -89,7 +89,8 @@ def build_training(s: TrainSettings, job: Job) -> Training:
         s.shape, dtype, job, attention_backend=s.chunkflow.attention_backend,
         load_hf=s.checkpoint.load_hf, hf_shape=s.hf_shape, lora=s.lora, lora_seed=s.seed,
         device=s.device, fusions=s.fusions, loss_piece=s.chunkflow.loss_piece,
-        vocab_size=s.real_vocab_size, distributed_optimizer=s.distributed_optimizer)
+        vocab_size=s.real_vocab_size, distributed_optimizer=s.distributed_optimizer,
+        model_class=s.model_class)
     o = s.optimizer
     opt_config = OptimizerConfig(
         optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,

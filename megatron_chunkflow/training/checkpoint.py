@@ -196,6 +196,20 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
     return final
 
 
+def resumed_model_class(model_class: str, root: str | None) -> str:
+    """--model-class as given, but "auto" resuming from --load is the checkpoint's class (its
+    parameters are named by it: a GPTModel checkpoint of megatron-core 0.16 resumes as GPTModel on
+    0.19, whose own recommendation is HybridModel). Checkpoints saved before the setting existed
+    are GPTModel's."""
+    if model_class != "auto" or not root:
+        return model_class
+    newest = sorted(Path(root).glob("iter_*/extra_rank0.pt"))
+    if not newest:
+        return model_class  # find_checkpoint names what is missing, after the build
+    return read_extra_state(newest[-1])["settings"].get("model_class", "gpt")
+
+
+CLASS_NAMES = {"gpt": "GPTModel", "hybrid": "HybridModel"}
 SCHEDULE = {"lr": "--lr", "min_lr": "--min-lr", "lr_warmup_iters": "--lr-warmup-iters"}
 
 
@@ -217,6 +231,11 @@ def compare_settings(saved: dict, given: dict, iteration: int, root: str,
         a, b = saved["parallel"].get(key, 1), given["parallel"].get(key, 1)
         if a != b:
             raise ValueError(f"{where} was saved with {flag} {a}; this run has {b}")
+    saved_class = saved.get("model_class", "gpt")
+    if saved_class != given.get("model_class", "gpt"):
+        raise ValueError(f"{where} holds a {CLASS_NAMES[saved_class]} checkpoint; this run builds "
+                         f"a {CLASS_NAMES[given.get('model_class', 'gpt')]} (--model-class "
+                         f"{given.get('model_class')}): give --model-class {saved_class} (or auto)")
     if saved.get("dtype", given.get("dtype")) != given.get("dtype"):
         raise ValueError(f"{where} was saved in {saved.get('dtype')}; this run trains in "
                          f"{given.get('dtype')} (--dtype): resume in {saved.get('dtype')}")
