@@ -19,7 +19,6 @@ from megatron_chunkflow.data.config import DataConfig
 from megatron_chunkflow.data.sources import check_data_path
 from megatron_chunkflow.flags import add_config_arguments, config_from_args
 
-TESTED_VERSION = "0.16.1"
 # Megatron-LM has its own --attention-backend: ours lives in the chunkflow namespace, as every
 # destination of the plugin's flags does (args.chunkflow_chunk_size, args.chunkflow_num_kept, ...).
 FLAGS = {"attention_backend": "--chunkflow-attention-backend"}
@@ -51,7 +50,9 @@ def add_chunkflow_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
                    help="on a GPU, skip the check before step 1 that the first global batch's traced "
                         "memory fits every GPU of the job (memtrace/guard.py)")
     g.add_argument("--chunkflow-allow-untested-megatron", action="store_true",
-                   help=f"run on a Megatron-LM other than core_v{TESTED_VERSION} (with a warning)")
+                   help="run on a Megatron-LM checkout or megatron-core outside the supported "
+                        "releases (megatron-core 0.16.1 to 0.19.2, the checkout of the same "
+                        "release line), with a warning")
     return parser
 
 

@@ -14,40 +14,6 @@ import torch
 from megatron_chunkflow.mcore.cpu import has_real_cuda, install_cpu_shims
 
 
-class _Stream:
-    """torch.cuda.Stream / Event stand-in: every operation is already complete on CPU."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def wait_stream(self, *a, **k):
-        pass
-
-    def wait_event(self, *a, **k):
-        pass
-
-    def record_event(self, *a, **k):
-        return _Stream()
-
-    def record(self, *a, **k):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def query(self):
-        return True
-
-    def elapsed_time(self, other):
-        return 0.0
-
-
 def install_megatron_lm_cpu_shims() -> bool:
     """Everything install_cpu_shims does, plus what megatron/training (core_v0.16.1) needs on CPU
     (what pretrain_gpt.py hits on CPU): returns True if installed, False on a CUDA machine."""
@@ -68,9 +34,6 @@ def install_megatron_lm_cpu_shims() -> bool:
         major=9, minor=0, name="cpu", total_memory=0, multi_processor_count=1)
     cuda.get_device_capability = lambda *a, **k: (9, 0)
     cuda.get_device_name = lambda *a, **k: "cpu"
-    cuda.Stream = cuda.Event = _Stream  # DDP's communication stream, timers
-    cuda.current_stream = cuda.default_stream = lambda *a, **k: _Stream()
-    cuda.stream = lambda *a, **k: _Stream()
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
                  "max_memory_reserved"):
         setattr(cuda, name, lambda *a, **k: 0)
@@ -79,6 +42,7 @@ def install_megatron_lm_cpu_shims() -> bool:
         ("reserved_bytes.all.current", "allocated_bytes.all.current", "allocated_bytes.all.peak",
          "allocation.all.current"), 0)
     cuda.reset_peak_memory_stats = cuda.empty_cache = lambda *a, **k: None
+    cuda.set_stream = lambda *a, **k: None  # 0.19 initialize.py _initialize_distributed
     try:
         import triton  # noqa: F401
     except ImportError:  # initialize.py imports Megatron's triton kernels; never used on CPU
@@ -144,12 +108,17 @@ def spawn_children_from(module: str) -> bool:
 
 
 def install_megatron_lm_training_shims() -> None:
-    """After megatron.training is importable: fused-kernel builds (nvcc) and the JIT warm-up on
-    "cuda" tensors become no-ops on CPU."""
+    """After megatron.training is importable: fused-kernel builds (nvcc; core_v0.16.1's
+    initialize.py `fused_kernels.load(args)`, megatron.legacy, removed in 0.17) and the JIT warm-up
+    on "cuda" tensors (training.py `set_jit_fusion_options`, every release) become no-ops on CPU."""
+    import importlib.util
+
     if has_real_cuda():
         return
-    from megatron.legacy import fused_kernels
     from megatron.training import training
 
-    fused_kernels.load = lambda *a, **k: None
+    if importlib.util.find_spec("megatron.legacy") is not None:
+        from megatron.legacy import fused_kernels
+
+        fused_kernels.load = lambda *a, **k: None
     training.set_jit_fusion_options = lambda *a, **k: None

@@ -26,8 +26,8 @@ import warnings
 from functools import partial
 from pathlib import Path
 
+from megatron_chunkflow import compat
 from megatron_chunkflow.megatron_lm.args import (
-    TESTED_VERSION,
     LaunchError,
     add_chunkflow_arguments,
     check_chunkflow_args,
@@ -54,21 +54,19 @@ def checkout_version(megatron_lm_dir: Path) -> str:
 
 
 def check_versions(megatron_lm_dir: Path, allow_untested: bool) -> None:
-    """Megatron-LM's checkout and the installed megatron-core must both be TESTED_VERSION."""
+    """The installed megatron-core in compat.RANGE, and the Megatron-LM checkout of the same
+    release line (its megatron/training is written against its own megatron/core): else a
+    LaunchError naming both, or with --chunkflow-allow-untested-megatron a warning."""
     import megatron.core
 
-    found = {f"Megatron-LM at {megatron_lm_dir}": checkout_version(megatron_lm_dir),
-             f"megatron-core at {Path(megatron.core.__file__).parent}":
-                 getattr(megatron.core, "__version__", "?")}
-    wrong = [f"{where} is {version}" for where, version in found.items()
-             if version != TESTED_VERSION]
-    if not wrong:
+    checkout = checkout_version(megatron_lm_dir)
+    problem = compat.megatron_lm_problem(compat.parse_version(checkout))
+    if problem is None:
         return
-    message = (f"megatron_chunkflow is tested with Megatron-LM tag core_v{TESTED_VERSION} and "
-               f"megatron-core {TESTED_VERSION}, but " + "; ".join(wrong))
+    message = (f"Megatron-LM at {megatron_lm_dir} is {checkout} and megatron-core at "
+               f"{Path(megatron.core.__file__).parent} is {compat.version_text()}: {problem}")
     if not allow_untested:
-        raise LaunchError(message + " (check out core_v0.16.1, or pass "
-                          "--chunkflow-allow-untested-megatron to try anyway)")
+        raise LaunchError(message + " (or pass --chunkflow-allow-untested-megatron to try anyway)")
     warnings.warn(message + " (--chunkflow-allow-untested-megatron: continuing)", stacklevel=2)
 
 
@@ -115,6 +113,7 @@ def install(megatron_lm_dir: str | Path, allow_untested: bool | None = None) -> 
         allow_untested = "--chunkflow-allow-untested-megatron" in sys.argv
     megatron_lm_dir = Path(megatron_lm_dir).resolve()
     cpu.install_megatron_lm_cpu_shims()
+    compat.backport_typing_override()
     import megatron.core  # noqa: F401  the installed megatron-core, before the checkout's copy
 
     prebuilt_dataset_helpers()
@@ -152,6 +151,8 @@ def install(megatron_lm_dir: str | Path, allow_untested: bool | None = None) -> 
     if hasattr(initialize, "validate_args"):
         initialize.validate_args = validate_args
     training.get_model = partial(_get_model, training.get_model)
+    for builder in compat.model_builders():
+        _patch_builder(builder)
     training.build_train_valid_test_data_iterators = partial(
         _build_iterators, training.build_train_valid_test_data_iterators)
     training.get_forward_backward_func = partial(_get_fb_func, training.get_forward_backward_func)
@@ -169,21 +170,56 @@ def _args():
 
 
 def _get_model(original, model_provider_func, *args, **kwargs):
+    """training.get_model: the model built from a model provider (pretrain_gpt.py's at
+    core_v0.16.1; later tags build through a model builder, _build_distributed_models)."""
+    return _built_models(lambda wrap: original(wrap(model_provider_func), *args, **kwargs))
+
+
+def _patch_builder(cls) -> None:
+    original = cls.build_distributed_models
+
+    def build_distributed_models(self, *args, **kwargs):
+        return _build_distributed_models(original, self, *args, **kwargs)
+
+    cls.build_distributed_models = build_distributed_models
+
+
+def _build_distributed_models(original, builder, *args, **kwargs):
+    """A model builder's build_distributed_models (megatron/training/models, core_v0.18 on: the
+    config container's path): the same as _get_model, its build_model being the provider."""
+    def build(wrap):
+        builder.build_model = wrap(builder.build_model)  # shadows the method for this build
+        try:
+            return original(builder, *args, **kwargs)
+        finally:
+            del builder.build_model
+
+    return _built_models(build)
+
+
+def _built_models(build):
+    """`build(wrap)` builds the model list with `wrap(provider)` as its per-stage provider: the
+    provider gets --rope-scaling-factor and, with --chunkflow, chunk attention swapped in before
+    Megatron wraps the model (DDP registers hooks per module); --chunkflow-load-hf after."""
     from megatron_chunkflow.runtime.model import building_core_attention_without_cp
 
     a = _args()
     if (a.chunkflow or a.chunkflow_load_hf) and not getattr(a, "chunkflow_checked", False):
-        raise LaunchError(f"this Megatron-LM did not run the plugin's argument checks (they are "
-                          f"installed on its validate_args); megatron_chunkflow supports "
-                          f"core_v{TESTED_VERSION} only")
-    # both systems: the RoPE frequencies --rope-scaling-factor asks for (weights.py)
-    model_provider_func = partial(rope_factor_provider, model_provider_func, a)
-    if a.chunkflow:  # before Megatron wraps the model: DDP registers hooks per module
-        model_provider_func = partial(_chunkflow_provider, model_provider_func,
-                                      resolve_backend(a), chunkflow_config(a).loss_piece)
+        raise LaunchError("this Megatron-LM did not run the plugin's argument checks (they are "
+                          "installed on its validate_args); megatron_chunkflow supports "
+                          f"{compat.MEGATRON_LM_TAGS}")
+
+    def wrap(provider):
+        # both systems: the RoPE frequencies --rope-scaling-factor asks for (weights.py)
+        provider = partial(rope_factor_provider, provider, a)
+        if a.chunkflow:
+            provider = partial(_chunkflow_provider, provider, resolve_backend(a),
+                               chunkflow_config(a).loss_piece)
+        return provider
+
     _HOOKS.store = None  # a new model: its model chunks get one new store
     with building_core_attention_without_cp(a.context_parallel_size if a.chunkflow else 1):
-        model = original(model_provider_func, *args, **kwargs)
+        model = build(wrap)
     if a.chunkflow_load_hf:
         load_hf(model, a.chunkflow_load_hf)
     import torch.distributed as dist
@@ -299,9 +335,11 @@ def _chunkflow_forward_backward(*, forward_step_func, **kwargs):
     return reports
 
 
-def _num_flops(original, args, batch_size):
+def _num_flops(original, args, batch_size, *rest, **kwargs):
+    # core_v0.19.0 also passes the batch's packed-sequence statistics, which ChunkFlow's own count
+    # (the step's actual sequence lengths) already covers
     if not args.chunkflow or _HOOKS.iterator is None:
-        return original(args, batch_size)
+        return original(args, batch_size, *rest, **kwargs)
     if _HOOKS.in_log and _HOOKS.interval_steps:
         return _HOOKS.interval_flops / _HOOKS.interval_steps  # mean over the log interval
     return _HOOKS.iterator.last.flops

@@ -311,17 +311,31 @@ def test_overlong_document_is_named_not_cut(refused):
     assert "--overlong split" in run.stderr
 
 
-def test_version_check_names_both_versions(tmp_path, monkeypatch):
-    """Another Megatron-LM version stops with both versions named, unless allowed (a warning)."""
+def test_version_check_names_both_versions(tmp_path):
+    """A checkout of another release line than the installed megatron-core stops with both
+    versions named, unless allowed (a warning); one outside the range likewise."""
+    from megatron_chunkflow import compat
+
     core = tmp_path / "megatron" / "core"
     core.mkdir(parents=True)
-    (core / "package_info.py").write_text("MAJOR = 0\nMINOR = 17\nPATCH = 0\nPRE_RELEASE = 'rc1'\n")
-    assert checkout_version(tmp_path) == "0.17.0rc1"
-    with pytest.raises(LaunchError, match=r"core_v0\.16\.1.*is 0\.17\.0rc1.*"
-                                          r"--chunkflow-allow-untested-megatron"):
+    other = "0.19.0" if compat.installed() < (0, 19, 0) else "0.16.1"
+    major, minor, patch = other.split(".")
+    (core / "package_info.py").write_text(f"MAJOR = {major}\nMINOR = {minor}\nPATCH = {patch}\n"
+                                          "PRE_RELEASE = 'rc1'\n")
+    assert checkout_version(tmp_path) == f"{other}rc1"
+    with pytest.raises(LaunchError, match=rf"is {other}rc1 and megatron-core .* is "
+                                          rf"{compat.version_text()}: the checkout's training "
+                                          r"package needs .*--chunkflow-allow-untested-megatron"):
         check_versions(tmp_path, allow_untested=False)
-    with pytest.warns(UserWarning, match="0.17.0rc1"):
+    with pytest.warns(UserWarning, match=f"{other}rc1"):
         check_versions(tmp_path, allow_untested=True)
+    (core / "package_info.py").write_text("MAJOR = 0\nMINOR = 20\nPATCH = 0\n")
+    with pytest.raises(LaunchError, match="runs on Megatron-LM core_v0.16.1 and core_v0.19.0"):
+        check_versions(tmp_path, allow_untested=False)
+    mine = compat.version_text()
+    major, minor, patch = mine.split(".")
+    (core / "package_info.py").write_text(f"MAJOR = {major}\nMINOR = {minor}\nPATCH = {patch}\n")
+    check_versions(tmp_path, allow_untested=False)  # the same release: no word
     with pytest.raises(LaunchError, match="not a Megatron-LM checkout"):
         checkout_version(tmp_path / "elsewhere")
 
@@ -330,8 +344,8 @@ def test_version_check_names_both_versions(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_a_megatron_that_skips_the_plugins_checks_stops(workdir, tmp_path):
     """A Megatron-LM whose training loop validates its arguments through a function the plugin did
-    not patch (as core_v0.18 and later do) stops before building a model, naming the supported
-    version, instead of training with --chunkflow unchecked."""
+    not patch stops before building a model, naming the supported versions, instead of training
+    with --chunkflow unchecked."""
     driver = tmp_path / "driver.py"
     driver.write_text(f"""
 import sys
@@ -351,7 +365,7 @@ sys.exit(launcher.launch(sys.argv[1:], "driver", "driver"))
                               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
     assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
     assert "did not run the plugin's argument checks" in run.stderr
-    assert "supports core_v0.16.1 only" in run.stderr
+    assert "supports Megatron-LM core_v0.16.1 and core_v0.19.0" in run.stderr
 
 
 def test_launcher_usage_errors(tmp_path):
