@@ -6,13 +6,27 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-# Megatron-LM (pretrain_gpt.py, megatron/training) is not on PyPI: `make megatron-lm` clones the
-# tested tag into third_party/ (git-ignored), where the launcher tests find it (or MEGATRON_LM_DIR).
-MEGATRON_LM_GIT ?= https://github.com/NVIDIA/Megatron-LM.git
-MEGATRON_LM_TAG := core_v0.16.1
+# megatron-core: the release pip resolves for this Python (0.16.1 on 3.11; 0.17 and later declare
+# Python >= 3.12, so 3.12 gets 0.19.2), or MCORE=0.19.2 (any release of 0.16.1-0.19.2): installed
+# over it into third_party/mcore-$(MCORE) (with triton, which 0.18 and later import), first on
+# PYTHONPATH for the demo and the tests: `make test MCORE=0.19.2`, `make test-release MCORE=...`.
+MCORE ?=
+MCORE_DIR := $(if $(MCORE),$(CURDIR)/third_party/mcore-$(MCORE))
+MCORE_STAMP := $(if $(MCORE),$(MCORE_DIR)/.installed)
+WITH_MCORE := $(if $(MCORE),PYTHONPATH=$(MCORE_DIR)$${PYTHONPATH:+:$$PYTHONPATH} \
+	CHUNKFLOW_MCORE_OVERLAY=$(MCORE_DIR))
 
-.PHONY: demo plan test test-fast test-medium bench bench-cpu clean megatron-lm megatron-lm-slim \
-	configs gpu-wheels
+# Megatron-LM (pretrain_gpt.py, megatron/training) is not on PyPI: `make megatron-lm` clones the
+# tag of the megatron-core release in use (compat.py: core_v0.16.1, core_v0.19.0, ...) into
+# third_party/ (git-ignored), where the launcher tests find it (or MEGATRON_LM_DIR).
+MEGATRON_LM_GIT ?= https://github.com/NVIDIA/Megatron-LM.git
+MEGATRON_LM_TAG = $(shell $(WITH_MCORE) $(BIN)/python -c \
+	'from megatron_chunkflow import compat; print(compat.megatron_lm_tag())' 2>/dev/null)
+MEGATRON_LM_DIR ?= $(CURDIR)/third_party/Megatron-LM-$(MEGATRON_LM_TAG)
+RUN = $(WITH_MCORE) MEGATRON_LM_DIR=$(MEGATRON_LM_DIR)
+
+.PHONY: demo plan test test-fast test-medium test-release bench bench-cpu clean megatron-lm \
+	megatron-lm-slim configs gpu-wheels
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +35,16 @@ $(STAMP): setup.py
 	$(BIN)/pip install --quiet -e .
 	touch $(STAMP)
 
+# another megatron-core release over the virtualenv's (MCORE=...); its Python requirement is
+# 3.12, but its source imports on 3.11 (compat.py backports what Megatron-LM's training needs)
+ifneq ($(MCORE),)
+$(MCORE_STAMP): | $(STAMP)
+	rm -rf $(MCORE_DIR)
+	$(BIN)/pip install --quiet --no-deps --ignore-requires-python --target $(MCORE_DIR) \
+		"megatron-core==$(MCORE)" triton
+	touch $@
+endif
+
 # the test extra (pytest, hypothesis, transformers for the Hugging Face checks) on top
 $(TEST_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet -e ".[test]"
@@ -28,9 +52,9 @@ $(TEST_STAMP): $(STAMP)
 
 # The main job on its embedded default: fine-tune a tiny Qwen2.5-architecture model on real
 # ShareGPT conversations (Qwen2.5 vocabulary, ChatML, assistant-only loss) with ChunkFlow, on CPU.
-demo: $(STAMP)
+demo: $(STAMP) $(MCORE_STAMP)
 	mkdir -p out
-	$(BIN)/chunkflow train --log-json out/train.jsonl
+	$(WITH_MCORE) $(BIN)/chunkflow train --log-json out/train.jsonl
 
 # Plan a profile-B global batch on PP=4 x DP=2, compare with stock Megatron's 1F1B, draw both.
 plan: $(STAMP)
@@ -44,14 +68,20 @@ plan: $(STAMP)
 # workers (pytest-xdist), each test file on one worker: most slow tests wait on a child's imports
 # or on gloo, so two workers keep both cores busy.
 PYTEST_WORKERS ?= 2
-test: $(TEST_STAMP)
-	$(BIN)/python -m pytest tests -m "not gpu" -q -n $(PYTEST_WORKERS) --dist loadfile
+test: $(TEST_STAMP) $(MCORE_STAMP)
+	$(RUN) $(BIN)/python -m pytest tests -m "not gpu" -q -n $(PYTEST_WORKERS) --dist loadfile
 
-test-fast: $(TEST_STAMP)
-	$(BIN)/python -m pytest tests -m "not gpu and not slow" -q
+test-fast: $(TEST_STAMP) $(MCORE_STAMP)
+	$(RUN) $(BIN)/python -m pytest tests -m "not gpu and not slow" -q
 
-test-medium: $(TEST_STAMP)
-	$(BIN)/python -m pytest tests -m "not gpu and (not slow or medium)" -q
+test-medium: $(TEST_STAMP) $(MCORE_STAMP)
+	$(RUN) $(BIN)/python -m pytest tests -m "not gpu and (not slow or medium)" -q
+
+# The float64 exactness core (every process-group shape, HybridModel) and the launcher on another
+# megatron-core release (MCORE=...): what CI runs beside `make test` (README, "Tests").
+test-release: $(TEST_STAMP) $(MCORE_STAMP)
+	$(RUN) $(BIN)/python -m pytest tests -m "release and not gpu" -q -n $(PYTEST_WORKERS) \
+		--dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/python scripts/benchmarks/bench_planner.py
@@ -76,14 +106,17 @@ bench-cpu: $(STAMP)
 configs:
 	$(PYTHON) scripts/gen_model_configs.py
 
-megatron-lm: third_party/Megatron-LM/pretrain_gpt.py
+megatron-lm: $(STAMP) $(MCORE_STAMP)
+	@test -f $(MEGATRON_LM_DIR)/pretrain_gpt.py || git -c advice.detachedHead=false clone \
+		--quiet --depth 1 --branch $(MEGATRON_LM_TAG) $(MEGATRON_LM_GIT) $(MEGATRON_LM_DIR)
+	@echo MEGATRON_LM_DIR=$(MEGATRON_LM_DIR)
 
 # What the launcher imports of the checkout (megatron/ and the root scripts, about 8 MiB), for a
 # GPU machine that takes at most 64 MiB per call: carry third_party/megatron-lm-slim and point
 # MEGATRON_LM_DIR at it there (scripts/gpu/device_check.py's launcher step).
-megatron-lm-slim: third_party/Megatron-LM/pretrain_gpt.py
+megatron-lm-slim: megatron-lm
 	rm -rf third_party/megatron-lm-slim && mkdir -p third_party/megatron-lm-slim
-	cp -r third_party/Megatron-LM/megatron third_party/Megatron-LM/*.py third_party/megatron-lm-slim/
+	cp -r $(MEGATRON_LM_DIR)/megatron $(MEGATRON_LM_DIR)/*.py third_party/megatron-lm-slim/
 	du -sh third_party/megatron-lm-slim
 
 # Wheels for scripts/gpu/device_check.sh on a GPU machine without network (Python 3.12, PyTorch,
@@ -100,10 +133,6 @@ gpu-wheels: $(STAMP)
 		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 	ls -l .whl
-
-third_party/Megatron-LM/pretrain_gpt.py:
-	git -c advice.detachedHead=false clone --quiet --depth 1 --branch $(MEGATRON_LM_TAG) \
-		$(MEGATRON_LM_GIT) third_party/Megatron-LM
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis

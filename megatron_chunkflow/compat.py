@@ -148,6 +148,14 @@ def backport_typing_override() -> None:
 # -- Megatron-LM's training package (megatron/training, beside pretrain_gpt.py) --------------------
 
 MEGATRON_LM_TAGS = "Megatron-LM core_v0.16.1 and core_v0.19.0"
+# the Megatron-LM tag of each megatron-core release line (`make megatron-lm` checks it out)
+TAG_OF_LINE = {(0, 16): "core_v0.16.1", (0, 17): "core_v0.17.1", (0, 18): "core_v0.18.2",
+               (0, 19): "core_v0.19.0"}
+
+
+def megatron_lm_tag() -> str:
+    """The Megatron-LM tag whose training package goes with the installed megatron-core."""
+    return TAG_OF_LINE.get(installed()[:2], f"core_v{version_text()}")
 
 
 def model_builders() -> list[type]:
@@ -178,3 +186,31 @@ def megatron_lm_problem(checkout: tuple[int, int, int]) -> str | None:
                 f"(check out core_v{core[0]}.{core[1]}.x, or install megatron-core "
                 f"{checkout[0]}.{checkout[1]}.x)")
     return None
+
+
+def renders_conversations(tokenizer) -> bool:
+    """Whether Megatron-LM's tokenizer renders conversations itself (tokenize_conversation: its
+    SFTTokenizer, the multimodal one). From 0.17 every text tokenizer of megatron-core's has the
+    method and raises NotImplementedError unless its library is "sft"."""
+    if not callable(getattr(tokenizer, "tokenize_conversation", None)):
+        return False
+    try:
+        from megatron.core.tokenizers.text.text_tokenizer import MegatronTokenizerText
+    except ImportError:  # core_v0.16.1 trains with Megatron-LM's own tokenizers
+        return True
+    return not isinstance(tokenizer, MegatronTokenizerText) or tokenizer.library == "sft"
+
+
+def sft_appends_eod() -> bool:
+    """Whether Megatron-LM's SFT dataset (--sft) ends each conversation with EOD (as its own
+    target) when the template did not: core_v0.16.1 does; 0.17 and later keep the template's
+    tokens as they are."""
+    return installed() < (0, 17, 0)
+
+
+def null_tokenizer_vocab_flag(vocab_size: int) -> int:
+    """The --vocab-size that gives Megatron-LM's NullTokenizer (mock and pre-tokenized data) a
+    vocabulary of `vocab_size` ids: from 0.17 megatron/training builds megatron-core's tokenizers,
+    whose NullTokenizer counts its end-of-document id inside --vocab-size; core_v0.16.1's own
+    adds one past it."""
+    return vocab_size if installed() >= (0, 17, 0) else vocab_size - 1

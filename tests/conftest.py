@@ -3,7 +3,8 @@ found it.
 
 Tiers: `make test-fast` runs what is neither `gpu` nor `slow`; `make test-medium` adds the slow
 tests marked `medium` (one or two per area, about two minutes in all); `make test` (CI) runs
-everything but `gpu`.
+everything but `gpu`; `make test-release MCORE=0.19.2` the tests marked `release` on another
+megatron-core release (CI runs both).
 """
 
 import os
@@ -59,6 +60,9 @@ def pytest_configure(config):
                             "`make test-fast` leaves these out")
     config.addinivalue_line("markers", "medium: a slow test that `make test-medium` runs too "
                             "(one or two per area)")
+    config.addinivalue_line("markers", "release: the float64 exactness core (every process-group "
+                            "shape, HybridModel) and the launcher: what `make test-release` runs "
+                            "on CI's second megatron-core release")
 
 
 def pytest_collection_modifyitems(config, items):

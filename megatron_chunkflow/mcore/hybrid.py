@@ -42,9 +42,11 @@ def hybrid_pattern(num_layers: int, segments: int) -> str:
     return "|".join([per] * segments)
 
 
-def check_pattern(pattern: str, flag: str = "--hybrid-layer-pattern") -> None:
-    """ValueError naming the layer kinds ChunkFlow cannot chunk (their state across chunks is not
-    attention's K/V): only attention ("*") and MLP ("-") layers, with "|" stage boundaries."""
+def check_pattern(pattern: str, flag: str = "--hybrid-layer-pattern") -> int:
+    """The transformer layers of a hybrid layer pattern ChunkFlow runs: only attention ("*") and
+    MLP ("-") layers (the state of Mamba, GDN or DSA layers across a sequence's chunks is not
+    attention's keys and values), each attention layer followed by one MLP layer (the planner's
+    layer), "|" stage boundaries allowed. ValueError naming `flag` otherwise."""
     main = pattern.split("/")[0]
     other = sorted({c for c in main if c not in (ATTENTION, MLP, "|")})
     if other:
@@ -55,6 +57,12 @@ def check_pattern(pattern: str, flag: str = "--hybrid-layer-pattern") -> None:
     if "/" in pattern:
         raise ValueError(f"{flag} {pattern}: multi-token prediction layers ('/...') are not "
                          "supported with ChunkFlow")
+    for segment in main.split("|"):
+        if not segment or segment != GPT_PATTERN * (len(segment) // 2):
+            raise ValueError(f"{flag} {pattern}: ChunkFlow plans each layer as an attention "
+                             f"layer followed by an MLP layer ('*-'); the stage {segment!r} is "
+                             "not such layers")
+    return main.count(ATTENTION)
 
 
 def hybrid_config(config):
@@ -85,28 +93,37 @@ def _stack_class():
     return LocalNormHybridStack
 
 
-def local_hybrid_spec(config):
-    """The hybrid stack spec of the local GPT layer's modules (mcore/build.py local_layer_spec):
-    an attention layer (input norm, self-attention) and an MLP layer (pre-MLP norm, MLP)."""
+def local_hybrid_spec(qk_norm: bool = False):
+    """The hybrid stack spec of megatron-core's local modules (no Transformer Engine): an
+    attention layer (input norm, self-attention) and an MLP layer (pre-MLP norm, MLP), the GPT
+    local layer's modules, every norm torch's RMSNorm (under sequence parallelism too, its
+    gradient summed over TP: mcore/build.py TorchRMSNorm), with Qwen3's per-head Q/K norms if
+    `qk_norm`. Checkpoint keys as Transformer Engine's spec names them (its norms fused into the
+    linear layers). Megatron-LM's pretrain_hybrid.py takes it by name (megatron_lm/specs.py)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
     from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import (
         TransformerLayer,
         TransformerLayerSubmodules,
     )
 
-    from megatron_chunkflow.mcore.build import local_layer_spec
+    from megatron_chunkflow.mcore.build import TorchRMSNorm
 
-    spec = local_layer_spec(config)
-    layer = (spec.layer_specs[0] if hasattr(spec, "layer_specs") else spec).submodules
-    norm = spec.layer_norm if hasattr(spec, "layer_norm") else layer.input_layernorm
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True).submodules
+    self_attention = dataclasses.replace(layer.self_attention, submodules=dataclasses.replace(
+        layer.self_attention.submodules, q_layernorm=TorchRMSNorm if qk_norm else IdentityOp,
+        k_layernorm=TorchRMSNorm if qk_norm else IdentityOp))
     attention = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-        input_layernorm=layer.input_layernorm, self_attention=layer.self_attention,
-        self_attn_bda=layer.self_attn_bda))
+        input_layernorm=TorchRMSNorm, self_attention=self_attention,
+        self_attn_bda=layer.self_attn_bda,
+        sharded_state_dict_keys_map={"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}))
     mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
-        pre_mlp_layernorm=layer.pre_mlp_layernorm, mlp=layer.mlp, mlp_bda=layer.mlp_bda))
-    return ModuleSpec(module=_stack_class(), params={"final_norm": norm},
+        pre_mlp_layernorm=TorchRMSNorm, mlp=layer.mlp, mlp_bda=layer.mlp_bda,
+        sharded_state_dict_keys_map={"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}))
+    return ModuleSpec(module=_stack_class(), params={"final_norm": TorchRMSNorm},
                       submodules=HybridStackSubmodules(attention_layer=attention, mlp_layer=mlp))
 
 
@@ -118,7 +135,7 @@ def build_hybrid_model(shape: ModelShape, config, job: Job, max_seq_length: int 
 
     segments = job.parallel.pp * job.parallel.vpp
     model = HybridModel(
-        config=config, hybrid_stack_spec=local_hybrid_spec(config),
+        config=config, hybrid_stack_spec=local_hybrid_spec(config.qk_layernorm),
         vocab_size=shape.vocab_size, max_sequence_length=max_seq_length,
         hybrid_layer_pattern=hybrid_pattern(config.num_layers // 2, segments),
         pre_process=job.is_first_stage(vp_stage), post_process=job.is_last_stage(vp_stage),

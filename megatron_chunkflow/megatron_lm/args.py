@@ -179,6 +179,16 @@ def chunkflow_refusals(args, given_dataloader: str | None = None) -> list[str]:
                       "chunk would draw new dropout masks, so gradients would not be exact)")
     if args.position_embedding_type != "rope":
         refuse.append(f"--position-embedding-type {args.position_embedding_type}: use rope")
+    if hybrid_script() and not hybrid_pattern(args):
+        refuse.append("a hybrid model without --hybrid-layer-pattern: give the pattern of its "
+                      "layers ('*-' per transformer layer)")
+    elif hybrid_pattern(args):
+        from megatron_chunkflow.mcore.hybrid import check_pattern
+
+        try:
+            check_pattern(hybrid_pattern(args))
+        except ValueError as e:
+            refuse.append(str(e))
     chunk_size = args.chunkflow_chunk_size
     if args.seq_length is not None and chunk_size > args.seq_length:
         default = "" if _given("--chunk-size") else " (the default)"
@@ -268,7 +278,8 @@ def trace_settings(args):
     if args.recompute_granularity == "selective":
         recompute = Recompute("selective", tuple(args.recompute_modules or ("core_attn",)))
     elif args.recompute_granularity == "full":
-        recompute = (Recompute("block", num_layers=args.recompute_num_layers)
+        per = 2 if hybrid_pattern(args) else 1  # a hybrid model counts attention and MLP layers
+        recompute = (Recompute("block", num_layers=max(1, args.recompute_num_layers // per))
                      if args.recompute_method == "block" else Recompute("full"))
     else:
         recompute = Recompute()
@@ -277,18 +288,45 @@ def trace_settings(args):
         vpp=args.virtual_pipeline_model_parallel_size or 1, cp=args.context_parallel_size,
         sequence_parallel=args.sequence_parallel, recompute=recompute)
     return TrainSettings(
-        shape=shape_from_args(args), model_name="pretrain_gpt.py", chunkflow=chunkflow_config(args),
+        shape=shape_from_args(args),
+        model_name="pretrain_hybrid.py" if hybrid_pattern(args) else "pretrain_gpt.py",
+        chunkflow=chunkflow_config(args),
         parallel=parallel, optimizer=OptimizerConfig(lr_warmup_iters=0), train_iters=2,
         global_batch_size=args.global_batch_size, seq_length=args.seq_length,
         dtype="bfloat16" if args.bf16 else "float32", device="cuda",
-        fusions=bool(args.bias_swiglu_fusion))
+        fusions=bool(args.bias_swiglu_fusion),
+        model_class="hybrid" if hybrid_pattern(args) else "gpt")
+
+
+HYBRID_SCRIPTS = ("pretrain_hybrid.py", "pretrain_mamba.py")  # they build HybridModel / MambaModel
+
+
+def hybrid_script() -> bool:
+    """Whether the script being run builds a hybrid model (the launcher runs it as sys.argv[0])."""
+    import sys
+    from pathlib import Path
+
+    return Path(sys.argv[0]).name in HYBRID_SCRIPTS
+
+
+def hybrid_pattern(args) -> str | None:
+    """pretrain_hybrid.py's layer pattern (--hybrid-layer-pattern, or its deprecated
+    --hybrid-override-pattern, which Megatron-LM's validation renames); None for pretrain_gpt.py,
+    which builds no pattern."""
+    if not hybrid_script():
+        return None
+    return getattr(args, "hybrid_layer_pattern", None) or \
+        getattr(args, "hybrid_override_pattern", None)
 
 
 def shape_from_args(args) -> ModelShape:
-    """The model's shape for the planner's cost model and the FLOPs count."""
+    """The model's shape for the planner's cost model and the FLOPs count: a hybrid model's
+    layers are its attention + MLP pairs (mcore/hybrid.py)."""
     groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    pattern = hybrid_pattern(args)
     return ModelShape(
-        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_layers=pattern.split("/")[0].count("*") if pattern else args.num_layers,
+        hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
         num_query_groups=groups, vocab_size=args.padded_vocab_size,
         tie_embeddings=not args.untie_embeddings_and_output_weights,
@@ -324,75 +362,3 @@ def _sft_note(args) -> str:
         how = f"--tokenizer-type {args.tokenizer_type} reads pre-tokenized data only"
     return (f"--sft: ChunkFlow reads --data-path itself ({how}), one sequence per conversation, "
             "never packed, padded or truncated to --seq-length (--overlong decides)")
-
-
-def data_tokenizer(args, vocab_size: int, megatron_tokenizer=None):
-    """The tokenizer for --data-path records, from the tokenizer Megatron was given:
-    - one with a chat template of its own (`megatron_tokenizer`, e.g. --tokenizer-type
-      SFTTokenizer): conversations through it, with the tokens and loss mask of Megatron's SFT
-      dataset (sft.py);
-    - --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR, a local directory: ChatML where
-      it has the ChatML special tokens, else its own chat template, as `chunkflow train` reads
-      the same directory (data/tokenizer.py);
-    - any other: token ids only.
-    Pre-tokenized data (a Megatron indexed dataset) is never encoded, so every tokenizer reads it,
-    as in stock Megatron-LM (ids checked against `vocab_size`); text or conversations that the
-    tokenizer cannot render stop at the first record, naming the file and the flags that would
-    read them."""
-    from dataclasses import replace
-
-    from megatron_chunkflow.megatron_lm import sft
-
-    name = _tokenizer_flags(args)
-    if sft.has_chat_template(megatron_tokenizer):
-        return sft.sft_tokenizer(megatron_tokenizer, vocab_size, name, args.data_path[0])
-    tokenizer, why = _chatml_tokenizer(args)
-    if tokenizer is not None:
-        return replace(tokenizer, name=name)
-    return _ids_only_tokenizer(args.data_path[0], name, vocab_size, why)
-
-
-def _tokenizer_flags(args) -> str:
-    """The tokenizer as pretrain_gpt.py's command line named it, for messages and the data line."""
-    model = getattr(args, "tokenizer_model", None)
-    return f"--tokenizer-type {args.tokenizer_type}" + (f" --tokenizer-model {model}" if model
-                                                        else "")
-
-
-def _chatml_tokenizer(args):
-    """(Tokenizer, None) for --tokenizer-type HuggingFaceTokenizer with a local directory that has
-    the ChatML special tokens or a chat template; else (None, why not, or None when another type
-    was given)."""
-    from pathlib import Path
-
-    from megatron_chunkflow.data.tokenizer import load_tokenizer
-
-    if args.tokenizer_type != "HuggingFaceTokenizer":
-        return None, None
-    model = getattr(args, "tokenizer_model", None)
-    if not model or not Path(model).is_dir():
-        return None, f"--tokenizer-model {model} is not a local directory"
-    try:
-        return load_tokenizer(model, flag="--tokenizer-model"), None
-    except ValueError as e:
-        return None, str(e)
-
-
-def _ids_only_tokenizer(data_path: str, name: str, vocab_size: int, why: str | None):
-    """A Tokenizer that reads token ids (pre-tokenized data) and refuses text, saying which flags
-    would tokenize it."""
-    from megatron_chunkflow.data.tokenizer import Tokenizer
-
-    def encode(text: str) -> list[int]:
-        because = f" ({why})" if why else ""
-        raise ValueError(
-            f"--data-path {data_path} holds text or conversations, which {name} cannot "
-            f"tokenize{because}. Give --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR "
-            "(a local directory whose tokenizer.json has <|endoftext|>, <|im_start|>, "
-            "<|im_end|>: ChatML, or with a chat template of its own), --tokenizer-type "
-            "SFTTokenizer --tokenizer-model DIR "
-            "--sft-tokenizer-prompt-format FORMAT (Megatron's SFT template; conversations only), "
-            "or pre-tokenized data (a Megatron indexed dataset prefix)")
-
-    return Tokenizer(name=name, vocab_size=vocab_size, eod_id=-1, im_start_id=-1, im_end_id=-1,
-                     _encode=encode)

@@ -121,7 +121,8 @@ def open_datasets(a):
     )
 
     from megatron_chunkflow.data.dataset import open_sft_dataset
-    from megatron_chunkflow.megatron_lm.args import LaunchError, data_tokenizer
+    from megatron_chunkflow.megatron_lm.args import LaunchError
+    from megatron_chunkflow.megatron_lm.tokenizers import data_tokenizer
 
     try:
         tokenizer = data_tokenizer(a, true_vocab_size(a), _megatron_tokenizer())

@@ -3,8 +3,9 @@
 
 The tokens and loss mask are those of Megatron's SFT dataset (`--sft`), so a run gives the same
 targets with and without --chunkflow: a record's `messages` are cut into conversations at each
-system message; each is rendered by tokenize_conversation with its targets; EOD is appended
-(with itself as target) unless the template ended with it; a target counts unless it is
+system message; each is rendered by tokenize_conversation with its targets; where the release's
+SFT dataset does (compat.sft_appends_eod: core_v0.16.1), EOD is appended (with itself as target)
+unless the template ended with it; a target counts unless it is
 IGNORE_INDEX (system and user turns, the assistant prefix) or the tokenizer's pad id. Only what
 ChunkFlow never does differs: each conversation is its own sequence, never packed with others,
 padded or truncated to --seq-length (--overlong decides).
@@ -23,8 +24,10 @@ MAX_REASON = 300  # characters of a tokenize_conversation error kept in a bad-re
 
 def has_chat_template(megatron_tokenizer) -> bool:
     """Whether Megatron's tokenizer renders conversations itself (SFTTokenizer, and the
-    MultimodalTokenizer of Megatron's multimodal examples)."""
-    return callable(getattr(megatron_tokenizer, "tokenize_conversation", None))
+    MultimodalTokenizer of Megatron's multimodal examples; compat.py)."""
+    from megatron_chunkflow import compat
+
+    return compat.renders_conversations(megatron_tokenizer)
 
 
 def sft_tokenizer(megatron_tokenizer, vocab_size: int, name: str, data_path: str) -> Tokenizer:
@@ -102,9 +105,11 @@ def encode_sft_conversation(megatron_tokenizer, conversation: list[dict]) -> Tok
     except Exception as e:  # noqa: BLE001  Megatron raises ValueError, AssertionError, jinja errors
         raise BadRecord(f"{type(megatron_tokenizer).__name__}.tokenize_conversation refused this "
                         f"conversation: {_reason(e)}") from None
+    from megatron_chunkflow import compat
+
     tokens, targets = [int(t) for t in tokens], [int(t) for t in targets]
     eod = int(megatron_tokenizer.eod)
-    if not tokens or tokens[-1] != eod:
+    if compat.sft_appends_eod() and (not tokens or tokens[-1] != eod):
         tokens.append(eod)
         targets.append(eod)
     pad = getattr(megatron_tokenizer, "pad", None)

@@ -1,8 +1,8 @@
 """The device check's step 5 (scripts/gpu/device_check.py): Megatron-LM's own pretrain_gpt.py
 with --chunkflow through `python -m megatron_chunkflow.launch`, Qwen2.5-0.5B in bf16 with the
 distributed optimizer on mock data for LAUNCHER_ITERS steps (a tiny model on CPU for the dry run):
-its losses and iteration times. The checkout is MEGATRON_LM_DIR or third_party/Megatron-LM (on a
-GPU machine: `make megatron-lm-slim` here, carry third_party/megatron-lm-slim, MEGATRON_LM_DIR
+its losses and iteration times. The checkout is MEGATRON_LM_DIR or third_party/Megatron-LM-TAG of
+the installed megatron-core (`make megatron-lm`; on a GPU machine: `make megatron-lm-slim` here, carry third_party/megatron-lm-slim, MEGATRON_LM_DIR
 pointing at it); without one the step says so and is skipped.
 """
 
@@ -24,19 +24,23 @@ def step_launcher(out: Path, dry_run: bool) -> dict:
     """pretrain_gpt.py --chunkflow through the launcher (module docstring)."""
     import torch
 
-    megatron = Path(os.environ.get("MEGATRON_LM_DIR",
-                                   ROOT / "third_party" / "Megatron-LM")).resolve()
+    from megatron_chunkflow import compat
+
+    megatron = Path(os.environ.get(
+        "MEGATRON_LM_DIR", ROOT / "third_party" / f"Megatron-LM-{compat.megatron_lm_tag()}"))
+    megatron = megatron.resolve()
     script = megatron / "pretrain_gpt.py"
     if not script.is_file():
         return {"skipped": f"no Megatron-LM checkout at {megatron} (MEGATRON_LM_DIR, or "
-                           "`make megatron-lm` and carry third_party/Megatron-LM)"}
+                           "`make megatron-lm-slim` and carry third_party/megatron-lm-slim)"}
     if dry_run:
         model = ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "176",
                  "--num-attention-heads", "4", "--group-query-attention",
                  "--num-query-groups", "2", "--max-position-embeddings", "1024",
                  "--position-embedding-type", "rope", "--rotary-base", "1000000",
                  "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu",
-                 "--disable-bias-linear", "--add-qkv-bias", "--vocab-size", "999",
+                 "--disable-bias-linear", "--add-qkv-bias",
+                 "--vocab-size", compat.null_tokenizer_vocab_flag(1000),
                  "--distributed-backend", "gloo", "--use-cpu-initialization"]
         seq, chunk, gbs = 512, 128, 4
     else:
@@ -50,7 +54,8 @@ def step_launcher(out: Path, dry_run: bool) -> dict:
                  "--max-position-embeddings", 32768, "--position-embedding-type", "rope",
                  "--rotary-base", "1000000", "--normalization", "RMSNorm", "--norm-epsilon",
                  "1e-6", "--swiglu", "--disable-bias-linear", "--add-qkv-bias",
-                 "--vocab-size", shape.vocab_size - 1, "--bf16", "--use-distributed-optimizer"]
+                 "--vocab-size", compat.null_tokenizer_vocab_flag(shape.vocab_size), "--bf16",
+                 "--use-distributed-optimizer"]
         seq, chunk, gbs = 8192, 4096, 16
     args = [*map(str, model), "--tokenizer-type", "NullTokenizer", "--mock-data",
             "--transformer-impl", "local", "--no-persist-layer-norm",

@@ -52,6 +52,12 @@ SINGLE = {
     "pieced_loss_k2": ("tiny", [MIXED, DEPENDENT], 2, torch.float64, "torch", ()),
     "pieced_loss_untied_full_recompute": ("tiny-untied", [MIXED], 1, torch.float64, "auto", (),
                                           "full"),
+    # HybridModel (mcore/hybrid.py; megatron-core 0.18 on), every step kind, a recompute, Qwen3
+    "hybrid_k1": ("tiny", STEPS, 1, torch.float64, "torch", ()),
+    "hybrid_k2_block_recompute": ("tiny", [MIXED, DEPENDENT], 2, torch.float64, "auto", (),
+                                  "block:1"),
+    "hybrid_qwen3_selective": ("tiny-qwen3", [MIXED, DEPENDENT], 2, torch.float64, "auto", (),
+                               "selective"),
 }
 # several processes: name -> (world, TP, PP, sequence parallel, K values, steps[, CP, recompute,
 # backend])
@@ -107,6 +113,12 @@ LAYOUTS = {
     "tp2_sequence_parallel_pieced_loss": (2, 2, 1, True, (2,), [MIXED]),
     "pp2_pieced_loss": (2, 1, 2, False, (1, 2), [MIXED, DEPENDENT]),
     "cp2_pieced_loss": (2, 1, 1, False, (1,), [MIXED, DEPENDENT], 2),
+    # HybridModel: pipeline stages (and virtual stages) as segments of its layer pattern
+    "hybrid_pp2": (2, 1, 2, False, (1, 2), STEPS),
+    "hybrid_tp2_pp2_sequence_parallel": (4, 2, 2, True, (2,), [MIXED, STANDALONE]),
+    "hybrid_pp2_vpp2": (2, 1, 2, False, (1, 2), [MIXED, DEPENDENT]),
+    "hybrid_qwen3_tp2_cp2_sequence_parallel": (4, 2, 1, True, (1, 2), [MIXED, DEPENDENT], 2),
+    "hybrid_cp2_pp2_full_recompute": (4, 1, 2, False, (1,), [MIXED, DEPENDENT], 2, "full"),
 }
 HYBRID_CHUNK = ("cp2_hybrid", "tp2_cp2_sequence_parallel_hybrid", "cp2_pp2_hybrid", "cp2_split")
 REFORWARD = {"keep_k1": "keep", "offload_k2_cpu_flash": "offload", "keep_selective": "keep",
@@ -116,11 +128,29 @@ REFORWARD = {"keep_k1": "keep", "offload_k2_cpu_flash": "offload", "keep_selecti
              "cp2_full_recompute_keep": "keep", "pp2_vpp2_keep": "keep"}
 LOSS_PIECE = {"pieced_loss_k2": 7, "pieced_loss_untied_full_recompute": 5, "tp2_pieced_loss": 7,
               "tp2_sequence_parallel_pieced_loss": 3, "pp2_pieced_loss": 7, "cp2_pieced_loss": 5}
-MODELS = {"qwen3_tp2_cp2_sequence_parallel": "tiny-qwen3", "llama3_cp2_pp2": "tiny-llama3"}
+MODELS = {"qwen3_tp2_cp2_sequence_parallel": "tiny-qwen3", "llama3_cp2_pp2": "tiny-llama3",
+          "hybrid_qwen3_tp2_cp2_sequence_parallel": "tiny-qwen3"}
 VIRTUAL = {"pp2_vpp2": 2, "pp2_vpp2_full_recompute": 2, "tp2_pp2_vpp2_sequence_parallel": 2,
-           "cp2_pp2_vpp2": 2, "pp2_vpp2_keep": 2}  # virtual stages per pipeline rank
+           "cp2_pp2_vpp2": 2, "pp2_vpp2_keep": 2,
+           "hybrid_pp2_vpp2": 2}  # virtual stages per pipeline rank
 BOUND = {torch.float64: 1e-10, torch.float32: 1e-4}
 MEDIUM = ("pp2", "cp2", "pp2_vpp2")  # `make test-medium`'s share of the layouts
+
+
+def model_class(name: str) -> str:
+    return "hybrid" if name.startswith("hybrid_") else "gpt"
+
+
+def _release_marks(name: str, release: bool) -> list:
+    """HybridModel's cases skip where megatron-core has none; `release`: the exactness core CI runs
+    on its second megatron-core release (`make test-release`, the marker `release`)."""
+    from megatron_chunkflow import compat
+
+    marks = [pytest.mark.release] if release else []
+    if model_class(name) == "hybrid" and not compat.has_hybrid_model():
+        marks.append(pytest.mark.skip(reason=f"megatron-core {compat.version_text()} has no "
+                                             "HybridModel (0.18 added it)"))
+    return marks
 
 
 def _summary(results):
@@ -128,19 +158,21 @@ def _summary(results):
             for r in results]
 
 
-def _run_single():
+def _run_single(names):
     from megatron_chunkflow.checks.verify import run_verify
     from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.mcore.dist import shutdown
 
     out = {}
-    for name, (model, steps, k, dtype, backend, masked, *recompute) in SINGLE.items():
+    for name in names:
+        model, steps, k, dtype, backend, masked, *recompute = SINGLE[name]
         parallel = ParallelConfig(recompute=recompute[0] if recompute else "none")
         config = ChunkFlowConfig(C, k, backend, loss_piece=LOSS_PIECE.get(name, 0),
                                  reforward_attention=REFORWARD.get(name, "recompute"))
         out[name] = _summary(run_verify(get_model_shape(model), steps, config, parallel, dtype,
-                                        seed=1, fully_masked=masked))
+                                        seed=1, fully_masked=masked,
+                                        model_class=model_class(name)))
     shutdown()
     return out
 
@@ -191,7 +223,7 @@ def _run_layout(name):
                                cp_attention=cp_attention, cp_placement=placement,
                                reforward_attention=REFORWARD.get(name, "recompute"),
                                loss_piece=LOSS_PIECE.get(name, 0)) for k in ks]
-    results = run_verify(shape, steps, configs, parallel, seed=2)
+    results = run_verify(shape, steps, configs, parallel, seed=2, model_class=model_class(name))
     return {k: _summary(rows) for k, rows in zip(ks, results)}
 
 
@@ -202,17 +234,33 @@ def _check(name, rows, bound):
         assert loss_ref > 0
 
 
+def _selected(request, test: str) -> set[str]:
+    """The `name` parameters of `test` this session runs (a group, or the single-process set, runs
+    only what was selected: `make test-release` takes the release-marked share)."""
+    return {item.callspec.params["name"] for item in request.session.items
+            if getattr(item, "originalname", None) == test and hasattr(item, "callspec")
+            and not item.get_closest_marker("skip")}
+
+
 @pytest.fixture(scope="module")
-def single_results(gloo):
-    return gloo.run(_run_single, 1, timeout=600)[0]
+def single_results(gloo, request):
+    names = [n for n in SINGLE if n in _selected(request, "test_exact_pp1_single_process")]
+    return gloo.run(_run_single, 1, names or ["k1"], timeout=600)[0]
+
+
+# the single-process share of the exactness core on CI's second megatron-core release
+RELEASE_SINGLE = ("k1", "k2", "recompute_full", "recompute_selective", "keep_k1",
+                  "pieced_loss_k2", "qwen3_k2_cpu_flash", "llama3_k1", "untied_embeddings")
 
 
 @pytest.mark.medium
-@pytest.mark.parametrize("name", SINGLE)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_release_marks(
+    n, n in RELEASE_SINGLE or model_class(n) == "hybrid")) for n in SINGLE])
 def test_exact_pp1_single_process(single_results, name):
     _check(name, single_results[name], BOUND[SINGLE[name][3]])
 
 
+@pytest.mark.release
 def test_chunk_count_changes_between_steps(single_results):
     counts = [num_chunks for *_, num_chunks in single_results["k1"]]
     assert len(set(counts)) == len(counts) and min(counts) == 1
@@ -221,13 +269,22 @@ def test_chunk_count_changes_between_steps(single_results):
 _GROUP_RESULTS: dict[tuple, object] = {}  # a group's per-rank results, or what it raised
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.medium) if n in MEDIUM else n
-                                  for n in LAYOUTS])
-def test_exact_layout(gloo, name):
+# every process-group shape once (its first layout), and HybridModel's: the exactness core that CI
+# also runs on its second megatron-core release
+RELEASE_LAYOUTS = {names[0] for names in GROUPS.values()} | \
+    {n for n in LAYOUTS if model_class(n) == "hybrid"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[
+    *([pytest.mark.medium] if n in MEDIUM else []), *_release_marks(n, n in RELEASE_LAYOUTS)])
+    for n in LAYOUTS])
+def test_exact_layout(gloo, request, name):
     group = _group(name)
-    if group not in _GROUP_RESULTS:  # the first layout of a group runs all of it
+    if group not in _GROUP_RESULTS:  # the first layout of a group runs what is selected of it
+        selected = _selected(request, "test_exact_layout")
+        names = [n for n in GROUPS[group] if n in selected]
         try:
-            _GROUP_RESULTS[group] = gloo.run(_run_group, group[0], GROUPS[group], timeout=1800)
+            _GROUP_RESULTS[group] = gloo.run(_run_group, group[0], names, timeout=1800)
         except Exception as e:  # noqa: BLE001  every layout of the group reports it
             _GROUP_RESULTS[group] = e
     if isinstance(_GROUP_RESULTS[group], Exception):

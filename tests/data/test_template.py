@@ -131,7 +131,7 @@ def test_megatron_lm_launcher_reads_the_same_template(tmp_path):
     data reader renders conversations with the directory's template, as `chunkflow train` does."""
     import types
 
-    from megatron_chunkflow.megatron_lm.args import data_tokenizer
+    from megatron_chunkflow.megatron_lm.tokenizers import data_tokenizer
 
     directory = str(_directory(tmp_path / "llama", LLAMA3))
     args = types.SimpleNamespace(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=directory,

@@ -32,8 +32,11 @@ import time
 import traceback
 from pathlib import Path
 
+from megatron_chunkflow import compat
+
 ROOT = Path(__file__).resolve().parents[2]
-MEGATRON_LM = Path(os.environ.get("MEGATRON_LM_DIR", ROOT / "third_party" / "Megatron-LM"))
+MEGATRON_LM = Path(os.environ.get(
+    "MEGATRON_LM_DIR", ROOT / "third_party" / f"Megatron-LM-{compat.megatron_lm_tag()}"))
 FAILURE_GRACE_S = 5.0  # after one rank fails, how long the others get before they are stopped
 
 
@@ -110,6 +113,7 @@ def _warm() -> None:
     from megatron_chunkflow.megatron_lm.cpu import install_megatron_lm_cpu_shims
 
     install_megatron_lm_cpu_shims()
+    compat.backport_typing_override()  # as plugin.install does: 0.19's training package on 3.11
     if (MEGATRON_LM / "pretrain_gpt.py").is_file():
         sys.path.insert(0, str(MEGATRON_LM))
         import megatron.training.training  # noqa: F401

@@ -20,13 +20,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_chunkflow import compat
 from megatron_chunkflow.mcore.dist import free_port as _free_port
 from megatron_chunkflow.megatron_lm.args import LaunchError
 from megatron_chunkflow.megatron_lm.plugin import check_versions, checkout_version
 from tests.megatron_lm.forked import fork_job
 
 ROOT = Path(__file__).resolve().parents[2]
-MEGATRON_LM = Path(os.environ.get("MEGATRON_LM_DIR", ROOT / "third_party" / "Megatron-LM"))
+MEGATRON_LM = Path(os.environ.get(
+        "MEGATRON_LM_DIR", ROOT / "third_party" / f"Megatron-LM-{compat.megatron_lm_tag()}"))
 needs_megatron_lm = pytest.mark.skipif(
     not (MEGATRON_LM / "pretrain_gpt.py").is_file(),
     reason=f"no Megatron-LM checkout at {MEGATRON_LM} (set MEGATRON_LM_DIR, or `make megatron-lm`)")
@@ -38,16 +40,32 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "176",
          "--rotary-base", "1000000", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6",
          "--swiglu", "--disable-bias-linear", "--add-qkv-bias", "--attention-dropout", "0",
          "--hidden-dropout", "0"]
-# what pretrain_gpt.py (core_v0.16.1) needs on CPU: gloo, the local spec, no CUDA fusions
+# NullTokenizer's vocabulary of 1000 ids (the test checkpoint's), as this release counts it
+NULL_VOCAB = str(compat.null_tokenizer_vocab_flag(1000))
+# what pretrain_gpt.py needs on CPU: gloo, the local spec, no CUDA fusions
 CPU = ["--distributed-backend", "gloo", "--transformer-impl", "local", "--no-persist-layer-norm",
        "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
        "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-bias-swiglu-fusion",
-       "--use-cpu-initialization", "--tokenizer-type", "NullTokenizer", "--vocab-size", "999",
+       "--use-cpu-initialization", "--tokenizer-type", "NullTokenizer", "--vocab-size", NULL_VOCAB,
        "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1"]
 ITERS, GBS, SEQ, C = 4, 4, 512, 128
 SCHEDULE = {"--train-iters": ITERS, "--global-batch-size": GBS, "--lr": "1e-3", "--min-lr": "1e-4",
             "--lr-warmup-iters": 1, "--weight-decay": "0.1", "--clip-grad": "1.0", "--seed": 1234,
             "--seq-length": SEQ, "--chunk-size": C, "--chunkflow-k": 1}
+
+
+def without(flags: list[str], *names: str) -> list[str]:
+    """`flags` without each of `names` and its value (the next item, unless it is a flag)."""
+    out, skip = [], False
+    for i, x in enumerate(flags):
+        if skip:
+            skip = False
+            continue
+        if x in names:
+            skip = i + 1 < len(flags) and not flags[i + 1].startswith("--")
+            continue
+        out.append(x)
+    return out
 
 
 def _flags(d: dict) -> list[str]:
@@ -98,28 +116,52 @@ def _megatron_losses(log: str) -> list[float]:
 
 # TP, PP, CP[, virtual stages per pipeline rank]
 LAYOUTS = {"pp1": (1, 1, 1), "pp2": (1, 2, 1), "tp2": (2, 1, 1), "cp2": (1, 1, 2),
-           "pp2_vpp2": (1, 2, 1, 2), "cp2_replicated": (1, 1, 2), "cp2_offload": (1, 1, 2)}
+           "pp2_vpp2": (1, 2, 1, 2), "cp2_replicated": (1, 1, 2), "cp2_offload": (1, 1, 2),
+           "hybrid_pp1": (1, 1, 1), "hybrid_pp2_vpp2": (1, 2, 1, 2)}
 EXTRA = {"cp2_replicated": ["--chunkflow-cp-kv", "replicated"],  # the same in both commands
          "cp2_offload": ["--chunkflow-reforward-attention", "offload"]}
+# pretrain_hybrid.py (core_v0.19.0): the same 4 layers as attention + MLP layers, stages as
+# segments of the pattern, the local modules (no Transformer Engine on CPU)
+HYBRID = {"hybrid_pp1": "*-*-*-*-", "hybrid_pp2_vpp2": "*-|*-|*-|*-"}
+HYBRID_FLAGS = ["--spec", "megatron_chunkflow.megatron_lm.specs", "local_stack_spec"]
+
+
+def _needs_hybrid(layout: str = "hybrid") -> list:
+    """pretrain_hybrid.py's cases skip without the script or megatron-core's HybridModel."""
+    if not layout.startswith("hybrid"):
+        return []
+    why = None if (MEGATRON_LM / "pretrain_hybrid.py").is_file() else \
+        f"{MEGATRON_LM} has no pretrain_hybrid.py (core_v0.19.0 has)"
+    if not compat.has_hybrid_model():
+        why = f"megatron-core {compat.version_text()} has no HybridModel (0.18 added it)"
+    return [pytest.mark.skip(reason=why)] if why else []
 
 
 @needs_megatron_lm
 @pytest.mark.slow
+@pytest.mark.release
 @pytest.mark.parametrize("layout", [pytest.param("pp1", marks=pytest.mark.medium),
-                                    *list(LAYOUTS)[1:]])
+                                    *[pytest.param(n, marks=_needs_hybrid(n))
+                                      for n in list(LAYOUTS)[1:]]])
 def test_pretrain_gpt_chunkflow_matches_chunkflow_train(gloo, workdir, layout):
     """The same weights, data, sampler and schedule: the losses agree at float32 precision
-    (`chunkflow train` runs in the tests' gloo job of the same size, as under torchrun)."""
+    (`chunkflow train` runs in the tests' gloo job of the same size, as under torchrun); the
+    hybrid layouts through pretrain_hybrid.py against `chunkflow train --model-class hybrid`."""
     tp, pp, cp, *vpp = LAYOUTS[layout]
     nproc = tp * pp * cp
     par = {"--tensor-model-parallel-size": tp, "--pipeline-model-parallel-size": pp,
            "--context-parallel-size": cp}
     # virtual stages: Megatron-LM's layers-per-virtual-stage flag (4 layers, PP 2: 1 -> V = 2)
-    # against chunkflow train's --num-virtual-stages-per-pipeline-rank
+    # (a hybrid pattern's segments) against chunkflow train's
+    # --num-virtual-stages-per-pipeline-rank
     mlm_vpp = ["--num-layers-per-virtual-pipeline-stage", "1"] if vpp else []
     train_vpp = ["--num-virtual-stages-per-pipeline-rank", str(vpp[0])] if vpp else []
+    script, model_class = "pretrain_gpt.py", ["--model-class", "gpt"]
+    if layout in HYBRID:
+        script, model_class = "pretrain_hybrid.py", ["--model-class", "hybrid"]
+        mlm_vpp = ["--hybrid-layer-pattern", HYBRID[layout], *HYBRID_FLAGS]
     mlm = _torchrun(nproc, [
-        "megatron_chunkflow.launch", str(MEGATRON_LM / "pretrain_gpt.py"), *MODEL, *CPU,
+        "megatron_chunkflow.launch", str(MEGATRON_LM / script), *MODEL, *CPU,
         *_flags(SCHEDULE), *_flags(par), *mlm_vpp, "--micro-batch-size", "1",
         "--lr-decay-style", "cosine", "--data-path", "corpus", "--chunkflow",
         "--chunkflow-load-hf", "hf", *EXTRA.get(layout, [])], workdir,
@@ -127,7 +169,7 @@ def test_pretrain_gpt_chunkflow_matches_chunkflow_train(gloo, workdir, layout):
     assert mlm.returncode == 0, mlm.stdout[-3000:] + mlm.stderr[-3000:]
     code, _, err = gloo.cli(nproc, "train", "--load-hf", workdir / "hf", "--data-path",
                             workdir / "corpus", *_flags(SCHEDULE), *_flags(par), *train_vpp,
-                            *EXTRA.get(layout, []), "--log-json",
+                            *model_class, *EXTRA.get(layout, []), "--log-json",
                             workdir / f"train_{layout}.jsonl")
     assert code == 0, err[-3000:]
     steps = [json.loads(line) for line in (workdir / f"train_{layout}.jsonl").open()]
@@ -145,6 +187,7 @@ def test_pretrain_gpt_chunkflow_matches_chunkflow_train(gloo, workdir, layout):
 
 @needs_megatron_lm
 @pytest.mark.slow
+@pytest.mark.release
 def test_stock_path_is_untouched(workdir):
     """Without --chunkflow the plugin's hooks delegate: Megatron's own mock data and schedule."""
     run = _torchrun(1, ["megatron_chunkflow.launch", str(MEGATRON_LM / "pretrain_gpt.py"), *MODEL,
@@ -178,9 +221,11 @@ class Refused:
 def launch_many(workdir, cases: dict[str, tuple[list[str], int]],
                 timeout: int = 300) -> dict[str, Refused]:
     """Launches that are refused before Megatron builds anything, in one Python process
-    (tests/megatron_lm/refusals.py): name -> (args, world size) as _launch_one takes them."""
+    (tests/megatron_lm/refusals.py): name -> (args, world size) as _launch_one takes them, args
+    starting with the script's name where it is not pretrain_gpt.py."""
     spec = {"cwd": str(workdir), "cases": [
-        {"argv": [str(MEGATRON_LM / "pretrain_gpt.py"), *args],
+        {"argv": [str(MEGATRON_LM / args[0]) if args[0].endswith(".py") else
+                  str(MEGATRON_LM / "pretrain_gpt.py"), *args[args[0].endswith(".py"):]],
          "env": {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "MASTER_ADDR":
                  "127.0.0.1", "MASTER_PORT": str(_free_port())}} for args, world in cases.values()]}
     path = Path(workdir) / f"refusals_{os.getpid()}.json"
@@ -220,6 +265,14 @@ BAD_INPUT = [
     (["--chunkflow", "--attention-backend", "flash"],
      "--chunkflow-attention-backend flash needs a CUDA GPU; this run is on cpu (use auto) "
      "(carried over from --attention-backend flash)"),
+    # pretrain_hybrid.py (core_v0.19.0): a layer pattern ChunkFlow cannot run
+    (["pretrain_hybrid.py", "--chunkflow", "--hybrid-layer-pattern", "M-*-G-D-"],
+     "--chunkflow cannot run with --hybrid-layer-pattern M-*-G-D-: ChunkFlow runs attention ('*') "
+     "and MLP ('-') layers only, not 'D' (DeepSeek sparse attention (DSA)), 'G' (gated delta net "
+     "(GDN)), 'M' (Mamba)"),
+    (["pretrain_hybrid.py", "--chunkflow", "--hybrid-layer-pattern", "**--"],
+     "--chunkflow cannot run with --hybrid-layer-pattern **--: ChunkFlow plans each layer as an "
+     "attention layer followed by an MLP layer ('*-'); the stage '**--' is not such layers"),
 ]
 # what Megatron-LM would assert (a traceback) or find at the first save, refused first by flag,
 # with and without --chunkflow: (extra flags, processes, message)
@@ -262,10 +315,14 @@ def _refusal_cases() -> dict[str, tuple[list[str], int]]:
         cases[f"single_process_{i}"] = ([*MODEL, *CPU, *_flags(no_chunk), "--micro-batch-size",
                                          "1", "--mock-data", "--chunkflow", *extra], 1)
     for i, (extra, _) in enumerate(BAD_INPUT):
-        cases[f"bad_input_{i}"] = ([*MODEL, *CPU, *_flags({**SCHEDULE, "--train-iters": 2}),
+        script = extra[:1] if extra[0].endswith(".py") else []
+        if script and not (MEGATRON_LM / script[0]).is_file():
+            continue  # the test skips, saying why
+        cases[f"bad_input_{i}"] = ([*script, *MODEL, *CPU,
+                                    *_flags({**SCHEDULE, "--train-iters": 2}),
                                     "--micro-batch-size", "1",
                                     *([] if "--data-path" in extra else ["--mock-data"]),
-                                    *extra], 1)
+                                    *extra[len(script):]], 1)
     for i, (extra, world, _) in enumerate(PREFLIGHT):
         batch = ["--micro-batch-size", "1"] if extra else []  # the case without extra flags
         cases[f"preflight_{i}"] = ([*MODEL, *CPU, *_flags(SCHEDULE), *batch, "--mock-data",
@@ -283,6 +340,7 @@ def refused(workdir):
 
 @needs_megatron_lm
 @pytest.mark.slow
+@pytest.mark.release
 def test_refused_layouts_name_every_flag(refused):
     run = refused["layouts"]
     assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
@@ -311,11 +369,10 @@ def test_overlong_document_is_named_not_cut(refused):
     assert "--overlong split" in run.stderr
 
 
+@pytest.mark.release
 def test_version_check_names_both_versions(tmp_path):
     """A checkout of another release line than the installed megatron-core stops with both
     versions named, unless allowed (a warning); one outside the range likewise."""
-    from megatron_chunkflow import compat
-
     core = tmp_path / "megatron" / "core"
     core.mkdir(parents=True)
     other = "0.19.0" if compat.installed() < (0, 19, 0) else "0.16.1"
@@ -342,6 +399,7 @@ def test_version_check_names_both_versions(tmp_path):
 
 @needs_megatron_lm
 @pytest.mark.slow
+@pytest.mark.release
 def test_a_megatron_that_skips_the_plugins_checks_stops(workdir, tmp_path):
     """A Megatron-LM whose training loop validates its arguments through a function the plugin did
     not patch stops before building a model, naming the supported versions, instead of training
@@ -379,9 +437,10 @@ def test_launcher_usage_errors(tmp_path):
 
 @needs_megatron_lm
 @pytest.mark.slow
+@pytest.mark.release
 def test_patched_pretrain_gpt_runs_chunkflow(workdir, tmp_path):
-    """patches/pretrain_gpt.chunkflow.patch applies to core_v0.16.1, and the patched script, run
-    directly (no launcher), trains with --chunkflow."""
+    """patches/pretrain_gpt.chunkflow.patch applies to the checkout (core_v0.16.1 or
+    core_v0.19.0), and the patched script, run directly (no launcher), trains with --chunkflow."""
     patch = ROOT / "patches" / "pretrain_gpt.chunkflow.patch"
     checkout = tmp_path / "Megatron-LM"  # the checkout's modules, the patched script beside them
     checkout.mkdir()
@@ -392,6 +451,13 @@ def test_patched_pretrain_gpt_runs_chunkflow(workdir, tmp_path):
                              capture_output=True, text=True)
     assert applied.returncode == 0, applied.stderr
     assert "install_chunkflow(" in (checkout / "pretrain_gpt.py").read_text()
+    hybrid = MEGATRON_LM / "pretrain_hybrid.py"
+    if hybrid.is_file():  # core_v0.19.0: the same hunk
+        (checkout / hybrid.name).write_text(hybrid.read_text())
+        applied = subprocess.run(["git", "apply", str(ROOT / "patches" / f"{hybrid.stem}.chunkflow."
+                                                      "patch")], cwd=checkout, capture_output=True,
+                                 text=True)
+        assert applied.returncode == 0, applied.stderr
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     run = subprocess.run([sys.executable, str(checkout / "pretrain_gpt.py"), *MODEL, *CPU,
@@ -442,9 +508,8 @@ def test_jsonl_conversations_with_hf_tokenizer(gloo, workdir):
     if not (workdir / "chat.jsonl").exists():
         _chat_corpus(workdir)
     sched = {**SCHEDULE, "--train-iters": 3}
-    cpu = [x for x in CPU if x not in ("NullTokenizer", "--vocab-size", "999")]
-    cpu[cpu.index("--tokenizer-type") + 1:cpu.index("--tokenizer-type") + 1] = [
-        "HuggingFaceTokenizer", "--tokenizer-model", "tok"]
+    cpu = [*without(CPU, "--tokenizer-type", "--vocab-size"), "--tokenizer-type",
+           "HuggingFaceTokenizer", "--tokenizer-model", "tok"]
     mlm = _torchrun(1, ["megatron_chunkflow.launch", str(MEGATRON_LM / "pretrain_gpt.py"), *MODEL,
                         *cpu, *_flags(sched), "--micro-batch-size", "1", "--data-path",
                         "chat.jsonl", "--chunkflow", "--chunkflow-load-hf", "hf_chat"], workdir)
@@ -461,6 +526,7 @@ def test_jsonl_conversations_with_hf_tokenizer(gloo, workdir):
 @needs_megatron_lm
 @pytest.mark.slow
 @pytest.mark.parametrize("system", ["chunkflow", "stock"])
+@pytest.mark.release
 def test_torch_dist_checkpoint_save_and_resume(workdir, tmp_path, system):
     """Megatron-LM's default checkpoint format (torch_dist) through the launcher on CPU: its
     writer spawns a helper process, which must not re-import pretrain_gpt.py without the CPU
@@ -530,7 +596,8 @@ def test_megatrons_assertions_come_first_by_flag(refused, case):
 
 @needs_megatron_lm
 @pytest.mark.slow
-@pytest.mark.parametrize("case", range(len(BAD_INPUT)),
+@pytest.mark.parametrize("case", [pytest.param(i, marks=_needs_hybrid(
+    "hybrid" if extra[0].endswith(".py") else "")) for i, (extra, _) in enumerate(BAD_INPUT)],
                          ids=[needle.split(":")[0] for _, needle in BAD_INPUT])
 def test_launcher_bad_input_exits_2_without_a_traceback(refused, case):
     needle = BAD_INPUT[case][1]

@@ -28,6 +28,7 @@ from tests.megatron_lm.test_pretrain_gpt import (
     _megatron_losses,
     _torchrun,
     needs_megatron_lm,
+    without,
 )
 
 pytest.importorskip("transformers", reason="the family checkpoints are built with transformers")
@@ -150,9 +151,8 @@ def test_llama_conversations_through_their_own_template(gloo, workdir, tmp_path)
             turns = [CHAT[0], *(CHAT[1:3] * 16)] if i == 4 else CHAT[:3] if i % 2 else CHAT
             f.write(json.dumps({"messages": turns}) + "\n")
     sched = {**SCHEDULE, "--train-iters": 3, "--seq-length": 2048, "--chunk-size": 64}
-    cpu = [x for x in CPU if x not in ("NullTokenizer", "--vocab-size", "999")]
-    at = cpu.index("--tokenizer-type") + 1
-    cpu[at:at] = ["HuggingFaceTokenizer", "--tokenizer-model", str(tok_dir)]
+    cpu = [*without(CPU, "--tokenizer-type", "--vocab-size"), "--tokenizer-type",
+           "HuggingFaceTokenizer", "--tokenizer-model", str(tok_dir)]
     words = [*family_flags(tmp_path / "hf"), "--max-position-embeddings", "2048"]
     mlm = _torchrun(1, ["megatron_chunkflow.launch", str(MEGATRON_LM / "pretrain_gpt.py"), *words,
                         *cpu, *_flags(sched), "--micro-batch-size", "1", "--data-path",

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from megatron_chunkflow.data import encode_tokens, open_sft_dataset
-from megatron_chunkflow.megatron_lm.args import data_tokenizer
+from megatron_chunkflow.megatron_lm.tokenizers import data_tokenizer
 from tests.megatron_lm import test_pretrain_gpt as launcher_tests
 from tests.megatron_lm.test_pretrain_gpt import (
     CPU,
@@ -36,6 +36,7 @@ from tests.megatron_lm.test_pretrain_gpt import (
     _megatron_losses,
     _torchrun,
     needs_megatron_lm,
+    without,
 )
 
 workdir = launcher_tests.workdir  # the fixture: a tiny Qwen2 checkpoint and an indexed corpus
@@ -112,9 +113,8 @@ def test_indexed_data_with_any_hf_tokenizer_trains(workdir):
         _no_chatml_tokenizer(workdir / "tok1000")
     if not (workdir / "chat.jsonl").exists():
         _chat_corpus(workdir)
-    cpu = [x for x in CPU if x not in ("NullTokenizer", "--vocab-size", "999")]
-    at = cpu.index("--tokenizer-type") + 1
-    cpu[at:at] = ["HuggingFaceTokenizer", "--tokenizer-model", "tok1000"]
+    cpu = [*without(CPU, "--tokenizer-type", "--vocab-size"), "--tokenizer-type",
+           "HuggingFaceTokenizer", "--tokenizer-model", "tok1000"]
     args = [*MODEL, *cpu, *_flags({**SCHEDULE, "--train-iters": 2}), "--micro-batch-size", "1",
             "--chunkflow", "--chunkflow-load-hf", "hf"]
     run = _launch_one(workdir, [*args, "--data-path", "corpus"], timeout=300)
@@ -177,19 +177,30 @@ def _sft_corpus(directory: Path) -> int:
 # Face checkpoint, the mean cross entropy over Megatron's targets.
 _CHILD = r"""
 import json, sys, types
+from megatron_chunkflow import compat
 from megatron_chunkflow.megatron_lm.cpu import install_megatron_lm_cpu_shims
 install_megatron_lm_cpu_shims()
+compat.backport_typing_override()
 import megatron.core  # the installed megatron-core before the checkout's copy
 megatron_lm, tok_dir, fmt, data, hf_dir = sys.argv[1:6]
 sys.path.append(megatron_lm)
 import numpy as np, torch
 from megatron.training.datasets.sft_dataset import SFTDataset
-from megatron.training.tokenizer.sft_tokenizer import SFTTokenizer
+try:  # core_v0.16.1: Megatron-LM's own
+    from megatron.training.tokenizer.sft_tokenizer import SFTTokenizer
+except ImportError:  # 0.17 on: megatron-core's, as megatron/training builds it
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    def SFTTokenizer(path, prompt_format):
+        return MegatronTokenizer.from_pretrained(tokenizer_path=path,
+                                                 metadata_path={"library": "sft"},
+                                                 prompt_format=prompt_format)
 
 tok = SFTTokenizer(tok_dir, fmt)
 hf = tok._tokenizer
-apply = hf.apply_chat_template  # transformers 5 returns a BatchEncoding; Megatron expects the ids
-hf.apply_chat_template = lambda *a, **k: apply(*a, **{"return_dict": False, **k})
+if hasattr(hf, "apply_chat_template"):  # core_v0.16.1 indexes what transformers 5 returns (a
+    apply = hf.apply_chat_template      # BatchEncoding) as the ids; 0.17 on extracts them
+    hf.apply_chat_template = lambda *a, **k: apply(*a, **{"return_dict": False, **k})
 records = [json.loads(line)["messages"] for line in open(data)]
 ds = object.__new__(SFTDataset)
 ds.dataset, ds.indices = records, np.arange(len(records))
@@ -199,15 +210,22 @@ ds.config = types.SimpleNamespace(
 segments = []
 for i in range(len(records)):
     item = ds[i]
-    end = int(np.nonzero(item["tokens"].numpy() == tok.eod)[0][-1]) + 1  # then padding
+    cu = item["cu_seqlens"].tolist()
+    while len(cu) > 2 and cu[-1] == cu[-2]:  # 0.19 pads cu_seqlens with the pack's length
+        cu.pop()
+    last = ds._split_conversations(records[i])[-1]  # where the last conversation ends: padding
+    n = len(tok.tokenize_conversation(last, return_target=True, add_generation_prompt=False)[0])
+    if compat.sft_appends_eod():  # core_v0.16.1 ends each conversation with EOD
+        n = int(np.nonzero(item["tokens"].numpy() == tok.eod)[0][-1]) + 1 - cu[-2]
+    end = cu[-2] + n
     assert (item["tokens"][end:] == tok.pad).all()
-    bounds = item["cu_seqlens"].tolist()[:-1] + [end]
+    bounds = cu[:-1] + [end]
     for a, b in zip(bounds[:-1], bounds[1:]):
         segments.append({k: item[k][a:b] for k in ("tokens", "labels", "loss_mask")})
 out = {"megatron": [[s["tokens"].tolist(), s["loss_mask"].tolist()] for s in segments]}
 
 from megatron_chunkflow.data import open_sft_dataset
-from megatron_chunkflow.megatron_lm.args import data_tokenizer
+from megatron_chunkflow.megatron_lm.tokenizers import data_tokenizer
 args = types.SimpleNamespace(tokenizer_type="SFTTokenizer", tokenizer_model=tok_dir,
                              data_path=[data])
 ours = open_sft_dataset(data, data_tokenizer(args, tok.vocab_size, SFTTokenizer(tok_dir, fmt)),
@@ -269,10 +287,9 @@ def test_sft_tokenizer_step_loss_equals_megatron_sft_targets(workdir):
         _sft_corpus(workdir)
     reference = _megatron_sft_reference(workdir, "nemotron-nano-v2", "hf_sft")
     conversations, expected = len(reference["megatron"]), reference["loss"]
-    cpu = [x for x in CPU if x not in ("NullTokenizer", "--vocab-size", "999")]
-    at = cpu.index("--tokenizer-type") + 1
-    cpu[at:at] = ["SFTTokenizer", "--tokenizer-model", "sft_tok",
-                  "--sft-tokenizer-prompt-format", "nemotron-nano-v2"]
+    cpu = [*without(CPU, "--tokenizer-type", "--vocab-size"), "--tokenizer-type",
+           "SFTTokenizer", "--tokenizer-model", "sft_tok",
+           "--sft-tokenizer-prompt-format", "nemotron-nano-v2"]
     sched = {**SCHEDULE, "--train-iters": 1, "--lr-warmup-iters": 0,
              "--global-batch-size": conversations}
     run = _torchrun(1, ["megatron_chunkflow.launch", str(MEGATRON_LM / "pretrain_gpt.py"), *MODEL,

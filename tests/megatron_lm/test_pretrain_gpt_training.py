@@ -27,6 +27,7 @@ from tests.megatron_lm.test_pretrain_gpt import (
     _megatron_losses,
     _torchrun,
     needs_megatron_lm,
+    without,
 )
 
 workdir = launcher_tests.workdir  # the fixture: a tiny Qwen2 checkpoint and an indexed corpus
@@ -55,7 +56,7 @@ def test_shipped_run_flags_train_under_chunkflow(workdir):
     shipped = _shipped_training_args(iters=3)
     for flag in ("--use-distributed-optimizer", "--overlap-param-gather", "--bf16"):
         assert flag in shipped
-    cpu = [x for x in CPU if x not in ("--eval-iters", "0", "--log-interval", "1")]
+    cpu = without(CPU, "--eval-iters", "--log-interval")
     base = ["megatron_chunkflow.launch", str(MEGATRON_LM / "pretrain_gpt.py"), *MODEL, *cpu,
             "--seq-length", str(SEQ), "--global-batch-size", "8", "--seed", "1234",
             "--data-path", "corpus", "--split", "100,0,0"]
@@ -121,7 +122,7 @@ def test_shipped_flags_step_one_equals_stock(workdir):
         ids[-1] = 999  # NullTokenizer(999)'s EOD
     _write_corpus(workdir / "rows9", documents)
     shipped = [f for f in _shipped_training_args(iters=1) if f != "--bf16"]
-    cpu = [x for x in CPU if x not in ("--eval-iters", "0", "--log-interval", "1")]
+    cpu = without(CPU, "--eval-iters", "--log-interval")
     base = ["megatron_chunkflow.launch", str(MEGATRON_LM / "pretrain_gpt.py"), *MODEL, *cpu,
             *shipped, "--seq-length", str(seq), "--global-batch-size", "8", "--seed", "1234",
             "--split", "100,0,0", "--make-vocab-size-divisible-by", "8",  # 1000 rows, no padding
@@ -169,7 +170,7 @@ def test_validation_runs_chunked_on_the_split(workdir):
     (as Megatron-LM splits documents), validation runs them in dependent chunks forward-only, and
     at a learning rate of 0 with the whole split in one global batch both losses are
     transformers' on those documents."""
-    cpu = [x for x in CPU if x not in ("--eval-iters", "0", "--eval-interval", "1000")]
+    cpu = without(CPU, "--eval-iters", "--eval-interval")
     sched = {**SCHEDULE, "--train-iters": 2, "--global-batch-size": 8, "--lr": "0",
              "--min-lr": "0", "--lr-warmup-iters": 0}
     run = _torchrun(2, ["megatron_chunkflow.launch", str(MEGATRON_LM / "pretrain_gpt.py"), *MODEL,

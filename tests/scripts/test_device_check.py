@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_chunkflow import compat
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -24,7 +26,8 @@ def test_dry_run_reports_every_step(tmp_path):
     assert report["dry_run"] and set(report["steps"]) == {"tests", "calibrate", "exactness",
                                                           "bench", "launcher"}
     launcher = report["steps"]["launcher"]  # pretrain_gpt.py --chunkflow, where a checkout is
-    megatron_lm = Path(os.environ.get("MEGATRON_LM_DIR", ROOT / "third_party" / "Megatron-LM"))
+    megatron_lm = Path(os.environ.get(
+        "MEGATRON_LM_DIR", ROOT / "third_party" / f"Megatron-LM-{compat.megatron_lm_tag()}"))
     if (megatron_lm / "pretrain_gpt.py").is_file():
         assert launcher["status"] == "ok" and len(launcher["losses"]) == 4, launcher
     else:

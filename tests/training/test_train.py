@@ -1,5 +1,7 @@
 """`chunkflow train`'s loop: ChunkFlow and the stock-Megatron baseline train identically; resume."""
 
+import os
+
 import pytest
 
 from megatron_chunkflow.config import ChunkFlowConfig
@@ -318,3 +320,52 @@ def test_a_failed_save_stops_the_run_naming_the_cause_and_keeps_the_last_checkpo
     assert "File exists" in error and "every complete checkpoint there is kept" in error
     assert saved == "1"  # step 1's checkpoint is the last one, untouched
 
+
+
+OVERLAY = "CHUNKFLOW_MCORE_OVERLAY"  # `make test-release`: the other megatron-core release's dir
+
+
+@pytest.mark.release
+@pytest.mark.skipif(not os.environ.get(OVERLAY), reason="needs two megatron-core releases: "
+                    "`make test-release MCORE=0.19.2` runs it over the installed one")
+def test_a_checkpoint_of_the_installed_release_resumes_on_the_other(tmp_path):
+    """Users upgrade in the middle of a project: `chunkflow train` saves at step 2 on the
+    virtualenv's megatron-core (0.16.1 in CI), then resumes on the other release (the overlay,
+    0.19.2); steps 3 and 4 are bit-identical to the uninterrupted run's (float64, the GPTModel
+    the checkpoint holds, which --model-class auto keeps on a release that recommends
+    HybridModel)."""
+    import json
+    import subprocess
+    import sys
+
+    overlay = os.environ[OVERLAY]
+    base_env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        if p and os.path.abspath(p) != os.path.abspath(overlay))}
+    base_env.pop(OVERLAY)
+    other_env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [overlay, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])}
+    args = ["--model", "tiny", "--dtype", "float64", "--max-samples", "40", "--train-iters", "4",
+            "--global-batch-size", "4", "--seq-length", "512", "--chunk-size", "128",
+            "--lr-warmup-iters", "1", "--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
+
+    def train(env, *extra, log):
+        run = subprocess.run([sys.executable, "-m", "megatron_chunkflow", "train", *args, *extra,
+                              "--log-json", str(tmp_path / log)], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        steps = [json.loads(line) for line in (tmp_path / log).open()]
+        return run, {s["step"]: s["loss"] for s in steps}
+
+    probe = "from megatron_chunkflow import compat; print(compat.version_text())"
+    versions = [subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                               text=True).stdout.split()[-1] for env in (base_env, other_env)]
+    assert versions[0] != versions[1], versions
+    _, whole = train(base_env, log="whole.jsonl")  # saves at 2 and 4
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2\n")
+    (tmp_path / "ckpt" / "iter_0000004").rename(tmp_path / "iter_0000004.aside")
+    run, resumed = train(other_env, "--load", str(tmp_path / "ckpt"), log="resumed.jsonl")
+    assert f"GPTModel of megatron-core {versions[1]}" in run.stdout
+    assert "resumed from iteration 2" in run.stderr
+    assert sorted(resumed) == [3, 4]
+    assert [resumed[3], resumed[4]] == [whole[3], whole[4]]  # bit for bit
