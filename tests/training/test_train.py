@@ -345,9 +345,20 @@ def test_a_checkpoint_of_the_installed_release_resumes_on_the_other(tmp_path):
     base_env.pop(OVERLAY)
     other_env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [overlay, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])}
-    args = ["--model", "tiny", "--dtype", "float64", "--max-samples", "40", "--train-iters", "4",
-            "--global-batch-size", "4", "--seq-length", "512", "--chunk-size", "128",
-            "--lr-warmup-iters", "1", "--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(str(tmp_path / "corpus.bin"), dtype=np.int32)
+    g = torch.Generator().manual_seed(0)
+    for n in LENGTHS:  # the tiny model's vocabulary: 1000 ids
+        builder.add_item(torch.randint(0, 1000, (max(n, 2),), generator=g))
+        builder.end_document()
+    builder.finalize(str(tmp_path / "corpus.idx"))
+    args = ["--model", "tiny", "--dtype", "float64", "--data-path", str(tmp_path / "corpus"),
+            "--train-iters", "4", "--global-batch-size", "4", "--seq-length", "160",
+            "--chunk-size", "32", "--lr-warmup-iters", "1", "--save", str(tmp_path / "ckpt"),
+            "--save-interval", "2"]
 
     def train(env, *extra, log):
         run = subprocess.run([sys.executable, "-m", "megatron_chunkflow", "train", *args, *extra,
