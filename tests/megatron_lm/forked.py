@@ -44,7 +44,16 @@ def fork_job(nproc: int, module: str, argv: list[str], cwd, env: dict | None = N
              timeout: float = 600, rank_env: dict | None = None):
     """`torchrun --nproc_per_node nproc -m module argv` in `cwd` (with `rank_env`, one process not
     started by torchrun, with that environment added: `nproc` must be 1); returns a
-    CompletedProcess with the ranks' output, rank 0's first."""
+    CompletedProcess with the ranks' output, rank 0's first. A rendezvous port taken between
+    free_port() and the store's bind (the tests' other jobs open connections too) is tried once
+    more with another port."""
+    run = _fork_job(nproc, module, argv, cwd, env, timeout, rank_env)
+    if rank_env is None and run.returncode != 0 and "EADDRINUSE" in run.stderr:
+        run = _fork_job(nproc, module, argv, cwd, env, timeout, rank_env)
+    return run
+
+
+def _fork_job(nproc, module, argv, cwd, env, timeout, rank_env):
     from megatron_chunkflow.mcore.dist import free_port
 
     base = {**os.environ, **(env or {})}

@@ -137,12 +137,16 @@ def _needs_hybrid(layout: str = "hybrid") -> list:
     return [pytest.mark.skip(reason=why)] if why else []
 
 
+# CI's second megatron-core release runs these layouts (README "Tests"), the rest on the first
+RELEASE_LAYOUTS = ("pp1", "pp2", "cp2", "pp2_vpp2", *HYBRID)
+
+
 @needs_megatron_lm
 @pytest.mark.slow
-@pytest.mark.release
-@pytest.mark.parametrize("layout", [pytest.param("pp1", marks=pytest.mark.medium),
-                                    *[pytest.param(n, marks=_needs_hybrid(n))
-                                      for n in list(LAYOUTS)[1:]]])
+@pytest.mark.parametrize("layout", [pytest.param(n, marks=[
+    *([pytest.mark.medium] if n == "pp1" else []),
+    *([pytest.mark.release] if n in RELEASE_LAYOUTS else []), *_needs_hybrid(n)])
+    for n in LAYOUTS])
 def test_pretrain_gpt_chunkflow_matches_chunkflow_train(gloo, workdir, layout):
     """The same weights, data, sampler and schedule: the losses agree at float32 precision
     (`chunkflow train` runs in the tests' gloo job of the same size, as under torchrun); the
@@ -399,7 +403,6 @@ def test_version_check_names_both_versions(tmp_path):
 
 @needs_megatron_lm
 @pytest.mark.slow
-@pytest.mark.release
 def test_a_megatron_that_skips_the_plugins_checks_stops(workdir, tmp_path):
     """A Megatron-LM whose training loop validates its arguments through a function the plugin did
     not patch stops before building a model, naming the supported versions, instead of training
@@ -501,21 +504,27 @@ def _chat_corpus(directory: Path) -> None:
 
 @needs_megatron_lm
 @pytest.mark.slow
-def test_jsonl_conversations_with_hf_tokenizer(gloo, workdir):
-    """SFT JSONL through Megatron's HuggingFaceTokenizer flags: ChatML, assistant-only loss, the
-    same losses as `chunkflow train --tokenizer DIR` on the same file and weights."""
+@pytest.mark.release
+def test_sft_conversations_at_pp2_with_the_distributed_optimizer(gloo, workdir):
+    """`--sft` JSONL conversations through Megatron's HuggingFaceTokenizer flags (ChatML,
+    assistant-only loss), PP 2, Megatron's distributed optimizer: the same losses as `chunkflow
+    train --tokenizer DIR --pp 2` on the same file and weights."""
     pytest.importorskip("tokenizers")
     if not (workdir / "chat.jsonl").exists():
         _chat_corpus(workdir)
     sched = {**SCHEDULE, "--train-iters": 3}
     cpu = [*without(CPU, "--tokenizer-type", "--vocab-size"), "--tokenizer-type",
            "HuggingFaceTokenizer", "--tokenizer-model", "tok"]
-    mlm = _torchrun(1, ["megatron_chunkflow.launch", str(MEGATRON_LM / "pretrain_gpt.py"), *MODEL,
+    mlm = _torchrun(2, ["megatron_chunkflow.launch", str(MEGATRON_LM / "pretrain_gpt.py"), *MODEL,
                         *cpu, *_flags(sched), "--micro-batch-size", "1", "--data-path",
-                        "chat.jsonl", "--chunkflow", "--chunkflow-load-hf", "hf_chat"], workdir)
+                        "chat.jsonl", "--sft", "--pipeline-model-parallel-size", "2",
+                        "--use-distributed-optimizer", "--chunkflow", "--chunkflow-load-hf",
+                        "hf_chat"], workdir)
     assert mlm.returncode == 0, mlm.stdout[-3000:] + mlm.stderr[-3000:]
-    code, _, err = gloo.cli(1, "train", "--load-hf", workdir / "hf_chat", "--tokenizer",
+    assert "--sft: ChunkFlow reads --data-path itself" in mlm.stdout
+    code, _, err = gloo.cli(2, "train", "--load-hf", workdir / "hf_chat", "--tokenizer",
                             workdir / "tok", "--data-path", workdir / "chat.jsonl",
+                            "--pipeline-model-parallel-size", "2", "--model-class", "gpt",
                             *_flags(sched), "--log-json", workdir / "chat.jsonl.log")
     assert code == 0, err[-3000:]
     expected = [json.loads(line)["loss"] for line in (workdir / "chat.jsonl.log").open()]
@@ -525,8 +534,8 @@ def test_jsonl_conversations_with_hf_tokenizer(gloo, workdir):
 
 @needs_megatron_lm
 @pytest.mark.slow
-@pytest.mark.parametrize("system", ["chunkflow", "stock"])
-@pytest.mark.release
+@pytest.mark.parametrize("system", [pytest.param("chunkflow", marks=pytest.mark.release),
+                                    "stock"])
 def test_torch_dist_checkpoint_save_and_resume(workdir, tmp_path, system):
     """Megatron-LM's default checkpoint format (torch_dist) through the launcher on CPU: its
     writer spawns a helper process, which must not re-import pretrain_gpt.py without the CPU

@@ -78,15 +78,16 @@ def test_attention_grows_with_its_pairs():
 
 def test_the_memory_bound_mix_grows_with_its_bytes():
     """The local layer's memory-bound kernels and the cross entropy at T and 2 T tokens: bytes
-    counted kernel by kernel (as the model's are) double, and so does the time."""
-    runs, nbytes = [], []
+    counted kernel by kernel (as the model's are) double. Their time is not checked here: on this
+    project's 2-core CPU the mix's time grows 3-4x for 2x the bytes (measured 2026-12-07 at 256,
+    1024 and 2048 tokens; 2.2x under torch's profiler), so a bound on it was either loose enough
+    to pass a wrong exponent or flaky; the GPU profile's memory rate is fitted and checked against
+    measured H200 steps instead (docs/benchmarks.md, "Device profiles")."""
+    nbytes = []
     for tokens in (256, 512):
-        run = elementwise_mix(tokens, 4096, torch.float32, "cpu")
-        census = count_kernels(run, "cpu")
+        census = count_kernels(elementwise_mix(tokens, 4096, torch.float32, "cpu"), "cpu")
         nbytes.append(sum(p.memory_bytes for p in census.phases.values()))
-        runs.append(run)
     assert nbytes[1] / nbytes[0] == pytest.approx(2.0, rel=0.01)
-    _check(ratio(*runs, runs=5), nbytes[1] / nbytes[0])
 
 
 def test_the_launch_floor_follows_the_kernels_not_their_size():

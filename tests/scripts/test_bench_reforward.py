@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_small_run(tmp_path):
     out = tmp_path / "reforward.json"
     run = subprocess.run([sys.executable, str(ROOT / "scripts/benchmarks/bench_reforward.py"),
-                          "--steps", "1", "--long", "4096", "--chunk-size", "1024",
+                          "--steps", "1", "--long", "2048", "--chunk-size", "512",
                           "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "keep / recompute: step" in run.stdout
