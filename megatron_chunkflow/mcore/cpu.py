@@ -1,9 +1,9 @@
-"""Shims that let megatron-core 0.16.1 run on CPU with gloo (tests, CPU demos).
+"""Shims that let megatron-core (0.16.1 to 0.19.2) run on CPU with gloo (tests, CPU demos).
 
 Applied only when CUDA is absent (`install_cpu_shims` is a no-op on a GPU machine). The package
 patches torch nowhere else but megatron_lm/cpu.py, which adds what Megatron-LM's training package
 needs and only the launcher installs. Each patch names the Megatron seam it serves (each verified
-on CPU against megatron-core 0.16.1):
+on CPU against megatron-core 0.16.1 and 0.19.2):
 
 - torch.cuda.current_device: tensor_parallel/layers.py and mappings.py, distributed/
   param_and_grad_buffer.py, utils.py GlobalMemoryBuffer, rotary_pos_embedding.py allocate there.
@@ -12,17 +12,21 @@ on CPU against megatron-core 0.16.1):
   _get_cuda_rng_state/_set_cuda_rng_state: model_parallel_cuda_manual_seed, the RNG tracker's fork()
   and CheckpointFunction (full recompute) use the CUDA generator; on CPU they share the CPU one.
   manual_seed_all becomes a no-op (torch.manual_seed calls it: mapping it back would recurse).
-- device="cuda" in factory functions, Tensor.cuda() and Tensor.to("cuda"), via a TorchFunctionMode:
-  pipeline_parallel/schedules.py (total_num_tokens), optimizer/optimizer.py (found_inf, scale),
-  language_module.py (tied embeddings under PP > 1: weight.data.cuda()), transformer/utils.py masks.
+- device="cuda" in factory functions, Tensor.cuda() and Tensor.to("cuda"), by wrapping those
+  functions: pipeline_parallel/schedules.py (total_num_tokens), optimizer/optimizer.py (found_inf,
+  scale), language_module.py (tied embeddings under PP > 1: weight.data.cuda()),
+  transformer/utils.py masks, param_and_grad_buffer.py (0.19: a warm-up tensor on "cuda").
+- torch.cuda streams and events (0.19's param_and_grad_buffer.py start_grad_sync calls
+  torch.cuda.current_stream() unconditionally; DDP's communication stream): already complete.
 - optimizer/clip_grads.py clip_grad_by_total_norm_fp32 asserts grads are torch.cuda.FloatTensor; the
   CPU version below is the same scaling without that assert (looked up by optimizer/optimizer.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
-from torch.overrides import TorchFunctionMode
 
 _INSTALLED = False
 
@@ -35,18 +39,76 @@ def _is_cuda(device) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)
 
 
-class _CudaToCpu(TorchFunctionMode):
-    """Rewrites CUDA device arguments to CPU in every torch call made while it is active."""
+# torch's functions that take device=: a CUDA device becomes the CPU (wrapped once, in place)
+FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "range",
+             "linspace", "logspace", "eye", "rand", "randn", "randint", "randperm", "normal",
+             "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
+             "randint_like", "empty_strided", "scalar_tensor", "tril_indices", "triu_indices")
+TENSOR_METHODS = ("new_zeros", "new_ones", "new_empty", "new_full", "new_tensor",
+                  "new_empty_strided")
+_ORIGINALS: dict[tuple[object, str], object] = {}
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if "device" in kwargs and _is_cuda(kwargs["device"]):
-            kwargs = {**kwargs, "device": "cpu"}
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.to:
-            args = tuple("cpu" if _is_cuda(a) else a for a in args)
-        return func(*args, **kwargs)
+
+def _on_cpu(fn):
+    """`fn` with a CUDA `device=` argument made the CPU."""
+    def wrapper(*args, **kwargs):
+        device = kwargs.get("device")
+        if device is not None and _is_cuda(device):
+            kwargs["device"] = "cpu"
+        return fn(*args, **kwargs)
+
+    wrapper.__wrapped__, wrapper.__name__, wrapper.__doc__ = fn, fn.__name__, fn.__doc__
+    return wrapper
+
+
+def _tensor_to(self, *args, **kwargs):
+    """Tensor.to with a CUDA device (positional or device=) made the CPU."""
+    if args and not isinstance(args[0], (torch.dtype, torch.Tensor)) and _is_cuda(args[0]):
+        args = ("cpu", *args[1:])
+    device = kwargs.get("device")
+    if device is not None and _is_cuda(device):
+        kwargs["device"] = "cpu"
+    return _ORIGINALS[torch.Tensor, "to"](self, *args, **kwargs)
+
+
+def _tensor_cuda(self, *args, **kwargs):
+    """Tensor.cuda on CPU: the tensor itself (Module.cuda moves nothing either)."""
+    return self
+
+
+def _wrap_torch() -> None:
+    """device="cuda" (or an int, or torch.device("cuda")) in factory functions, Tensor.cuda() and
+    Tensor.to("cuda") answered on the CPU: by wrapping those functions, not with a mode that
+    every torch call would pass through (a TorchFunctionMode costs Python on each op: 45% of a
+    small float64 step's time, measured). Megatron calls these as `torch.zeros(...)`, attributes
+    looked up at call time."""
+    from torch.utils import _device
+
+    # torch.device(...) as a context (transformers' loading on the meta device) tells factories by
+    # identity from a cached set: cache the originals before they are wrapped
+    _device._device_constructors()
+    targets = [(torch, name, _on_cpu) for name in FACTORIES] + \
+        [(torch.Tensor, name, _on_cpu) for name in TENSOR_METHODS] + \
+        [(torch.Tensor, "to", lambda fn: _tensor_to), (torch.Tensor, "cuda", lambda fn: _tensor_cuda)]
+    for owner, name, wrap in targets:
+        if (owner, name) not in _ORIGINALS and hasattr(owner, name):
+            _ORIGINALS[owner, name] = getattr(owner, name)
+            setattr(owner, name, wrap(_ORIGINALS[owner, name]))
+
+
+@contextlib.contextmanager
+def native_torch():
+    """torch's own factory functions and Tensor.to/.cuda for the enclosed code (the memory
+    tracer's function mode decides where "cuda" goes, and compares functions by identity); the
+    CPU wrappers come back on exit."""
+    wrapped = {key: getattr(*key) for key in _ORIGINALS}
+    for (owner, name), fn in _ORIGINALS.items():
+        setattr(owner, name, fn)
+    try:
+        yield
+    finally:
+        for (owner, name), fn in wrapped.items():
+            setattr(owner, name, fn)
 
 
 class _Stream:
@@ -149,7 +211,7 @@ def install_cpu_shims() -> bool:
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm
 
     fix_checkpoint_without_output()
-    _CudaToCpu().__enter__()  # stays active for the life of the process
+    _wrap_torch()
     _INSTALLED = True
     return True
 

@@ -368,11 +368,12 @@ def traced_device(ledger: Ledger, stack: Stack, device_type: str = "cuda"):
     compare with a real CPU run's allocations."""
     import torch._dynamo
 
-    from megatron_chunkflow.mcore.cpu import install_cpu_shims
+    from megatron_chunkflow.mcore.cpu import install_cpu_shims, native_torch
 
     install_cpu_shims()
     cpu = device_type == "cpu"
     with contextlib.ExitStack() as es:
+        es.enter_context(native_torch())  # this mode places "cuda", not the CPU shims
         es.enter_context(torch._dynamo.config.patch(disable=True))
         if not cpu:
             es.enter_context(_cuda_api())
