@@ -30,7 +30,14 @@ from megatron_chunkflow.core.lengths import LengthsConfig
 from megatron_chunkflow.core.models import MODEL_SHAPES
 from megatron_chunkflow.core.step import BASELINES
 from megatron_chunkflow.data.config import DataConfig
-from megatron_chunkflow.flags import add_config_arguments, config_from_args, deprecated_alias
+from megatron_chunkflow.flags import (
+    MAX_COUNT,
+    MAX_TOKENS,
+    Bounded,
+    add_config_arguments,
+    config_from_args,
+    deprecated_alias,
+)
 from megatron_chunkflow.mcore.lora import LoRAConfig
 from megatron_chunkflow.mcore.settings import (
     add_model_class_argument,
@@ -40,7 +47,6 @@ from megatron_chunkflow.mcore.settings import (
     model_of,
 )
 from megatron_chunkflow.runtime.sparse import SparseConfig
-from megatron_chunkflow.training.checkpoint import resumed_model_class
 from megatron_chunkflow.training.metrics import LogConfig, StepLog
 
 # The embedded scenario (README, "Defaults"): a few minutes on 2 CPU cores, the loss falls from
@@ -73,14 +79,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                     "sequence_parallel", "recompute"),
                          defaults={"recompute": None}, default_help={"recompute": "none"})
     _megatron_recompute_arguments(g)
-    for flag, default, text in [
-        ("--global-batch-size", SCENARIO["global_batch_size"], "sequences per step"),
-        ("--seq-length", SCENARIO["seq_length"], "the longest context trained"),
-        ("--train-iters", SCENARIO["train_iters"], "training steps"),
-        ("--exit-interval", None, "stop after N steps of this run (then --load resumes)"),
+    for flag, default, low, high, text in [
+        ("--global-batch-size", SCENARIO["global_batch_size"], 1, MAX_COUNT, "sequences per step"),
+        ("--seq-length", SCENARIO["seq_length"], 1, MAX_TOKENS, "the longest context trained"),
+        ("--train-iters", SCENARIO["train_iters"], 1, MAX_COUNT, "training steps"),
+        ("--exit-interval", None, 0, MAX_COUNT, "stop after N steps of this run (then --load "
+                                                "resumes; 0, as in Megatron-LM: off)"),
     ]:
-        g.add_argument(flag, type=int, default=default, metavar="N",
-                       help=f"{text} (default: {default})")
+        g.add_argument(flag, type=int, action=Bounded, bounds=(low, high), default=default,
+                       metavar="N", help=f"{text} (default: {default})")
     add_config_arguments(g, LengthsConfig, fields=("seed",), defaults={"seed": SCENARIO["seed"]})
     add_config_arguments(g, OptimizerConfig, defaults={k: SCENARIO[k] for k in (
         "lr", "min_lr", "lr_warmup_iters")})
@@ -144,7 +151,16 @@ def settings_from_args(args) -> TrainSettings:
         dtype=args.dtype, hf_shape=hf_shape, lora=LoRAConfig.from_args(args),
         sparse=config_from_args(SparseConfig, args),
         memory_check=not args.chunkflow_skip_memory_check,
-        model_class=resumed_model_class(args.model_class, checkpoint.load))
+        model_class=_model_class(args.model_class, checkpoint.load))
+
+
+def _model_class(model_class: str, load: str | None) -> str:
+    """--model-class, "auto" resuming from --load being the checkpoint's class."""
+    if model_class != "auto" or not load:
+        return model_class
+    from megatron_chunkflow.training.checkpoint import model_class_to_resume
+
+    return model_class_to_resume(model_class, load)
 
 
 def recompute_from_megatron_flags(args) -> Recompute | None:

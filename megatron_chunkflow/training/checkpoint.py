@@ -18,9 +18,11 @@ last_step=...)` after every step; the configuration decides what happens.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import random
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -30,9 +32,19 @@ import torch
 import torch.distributed as dist
 
 from megatron_chunkflow.mcore.settings import CheckpointConfig
+from megatron_chunkflow.training.resume import compare_settings, resumed_model_class
 
 TRACKER = "latest_checkpointed_iteration.txt"
 OLD = ".old"  # a complete checkpoint being replaced by a new save of the same iteration
+
+
+def model_class_to_resume(model_class: str, root: str | None) -> str:
+    """--model-class for a run resuming from --load `root`: "auto" is the newest checkpoint's
+    class (training/resume.py resumed_model_class); without one, find_checkpoint names what is
+    missing after the build."""
+    newest = sorted(Path(root).glob("iter_*/extra_rank0.pt")) if root else []
+    saved = read_extra_state(newest[-1])["settings"] if newest and model_class == "auto" else None
+    return resumed_model_class(model_class, saved)
 
 
 class Checkpointer:
@@ -64,10 +76,12 @@ class Checkpointer:
         """After step `iteration`: save on --save-interval steps and after the run's last step."""
         interval = self.config.save_interval
         if self.config.save and (last_step or (interval and iteration % interval == 0)):
+            from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
             try:
                 save_checkpoint(self.config.save, iteration, self.model, self.optimizer,
                                 self.scheduler, consumed, self.settings)
-            except Exception as e:  # noqa: BLE001  the disk's failure, named, not a traceback
+            except (Exception, CheckpointException) as e:  # noqa: BLE001  named, no traceback
                 shutil.rmtree(_tmp_dir(Path(self.config.save), iteration),
                               ignore_errors=True)  # the half-written copy, never a complete one
                 raise SaveFailed(f"--save {self.config.save}: saving iteration {iteration} "
@@ -86,12 +100,21 @@ ERRNO_CAUSES = {errno.ENOSPC: "no space left on device", errno.EROFS: "read-only
 
 def save_failure_cause(error: BaseException, root: str) -> str:
     """What stopped a save, in words: the OS error anywhere in the exception's chain (torch's
-    writers wrap it, or report a full disk only as a short write), else the exception itself."""
+    writers wrap it, re-raise it as text ("Worker failure: [Errno 28] ..."), or report a full
+    disk only as a short write; its CheckpointException holds each rank's), else the exception
+    itself."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        first = next(iter(failures.values()))
+        error = first[0] if isinstance(first, tuple) else first
     seen, e = set(), error
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno in ERRNO_CAUSES:
             return f"{ERRNO_CAUSES[e.errno]} ({e.strerror})"
+        code = re.search(r"\[Errno (\d+)\] ([^\n:]+)", str(e))
+        if code and int(code.group(1)) in ERRNO_CAUSES:
+            return f"{ERRNO_CAUSES[int(code.group(1))]} ({code.group(2).strip()})"
         e = e.__cause__ or e.__context__
     try:
         free = shutil.disk_usage(root).free
@@ -106,15 +129,40 @@ def save_failure_cause(error: BaseException, root: str) -> str:
 EXTRA_KEYS = ("scheduler", "rng", "iteration", "consumed", "settings")
 
 
+def _numpy_globals() -> list:
+    """What a numpy array in a checkpoint's pickle refers to (numpy's RNG state, saved by
+    checkpoints of earlier versions): allowed by name, nothing else."""
+    core = getattr(np, "_core", None) or np.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype,
+            type(np.dtype(np.uint32)), type(np.dtype(np.float64))]
+
+
 def read_extra_state(path: Path) -> dict:
-    """A rank's extra_rank{R}.pt; ValueError naming --load and the file when it is empty,
-    truncated, garbled or not this project's (a damaged file is the user's to remove)."""
+    """A rank's extra_rank{R}.pt, unpickled without running code (torch.load weights_only: tensors,
+    numbers, strings and containers; numpy arrays by name); ValueError naming --load and the file
+    when it is empty, truncated, garbled, not this project's, or holds other objects."""
+    import pickle
+
     try:
-        extra = torch.load(path, weights_only=False)
+        with torch.serialization.safe_globals(_numpy_globals()):
+            extra = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        text = str(e)
+        if "Unsupported global" in text:
+            name = text.split("GLOBAL ", 1)[-1].split(" ", 1)[0] if "GLOBAL " in text else "?"
+            raise ValueError(f"--load {path}: holds a Python object ({name}) that loading would "
+                             "have to run code to rebuild; a chunkflow train checkpoint holds "
+                             "tensors, numbers and strings only, so this file is not one (or was "
+                             "altered): it is not loaded") from None
+        raise ValueError(f"--load {path}: cannot be read ({type(e).__name__}: "
+                         f"{text.splitlines()[0][:200] if text else 'empty'}); the file is "
+                         f"damaged: remove {path.parent.name} to resume from an older "
+                         "checkpoint") from None
     except Exception as e:  # noqa: BLE001  unpickling fails in many ways, all the same to a user
         raise ValueError(f"--load {path}: cannot be read ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:200] if str(e) else 'empty'}); remove "
-                         f"{path.parent.name} to resume from an older checkpoint") from None
+                         f"{str(e).splitlines()[0][:200] if str(e) else 'empty'}); the file is "
+                         f"damaged: remove {path.parent.name} to resume from an older "
+                         "checkpoint") from None
     missing = [k for k in EXTRA_KEYS if not isinstance(extra, dict) or k not in extra]
     if missing:
         raise ValueError(f"--load {path}: not a chunkflow train checkpoint's extra state "
@@ -134,7 +182,9 @@ def _tmp_dir(root: Path, iteration: int) -> Path:
 def _rng_state() -> dict:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(),
+             "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
              "torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -145,7 +195,8 @@ def _set_rng_state(state: dict) -> None:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, *rest = state["numpy"]  # a tensor (numpy array in earlier checkpoints)
+    np.random.set_state((kind, np.asarray(keys).astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     get_cuda_rng_tracker().set_states(state["tracker"])
     if "cuda" in state and torch.cuda.is_available():
@@ -194,75 +245,6 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, cons
         shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
-
-
-def resumed_model_class(model_class: str, root: str | None) -> str:
-    """--model-class as given, but "auto" resuming from --load is the checkpoint's class (its
-    parameters are named by it: a GPTModel checkpoint of megatron-core 0.16 resumes as GPTModel on
-    0.19, whose own recommendation is HybridModel). Checkpoints saved before the setting existed
-    are GPTModel's."""
-    if model_class != "auto" or not root:
-        return model_class
-    newest = sorted(Path(root).glob("iter_*/extra_rank0.pt"))
-    if not newest:
-        return model_class  # find_checkpoint names what is missing, after the build
-    return read_extra_state(newest[-1])["settings"].get("model_class", "gpt")
-
-
-CLASS_NAMES = {"gpt": "GPTModel", "hybrid": "HybridModel"}
-SCHEDULE = {"lr": "--lr", "min_lr": "--min-lr", "lr_warmup_iters": "--lr-warmup-iters"}
-
-
-def compare_settings(saved: dict, given: dict, iteration: int, root: str,
-                     override_schedule: bool = False) -> list[str]:
-    """The checkpoint's settings against this run's, before anything is loaded: ValueError for a
-    contradiction that cannot be honoured (another model shape or TP/CP/PP layout, another --seed,
-    nothing left to train), else notes saying which value wins where they differ.
-    `override_schedule`: --override-lr-schedule (this run's schedule wins)."""
-    where = f"--load {root} (iteration {iteration})"
-    if saved.get("shape") != given.get("shape"):
-        diff = {k: (saved["shape"].get(k), v) for k, v in given["shape"].items()
-                if saved["shape"].get(k) != v}
-        raise ValueError(f"{where} holds another model: " + ", ".join(
-            f"{k} {a} there, {b} here" for k, (a, b) in diff.items()))
-    for key, flag in (("tp", "--tensor-model-parallel-size"),
-                      ("pp", "--pipeline-model-parallel-size"),
-                      ("cp", "--context-parallel-size")):
-        a, b = saved["parallel"].get(key, 1), given["parallel"].get(key, 1)
-        if a != b:
-            raise ValueError(f"{where} was saved with {flag} {a}; this run has {b}")
-    saved_class = saved.get("model_class", "gpt")
-    if saved_class != given.get("model_class", "gpt"):
-        raise ValueError(f"{where} holds a {CLASS_NAMES[saved_class]} checkpoint; this run builds "
-                         f"a {CLASS_NAMES[given.get('model_class', 'gpt')]} (--model-class "
-                         f"{given.get('model_class')}): give --model-class {saved_class} (or auto)")
-    if saved.get("dtype", given.get("dtype")) != given.get("dtype"):
-        raise ValueError(f"{where} was saved in {saved.get('dtype')}; this run trains in "
-                         f"{given.get('dtype')} (--dtype): resume in {saved.get('dtype')}")
-    if saved.get("seed") != given.get("seed"):
-        raise ValueError(f"{where} was saved with --seed {saved.get('seed')}; --seed "
-                         f"{given.get('seed')} would reshuffle the data in mid-epoch (give "
-                         f"--seed {saved.get('seed')})")
-    if iteration >= given["train_iters"]:
-        raise ValueError(f"--train-iters {given['train_iters']}: {where} has already trained "
-                         "that many steps; nothing to do (raise --train-iters)")
-    notes = []
-    changed = [f"{flag} {given['optimizer'][k]} (saved {saved['optimizer'][k]})"
-               for k, flag in SCHEDULE.items() if saved["optimizer"][k] != given["optimizer"][k]]
-    if saved["train_iters"] != given["train_iters"]:
-        changed.append(f"--train-iters {given['train_iters']} (saved {saved['train_iters']})")
-    if changed and override_schedule:
-        notes.append(f"{where}: " + ", ".join(changed) + ": --override-lr-schedule: this run's "
-                     f"learning-rate schedule, continued from step {iteration}")
-    elif changed:
-        notes.append(f"{where}: " + ", ".join(changed) + ": the checkpoint's learning-rate "
-                     "schedule continues (Megatron-LM's default; --override-lr-schedule takes "
-                     f"this run's), the run stops at --train-iters {given['train_iters']}")
-    if saved["global_batch_size"] != given["global_batch_size"]:
-        notes.append(f"{where}: --global-batch-size {given['global_batch_size']} (saved "
-                     f"{saved['global_batch_size']}): the data continues after the "
-                     "sequences already consumed")
-    return notes
 
 
 def _saved_ranks(directory: Path) -> int:
@@ -343,12 +325,18 @@ def load_checkpoint(root: str, model, optimizer, scheduler,
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     try:
-        loaded = dist_checkpointing.load(_sharded_state(model, optimizer, loading=True),
-                                         str(directory))
+        with _quiet_loading():
+            loaded = dist_checkpointing.load(_sharded_state(model, optimizer, loading=True),
+                                             str(directory))
     except (Exception, CheckpointException) as e:  # a damaged shard is the user's file: name it
+        cause = _cause(e)
+        if any(m in cause for m in MISMATCH):  # intact files, another model or optimizer
+            raise ValueError(f"--load {directory}: the checkpoint does not match this run's model "
+                             f"or optimizer ({cause}); its files are intact: resume with the "
+                             "settings it was saved with") from None
         raise ValueError(f"--load {directory}: the sharded checkpoint cannot be read "
-                         f"({_cause(e)}); remove this directory to resume from an older "
-                         "one") from None
+                         f"({cause}); the files are damaged: remove this directory to resume "
+                         "from an older one") from None
     if isinstance(model, list):
         for v, chunk in enumerate(model):
             chunk.load_state_dict(loaded[f"model{v}"])
@@ -363,6 +351,33 @@ def load_checkpoint(root: str, model, optimizer, scheduler,
     scheduler.load_state_dict(extra["scheduler"])
     _set_rng_state(extra["rng"])
     return extra["iteration"], extra["consumed"], extra["settings"]
+
+
+# what dist_checkpointing says when intact files hold another layout than the run's
+MISMATCH = ("shape mismatch", "Cannot merge", "Missing key", "Unexpected key", "not found in the "
+            "checkpoint", "size mismatch", "does not match")
+
+
+@contextlib.contextmanager
+def _quiet_loading():
+    """What torch's distributed checkpoint loader prints and logs on its way to raising (its
+    "Global metadata is not found", each rank's traceback) held back: the run's one-line message
+    says it."""
+    import io
+    import logging
+
+    names = ("torch.distributed.checkpoint", "megatron.core.dist_checkpointing")
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    sink = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _cause(e: BaseException) -> str:

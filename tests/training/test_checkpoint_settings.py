@@ -1,5 +1,5 @@
 """Resuming compares the checkpoint's settings with the run's before loading anything
-(training/checkpoint.py compare_settings): contradictions refused naming the flag, changes that
+(training/resume.py compare_settings): contradictions refused naming the flag, changes that
 can be honoured said with which value wins."""
 
 import dataclasses
@@ -9,8 +9,9 @@ import pytest
 
 from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.core.models import get_model_shape
+from megatron_chunkflow.mcore.lora import LoRAConfig
 from megatron_chunkflow.mcore.settings import OptimizerConfig, TrainSettings
-from megatron_chunkflow.training.checkpoint import compare_settings
+from megatron_chunkflow.training.resume import compare_settings
 
 
 def _settings(**kw) -> dict:
@@ -150,3 +151,59 @@ def test_a_stock_interleaved_run_is_checked_at_every_step_before_the_first():
                                          r"before step 0"):
         check_stock_interleaving(few, data, BatchSampler(64, 1, 0), 0, 6, 0, 1)
     check_stock_interleaving(settings(8), data, BatchSampler(64, 8, 0), 0, 6, 0, 1)
+
+
+@pytest.mark.parametrize("given,message", [
+    (_settings(lora=LoRAConfig(4)), "was saved without LoRA (full fine-tuning); this run has "
+                                    "--lora-rank 4: resume without --lora-*"),
+    (_settings(parallel=ParallelConfig(pp=2, vpp=2)), "saved with --pipeline-model-parallel-size "
+                                                      "1; this run has 2"),
+    (_settings(model_class="gpt"), None),
+])
+def test_what_decides_the_checkpoints_layout_is_compared(given, message):
+    if message is None:  # the class this release builds by default is the saved one's
+        assert compare_settings(SAVED, given, 10, "ckpt") == []
+        return
+    with pytest.raises(ValueError, match=re.escape(message)):
+        compare_settings(SAVED, given, 10, "ckpt")
+
+
+def test_lora_settings_are_named_with_the_saved_values():
+    saved = _settings(lora=LoRAConfig(4, 8.0, "qkv,proj"))
+    assert compare_settings(saved, saved, 10, "ckpt") == []
+    for given, message in (
+            (_settings(), "was saved with LoRA adapters (--lora-rank 4 --lora-alpha 8 "
+                          "--lora-targets qkv,proj); this run has none: give --lora-rank 4"),
+            (_settings(lora=LoRAConfig(8, 8.0, "qkv,proj")), "other LoRA adapters: --lora-rank 8 "
+                                                             "(saved 4)"),
+            (_settings(lora=LoRAConfig(4, 16.0, "qkv")), "--lora-alpha 16.0 (saved 8.0), "
+                                                         "--lora-targets qkv (saved qkv,proj)")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            compare_settings(saved, given, 10, "ckpt")
+
+
+def test_a_checkpoint_never_runs_code_when_loaded(tmp_path):
+    """extra_rank*.pt is read with torch.load(weights_only=True): a file whose pickle would call a
+    function is refused by name, and the function is not called; an earlier checkpoint's numpy
+    RNG state still loads."""
+    import numpy as np
+    import torch
+
+    from megatron_chunkflow.training.checkpoint import read_extra_state
+
+    called = tmp_path / "called"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(called), "w"))
+
+    path = tmp_path / "extra_rank0.pt"
+    torch.save({"scheduler": Payload(), "rng": {}, "iteration": 1, "consumed": 0,
+                "settings": {}}, path)
+    with pytest.raises(ValueError, match=r"holds a Python object \(.*open\) that loading would "
+                                         r"have to run code to rebuild.*it is not loaded"):
+        read_extra_state(path)
+    assert not called.exists()
+    torch.save({"scheduler": {}, "rng": {"numpy": np.random.get_state()}, "iteration": 1,
+                "consumed": 0, "settings": {}}, path)
+    assert read_extra_state(path)["rng"]["numpy"][0] == "MT19937"

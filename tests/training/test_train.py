@@ -164,7 +164,11 @@ def _load(ckpt):
     return _losses([dict(checkpoint=CheckpointConfig(load=ckpt))])
 
 
-def test_truncated_shard_is_named(gloo, tmp_path):
+def test_truncated_shard_is_named(gloo, tmp_path, capfd):
+    """A damaged file is named, and only then is removing the directory advised; torch's loader
+    prints nothing of its own on the way (its "Global metadata is not found" and the unpickling
+    traceback of a truncated .metadata)."""
+    import shutil
     from pathlib import Path
 
     from megatron_chunkflow.mcore.settings import CheckpointConfig
@@ -172,11 +176,54 @@ def test_truncated_shard_is_named(gloo, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     gloo.run(_losses, 1, [dict(checkpoint=CheckpointConfig(save=ckpt), train_iters=3)],
                   timeout=600)
+    pristine = tmp_path / "pristine"
+    shutil.copytree(Path(ckpt) / "iter_0000003", pristine)
     (shard,) = (Path(ckpt) / "iter_0000003").glob("*.distcp")
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(ValueError, match=r"--load .*iter_0000003: the sharded checkpoint cannot "
-                                         r"be read"):
+                                         r"be read .*the files are damaged: remove this "):
         gloo.run(_load, 1, ckpt, timeout=600)
+    shutil.rmtree(Path(ckpt) / "iter_0000003")
+    shutil.copytree(pristine, Path(ckpt) / "iter_0000003")
+    metadata = Path(ckpt) / "iter_0000003" / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:50])
+    capfd.readouterr()
+    with pytest.raises(ValueError, match=r"cannot be read .*the files are damaged"):
+        gloo.run(_load, 1, ckpt, timeout=600)
+    out, err = capfd.readouterr()
+    assert "Global metadata is not found" not in out + err
+    assert "Traceback" not in out + err and "UnpicklingError" not in out + err
+
+
+def _resume_with_other_adapters(root):
+    """A checkpoint without LoRA resumed with --lora-rank 4, one with rank 4 without LoRA and with
+    rank 8: each refused before loading, naming the flag and the value saved."""
+    from megatron_chunkflow.mcore.lora import LoRAConfig
+    from megatron_chunkflow.mcore.settings import CheckpointConfig
+
+    messages = []
+    for saved, given in ((None, LoRAConfig(4)), (LoRAConfig(4), None), (LoRAConfig(4),
+                                                                          LoRAConfig(8))):
+        ckpt = f"{root}/{saved is not None}_{given is not None}"
+        _losses([dict(checkpoint=CheckpointConfig(save=ckpt), train_iters=3, lora=saved)])
+        try:
+            _losses([dict(checkpoint=CheckpointConfig(load=ckpt), train_iters=4, lora=given)])
+            messages.append(None)
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_resume_with_other_lora_settings_names_them_and_keeps_the_checkpoint(gloo, tmp_path):
+    """The adapters decide the checkpoint's parameters and optimizer states: a mismatch is named
+    before anything is loaded, never as a damaged checkpoint to remove."""
+    without, with_rank4, rank8 = gloo.run(_resume_with_other_adapters, 1, str(tmp_path),
+                                          timeout=900)[0]
+    assert "was saved without LoRA (full fine-tuning); this run has --lora-rank 4" in without
+    assert "was saved with LoRA adapters (--lora-rank 4 --lora-alpha 16 --lora-targets " \
+           "qkv,proj,fc1,fc2); this run has none" in with_rank4
+    assert "was saved with other LoRA adapters: --lora-rank 8 (saved 4)" in rank8
+    assert not any("remove" in m for m in (without, with_rank4, rank8))
 
 
 def test_resume_on_more_processes_than_saved_is_refused(gloo, tmp_path):
@@ -319,6 +366,36 @@ def test_a_failed_save_stops_the_run_naming_the_cause_and_keeps_the_last_checkpo
     assert error is not None and "saving iteration 2 failed: " in error, error
     assert "File exists" in error and "every complete checkpoint there is kept" in error
     assert saved == "1"  # step 1's checkpoint is the last one, untouched
+
+
+def _save_on_a_full_disk(ckpt):
+    """Every shard write fails as a full disk fails (ENOSPC inside torch's writer, which
+    dist_checkpointing reports as a CheckpointException, a BaseException)."""
+    import errno
+    from pathlib import Path
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_chunkflow.mcore.settings import CheckpointConfig
+    from megatron_chunkflow.training.checkpoint import SaveFailed
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    original, filesystem_async._write_item = filesystem_async._write_item, full
+    try:
+        _losses([dict(checkpoint=CheckpointConfig(save=ckpt, save_interval=2), train_iters=3)])
+    except SaveFailed as e:
+        return str(e), sorted(p.name for p in Path(ckpt).iterdir())
+    finally:
+        filesystem_async._write_item = original
+    return None, None
+
+
+def test_a_full_disk_ends_the_run_in_one_line_and_removes_the_partial_save(gloo, tmp_path):
+    error, left = gloo.run(_save_on_a_full_disk, 1, str(tmp_path / "ckpt"), timeout=600)[0]
+    assert error is not None and "saving iteration 2 failed: no space left on device" in error
+    assert left == []  # iter_0000002.tmp removed; nothing complete was there
 
 
 
