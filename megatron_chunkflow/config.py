@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
+from megatron_chunkflow.flags import MAX_COUNT, MAX_GPUS, MAX_TOKENS
 from megatron_chunkflow.recompute import (  # noqa: F401  (re-exported: one import for the knobs)
     NO_RECOMPUTE,
     RECOMPUTE_MODULES,
@@ -33,11 +34,12 @@ LSE_BACKENDS = ("auto", "torch", "cpu_flash", "varlen", "flash")  # attention/ls
 class ChunkFlowConfig:
     """ChunkFlow settings shared by every entry point."""
 
-    chunk_size: int = 8192
+    chunk_size: int = field(default=8192, metadata={"bounds": (1, MAX_TOKENS)})
     """Tokens per data chunk (C). Sequences longer than C are cut into dependent chunks; shorter ones
     are packed into standalone chunks of capacity C. Peak activation memory follows C."""
 
-    num_kept: int = field(default=1, metadata={"flag": "--chunkflow-k", "deprecated": ("--k",)})
+    num_kept: int = field(default=1, metadata={"flag": "--chunkflow-k", "deprecated": ("--k",),
+                                               "bounds": (1, MAX_COUNT)})
     """Chunks of one long sequence that keep activations (K). The others run forward without a
     graph and are re-forwarded during the backward pass: more K, more memory, less recompute."""
 
@@ -131,24 +133,25 @@ class ParallelConfig:
     (`span`). `recompute` also takes its text form ("full", "block:2")."""
 
     tp: int = field(default=1, metadata={"flag": "--tensor-model-parallel-size",
-                                         "aliases": ("--tp",)})
+                                         "aliases": ("--tp",), "bounds": (1, MAX_GPUS)})
     """Tensor-parallel size (TP): each layer's weights split over TP ranks."""
 
     pp: int = field(default=1, metadata={"flag": "--pipeline-model-parallel-size",
-                                         "aliases": ("--pp",)})
+                                         "aliases": ("--pp",), "bounds": (1, MAX_GPUS)})
     """Pipeline-parallel size (PP): the layers split into PP stages."""
 
     vpp: int = field(default=1, metadata={"flag": "--num-virtual-stages-per-pipeline-rank",
-                                          "aliases": ("--vpp",)})
+                                          "aliases": ("--vpp",), "bounds": (1, MAX_COUNT)})
     """Virtual pipeline stages (model chunks) per pipeline rank (V): the layers split into PP x V
     stages, rank r holding stages r, r + PP, ...; the interleaved schedule (needs PP >= 2)."""
 
-    cp: int = field(default=1, metadata={"flag": "--context-parallel-size", "aliases": ("--cp",)})
+    cp: int = field(default=1, metadata={"flag": "--context-parallel-size", "aliases": ("--cp",),
+                                         "bounds": (1, MAX_GPUS)})
     """Context-parallel size (CP): every chunk's tokens split over CP ranks (2 x CP zigzag pieces
     per segment), a long sequence's K/V state sharded with them; attention all-gathers K/V."""
 
     dp: int | None = field(default=None, metadata={"flag": "--data-parallel-size",
-                                                   "aliases": ("--dp",)})
+                                                   "aliases": ("--dp",), "bounds": (1, MAX_GPUS)})
     """Data-parallel size (DP); in a job it is world size / (TP x CP x PP)."""
 
     sequence_parallel: bool = False

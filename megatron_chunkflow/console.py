@@ -19,6 +19,11 @@ class Output:
         if not self.quiet:
             print(text, file=sys.stderr if self.as_json else sys.stdout)
 
+    def progress(self, text: str) -> None:
+        """A line on stderr while something long runs (a search, a trace); none under --json."""
+        if not self.as_json and not self.quiet:
+            print(text, file=sys.stderr, flush=True)
+
     def result(self, obj: dict) -> None:
         if self.as_json and not self.quiet:
             json.dump(obj, sys.stdout, separators=(",", ":"))

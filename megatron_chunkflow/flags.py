@@ -69,6 +69,7 @@ def add_config_arguments(parser, cls: type, *, fields: tuple[str, ...] | None = 
         flag = (flags or {}).get(f.name) or flag_of(cls, f.name, prefix)
         default = (defaults or {}).get(f.name, f.default)
         kind, choices = _kind(hints[f.name])
+        bounds = {"bounds": f.metadata["bounds"]} if "bounds" in f.metadata else {}
         names = [flag, *(f.metadata.get("aliases", ()) if aliases else ())]
         shown = (default_help or {}).get(f.name, default)
         help_text = f"{docs[f.name]}" + (f" (default: {shown})" if kind is not bool else "")
@@ -78,8 +79,9 @@ def add_config_arguments(parser, cls: type, *, fields: tuple[str, ...] | None = 
                                 help=help_text)
         else:
             parser.add_argument(*names, dest=dest, type=kind, default=default, choices=choices,
-                                action=_Given, metavar=None if choices else f.name.upper(),
-                                help=help_text)
+                                action=Bounded if bounds else _Given,
+                                metavar=None if choices else f.name.upper(), help=help_text,
+                                **bounds)
         for old in f.metadata.get("deprecated", ()) if aliases else ():
             deprecated_alias(parser, old, flag, dest=dest, type=None if kind is bool else kind,
                              choices=choices, **({"nargs": 0} if kind is bool else {}))
@@ -141,6 +143,52 @@ def _kind(annotation) -> tuple[type, tuple | None]:
     if args:  # X | None
         return _kind(args[0])
     return (finite_float if annotation is float else annotation), None
+
+
+# The bounds of every integer size flag, one validator for all (`bounded`): what a command can
+# start on and answer in minutes. Zero and negative sizes are refused by the flag's own name.
+MAX_GPUS = 1 << 17  # 131,072 GPUs (--gpus, --world): past the largest clusters
+MAX_TOKENS = 1 << 24  # 16,777,216 tokens in a sequence or a chunk (--seq-length, --chunk-size)
+MAX_COUNT = 1 << 20  # sequences in a global batch, steps, repeats, draws, processes
+MAX_SEED = 2**32 - 1  # numpy's and torch's generators take [0, 2**32)
+
+
+def check_int(flag: str, value: int, low: int, high: int) -> None:
+    """The one rule of every integer size: ValueError naming `flag` outside [low, high]."""
+    if value < low:
+        raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if value > high:
+        raise ValueError(f"{flag} must be at most {high:,}, got {value:,}")
+
+
+FLAG_ERRORS = "_flag_errors"  # the Namespace attribute: size flags outside their bounds
+
+
+class Bounded(argparse._StoreAction):
+    """store an int flag checked by check_int (add_argument(..., type=int, action=Bounded,
+    bounds=(low, high))), named as typed; a value outside is noted, not stored, and
+    flag_errors() returns it, so the command refuses it in one line before any work (not
+    argparse's usage screen)."""
+
+    def __init__(self, *args, bounds: tuple[int, int], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.bounds = bounds
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values is not None:
+            try:
+                check_int(option_string or self.option_strings[0], values, *self.bounds)
+            except ValueError as e:
+                if not hasattr(namespace, FLAG_ERRORS):
+                    setattr(namespace, FLAG_ERRORS, [])
+                getattr(namespace, FLAG_ERRORS).append(str(e))
+        super().__call__(parser, namespace, values, option_string)
+        _note_given(namespace, self.dest)
+
+
+def flag_errors(args: argparse.Namespace) -> list[str]:
+    """The size flags of `args` outside their bounds, one message each (Bounded)."""
+    return list(getattr(args, FLAG_ERRORS, []))
 
 
 def finite_float(text: str) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name -> (module, one-line summary); each module has add_arguments(parser) and run(args) -> int
@@ -36,13 +37,27 @@ SUBCOMMANDS = {
 RUN_MEGATRON = {"train", "verify", "bench", "calibrate", "memory"}
 
 
+def first_rank() -> bool:
+    """Whether this process speaks for a torchrun job: rank 0 (or no job). Every rank refuses the
+    same bad input; one says so, or the ranks' lines run together."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's usage, help and errors printed by the first rank only."""
+
+    def _print_message(self, message, file=None):
+        if first_rank():
+            super()._print_message(message, file)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="chunkflow",
         description="ChunkFlow long-context fine-tuning for Megatron-LM / megatron-core.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
-                                title="commands")
+                                title="commands", parser_class=_Parser)
     for name, (module, summary) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=summary, description=summary)
         importlib.import_module(module).add_arguments(p)
@@ -51,17 +66,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from megatron_chunkflow.flags import flag_errors
+
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse's usage error (exit 2), --help (exit 0)
+        return e.code
+    errors = flag_errors(args)
+    if errors:  # every size flag out of bounds, in one line, before any work
+        _refuse(args.command, "; ".join(errors))
+        return 2
     if args.command in RUN_MEGATRON:
         from megatron_chunkflow import compat
 
         try:
             compat.check_release()
         except compat.UnsupportedRelease as e:
-            print(f"chunkflow {args.command}: error: {e}", file=sys.stderr)
+            _refuse(args.command, e)
             return 2
     try:
         return importlib.import_module(args.module).run(args)
     except ValueError as e:  # user-facing errors (core raises ValueError only for bad input)
-        print(f"chunkflow {args.command}: error: {e}", file=sys.stderr)
+        _refuse(args.command, e)
         return 2
+
+
+def _refuse(command: str, error: Exception) -> None:
+    """One line for bad input, from the first rank."""
+    if first_rank():
+        print(f"chunkflow {command}: error: {error}", file=sys.stderr, flush=True)

@@ -33,7 +33,10 @@ from megatron_chunkflow.core.hf_config import load_model_shape
 from megatron_chunkflow.core.models import MODEL_SHAPES
 from megatron_chunkflow.core.step import BASELINES
 from megatron_chunkflow.flags import (
+    MAX_COUNT,
+    MAX_TOKENS,
     add_config_arguments,
+    Bounded,
     check_output_dir,
     config_from_args,
     finite_float,
@@ -59,13 +62,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="JSON with ModelShape fields, or a Hugging Face config.json (Qwen2/2.5, "
                         "Qwen3, Llama 3.x, Mistral)")
     add_config_arguments(g, ParallelConfig, fields=("tp", "pp"), defaults={"pp": SCENARIO["pp"]})
-    g.add_argument("--nproc", type=int, default=SCENARIO["nproc"], metavar="N",
+    g.add_argument("--nproc", type=int, action=Bounded, bounds=(1, 1024),
+                   default=SCENARIO["nproc"], metavar="N",
                    help="processes to spawn when not under torchrun; DP = N / (TP x PP) "
                         "(default: 2)")
-    g.add_argument("--threads", type=int, default=None, metavar="N",
+    g.add_argument("--threads", type=int, action=Bounded, bounds=(1, 1024),
+                   default=None, metavar="N",
                    help="torch threads per process (default: CPU cores / processes)")
     g = p.add_argument_group("memory budget and recompute")
-    g.add_argument("--seq-length", type=int, default=SCENARIO["seq_length"], metavar="N",
+    g.add_argument("--seq-length", type=int, action=Bounded, bounds=(1, MAX_TOKENS),
+                   default=SCENARIO["seq_length"], metavar="N",
                    help="maximum context: stock Megatron's micro-batch length; longer sequences "
                         "are truncated to it (default: 32768)")
     g.add_argument("--budget-mib", type=finite_float, default=SCENARIO["budget_mib"], metavar="MIB",
@@ -92,10 +98,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          default_help={"chunk_size": "the fastest that fits --budget-mib",
                                        "num_kept": "chosen with the chunk size"})
     g = p.add_argument_group("measurement")
-    g.add_argument("--warmup", type=int, default=SCENARIO["warmup"], metavar="N",
+    g.add_argument("--warmup", type=int, action=Bounded, bounds=(0, MAX_COUNT),
+                   default=SCENARIO["warmup"], metavar="N",
                    help="unmeasured steps of each system first; the first pair also measures "
                         "peak RSS, the second grows the heap back (default: 2)")
-    g.add_argument("--repeats", type=int, default=SCENARIO["repeats"], metavar="N",
+    g.add_argument("--repeats", type=int, action=Bounded, bounds=(1, MAX_COUNT),
+                   default=SCENARIO["repeats"], metavar="N",
                    help="measured steps of each system, alternated (default: 3)")
     add_config_arguments(g, ChunkFlowConfig, fields=("attention_backend",))
     g.add_argument("--system-malloc", action="store_true",

@@ -28,21 +28,24 @@ import sys
 from pathlib import Path
 
 from megatron_chunkflow.console import Output
-from megatron_chunkflow.flags import check_output_file
+from megatron_chunkflow.flags import MAX_COUNT, Bounded, check_output_file
 from megatron_chunkflow.perfmodel.gpu_profiles import profile_hardware, profile_json
 from megatron_chunkflow.perfmodel.hardware import GPUS, get_gpu
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", required=True, metavar="FILE", help="the profile to write (JSON)")
+    p.add_argument("--out", metavar="FILE",
+                   help="the profile to write (JSON); required but for --dry-run")
     p.add_argument("--gpu", choices=sorted(GPUS), default=None,
                    help="the datasheet to measure against (default: from the device's name)")
     p.add_argument("--name", default=None,
                    help="the profile's name (default: GPU, torch version and 'local')")
     p.add_argument("--no-fusions", dest="fusions", action="store_false",
                    help="the build runs with Megatron's SwiGLU and bias-dropout-add fusions off")
-    p.add_argument("--repeats", type=int, default=10, help="timed runs per benchmark (median)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed runs before them")
+    p.add_argument("--repeats", type=int, action=Bounded, bounds=(1, MAX_COUNT),
+                   default=10, help="timed runs per benchmark (median)")
+    p.add_argument("--warmup", type=int, action=Bounded, bounds=(0, MAX_COUNT),
+                   default=3, help="untimed runs before them")
     p.add_argument("--dry-run", action="store_true",
                    help="every benchmark at tiny sizes (on the CPU without a GPU): a valid "
                         "profile, not a calibration")
@@ -62,9 +65,9 @@ def run(args: argparse.Namespace) -> int:
     from megatron_chunkflow.bench import gpu_profile as gp
     from megatron_chunkflow.memtrace.stack import installed_stack
 
-    for flag, value in (("--repeats", args.repeats), ("--warmup", args.warmup)):
-        if value < (1 if flag == "--repeats" else 0):
-            raise ValueError(f"{flag} must be >= {1 if flag == '--repeats' else 0}, got {value}")
+    if args.out is None and not args.dry_run:
+        raise ValueError("--out FILE: where to write the profile (a calibration takes minutes "
+                         "of GPU time; its result is kept)")
     check_output_file("--out", args.out)
     out = Output(args.json)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -136,9 +139,11 @@ def run(args: argparse.Namespace) -> int:
         benchmarks={"gemm": gemms, "attention": attn, "copy": copy, "elementwise": mix,
                     "launch": launch})
     profile_hardware(profile, f"--out {args.out}")  # what simulate will read back
-    Path(args.out).write_text(json.dumps(profile, indent=1) + "\n")
+    if args.out is not None:
+        Path(args.out).write_text(json.dumps(profile, indent=1) + "\n")
     for key, value in values.items():
         out.say(f"  {key} = {value:.4g}" if isinstance(value, float) else f"  {key} = {value}")
-    out.say(f"written to {args.out} (chunkflow simulate --gpu-profile {args.out})")
+    out.say(f"written to {args.out} (chunkflow simulate --gpu-profile {args.out})"
+            if args.out is not None else "a dry run: not written (give --out FILE to keep it)")
     out.result(profile)
     return 0

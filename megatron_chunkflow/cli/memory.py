@@ -24,7 +24,13 @@ from megatron_chunkflow.console import Output
 from megatron_chunkflow.core.lengths import AS_DRAWN, LengthsConfig
 from megatron_chunkflow.core.models import MODEL_SHAPES
 from megatron_chunkflow.core.step import BASELINES
-from megatron_chunkflow.flags import add_config_arguments, config_from_args
+from megatron_chunkflow.flags import (
+    MAX_GPUS,
+    MAX_TOKENS,
+    add_config_arguments,
+    Bounded,
+    config_from_args,
+)
 from megatron_chunkflow.perfmodel.gpu_profiles import (
     add_device_arguments,
     describe,
@@ -43,10 +49,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"model shape (default: {SCENARIO['model']})")
     g.add_argument("--model-config", metavar="FILE",
                    help="JSON with ModelShape fields, or a Hugging Face config.json")
-    g.add_argument("--seq-length", type=int, default=SCENARIO["seq_length"], metavar="N",
+    g.add_argument("--seq-length", type=int, action=Bounded, bounds=(1, MAX_TOKENS),
+                   default=SCENARIO["seq_length"], metavar="N",
                    help=f"the longest context; longer sequences are truncated to it as stock "
                         f"Megatron does (default: {SCENARIO['seq_length']})")
-    g.add_argument("--world", type=int, default=None, metavar="N",
+    g.add_argument("--world", type=int, action=Bounded, bounds=(1, MAX_GPUS),
+                   default=None, metavar="N",
                    help="GPUs in the job (default: TP x CP x PP, one DP rank)")
     g.add_argument("--rank", type=int, action="append", default=None, metavar="R",
                    help="trace this global rank (repeatable; default: the model's worst DP rank, "
@@ -103,8 +111,15 @@ def run(args) -> int:
     lengths = [min(n, args.seq_length) for n in raw]
     world = args.world or settings.parallel.model_parallel_size
     settings.parallel.with_world(world)
+    for r in args.rank or ():
+        if not 0 <= r < world:
+            raise ValueError(f"--rank {r} is not a rank of this job's {world:,} GPU(s) (0 to "
+                             f"{world - 1:,}; --world sets how many)")
     gpu = device_from_args(args)
     settings = dataclasses.replace(settings, global_batch_size=len(lengths))
+    out.progress(f"chunkflow memory: tracing {_ranks_traced(args.rank)} of {world:,} GPU(s) on "
+                 "the meta device" + (" (Megatron's process groups for a world this large "
+                                      "take a minute or more)" if world > 8192 else ""))
     report = memory_report(settings, lengths, world=world, gpu=gpu, stack=args.stack,
                            ranks=args.rank, seed=drawn.seed,
                            warm_optimizer=args.fast)
@@ -132,6 +147,12 @@ def run(args) -> int:
               "lengths": source, "num_sequences": len(lengths), "truncated": truncated,
               **report.to_json()})
     return 0 if report.fits else 1
+
+
+def _ranks_traced(ranks) -> str:
+    if not ranks:
+        return "the model's worst DP rank (every pipeline stage and CP rank)"
+    return "rank " + ", ".join(map(str, ranks))
 
 
 def _system(s) -> str:

@@ -37,7 +37,14 @@ from megatron_chunkflow.core.lengths import AS_DRAWN, LengthsConfig
 from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape
 from megatron_chunkflow.core.simulate import SimResult
 from megatron_chunkflow.core.types import PipelinePlan
-from megatron_chunkflow.flags import add_config_arguments, check_output_file, config_from_args
+from megatron_chunkflow.flags import (
+    MAX_GPUS,
+    MAX_TOKENS,
+    add_config_arguments,
+    Bounded,
+    check_output_file,
+    config_from_args,
+)
 from megatron_chunkflow.mcore.hybrid_cp import balanced_cp_groups
 from megatron_chunkflow.perfmodel.batch_plan import baseline_summary, plan_batch
 
@@ -58,14 +65,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(g, ChunkFlowConfig, fields=("chunk_size", "num_kept"))
     g = parser.add_argument_group("layout and cost model")
     add_config_arguments(g, ParallelConfig, fields=("pp", "vpp", "cp", "dp"), defaults={"dp": 1})
-    g.add_argument("--dp-rank", type=int, default=0,
+    g.add_argument("--dp-rank", type=int, action=Bounded, bounds=(0, MAX_GPUS - 1), default=0,
                    help="the DP rank whose per-stage ops are printed (default: 0)")
-    g.add_argument("--seq-length", type=int, default=None,
+    g.add_argument("--seq-length", type=int, action=Bounded, bounds=(1, MAX_TOKENS), default=None,
                    help="the baseline's micro-batch length (default: the longest sequence, "
                         "padded to a multiple of 2 x CP)")
     g.add_argument("--model", default=SCENARIO["model"], choices=sorted(MODEL_SHAPES),
                    help=f"shape used by the cost model (default: {SCENARIO['model']})")
-    g.add_argument(MAX_SEQLEN_FLAG, type=int, default=None, metavar="M",
+    g.add_argument(MAX_SEQLEN_FLAG, type=int, action=Bounded, bounds=(1, MAX_TOKENS),
+                   default=None, metavar="M",
                    help=f"{HYBRID}'s tokens per rank before a sequence gets a CP group (default: "
                         "--chunk-size, doubled until the longest sequence fits the pool)")
     g = parser.add_argument_group("output")

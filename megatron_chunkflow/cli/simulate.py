@@ -45,7 +45,13 @@ from megatron_chunkflow.core.hybrid_cp import FLAG as MAX_SEQLEN_FLAG
 from megatron_chunkflow.core.lengths import AS_DRAWN, LengthsConfig, check_length
 from megatron_chunkflow.core.models import MODEL_SHAPES, get_model_shape
 from megatron_chunkflow.core.step import BASELINES
-from megatron_chunkflow.flags import add_config_arguments, config_from_args
+from megatron_chunkflow.flags import (
+    MAX_GPUS,
+    MAX_TOKENS,
+    add_config_arguments,
+    Bounded,
+    config_from_args,
+)
 from megatron_chunkflow.mcore.hybrid_cp import balanced_cp_groups
 from megatron_chunkflow.perfmodel.gpu_profiles import (
     add_device_arguments,
@@ -59,16 +65,17 @@ from megatron_chunkflow.perfmodel.search import CP_KV, LOSS_PIECES, REFORWARD
 SCENARIO = dict(model="qwen2.5-7b", global_batch_size=2048)  # README, "Defaults"
 STRONGEST = "megatron-packed"  # what the JSON's "megatron" and "speedup" keep reporting
 NAMES = (*BASELINES, HYBRID)  # every stock baseline the simulator predicts
-MAX_GPUS = 1 << 17  # 131,072: past the largest clusters; the layout search stays bounded
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model and cluster")
     g.add_argument("--model", default=SCENARIO["model"], choices=sorted(MODEL_SHAPES),
                    help=f"model shape (default: {SCENARIO['model']})")
-    g.add_argument("--seq-length", type=int, default=32768, metavar="N",
+    g.add_argument("--seq-length", type=int, action=Bounded, bounds=(1, MAX_TOKENS),
+                   default=32768, metavar="N",
                    help="maximum context: stock Megatron's micro-batch length (default: 32768)")
-    g.add_argument("--gpus", type=int, default=32, metavar="N",
+    g.add_argument("--gpus", type=int, action=Bounded, bounds=(1, MAX_GPUS),
+                   default=32, metavar="N",
                    help="GPUs in the job (default: 32)")
     add_device_arguments(g, "h100")
     g = parser.add_argument_group("sequence lengths")
@@ -80,7 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--megatron-parallel", default="auto", metavar="TP,CP,PP,RECOMPUTE",
                    help="stock Megatron's layout (every baseline's), or auto (default: auto); "
                         f"{HYBRID} takes PP 1 and its DP x CP as the pool")
-    g.add_argument(MAX_SEQLEN_FLAG, type=int, default=None, metavar="M",
+    g.add_argument(MAX_SEQLEN_FLAG, type=int, action=Bounded, bounds=(1, MAX_TOKENS),
+                   default=None, metavar="M",
                    help=f"{HYBRID}: Megatron's tokens per rank before a sequence gets a CP "
                         "group (default: searched, powers of two)")
     g.add_argument("--chunkflow-parallel", default="auto", metavar="TP,CP,PP,RECOMPUTE",
@@ -147,12 +155,6 @@ def _loss_piece(text: str) -> int | None:
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(ChunkFlowConfig, args)
     piece = _loss_piece(args.chunkflow_loss_piece)
-    for flag, value in (("--gpus", args.gpus), ("--seq-length", args.seq_length)):
-        if value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
-    if args.gpus > MAX_GPUS:
-        raise ValueError(f"--gpus {args.gpus:,}: at most {MAX_GPUS:,} (the layout search "
-                         "enumerates every TP x CP x PP x DP of the GPUs)")
     check_length(args.seq_length, "--seq-length")
     out = Output(args.json)
     shape = get_model_shape(args.model)

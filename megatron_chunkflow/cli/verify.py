@@ -34,7 +34,7 @@ from megatron_chunkflow.console import Output
 from megatron_chunkflow.core.lengths import LengthsConfig
 from megatron_chunkflow.core.hf_config import load_model_shape
 from megatron_chunkflow.core.models import MODEL_SHAPES
-from megatron_chunkflow.flags import add_config_arguments, config_from_args
+from megatron_chunkflow.flags import MAX_COUNT, Bounded, add_config_arguments, config_from_args
 from megatron_chunkflow.mcore.lora import LoRAConfig
 from megatron_chunkflow.mcore.settings import add_model_class_argument
 from megatron_chunkflow.runtime.sparse import SparseConfig
@@ -66,14 +66,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "checkpoint (float64; needs transformers) instead of megatron-core")
     add_config_arguments(g, ParallelConfig, fields=("tp", "pp", "vpp", "cp",
                                                     "sequence_parallel", "recompute"))
-    g.add_argument("--steps", type=int, default=1,
+    g.add_argument("--steps", type=int, action=Bounded, bounds=(1, MAX_COUNT), default=1,
                    help="training steps to check, each a new batch (default: 1)")
     g = parser.add_argument_group("LoRA (adapters on a frozen model)")
     add_config_arguments(g, LoRAConfig, prefix="lora-", defaults={"rank": None},
                          dest_prefix="lora_")
     g = parser.add_argument_group("SpaCO sparse backward (approximate)")
     add_config_arguments(g, SparseConfig)
-    g.add_argument("--draws", type=int, default=None, metavar="N",
+    g.add_argument("--draws", type=int, action=Bounded, bounds=(2, MAX_COUNT),
+                   default=None, metavar="N",
                    help="with --chunkflow-sparse-backward: SpaCO gradients (random draws) to "
                         "average (default: 16)")
     g = parser.add_argument_group("memory")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from megatron_chunkflow.core.profiles import PROFILES, ensure_long, sample_lengths
+from megatron_chunkflow.flags import MAX_COUNT, MAX_SEED
 
 ProfileName = Literal["A", "B", "C", "dcp"]  # core/profiles.py PROFILES
 MAX_LENGTH = 1 << 24  # tokens in one sequence: 16M, 64x a 256K context; planning stays bounded
@@ -36,20 +37,20 @@ class LengthsConfig:
     """The global batch itself: one positive integer per line ('#' starts a comment)."""
 
     global_batch_size: int | None = field(default=None, metadata={
-        "deprecated": ("--num-sequences",)})
+        "deprecated": ("--num-sequences",), "bounds": (1, MAX_COUNT)})
     """Sequences in the global batch, drawn from --profile."""
 
-    seed: int = 0
+    seed: int = field(default=0, metadata={"bounds": (0, MAX_SEED)})
     """Seed of everything the command draws at random: lengths from --profile, token ids, initial
     weights, the data order."""
 
-    step: int = 0
+    step: int = field(default=0, metadata={"bounds": (0, MAX_COUNT)})
     """Training step to draw from --profile (each step draws a new batch)."""
 
     scale: float = 1.0
     """Multiply every length drawn from --profile by F, e.g. 0.125 on CPU."""
 
-    min_long: int = 0
+    min_long: int = field(default=0, metadata={"bounds": (0, MAX_COUNT)})
     """Make sure at least N sequences drawn from --profile are long (longer than the command's
     threshold: the chunk size in verify, --seq-length / 8 in bench) by redrawing the last ones
     from the profile's tail."""

@@ -17,7 +17,7 @@ from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.profiles import PROFILES
 from megatron_chunkflow.data.config import DataConfig
 from megatron_chunkflow.data.sources import check_data_path
-from megatron_chunkflow.flags import add_config_arguments, config_from_args
+from megatron_chunkflow.flags import add_config_arguments, config_from_args, flag_errors
 
 # Megatron-LM has its own --attention-backend: ours lives in the chunkflow namespace, as every
 # destination of the plugin's flags does (args.chunkflow_chunk_size, args.chunkflow_num_kept, ...).
@@ -157,7 +157,7 @@ def chunkflow_refusals(args, given_dataloader: str | None = None) -> list[str]:
     """Every flag --chunkflow cannot run with, one phrase each. Also called on arguments Megatron
     has not validated yet (its own layout assertion fired first), so raw flags are read where
     validation would derive a value."""
-    refuse = []
+    refuse = flag_errors(args)  # the plugin's size flags outside their bounds (flags.py)
     if args.micro_batch_size != 1:
         refuse.append(f"--micro-batch-size {args.micro_batch_size}: use 1 (each data chunk of "
                       "up to --chunk-size tokens is one micro-batch)")

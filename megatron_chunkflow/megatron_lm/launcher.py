@@ -38,8 +38,9 @@ def launch(argv: list[str], entry_module: str, doc: str) -> int:
                 allow_untested="--chunkflow-allow-untested-megatron" in argv)
         sys.argv = [str(script)] + argv[1:]
         runpy.run_path(str(script), run_name="__main__")
-    except LaunchError as e:
-        print(f"chunkflow-megatron: error: {e}", file=sys.stderr, flush=True)
+    except LaunchError as e:  # every rank refuses the same input: the first one says so
+        if os.environ.get("RANK", "0") == "0":
+            print(f"chunkflow-megatron: error: {e}", file=sys.stderr, flush=True)
         return 2
     return 0
 

@@ -110,8 +110,9 @@ def plan_batch(lengths: Sequence[int], shape: ModelShape, cfg: ChunkFlowConfig,
         bases = {b: plan_baseline(lengths, seq_length, pp, dp, shape, costs_for=costs,
                                   held_bytes_for=held_for, baseline=b, cp=cp,
                                   num_model_chunks=vpp) for b in BASELINES}
-    except ValueError as e:  # Megatron's interleaving refuses the micro-batch count
-        raise ValueError(f"--vpp {vpp}: stock Megatron: {e}") from None
+    except ValueError as e:  # a sequence past --seq-length, or the interleaving's refusal
+        blame = "" if "--seq-length" in str(e) or vpp == 1 else f"--vpp {vpp}: "
+        raise ValueError(f"{blame}stock Megatron: {e}") from None
     hybrid, note = hybrid_summary(lengths, shape, pp * dp * cp, max_seqlen, cfg.chunk_size,
                                   cp_groups)
     return BatchPlans(batch, cf, bases, hybrid, note)

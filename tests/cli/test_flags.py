@@ -189,9 +189,70 @@ def test_recompute_none_typed_with_megatrons_flags_is_refused_and_their_n_named(
                                   "--recompute-method", "block", "--recompute-num-layers", "9"]))
 
 
-def test_exit_interval_zero_is_off_as_in_megatron_lm():
+def test_exit_interval_zero_is_off_as_in_megatron_lm(capsys):
     from megatron_chunkflow.cli.train import settings_from_args
 
     assert settings_from_args(parse(["train", "--exit-interval", "0"])).exit_interval == 0
-    with pytest.raises(ValueError, match="--exit-interval must be >= 0"):
-        settings_from_args(parse(["train", "--exit-interval", "-1"]))
+    from megatron_chunkflow.cli import main
+
+    assert main(["train", "--exit-interval", "-1"]) == 2
+    assert "--exit-interval must be >= 0, got -1" in capsys.readouterr().err
+    help_text = " ".join(_help("train").split())
+    assert "0, as in Megatron-LM: off" in help_text
+
+
+def _help(command: str) -> str:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command].format_help()
+
+
+# every integer size flag of every subcommand: (command, flag, a value below, a value above)
+SIZE_FLAGS = [
+    ("plan", "--seed", "-1", "99999999999999999999999"), ("plan", "--global-batch-size", "0", None),
+    ("plan", "--seq-length", "0", str(1 << 30)), ("plan", "--chunk-size", "0", str(1 << 30)),
+    ("simulate", "--gpus", "0", "1000000"), ("simulate", "--seed", "-1", str(2**32)),
+    ("simulate", "--seq-length", "-5", str(1 << 30)),
+    ("memory", "--world", "0", "1000000"), ("memory", "--world", "-8", None),
+    ("memory", "--seed", "-1", "9" * 20), ("memory", "--seq-length", "0", None),
+    ("verify", "--steps", "0", str(1 << 30)), ("verify", "--seed", "-1", None),
+    ("bench", "--nproc", "0", "100000"), ("bench", "--repeats", "0", None),
+    ("calibrate", "--repeats", "0", str(1 << 30)), ("calibrate", "--warmup", "-1", None),
+    ("train", "--train-iters", "0", str(1 << 30)), ("train", "--exit-interval", "-1", None),
+    ("train", "--seed", "-1", "99999999999999999999999"),
+    ("train", "--pipeline-model-parallel-size", "0", "1000000"),
+]
+
+
+@pytest.mark.parametrize("command,flag,low,high", SIZE_FLAGS,
+                         ids=[f"{c} {f} {lo}" for c, f, lo, _ in SIZE_FLAGS])
+def test_every_size_flag_is_bounded_by_its_own_name(capsys, command, flag, low, high):
+    """One validator (flags.py check_int) for every integer size: zero, negative and past-bound
+    values refused before any work, in one line naming the flag as typed (exit 2)."""
+    from megatron_chunkflow.cli import main
+
+    for value, words in ((low, "must be >="), (high, "must be at most")):
+        if value is None:
+            continue
+        assert main([command, flag, value]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err  # one line, no usage screen
+        assert err.startswith(f"chunkflow {command}: error: {flag} {words}"), err
+
+
+def test_a_refusal_under_torchrun_is_printed_once(capsys, monkeypatch):
+    """Every rank of a torchrun job refuses the same input; rank 0 alone says so, one line."""
+    from megatron_chunkflow.cli import main
+
+    monkeypatch.setenv("RANK", "3")
+    assert main(["plan", "--seq-length", "10", "--global-batch-size", "4"]) == 2
+    assert main(["plan", "--seed", "-1"]) == 2
+    assert main(["plan", "--model", "gpt-17"]) == 2  # argparse's own usage error
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert main(["plan", "--seq-length", "10", "--global-batch-size", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.endswith("\n")
+    # the stock baseline's length, not the virtual stages, is what stops it
+    assert err.startswith("chunkflow plan: error: stock Megatron: sequence ")
+    assert "--vpp" not in err

@@ -55,6 +55,8 @@ def test_the_traced_ranks_are_the_models_worst_stages(capsys, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--world", 3, "--tensor-model-parallel-size", 2], "world size 3 is not a multiple"),
+    (["--rank", 8, "--world", 8], "--rank 8 is not a rank of this job's 8 GPU(s) (0 to 7"),
+    (["--rank", -1], "--rank -1 is not a rank of this job's 1 GPU(s)"),
     (["--stack", "torch-9"], "--stack 'torch-9': known stacks are"),
     (["--gpu-set", "memory_gib=1", "--gpu-set", "reserve_gib=2"], "reserve_gib 2.0 leaves"),
 ])
