@@ -56,11 +56,12 @@ demo: $(STAMP) $(MCORE_STAMP)
 	mkdir -p out
 	$(WITH_MCORE) $(BIN)/chunkflow train --log-json out/train.jsonl
 
-# Plan a profile-B global batch on PP=4 x DP=2, compare with stock Megatron's 1F1B, draw both.
+# Plan a profile-B global batch on PP=4 x DP=2 of H200s, compare with stock Megatron's 1F1B (no
+# ratio where a plan does not fit), draw both.
 plan: $(STAMP)
 	mkdir -p out
 	$(BIN)/chunkflow plan --profile B --global-batch-size 2000 --chunk-size 8192 --chunkflow-k 1 \
-		--pp 4 --dp 2 --png out/plan.png
+		--pp 4 --dp 2 --gpu h200 --png out/plan.png
 
 # The whole suite (what CI and the README run). test-fast leaves out the tests marked slow (those
 # that run in a gloo job or a subprocess, or take over ~5 s); test-medium adds back the slow tests
@@ -87,7 +88,7 @@ bench: $(STAMP)
 	$(BIN)/python scripts/benchmarks/bench_planner.py
 	$(BIN)/python scripts/benchmarks/soak_train.py
 
-# Stock Megatron against ChunkFlow measured on this CPU (docs/benchmarks.md, "CPU measurements"):
+# Stock Megatron against ChunkFlow measured on this CPU (docs/benchmarks-appendix.md, "CPU measurements"):
 # the default scenario (2 processes, PP=2, the three baselines; ~10 min on 2 cores), ChunkFlow at
 # half the budget against megatron-packed, global batch sizes x seeds (~30 min), the two chunking
 # sweeps. Every report prints the load average it ran under.

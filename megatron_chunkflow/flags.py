@@ -49,6 +49,7 @@ class _Deprecated(argparse.Action):
         if self.nargs == 0:
             values = True if self.const is None else self.const
         setattr(namespace, self.dest, values)
+        _note_given(namespace, self.dest)
 
 
 def add_config_arguments(parser, cls: type, *, fields: tuple[str, ...] | None = None,
@@ -110,6 +111,12 @@ def config_from_args(cls: type, args: argparse.Namespace, dest_prefix: str = "",
 
 
 GIVEN = "_flags_given"  # the Namespace attribute: destinations given on the command line
+
+
+def given(args: argparse.Namespace, dest: str) -> bool:
+    """Whether the flag stored in `dest` was given on the command line (a flag made by
+    add_config_arguments or with a Bounded action), not left at its default."""
+    return dest in getattr(args, GIVEN, set())
 
 
 def _note_given(namespace, dest: str) -> None:

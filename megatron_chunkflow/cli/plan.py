@@ -8,9 +8,13 @@
     chunkflow plan --pp 4 --vpp 2               # 2 virtual stages (model chunks) per PP rank
 
 Times are FLOPs on the critical path of one GPU under the named model's cost model (attention
-counted per segment, a baseline's padding included); the ratio of the two systems is what to
-read. Memory is perfmodel/footprint.py's model (the simulator's) in bf16 without recompute:
-activations the plan holds at once and, for ChunkFlow, the long sequence's K/V state. Stock
+counted per segment, a baseline's padding included), with the seconds they take at the device's
+peak rate as a lower bound (`chunkflow simulate` times the step); the ratio of the two systems is
+what to read. Memory is perfmodel/footprint.py's model (the simulator's) in bf16 without recompute:
+activations the plan holds at once and, for ChunkFlow, the long sequence's K/V state, on top of
+each pipeline rank's weights, gradients and distributed-optimizer states (TP 1); a plan whose peak
+passes the device's usable memory (--gpu, default h100) does not fit, and no speedup is given
+against it or for it: `chunkflow simulate` searches layouts and recompute for one that fits. Stock
 Megatron is planned as each of core/step.py's BASELINES (megatron-sft: first-fit lines padded to
 --seq-length; megatron-packed: best fit, no padding, the strongest and the JSON's "baseline";
 megatron-unpacked: one sequence per micro-batch), and as megatron-hybrid-cp (Megatron's per-sample
@@ -44,9 +48,16 @@ from megatron_chunkflow.flags import (
     Bounded,
     check_output_file,
     config_from_args,
+    given,
 )
 from megatron_chunkflow.mcore.hybrid_cp import balanced_cp_groups
-from megatron_chunkflow.perfmodel.batch_plan import baseline_summary, plan_batch
+from megatron_chunkflow.perfmodel.batch_plan import (
+    baseline_summary,
+    hybrid_static,
+    plan_batch,
+    static_per_stage,
+)
+from megatron_chunkflow.perfmodel.gpu_profiles import add_device_arguments, device_from_args
 
 SCENARIO = dict(model="qwen2.5-7b", global_batch_size=2000)  # README, "Defaults"
 GIB = 2.0**30
@@ -79,6 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     g.add_argument("--png", metavar="PATH", help="draw both plans' per-stage timelines")
+    g = parser.add_argument_group("device (memory verdict)")
+    add_device_arguments(g, "h100")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--dp-rank must be in [0, {args.dp}), got {args.dp_rank}")
     check_output_file("--png", args.png)
     out = Output(args.json)
+    hw = device_from_args(args)
     if args.seq_length is not None and args.seq_length < 1:
         raise ValueError(f"--seq-length must be >= 1 (leave it out for the longest sequence), "
                          f"got {args.seq_length}")
@@ -107,7 +121,29 @@ def run(args: argparse.Namespace) -> int:
     base = bases[STRONGEST]
     r = args.dp_rank
     plan, sim = cf.plans[r], cf.sims[r]
-    speedup = base.step_time / cf.step_time
+    static = static_per_stage(shape, layout)
+    gpus = args.pp * args.dp * cp
+
+    def total(activations) -> list[float]:
+        return [a + b for a, b in zip(activations, static)]
+
+    cf_total = total(cf.peak_memory_bytes(r))
+    cf_fits = max(cf_total) <= hw.usable_bytes
+    fits = {b: max(total(p.peak_memory_bytes(r))) <= hw.usable_bytes for b, p in bases.items()}
+
+    def speedup_over(name: str, step_time: float) -> float | None:
+        return step_time / cf.step_time if cf_fits and fits[name] else None
+
+    def seconds(flops: float) -> str:
+        return f"{flops:.3e} FLOPs, >= {flops / hw.peak_flops:.2f} s at peak"
+
+    def verdict(name: str, need: float, step_time: float) -> str:
+        if not fits[name]:
+            return (f"does NOT fit on {gpus} {hw.name} GPUs ({need / GIB:.1f} GiB of "
+                    f"{hw.usable_bytes / GIB:.1f}): no ratio")
+        if not cf_fits:
+            return "fits; ChunkFlow's plan does not: no ratio"
+        return f"-> ChunkFlow speedup {step_time / cf.step_time:.2f}x"
 
     num_long = len({c.parent for c in batch.chunks if c.is_dependent})
     num_dep = len(batch.chunks) - batch.num_standalone
@@ -122,34 +158,51 @@ def run(args: argparse.Namespace) -> int:
     out.say(f"  DP rank {r}: {len(cf.chunks[r])} chunks, bubble {sim.bubble_ratio:.1%}, "
             f"peak chunks holding activations per stage {list(sim.peak_held)}, "
             f"{sim.num_recompute} re-forwarded")
-    out.say(f"ChunkFlow peak activation memory per stage, GiB (bf16, no recompute, K/V state "
-            f"included): {_gib(cf.peak_memory_bytes(r))}; step time {cf.step_time:.3e} FLOPs "
+    out.say(f"ChunkFlow peak memory per stage, GiB (bf16, no recompute; activations with the K/V "
+            f"state: {_gib(cf.peak_memory_bytes(r))}, with weights, gradients and optimizer "
+            f"states: {_gib(cf_total)} of {hw.usable_bytes / GIB:.1f} usable on {hw.name}: "
+            f"{'fits' if cf_fits else 'does NOT fit'}); step time {seconds(cf.step_time)} "
             f"(model {args.model}, slowest DP rank)")
     summaries = {b: baseline_summary(p, r) for b, p in bases.items()}
     hybrid, note = plans.hybrid, plans.note
     for b, x in summaries.items():
+        need = total(bases[b].peak_memory_bytes(r))
+        x["peak_total_gib"] = [round(v / GIB, 3) for v in need]
+        x["fits"] = fits[b]
         out.say(f"Stock {b:<17} seq-length {seq_length}: {x['num_microbatches']} micro-batches, "
                 f"padding {x['padding_fraction']:.1%}, DP rank {r} bubble "
-                f"{x['bubble_ratio']:.1%}, peak GiB {_gib(bases[b].peak_memory_bytes(r))}, "
-                f"step time {x['step_time']:.3e} -> ChunkFlow speedup "
-                f"{x['step_time'] / cf.step_time:.2f}x")
+                f"{x['bubble_ratio']:.1%}, peak GiB {_gib(need)}, step time "
+                f"{seconds(x['step_time'])} {verdict(b, max(need), x['step_time'])}")
     if hybrid is not None:
+        need = hybrid["peak_memory_gib"][0] * GIB + hybrid_static(shape, hybrid["pool"])
+        fits[HYBRID] = need <= hw.usable_bytes
+        hybrid.update(peak_total_gib=[round(need / GIB, 3)], fits=fits[HYBRID])
         out.say(f"Stock {HYBRID} (PP 1, pool {hybrid['pool']}, M "
                 f"{hybrid['max_seqlen_per_dp_cp_rank']}): {hybrid['num_microbatches']} "
                 f"sequences in {hybrid['num_groups']} group(s), CP sizes {hybrid['cp_sizes']}, "
-                f"idle {hybrid['bubble_ratio']:.1%}, peak GiB {hybrid['peak_memory_gib']}, "
-                f"step time {hybrid['step_time']:.3e} -> ChunkFlow speedup "
-                f"{hybrid['step_time'] / cf.step_time:.2f}x")
+                f"idle {hybrid['bubble_ratio']:.1%}, peak GiB [{need / GIB:.1f}], step time "
+                f"{seconds(hybrid['step_time'])} {verdict(HYBRID, need, hybrid['step_time'])}")
         summaries[HYBRID] = hybrid
     else:
         out.say(note)
+    if not all(fits.values()) or not cf_fits:
+        drawn = " ".join(f"--{f.replace('_', '-')} {getattr(args, f)}" for f in AS_DRAWN
+                         if given(args, f))
+        out.say(f"a plan marked NOT fit cannot run on {hw.name} at this layout (TP 1, no "
+                f"recompute); each system's fastest plan that fits, searched over layouts and "
+                f"recompute: chunkflow simulate --model {args.model} --gpus {gpus} --gpu "
+                f"{hw.name} --seq-length {seq_length}" + (f" {drawn}" if drawn else ""))
     if len(cf.chunks[r]) < args.pp:
         out.say(f"note: DP rank {r} has {len(cf.chunks[r])} chunks for {args.pp} pipeline "
                 "stages; the pipeline cannot fill")
     if args.png:
+        base_total = max(total(base.peak_memory_bytes(r)))
         draw_timelines(args.png, [
-            (f"ChunkFlow C={cfg.chunk_size} K={cfg.num_kept}, DP rank {r}", sim, plan),
-            (f"stock Megatron ({STRONGEST}) 1F1B, seq-length {seq_length}, DP rank {r}",
+            (f"ChunkFlow C={cfg.chunk_size} K={cfg.num_kept}, DP rank {r}, peak "
+             f"{max(cf_total) / GIB:.1f} GiB of {hw.usable_bytes / GIB:.1f} on {hw.name}"
+             + ("" if cf_fits else " (does NOT fit)"), sim, plan),
+            (f"stock Megatron ({STRONGEST}) 1F1B, seq-length {seq_length}, DP rank {r}, peak "
+             f"{base_total / GIB:.1f} GiB" + ("" if fits[STRONGEST] else " (does NOT fit)"),
              base.sims[r], base.plans[r]),
         ])
         out.say(f"timeline written to {args.png}")
@@ -169,6 +222,8 @@ def run(args: argparse.Namespace) -> int:
             "recompute_chunks": sim.num_recompute,
             "step_time": cf.step_time,
             "peak_memory_gib": [round(b / GIB, 3) for b in cf.peak_memory_bytes(r)],
+            "peak_total_gib": [round(b / GIB, 3) for b in cf_total],
+            "fits": cf_fits,
         },
         "baseline": {
             "seq_length": seq_length,
@@ -178,11 +233,14 @@ def run(args: argparse.Namespace) -> int:
             "peak_held_chunks": list(base.sims[r].peak_held),
             "step_time": base.step_time,
             "peak_memory_gib": [round(b / GIB, 3) for b in base.peak_memory_bytes(r)],
+            "peak_total_gib": summaries[STRONGEST]["peak_total_gib"],
+            "fits": fits[STRONGEST],
         },
         "baselines": summaries,
         "notes": [note] if note else [],
-        "speedup": speedup,
-        "speedups": {b: x["step_time"] / cf.step_time for b, x in summaries.items()},
+        "speedup": speedup_over(STRONGEST, base.step_time),
+        "speedups": {b: speedup_over(b, x["step_time"]) for b, x in summaries.items()},
+        "device": {"gpu": hw.name, "usable_gib": hw.usable_bytes / GIB, "profile": hw.profile},
         "setup": {"chunk_size": cfg.chunk_size, "k": cfg.num_kept, "pp": args.pp, "vpp": vpp,
                   "cp": cp, "dp": args.dp,
                   "dp_rank": r, "model": args.model, "source": source},

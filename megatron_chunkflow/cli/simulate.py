@@ -1,9 +1,10 @@
 """`chunkflow simulate`: predicted step time, MFU and peak memory per GPU, stock Megatron (four
 baselines) against ChunkFlow, for a Qwen2.5 model on a cluster of named GPUs (roofline cost
-model, docs/benchmarks.md).
+model, docs/benchmarks-appendix.md).
 
     chunkflow simulate                                       # qwen2.5-7b, 32K, 32 x h100, profile B
-    chunkflow simulate --model qwen2.5-72b --seq-length 262144 --gpus 128 --auto
+    chunkflow simulate --model qwen2.5-72b --seq-length 262144 --gpus 128
+    chunkflow simulate --chunk-size 8192 --chunkflow-k 1     # ChunkFlow's chunking fixed
     chunkflow simulate --baseline megatron-sft --megatron-parallel 4,2,1,block:4 \\
         --chunkflow-parallel 4,1,1,selective:mlp --chunk-size 16384 --chunkflow-k 2 --json
     chunkflow simulate --gpu-profile h200-torch2.11-local --model qwen2.5-1.5b --gpus 1
@@ -15,9 +16,12 @@ padding, variable shapes), megatron-unpacked (one sequence per micro-batch), and
 megatron-hybrid-cp (Megatron's per-sample CP, perfmodel/hybrid_cp.py: PP 1, each sequence alone
 on a power-of-two CP group from its length and --max-seqlen-per-dp-cp-rank, searched unless
 given); under CP every sequence is padded to a multiple of 2 x CP. The strongest is the fastest
-that fits, named with ChunkFlow's speedup against it. `--baseline all` (the default) predicts
-each on its own fastest layout and recompute. A layout is TP,CP,PP,RECOMPUTE with RECOMPUTE one of
-Megatron's menu (none, selective, selective:mlp+layernorm, full, block:N) and PP optionally PPxV,
+that fits, named with ChunkFlow's speedup against it, and a verdict line says whether ChunkFlow
+helps, which plan to run and why (perfmodel/comparison.py verdict). A plan that does not fit gets
+no ratio. `--baseline all` (the default) predicts each on its own fastest layout and recompute;
+ChunkFlow is searched the same way, over its layout, recompute, chunk size, K and re-forward mode
+(giving --chunk-size or --chunkflow-k fixes the chunking; --chunkflow-reforward-attention the
+re-forward). A layout is TP,CP,PP,RECOMPUTE with RECOMPUTE one of Megatron's menu (none, selective, selective:mlp+layernorm, full, block:N) and PP optionally PPxV,
 V virtual stages per pipeline rank (Megatron's interleaved 1F1B for the baselines, ChunkFlow's
 interleaved plan; "4,1,4x2,full"); DP is what --gpus leaves; "auto" (the default) searches every
 layout (V included, for both systems) and recompute option for the fastest that fits.
@@ -51,6 +55,7 @@ from megatron_chunkflow.flags import (
     add_config_arguments,
     Bounded,
     config_from_args,
+    given,
 )
 from megatron_chunkflow.mcore.hybrid_cp import balanced_cp_groups
 from megatron_chunkflow.perfmodel.gpu_profiles import (
@@ -58,7 +63,7 @@ from megatron_chunkflow.perfmodel.gpu_profiles import (
     describe,
     device_from_args,
 )
-from megatron_chunkflow.perfmodel.comparison import CP_OVERLAP_ENDS, compare
+from megatron_chunkflow.perfmodel.comparison import CP_OVERLAP_ENDS, compare, verdict
 from megatron_chunkflow.perfmodel.predict import GIB, Prediction
 from megatron_chunkflow.perfmodel.search import CP_KV, LOSS_PIECES, REFORWARD
 
@@ -97,7 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("chunkflow")
     add_config_arguments(g, ChunkFlowConfig, fields=("chunk_size", "num_kept", "cp_placement"))
     g.add_argument("--auto", action="store_true",
-                   help="choose (chunk size, K) instead: the fastest that fits in memory")
+                   help="search (chunk size, K) for the fastest that fits: the default unless "
+                        "--chunk-size or --chunkflow-k is given")
     g.add_argument("--chunkflow-cp-kv", choices=["auto", *CP_KV], default="auto",
                    help="under CP, a long sequence's K/V state: sharded over the CP ranks or "
                         "replicated on each (runtime/cp.py); auto tries both (default: auto)")
@@ -108,10 +114,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "predicted as shipped and, where ChunkFlow pieces its loss, with the "
                         "same loss too (default: 0)")
     g.add_argument("--chunkflow-reforward-attention", choices=["auto", *REFORWARD],
-                   default="recompute",
-                   help="a re-forwarded chunk's attention: recompute it, keep its output from the "
-                        "first forward on the GPU, or offload it to host memory; auto tries all "
-                        "three (default: recompute, as `train`)")
+                   default="auto",
+                   help="a re-forwarded chunk's attention: recompute it (`train`'s default), keep "
+                        "its output from the first forward on the GPU, or offload it to host "
+                        "memory; auto tries all three (default: auto)")
     g = parser.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
@@ -152,8 +158,20 @@ def _loss_piece(text: str) -> int | None:
     return value
 
 
+def searched_chunking(args: argparse.Namespace) -> bool:
+    """(chunk size, K) searched: unless --chunk-size or --chunkflow-k is given (then both are
+    fixed, the other at its default); --auto with either is a contradiction, refused."""
+    fixed = [f for f, dest in (("--chunk-size", "chunk_size"), ("--chunkflow-k", "num_kept"))
+             if given(args, dest)]
+    if args.auto and fixed:
+        raise ValueError(f"--auto searches the chunk size and K: leave out {' and '.join(fixed)}, "
+                         "or --auto to keep them")
+    return not fixed
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(ChunkFlowConfig, args)
+    auto = searched_chunking(args)
     piece = _loss_piece(args.chunkflow_loss_piece)
     check_length(args.seq_length, "--seq-length")
     out = Output(args.json)
@@ -166,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     if args.chunkflow_parallel != "auto":
         cf_layout = ParallelConfig.parse(args.chunkflow_parallel, args.gpus, shape,
                                  "--chunkflow-parallel")
-        if not args.auto:
+        if not auto:
             cf_layout.check_chunk_size(cfg.chunk_size, naming="axes")
     raw, source = config_from_args(LengthsConfig, args).lengths(SCENARIO["global_batch_size"])
     lengths = [min(n, args.seq_length) for n in raw]
@@ -186,16 +204,17 @@ def run(args: argparse.Namespace) -> int:
     result = compare(
         lengths, shape, hw, args.gpus, args.seq_length, names, balanced_cp_groups,
         megatron_layout=mg_layout, chunkflow_layout=cf_layout, chunk_size=cfg.chunk_size,
-        num_kept=cfg.num_kept, auto_chunking=args.auto,
+        num_kept=cfg.num_kept, auto_chunking=auto,
         cp_kv=None if args.chunkflow_cp_kv == "auto" else args.chunkflow_cp_kv,
         cp_placement=cfg.cp_placement,
         reforward=(None if args.chunkflow_reforward_attention == "auto"
                    else args.chunkflow_reforward_attention), loss_piece=piece,
-        max_seqlen=args.max_seqlen_per_dp_cp_rank)
+        max_seqlen=args.max_seqlen_per_dp_cp_rank,
+        progress=lambda text: out.progress(f"chunkflow simulate: {text}"))
     preds, cf, same_loss, ends = (result.baselines, result.chunkflow, result.same_loss,
                                   result.cp_overlap_ends)
-    speedups, speedups_same_loss, ratios = (result.speedups, result.speedups_same_loss,
-                                            result.ratios)
+    speedups, speedups_same_loss = result.speedups, result.speedups_same_loss
+    judged = verdict(result, args.gpus)
 
     out.say(f"{args.model} on {args.gpus} x {hw.name} ({hw.memory_gib:g} GiB, "
             f"{hw.peak_tflops:g} TFLOP/s peak; {describe(hw)}); {len(lengths)} sequences "
@@ -221,10 +240,11 @@ def run(args: argparse.Namespace) -> int:
             out.say(f"ChunkFlow speedup vs {name}: {speedups[name]:.2f}x (CP overlap "
                     f"{hw.cp_overlap:g}; at 0: {_x(lo)}, at 1: {_x(hi)}){same}")
         else:
-            who = " and ".join(n for n, p in ((name, preds[name]), ("ChunkFlow", cf))
-                               if not p.fits)
-            out.say(f"vs {name}: {who} does not fit in {hw.usable_bytes / GIB:.1f} GiB per GPU; "
-                    f"step-time ratio ignoring memory: {ratios[name]:.2f}x")
+            for who, p in ((name, preds[name]), ("ChunkFlow", cf)):
+                if not p.fits:
+                    out.say(f"vs {name}: {who} does not fit on {args.gpus} GPUs: its best plan "
+                            f"needs {p.peak_mem_bytes / GIB:.1f} GiB of "
+                            f"{hw.usable_bytes / GIB:.1f} per GPU (no ratio)")
     strongest = result.strongest
     if strongest is not None and len(names) > 1:
         out.say(f"strongest stock baseline: {strongest}; ChunkFlow against it: "
@@ -234,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
               + f" ({n})" for n, p in preds.items() if mg_layout is None]
     if cf_layout is None:
         chosen.append(f"--chunkflow-parallel {cf.layout.to_flag()}")
-    if args.auto:
+    if auto:
         chosen.append(f"--chunk-size {cf.chunk_size} --chunkflow-k {cf.num_kept}")
     if cf.layout.cp > 1 and args.chunkflow_cp_kv == "auto":
         chosen.append(f"--chunkflow-cp-kv {cf.cp_kv}")
@@ -244,21 +264,21 @@ def run(args: argparse.Namespace) -> int:
         chosen.append(f"--chunkflow-loss-piece {cf.loss_piece}")
     if chosen:
         out.say("chosen by search (fastest that fits): " + "; ".join(chosen))
+    out.say(judged["text"] + f" [{hw.name}, {describe(hw)}]")
 
     main = STRONGEST if STRONGEST in preds else names[0]
     out.result({
         "megatron": preds[main].to_json(),
         "chunkflow": cf.to_json(),
         "speedup": speedups[main],
-        "step_time_ratio": ratios[main],
         "baselines": {name: p.to_json() for name, p in preds.items()},
         "speedups": speedups,
         "loss_piece": cf.loss_piece,
         "baselines_same_loss": {name: p.to_json() for name, p in same_loss.items()},
         "speedups_same_loss": speedups_same_loss,
-        "step_time_ratios": ratios,
         "strongest": strongest,
         "speedup_vs_strongest": speedups[strongest] if strongest else None,
+        "verdict": judged,
         "cp_overlap": {"value": hw.cp_overlap, "range": ends},
         "chunk_size": cf.chunk_size,
         "k": cf.num_kept,
@@ -270,6 +290,7 @@ def run(args: argparse.Namespace) -> int:
             "usable_gib": hw.usable_bytes / GIB, "gpu_profile": hw.profile,
             "calibrated": hw.calibrated,
             "baseline": args.baseline, "hardware": dataclasses.asdict(hw),
+            "searched_chunking": auto,
         },
     })
     return 0

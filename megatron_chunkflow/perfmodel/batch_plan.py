@@ -19,7 +19,12 @@ from megatron_chunkflow.core.hybrid_cp import (
 )
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.step import BASELINES, plan_baseline, plan_chunkflow
-from megatron_chunkflow.perfmodel.footprint import per_token_bytes
+from megatron_chunkflow.perfmodel.footprint import (
+    per_token_bytes,
+    stage_params,
+    static_bytes,
+    total_params,
+)
 from megatron_chunkflow.perfmodel.held import memory_hooks
 
 GIB = 2.0**30
@@ -49,6 +54,18 @@ def per_gpu_flops(shape, cp: int):
         return flops
 
     return costs
+
+
+def static_per_stage(shape: ModelShape, layout: ParallelConfig) -> list[float]:
+    """Each pipeline rank's weights, gradient buffer and optimizer states (bf16 weights, the
+    distributed optimizer over DP x CP: perfmodel/footprint.py static_bytes), what the printed
+    activations come on top of."""
+    return [static_bytes(p, layout, BF16_BYTES) for p in stage_params(shape, layout.pp)]
+
+
+def hybrid_static(shape: ModelShape, pool: int) -> float:
+    """megatron-hybrid-cp's weights, gradients and states per GPU: PP 1, sharded over its pool."""
+    return static_bytes(total_params(shape), ParallelConfig.layout(dp=pool), BF16_BYTES)
 
 
 def baseline_summary(rp, dp_rank: int) -> dict:

@@ -11,6 +11,7 @@ only), so the gain is attributed honestly; and every stock prediction again at C
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -48,11 +49,6 @@ class Comparison:
         return {n: speedup_of(p, self.chunkflow) for n, p in self.same_loss.items()}
 
     @property
-    def ratios(self) -> dict[str, float]:
-        """Step-time ratios, fitting or not."""
-        return {n: p.step_s / self.chunkflow.step_s for n, p in self.baselines.items()}
-
-    @property
     def strongest(self) -> str | None:
         """The fastest stock baseline that fits."""
         fitting = [n for n, p in self.baselines.items() if p.fits]
@@ -65,10 +61,28 @@ def compare(lengths: Sequence[int], shape: ModelShape, hw: Hardware, gpus: int, 
             chunkflow_layout: ParallelConfig | None = None, chunk_size: int = 8192,
             num_kept: int = 1, auto_chunking: bool = False, cp_kv: str | None = None,
             cp_placement: str = "hybrid", reforward: str | None = None,
-            loss_piece: int | None = 0, max_seqlen: int | None = None) -> Comparison:
+            loss_piece: int | None = 0, max_seqlen: int | None = None,
+            progress: Callable[[str], None] | None = None,
+            overlap_ends: bool = True) -> Comparison:
     """Search each of `names` (core/step.py BASELINES and megatron-hybrid-cp, whose scheduler
     groups `cp_groups` gives) and ChunkFlow on `gpus` GPUs of `hw` (perfmodel/search.py: a given
-    layout is kept, None searches); ValueError naming the baseline that cannot run."""
+    layout is kept, None searches); ValueError naming the baseline that cannot run. `progress`
+    is told each search as it starts and what it found, with its time (a 72B search at 256K on
+    128 GPUs takes minutes). `overlap_ends=False` leaves out the stock searches again at CP
+    overlap 0 and 1 (the gain map's cells: cp_overlap_ends then holds the device's value only)."""
+    say = progress or (lambda text: None)
+
+    def timed(what: str, searched: bool, find: Callable[[], Prediction]) -> Prediction:
+        if not searched:
+            return find()
+        say(f"searching {what} ...")
+        start = time.perf_counter()
+        p = find()
+        say(f"  {what}: {p.layout.describe()}"
+            + (f", C={p.chunk_size} K={p.num_kept}" if p.system == "chunkflow" else "")
+            + f", {p.step_s:.2f} s a step, {'fits' if p.fits else 'does not fit'} "
+              f"({time.perf_counter() - start:.0f} s)")
+        return p
 
     def stock(name: str, device: Hardware, piece: int = 0) -> Prediction:
         try:
@@ -80,17 +94,124 @@ def compare(lengths: Sequence[int], shape: ModelShape, hw: Hardware, gpus: int, 
         except ValueError as e:
             raise ValueError(f"--baseline {name}: {e}") from None
 
-    baselines = {name: stock(name, hw) for name in names}
-    cf = best_chunkflow(lengths, shape, hw, gpus, seq_length, chunkflow_layout, chunk_size,
-                        num_kept, auto_chunking=auto_chunking, cp_kv=cp_kv,
-                        cp_placement=cp_placement, reforward=reforward, loss_piece=loss_piece)
-    same_loss = ({name: stock(name, hw, cf.loss_piece) for name in names if name != HYBRID}
-                 if cf.loss_piece else {})
+    stock_searched = megatron_layout is None
+    baselines = {name: timed(f"{name}'s layouts and recompute", stock_searched,
+                             lambda name=name: stock(name, hw)) for name in names}
+    cf = timed("ChunkFlow's layouts, recompute, chunk size, K and re-forward"
+               if auto_chunking else "ChunkFlow's layouts and recompute",
+               chunkflow_layout is None or auto_chunking,
+               lambda: best_chunkflow(lengths, shape, hw, gpus, seq_length, chunkflow_layout,
+                                      chunk_size, num_kept, auto_chunking=auto_chunking,
+                                      cp_kv=cp_kv, cp_placement=cp_placement,
+                                      reforward=reforward, loss_piece=loss_piece))
+    same_loss = ({name: timed(f"{name} with the loss in pieces of {cf.loss_piece}",
+                              stock_searched, lambda name=name: stock(name, hw, cf.loss_piece))
+                  for name in names if name != HYBRID} if cf.loss_piece else {})
     ends = {}
-    for end in CP_OVERLAP_ENDS:
+    for end in CP_OVERLAP_ENDS if overlap_ends else (hw.cp_overlap,):
         device = dataclasses.replace(hw, cp_overlap=end)
-        again = {n: baselines[n] if end == hw.cp_overlap else stock(n, device) for n in names}
+        again = {n: baselines[n] if end == hw.cp_overlap else
+                 timed(f"{n} at CP overlap {end:g}", stock_searched,
+                       lambda n=n: stock(n, device)) for n in names}
         ends[f"{end:g}"] = {n: {"step_s": p.step_s, "speedup": speedup_of(p, cf),
                                 "layout": p.layout.to_json(), "fits": p.fits}
                             for n, p in again.items()}
     return Comparison(baselines, cf, same_loss, ends)
+
+
+HELPS = 1.05  # a predicted gain below the simulator's measured time error (4%) is no gain
+
+
+def _parts(p: Prediction) -> dict[str, float]:
+    """A predicted step in seconds: compute on the slowest rank (recompute, re-forwards, CP
+    traffic and padding included), its pipeline bubbles, and the step's end (the exposed
+    gradient reduce-scatter and parameter all-gather, the optimizer)."""
+    return {"compute": p.pipeline_s * (1 - p.bubble), "bubbles": p.pipeline_s * p.bubble,
+            "step end": p.step_s - p.pipeline_s}
+
+
+def _why_compute(more: Prediction, less: Prediction) -> str:
+    """What makes `more`'s compute longer than `less`'s, from what the predictions record."""
+    why = []
+    if more.system == "chunkflow" and more.recompute_chunks:
+        why.append(f"re-forwards {more.recompute_chunks} of {more.num_microbatches} chunks")
+    if str(more.layout.recompute) != str(less.layout.recompute):
+        why.append(f"recompute {more.layout.recompute} against {less.layout.recompute}")
+    if more.layout.cp > less.layout.cp:
+        why.append(f"CP {more.layout.cp} traffic against CP {less.layout.cp}")
+    if more.padding_fraction > less.padding_fraction + 0.005:
+        why.append(f"padding {more.padding_fraction:.1%} against {less.padding_fraction:.1%}")
+    if more.layout.tp > less.layout.tp:
+        why.append(f"TP {more.layout.tp} against TP {less.layout.tp}")
+    return ", ".join(why) or "smaller GEMMs on this layout"
+
+
+def cause(cf: Prediction, stock: Prediction, name: str) -> str:
+    """The largest difference between the two steps, in seconds and in words: what costs
+    ChunkFlow time when it does not win, what costs the stock plan time when it does."""
+    a, b = _parts(cf), _parts(stock)
+    loser, winner, who = ((cf, stock, "ChunkFlow") if cf.step_s >= stock.step_s
+                          else (stock, cf, name))
+    diffs = {k: (a[k] - b[k]) * (1 if loser is cf else -1) for k in a}
+    part = max(diffs, key=diffs.get)
+    if diffs[part] <= 0:
+        return "the two steps are the same length"
+    text = f"{who} spends {diffs[part]:.2f} s more a step in {part}"
+    if part == "compute":
+        text += f" ({_why_compute(loser, winner)})"
+    elif part == "bubbles":
+        text += f" ({loser.bubble:.1%} of its pipeline against {winner.bubble:.1%})"
+    else:
+        text += " (gradient reduce-scatter, parameter all-gather and optimizer on its layout)"
+    return text
+
+
+def _plan(p: Prediction) -> str:
+    text = f"--{'chunkflow' if p.system == 'chunkflow' else 'megatron'}-parallel " \
+           f"{p.layout.to_flag()}"
+    if p.system == "chunkflow":
+        text += f" --chunk-size {p.chunk_size} --chunkflow-k {p.num_kept}"
+        if p.reforward_attention != "recompute":
+            text += f" --chunkflow-reforward-attention {p.reforward_attention}"
+        if p.layout.cp > 1:
+            text += f" --chunkflow-cp-kv {p.cp_kv}"
+        if p.loss_piece:
+            text += f" --chunkflow-loss-piece {p.loss_piece}"
+    if p.max_seqlen_per_rank:
+        text += f" --max-seqlen-per-dp-cp-rank {p.max_seqlen_per_rank}"
+    return text
+
+
+def verdict(result: Comparison, gpus: int) -> dict:
+    """Whether ChunkFlow helps on this job, in a line a user can act on: the speedup against
+    the strongest stock baseline that fits, the plan to run, and the cause (cause()). JSON:
+    helps (True, False, or None when nothing fits), against, speedup, cause, text."""
+    cf, name = result.chunkflow, result.strongest
+    if name is None:
+        if not cf.fits:
+            text = (f"nothing fits on {gpus} GPUs: ChunkFlow's best plan needs "
+                    f"{cf.peak_mem_bytes / 2**30:.1f} GiB of {cf.usable_bytes / 2**30:.1f} "
+                    "(more GPUs, a smaller --seq-length, or a larger device)")
+            return {"helps": None, "against": None, "speedup": None, "cause": None,
+                    "text": text}
+        return {"helps": True, "against": None, "speedup": None,
+                "cause": "no stock baseline fits",
+                "text": f"ChunkFlow helps here: no stock baseline fits on {gpus} GPUs; "
+                        f"ChunkFlow's plan {_plan(cf)} does"}
+    stock = result.baselines[name]
+    if not cf.fits:
+        return {"helps": False, "against": name, "speedup": None,
+                "cause": "ChunkFlow does not fit",
+                "text": f"ChunkFlow does not help here: its plan does not fit on {gpus} GPUs; "
+                        f"run {name} with {_plan(stock)}"}
+    x = stock.step_s / cf.step_s
+    why = cause(cf, stock, name)
+    if x >= HELPS:
+        text = (f"ChunkFlow helps here: {x:.2f}x against {name}, the strongest stock baseline "
+                f"that fits; run {_plan(cf)}. {why[0].upper()}{why[1:]}")
+    else:
+        within = " (inside the simulator's 4% time error)" if x > 2 - HELPS else ""
+        text = (f"ChunkFlow does not help here ({x:.2f}x against {name}{within}): run {name} "
+                f"with {_plan(stock)}, or ChunkFlow's plan {_plan(cf)}. "
+                f"{why[0].upper()}{why[1:]}")
+    return {"helps": x >= HELPS, "against": name, "speedup": x, "cause": why, "text": text}

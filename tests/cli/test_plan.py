@@ -24,7 +24,7 @@ def run_json(capsys, *argv):
 def test_json_contract(capsys):
     rc, obj, err = run_json(capsys, "--profile", "A", "--global-batch-size", "400",
                             "--chunk-size", "4096", "--chunkflow-k", "2", "--pp", "2", "--dp", "2",
-                            "--dp-rank", "1")
+                            "--dp-rank", "1", "--model", "qwen2.5-0.5b")
     assert rc == 0 and "ChunkFlow" in err  # human text on stderr
     stats = obj["stats"]
     assert {"num_chunks", "num_sequences", "tokens", "padding_fraction", "bins_lower_bound",
@@ -39,7 +39,28 @@ def test_json_contract(capsys):
         assert {op["chunk"] for op in stage} == rank1
         assert {op["op"] for op in stage} <= {"F", "R", "B"}
     assert {"num_microbatches", "bubble_ratio"} <= set(obj["baseline"])
-    assert obj["speedup"] > 0
+    assert obj["speedup"] > 0 and obj["stats"]["fits"] and obj["baseline"]["fits"]
+    assert obj["device"]["gpu"] == "h100"
+
+
+def test_no_ratio_against_a_plan_that_does_not_fit(capsys):
+    """Qwen2.5-1.5B at TP 1 without recompute, 32K micro-batches on PP 2: stock's packed lines
+    need more than an H100 holds, so no speedup is given against them; one sequence per
+    micro-batch fits and gets its ratio. Memory counts weights, gradients and optimizer states
+    on top of the activations."""
+    rc, obj, err = run_json(capsys, "--global-batch-size", "300", "--seq-length", "32768",
+                            "--pp", "2", "--dp", "2", "--model", "qwen2.5-1.5b")
+    assert rc == 0 and obj["stats"]["fits"]
+    packed, unpacked = obj["baselines"]["megatron-packed"], obj["baselines"]["megatron-unpacked"]
+    assert not packed["fits"] and obj["speedups"]["megatron-packed"] is None
+    assert obj["speedup"] is None and obj["baseline"]["fits"] is False
+    assert unpacked["fits"] and obj["speedups"]["megatron-unpacked"] > 1
+    assert max(packed["peak_total_gib"]) > obj["device"]["usable_gib"]
+    for a, b in zip(packed["peak_total_gib"], packed["peak_memory_gib"]):
+        assert a > b  # the static bytes on top
+    assert "megatron-packed   seq-length 32768" in err and "does NOT fit on 4 h100 GPUs" in err
+    assert "no ratio" in err and "chunkflow simulate --model qwen2.5-1.5b --gpus 4 --gpu h100 " \
+        "--seq-length 32768 --global-batch-size 300" in err
 
 
 def test_context_parallel_plan_is_per_gpu(capsys):
@@ -66,7 +87,7 @@ def test_four_baselines(capsys):
     megatron-sft pads its lines to --seq-length, megatron-unpacked runs a sequence per
     micro-batch, megatron-hybrid-cp runs on all PP x DP GPUs as its pool."""
     rc, obj, err = run_json(capsys, "--global-batch-size", "300", "--seq-length", "32768",
-                            "--pp", "2", "--dp", "2")
+                            "--pp", "2", "--dp", "2", "--model", "qwen2.5-0.5b")
     names = {*BASELINES, "megatron-hybrid-cp"}
     assert rc == 0 and set(obj["baselines"]) == names == set(obj["speedups"])
     assert obj["notes"] == []

@@ -141,7 +141,7 @@ def test_chunkflow_with_cp(capsys):
     against the same layout with DP instead, its step faster where more of its overlapped
     gathers is hidden."""
     argv = [*SMALL, "--baseline", "megatron-packed", "--megatron-parallel", "2,2,1,none",
-            "--chunk-size", "8192"]
+            "--chunk-size", "8192", "--chunkflow-reforward-attention", "recompute"]
     rc, obj, err = run_json(capsys, *argv, "--chunkflow-parallel", "2,2,1,none",
                             "--chunkflow-cp-kv", "sharded")
     cf = obj["chunkflow"]
@@ -180,11 +180,46 @@ def test_does_not_fit_is_reported(tmp_path, capsys):
     assert rc == 0
     assert obj["megatron"]["fits"] is False and obj["chunkflow"]["fits"] is True
     assert obj["megatron"]["peak_mem_gib"] > obj["setup"]["usable_gib"]
-    assert obj["speedup"] is None and obj["step_time_ratio"] > 0
+    assert obj["speedup"] is None and "step_time_ratio" not in obj
     assert all(obj["speedups"][name] is None for name in BASELINES)
-    assert "megatron-packed does not fit" in err and " NO" in err
-    # per-sample CP splits the long sequence over its pool's ranks: it fits
+    assert "vs megatron-packed: megatron-packed does not fit on 32 GPUs: its best plan needs " \
+        in err and "(no ratio)" in err and " NO" in err and "ignoring memory" not in err
+    # per-sample CP splits the long sequence over its pool's ranks: it fits, and is the one
+    # the verdict weighs ChunkFlow against
     assert obj["baselines"]["megatron-hybrid-cp"]["fits"] is True
+    assert obj["verdict"]["against"] == obj["strongest"] == "megatron-hybrid-cp"
+
+
+def test_the_default_searches_chunkflow_as_it_searches_stock(capsys):
+    """With no chunking flag ChunkFlow's chunk size, K and re-forward mode are searched, as each
+    stock baseline's layout and recompute are: never slower than its old fixed default (C 8192,
+    K 1, attention recomputed), which --chunk-size and --chunkflow-k still give. The verdict
+    names the strongest stock baseline that fits, a plan to run and a cause; the search says
+    what it does on stderr (nothing extra under --json)."""
+    small = ["--model", "qwen2.5-0.5b", "--gpus", "4", "--global-batch-size", "64",
+             "--seq-length", "16384"]
+    rc, fair, err = run_json(capsys, *small)
+    assert rc == 0 and fair["setup"]["searched_chunking"]
+    rc, fixed, _ = run_json(capsys, *small, "--chunk-size", "8192", "--chunkflow-k", "1",
+                            "--chunkflow-reforward-attention", "recompute")
+    assert rc == 0 and not fixed["setup"]["searched_chunking"]
+    assert (fixed["chunk_size"], fixed["k"]) == (8192, 1)
+    assert fair["chunkflow"]["step_s"] <= fixed["chunkflow"]["step_s"] * (1 + 1e-12)
+    v = fair["verdict"]
+    assert v["against"] == fair["strongest"] and v["speedup"] == \
+        pytest.approx(fair["speedup_vs_strongest"])
+    assert v["text"].startswith("ChunkFlow helps here" if v["helps"] else
+                                "ChunkFlow does not help here")
+    assert f"--chunk-size {fair['chunk_size']} --chunkflow-k {fair['k']}" in v["text"]
+    assert " s more a step in " in v["cause"] or v["cause"] == "the two steps are the same length"
+    assert "searching" not in err  # --json: one object, no progress
+    assert main(["simulate", *small]) == 0
+    out = capsys.readouterr()
+    assert v["text"] in out.out and "searching megatron-packed" in out.err
+    assert "searching ChunkFlow's layouts, recompute, chunk size, K and re-forward" in out.err
+    assert main(["simulate", *small, "--auto", "--chunk-size", "4096"]) == 2
+    assert "--auto searches the chunk size and K: leave out --chunk-size" in \
+        capsys.readouterr().err
 
 
 def test_auto_fits_the_budget(capsys):
