@@ -37,7 +37,7 @@ from megatron_chunkflow.perfmodel.gpu_profiles import (
     device_from_args,
 )
 
-# the default job: the H200 runs of docs/benchmarks.md, "Memory"
+# the default job: the H200 runs of docs/benchmarks-appendix.md, "Memory"
 SCENARIO = dict(model="qwen2.5-1.5b", seq_length=32768, global_batch_size=128, chunk_size=16384,
                 min_long=1, gpu="h200")
 GiB = 2**30
@@ -51,7 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="JSON with ModelShape fields, or a Hugging Face config.json")
     g.add_argument("--seq-length", type=int, action=Bounded, bounds=(1, MAX_TOKENS),
                    default=SCENARIO["seq_length"], metavar="N",
-                   help=f"the longest context; longer sequences are truncated to it as stock "
+                   help=f"the longest context, checked: a drawn batch whose longest sequence is "
+                        f"shorter gets one sequence of this length in its place (--as-drawn "
+                        f"keeps the draw); longer sequences are truncated to it as stock "
                         f"Megatron does (default: {SCENARIO['seq_length']})")
     g.add_argument("--world", type=int, action=Bounded, bounds=(1, MAX_GPUS),
                    default=None, metavar="N",
@@ -69,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(g, LengthsConfig, fields=(*AS_DRAWN, "min_long"),
                          defaults={"min_long": SCENARIO["min_long"]}, default_help={
                              "profile": "B", "global_batch_size": SCENARIO["global_batch_size"]})
+    g.add_argument("--as-drawn", action="store_true",
+                   help="check the drawn batch as it is, even when its longest sequence is "
+                        "shorter than --seq-length")
     g = p.add_argument_group("system")
     g.add_argument("--chunkflow", action=argparse.BooleanOptionalAction, default=True,
                    help="ChunkFlow (default) or --no-chunkflow for a stock baseline")
@@ -109,6 +114,8 @@ def run(args) -> int:
     drawn = config_from_args(LengthsConfig, args)
     raw, source = drawn.lengths(SCENARIO["global_batch_size"], long_above=settings.chunkflow.chunk_size)
     lengths = [min(n, args.seq_length) for n in raw]
+    lengths, raised = at_seq_length(lengths, args.seq_length,
+                                    keep=args.as_drawn or args.lengths_file is not None)
     world = args.world or settings.parallel.model_parallel_size
     settings.parallel.with_world(world)
     for r in args.rank or ():
@@ -127,6 +134,13 @@ def run(args) -> int:
     out.say(f"{settings.model_name}, {_system(settings)}, {world} GPU(s), {len(lengths)} "
             f"sequences ({source}), {sum(lengths):,} tokens, longest {max(lengths):,}"
             + (f", {truncated} truncated to --seq-length" if truncated else ""))
+    if raised:
+        out.say(f"  the drawn batch's longest sequence, {raised:,} tokens, replaced by one of "
+                f"--seq-length {args.seq_length:,} to check that length (--as-drawn: the draw)")
+    elif max(lengths) < args.seq_length:
+        out.say(f"  note: the longest sequence here is {max(lengths):,} tokens, shorter than "
+                f"--seq-length {args.seq_length:,}: a {args.seq_length:,}-token sequence is not "
+                "checked (leave out --as-drawn, or add it to --lengths-file)")
     for rank, trace in report.traced.items():
         _say_trace(out, rank, trace)
     rank, worst = report.worst
@@ -140,13 +154,26 @@ def run(args) -> int:
                else f"does NOT fit: rank {rank} needs {report.needed / GiB:.1f} GiB of "
                     f"{report.capacity / GiB:.1f}"))
     if not report.fits:
-        suggestion = _fitting_plan(settings, lengths, world, gpu, args.stack)
-        if suggestion:
-            out.say(f"the model finds that fits: {suggestion}")
+        suggestion = _fitting_plan(settings, lengths, world, gpu, args.stack,
+                                   lambda text: out.progress(f"chunkflow memory: {text}"))
+        out.say(f"the nearest plan the model finds that fits: {suggestion}" if suggestion else
+                f"nothing fits on up to {64 * world:,} GPUs by the model: a shorter "
+                "--seq-length, a smaller --chunk-size or a larger device")
     out.result({"model": settings.model_name, "system": settings.system, "world": world,
               "lengths": source, "num_sequences": len(lengths), "truncated": truncated,
+              "longest": max(lengths), "raised_from": raised or None,
               **report.to_json()})
     return 0 if report.fits else 1
+
+
+def at_seq_length(lengths: list[int], seq_length: int, keep: bool) -> tuple[list[int], int]:
+    """The lengths with their longest set to `seq_length` when it is shorter (the job's worst
+    case: a sequence of the full context), and the length it had (0: unchanged, or `keep`)."""
+    longest = max(lengths)
+    if keep or longest >= seq_length:
+        return lengths, 0
+    i = lengths.index(longest)
+    return lengths[:i] + [seq_length] + lengths[i + 1:], longest
 
 
 def _ranks_traced(ranks) -> str:
@@ -179,9 +206,22 @@ def _say_trace(out: Output, rank: int, t) -> None:
     out.say(f"  largest activations (GiB, every layer): {terms}")
 
 
-def _fitting_plan(settings, lengths, world, gpu, stack) -> str | None:
-    """The fastest plan on the same layout the analytic model says fits: ChunkFlow's chunk size
-    and K, or a stock baseline's recompute option."""
+def _flags(p, world: int, given_world: int) -> str:
+    """The memory command's flags for prediction `p`'s plan."""
+    lay = p.layout
+    text = (f"--tp {lay.tp} --cp {lay.cp} --pp {lay.pp}" + (f" --vpp {lay.vpp}" if lay.vpp > 1
+                                                           else "")
+            + f" --recompute {lay.recompute}")
+    if p.system == "chunkflow":
+        text += f" --chunk-size {p.chunk_size} --chunkflow-k {p.num_kept}"
+    return text + (f" --world {world}" if world != given_world else "")
+
+
+def _fitting_plan(settings, lengths, world, gpu, stack, progress) -> str | None:
+    """The nearest plan the analytic model says fits, from the simulator's searches: ChunkFlow's
+    chunk size and K on this layout, else every layout and recompute option (and chunking) on
+    these GPUs, else on twice as many, up to 64 times; a stock baseline's layout and recompute
+    the same way. None when nothing fits on 64 times the GPUs."""
     from megatron_chunkflow.memtrace.report import model_hardware
     from megatron_chunkflow.memtrace.stack import get_stack
     from megatron_chunkflow.perfmodel.search import best_chunkflow, best_megatron
@@ -189,12 +229,21 @@ def _fitting_plan(settings, lengths, world, gpu, stack) -> str | None:
     hw = model_hardware(gpu, settings, get_stack(stack))
     layout = dataclasses.replace(settings.parallel,
                                  dp=world // settings.parallel.model_parallel_size)
-    if settings.uses_chunkflow:
-        p = best_chunkflow(lengths, settings.shape, hw, world, settings.seq_length, layout,
-                           auto_chunking=True, loss_piece=settings.chunkflow.loss_piece)
-        plan = f"--chunk-size {p.chunk_size} --chunkflow-k {p.num_kept}"
-    else:
-        p = best_megatron(lengths, settings.shape, hw, world, settings.seq_length,
-                          baseline=settings.system)
-        plan = f"TP {p.layout.tp}, CP {p.layout.cp}, PP {p.layout.pp}, --recompute {p.layout.recompute}"
-    return f"{plan} ({p.peak_mem_bytes / GiB:.1f} GiB modelled)" if p.fits else None
+    tries = [(world, layout)] if settings.uses_chunkflow else []
+    tries += [(world * 2**i, None) for i in range(7)]
+    for gpus, lay in tries:
+        progress(f"searching for a plan that fits on {gpus:,} GPU(s)"
+                 + (" with this layout" if lay is not None else ""))
+        try:
+            if settings.uses_chunkflow:
+                p = best_chunkflow(lengths, settings.shape, hw, gpus, settings.seq_length, lay,
+                                   auto_chunking=True, loss_piece=settings.chunkflow.loss_piece)
+            else:
+                p = best_megatron(lengths, settings.shape, hw, gpus, settings.seq_length,
+                                  baseline=settings.system)
+        except ValueError:
+            continue  # no candidate layout on this many GPUs
+        if p.fits:
+            return (f"{_flags(p, gpus, world)} ({p.peak_mem_bytes / GiB:.1f} GiB modelled, "
+                    f"{p.step_s:.2f} s a step predicted; check it with these flags)")
+    return None

@@ -40,7 +40,8 @@ def test_a_job_that_fits(capsys, tmp_path):
 def test_a_job_that_does_not_fit_names_one_that_does(capsys, tmp_path):
     rc, obj, err = _run(capsys, tmp_path, "--chunk-size", 16384, "--gpu-set", "memory_gib=16")
     assert rc == 1 and not obj["fits"]
-    assert "does NOT fit" in err and "the model finds that fits: --chunk-size" in err
+    assert "does NOT fit" in err and "the nearest plan the model finds that fits: --tp 1 " in err
+    assert "--chunk-size" in err.split("fits: ")[-1]
 
 
 def test_the_traced_ranks_are_the_models_worst_stages(capsys, tmp_path):
