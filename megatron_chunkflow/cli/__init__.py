@@ -9,8 +9,10 @@ Conventions shared by every subcommand:
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
+import re
 import sys
 
 # name -> (module, one-line summary); each module has add_arguments(parser) and run(args) -> int
@@ -44,11 +46,39 @@ def first_rank() -> bool:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse's usage, help and errors printed by the first rank only."""
+    """argparse's usage, help and errors printed by the first rank only; a usage error in one
+    line with the closest spelling of a mistyped choice or flag, not the usage screen."""
 
     def _print_message(self, message, file=None):
         if first_rank():
             super()._print_message(message, file)
+
+    def error(self, message: str):
+        tail = (f" (`{self.prog} --help` lists the flags)"
+                if message.startswith("unrecognized arguments") else "")
+        self.exit(2, f"{self.prog}: error: {message}{self._did_you_mean(message)}{tail}\n")
+
+    def _did_you_mean(self, message: str) -> str:
+        choice = re.search(r"argument (\S+?)(?:/\S+)?: invalid choice: '([^']*)' \(choose from "
+                           r"(.*)\)", message)
+        if choice:
+            flag, word = choice.group(1), choice.group(2)
+            options = [c for a in self._actions if flag in a.option_strings or a.dest == flag
+                       for c in (a.choices or ())]
+            return _closest(word, [str(c) for c in options])
+        unknown = re.search(r"unrecognized arguments: (.*)", message)
+        if unknown:
+            flags = [o for a in self._actions for o in a.option_strings]
+            return "".join(_closest(w.split("=")[0], flags)
+                           for w in unknown.group(1).split() if w.startswith("-"))
+        return ""
+
+
+def _closest(word: str, options: list[str]) -> str:
+    """"; did you mean X?" for the option closest to `word` (case ignored), or ""."""
+    lower = {o.lower(): o for o in options}
+    match = difflib.get_close_matches(word.lower(), list(lower), n=1, cutoff=0.6)
+    return f"; did you mean {lower[match[0]]}?" if match else ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,11 +95,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The parsed command line; a flag the subcommand does not know is refused by the
+    subcommand's parser, with the closest flag it has (SystemExit, as argparse)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     from megatron_chunkflow.flags import flag_errors
 
     try:
-        args = build_parser().parse_args(argv)
+        args = parse(argv)
     except SystemExit as e:  # argparse's usage error (exit 2), --help (exit 0)
         return e.code
     errors = flag_errors(args)

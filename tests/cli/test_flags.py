@@ -256,3 +256,21 @@ def test_a_refusal_under_torchrun_is_printed_once(capsys, monkeypatch):
     # the stock baseline's length, not the virtual stages, is what stops it
     assert err.startswith("chunkflow plan: error: stock Megatron: sequence ")
     assert "--vpp" not in err
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["simulate", "--model", "qwen2.5-7B"], "invalid choice: 'qwen2.5-7B' (choose from "),
+    (["plan", "--chunk-sise", "4096"], "unrecognized arguments: --chunk-sise 4096"),
+    (["memory", "--gpu", "h2000"], "invalid choice: 'h2000'"),
+])
+def test_a_mistyped_name_gets_the_closest_one_in_one_line(capsys, argv, said):
+    """No usage screen: one line, what was wrong, and the closest spelling the command knows."""
+    from megatron_chunkflow.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"chunkflow {argv[0]}: error: "), err
+    assert said in err
+    closest = {"simulate": "did you mean qwen2.5-7b?", "plan": "did you mean --chunk-size?",
+               "memory": "did you mean h200?"}[argv[0]]
+    assert closest in err
