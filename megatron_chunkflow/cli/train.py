@@ -259,7 +259,8 @@ def run(args: argparse.Namespace) -> int:
     if s.global_batch_size > len(dataset):
         out.say(f"warning: --global-batch-size {s.global_batch_size} is larger than the data set "
                 f"({len(dataset)} samples): samples repeat within every step")
-    log = StepLog(log_config, s.train_iters, quiet=not rank0)
+    log = StepLog(log_config, s.train_iters, quiet=not rank0,
+                  unit="chunk" if s.uses_chunkflow else "micro-batch")
     try:
         history = train(s, job, dataset, on_step=log)
     except (Diverged, SaveFailed) as e:  # a failed run, not bad usage: exit 1

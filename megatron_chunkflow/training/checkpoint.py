@@ -25,6 +25,7 @@ import random
 import re
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -78,15 +79,21 @@ class Checkpointer:
         if self.config.save and (last_step or (interval and iteration % interval == 0)):
             from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
+            start = time.perf_counter()
             try:
-                save_checkpoint(self.config.save, iteration, self.model, self.optimizer,
-                                self.scheduler, consumed, self.settings)
+                directory = save_checkpoint(self.config.save, iteration, self.model,
+                                            self.optimizer, self.scheduler, consumed,
+                                            self.settings)
             except (Exception, CheckpointException) as e:  # noqa: BLE001  named, no traceback
                 shutil.rmtree(_tmp_dir(Path(self.config.save), iteration),
                               ignore_errors=True)  # the half-written copy, never a complete one
                 raise SaveFailed(f"--save {self.config.save}: saving iteration {iteration} "
                                  f"failed: {save_failure_cause(e, self.config.save)}; every "
                                  "complete checkpoint there is kept") from e
+            if dist.get_rank() == 0:  # as Megatron-LM says it
+                print(f"chunkflow train: saved checkpoint from iteration {iteration} to "
+                      f"{directory} ({time.perf_counter() - start:.1f} s)", file=sys.stderr,
+                      flush=True)
 
 
 class SaveFailed(RuntimeError):

@@ -7,7 +7,9 @@ TensorBoard scalars.
 Each record holds the loss, tokens/s, model TFLOP/s (attention counted per sequence, recompute not
 counted), peak memory, chunks per step, the learning rate the step applied and the gradient norm;
 under context parallelism the K/V and dK/dV bytes this rank received in ChunkFlow's CP attention;
-SpaCO runs label every record approximate.
+SpaCO runs label every record approximate. TensorBoard's tags are Megatron-LM's where a record
+means the same (`lm loss`, `learning-rate`, `grad-norm`, `iteration-time`, `throughput`,
+`mem-max-allocated-bytes`), ChunkFlow's own under `chunkflow/`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,17 @@ FIELDS = ("step", "loss", "loss_tokens", "tokens", "tokens_per_s", "model_tflops
           "peak_mem_bytes", "num_chunks", "lr", "grad_norm", "step_s", "approximate",
           "sparse_backward", "backward_chunks", "dependent_chunks", "cp_kv_received_bytes",
           "cp_grad_received_bytes")
+
+# TensorBoard tags Megatron-LM's training_log writes, for the records that mean the same (a
+# Megatron-LM run and a `chunkflow train` run then share their curves); every other record is
+# ChunkFlow's own, under chunkflow/
+MEGATRON_TAGS = {"loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm",
+                 "step_s": "iteration-time", "model_tflops": "throughput",
+                 "peak_mem_bytes": "mem-max-allocated-bytes"}
+
+
+def tensorboard_tag(key: str) -> str:
+    return MEGATRON_TAGS.get(key, f"chunkflow/{key}")
 
 
 @dataclass(frozen=True)
@@ -42,10 +55,11 @@ class LogConfig:
 
 class StepLog:
     """Called with each step's metrics (training/loop.py train's on_step); `quiet` ranks write
-    nothing."""
+    nothing. `unit`: what a step runs, "chunk" (ChunkFlow) or "micro-batch" (stock Megatron)."""
 
-    def __init__(self, config: LogConfig, total_steps: int, quiet: bool = False):
-        self.total, self.quiet = total_steps, quiet
+    def __init__(self, config: LogConfig, total_steps: int, quiet: bool = False,
+                 unit: str = "chunk"):
+        self.total, self.quiet, self.unit = total_steps, quiet, unit
         self.json_file = open(config.log_json, "a") if config.log_json and not quiet else None
         self.tb = None
         if config.tensorboard_dir and not quiet:
@@ -63,7 +77,8 @@ class StepLog:
             print(f"step {m['step']:>4}/{self.total} [{'#' * done}{'.' * (20 - done)}] "
                   f"loss {m['loss']:.4f} | {m['tokens_per_s']:,.0f} tok/s | "
                   f"{m['model_tflops']:.3f} TFLOP/s | peak {m['peak_mem_bytes'] / 2**30:.2f} GiB | "
-                  f"{m['num_chunks']} chunks | lr {m['lr']:.2e}{_cp_note(m)}{_sparse_note(m)}",
+                  f"{m['num_chunks']} {self.unit}{'s' if m['num_chunks'] != 1 else ''} | "
+                  f"lr {m['lr']:.2e}{_cp_note(m)}{_sparse_note(m)}",
                   file=sys.stderr, flush=True)
         row = {k: m[k] for k in FIELDS if k in m}
         if self.json_file:
@@ -72,7 +87,7 @@ class StepLog:
         if self.tb:
             for k, v in row.items():
                 if k not in ("step", "approximate"):
-                    self.tb.add_scalar(f"train/{k}", v, m["step"])
+                    self.tb.add_scalar(tensorboard_tag(k), v, m["step"])
 
     def close(self) -> None:
         if self.json_file:

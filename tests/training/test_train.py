@@ -156,6 +156,9 @@ def test_resume_falls_back_to_the_newest_complete_checkpoint(gloo, tmp_path, cap
     assert "resuming from the newest complete checkpoint, iter_0000010.old" in err
     assert "resuming from the newest complete checkpoint, iter_0000005" in err
     assert "resumed from iteration 5 (30 sequences consumed)" in err
+    # a line for every checkpoint saved, as Megatron-LM prints one
+    assert f"saved checkpoint from iteration 5 to {ckpt}/iter_0000005 (" in err
+    assert f"saved checkpoint from iteration 10 to {ckpt}/iter_0000010 (" in err
 
 
 def _load(ckpt):
