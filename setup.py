@@ -33,7 +33,8 @@ setup(
         # what Megatron-LM's pretrain_gpt.py imports beyond megatron-core (docs/megatron-lm.md)
         "megatron-lm": ["six", "pyyaml", "pydantic", "tensorboard", "pybind11"],
         "gpu": ["flash-attn", "transformer-engine[pytorch]"],
-        "hf": ["tokenizers", "safetensors"],  # --tokenizer DIR; mcore/hf.py checkpoints
+        # --tokenizer DIR; mcore/hf.py checkpoints; verify --hf-reference runs transformers
+        "hf": ["tokenizers", "safetensors", "transformers"],
         "parquet": ["pyarrow"],  # --data-path *.parquet
     },
     entry_points={"console_scripts": [

@@ -31,7 +31,8 @@ def hf_reference(hf_dir: str, sequences, dtype=torch.float64):
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
-        raise ValueError("--hf-reference needs transformers: pip install transformers") from None
+        raise ValueError("--hf-reference needs transformers: pip install -e \".[hf]\" (or pip "
+                         "install transformers)") from None
     # cast after loading: exact (checkpoints hold fewer bits), and the same in every transformers
     # (the keyword is torch_dtype before 4.56, dtype after)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="sdpa").to(dtype)
