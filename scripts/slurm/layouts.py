@@ -5,6 +5,11 @@ gets its fastest layout that fits (chunkflow simulate --auto) on the run's node 
     python scripts/slurm/layouts.py --write    # rewrite the tables in configs/runs/
     python scripts/slurm/layouts.py --check    # exit 1 naming every row that differs
     python scripts/slurm/layouts.py --context 32k --model qwen2.5-7b --check   # one row pair
+    python scripts/slurm/layouts.py --readme   # configs/README.md's table from the run files
+
+configs/README.md's table of the runs is generated from the run files (--readme: their layouts,
+and the simulator's prediction for exactly those layouts); tests/scripts/test_layouts.py keeps
+its layouts equal to the files'.
 
 Stock is `megatron-packed` (what the stock run files train: rows of --seq-length packed tokens),
 searched over TP, CP, PP, virtual stages per pipeline rank V (Megatron's interleaved 1F1B; a row's
@@ -25,6 +30,7 @@ from pathlib import Path
 from megatron_chunkflow.core.lengths import LengthsConfig
 from megatron_chunkflow.core.models import get_model_shape
 from megatron_chunkflow.perfmodel.hardware import get_gpu
+from megatron_chunkflow.config import ParallelConfig
 from megatron_chunkflow.perfmodel.search import best_chunkflow, best_megatron
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,6 +40,8 @@ GPUS_PER_NODE = 8
 # GLOBAL_BATCH_SIZE (tests/scripts/test_layouts.py checks they agree)
 CONTEXTS = {"32k": ("A", 1024), "128k": ("C", 2048), "256k": ("B", 2048)}
 ROW = re.compile(r'^(\s*\[(?P<model>[\w.\-]+)\]=")(?P<row>[^"]*)(".*)$')
+README = REPO / "configs" / "README.md"
+BEGIN, END = "<!-- runs table: scripts/slurm/layouts.py --readme -->", "<!-- end of runs table -->"
 
 
 def table(context: str, system: str) -> dict[str, str]:
@@ -108,6 +116,66 @@ def write(context: str, system: str, rows: dict[str, str]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def _lengths(context: str) -> list[int]:
+    profile, batch = CONTEXTS[context]
+    n = seq_length(context)
+    return [min(x, n) for x in
+            LengthsConfig(profile=profile, global_batch_size=batch).lengths(batch)[0]]
+
+
+def _layout(row: list[str], model: str) -> ParallelConfig:
+    nodes, tp, pp, cp, recompute = row[:5]
+    pp, _, vpp = pp.partition("x")
+    return ParallelConfig.on_gpus(int(tp), int(cp), int(pp), recompute,
+                                  int(nodes) * GPUS_PER_NODE, get_model_shape(model),
+                                  vpp=int(vpp or 1))
+
+
+def readme_rows(predict: bool = True) -> list[list[str]]:
+    """configs/README.md's table: per run file row, the context, model, nodes, each system's
+    layout as the files hold it and, with `predict`, the simulator's step-time ratio and peaks
+    for exactly those layouts (H100 datasheet, the ChunkFlow run's batch)."""
+    out = []
+    for context in sorted(CONTEXTS, key=seq_length):
+        stock, chunkflow = table(context, "stock"), table(context, "chunkflow")
+        for i, (model, row) in enumerate(chunkflow.items()):
+            cf_row, st_row = row.split(), stock[model].split()
+            cells = ["" if i else context.upper(), model, cf_row[0], " ".join(st_row[1:5]),
+                     " ".join(cf_row[1:5]) + f", C {cf_row[5]}, K {cf_row[6]}"
+                     + (f", loss pieces {cf_row[7]}" if cf_row[7] != "0" else "")]
+            if predict:
+                lengths, n = _lengths(context), seq_length(context)
+                shape, hw = get_model_shape(model), get_gpu("h100")
+                gpus = int(cf_row[0]) * GPUS_PER_NODE
+                st = best_megatron(lengths, shape, hw, gpus, n, _layout(st_row, model),
+                                   "megatron-packed")
+                cf = best_chunkflow(lengths, shape, hw, gpus, n, _layout(cf_row, model),
+                                    int(cf_row[5]), int(cf_row[6]),
+                                    loss_piece=int(cf_row[7]))
+                ratio = (f"{st.step_s / cf.step_s:.2f}x" if st.fits and cf.fits else
+                         "n/a (" + " and ".join(name for name, p in (("stock", st),
+                                                                    ("ChunkFlow", cf))
+                                                if not p.fits) + " does not fit)")
+                cells += [ratio, f"{st.peak_mem_bytes / 2**30:.1f} / "
+                                 f"{cf.peak_mem_bytes / 2**30:.1f}"]
+            out.append(cells)
+    return out
+
+
+HEADER = ("| run | model | nodes | stock TP PP CP recompute | ChunkFlow TP PP CP recompute, chunk, "
+          "K | predicted ChunkFlow vs stock | predicted peak GiB, stock / ChunkFlow |")
+
+
+def readme_table(rows: list[list[str]]) -> str:
+    return "\n".join([HEADER, "|---" * 7 + "|", *("| " + " | ".join(r) + " |" for r in rows)])
+
+
+def readme_block(text: str) -> str:
+    """The generated table in configs/README.md's text (between BEGIN and END)."""
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    return text[start:end].strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -119,7 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--write", action="store_true", help="rewrite configs/runs/h100_*.sh")
     mode.add_argument("--check", action="store_true",
                       help="exit 1 if a run file's row is not the search's")
+    mode.add_argument("--readme", action="store_true",
+                      help="rewrite configs/README.md's table of the runs from the run files")
     args = p.parse_args(argv)
+    if args.readme:
+        text = README.read_text()
+        block = readme_table(readme_rows())
+        README.write_text(text.replace(readme_block(text), block))
+        print(block)
+        return 0
     differ = []
     for context in args.context or sorted(CONTEXTS):
         shipped = {s: table(context, s) for s in ("stock", "chunkflow")}

@@ -46,3 +46,13 @@ def test_shipped_rows_are_the_search_and_a_stale_row_is_named(tmp_path, monkeypa
     err = capsys.readouterr().err
     assert f"h100_32k_stock.sh qwen2.5-7b: {edited!r}, the search gives {shipped!r}" in err
     assert "h100_32k_chunkflow.sh" not in err
+
+
+def test_the_readme_table_is_the_run_files():
+    """configs/README.md's table of the runs says what the run files hold: every row, each
+    system's layout, chunk size and K (`layouts.py --readme` regenerates it, predictions too)."""
+    block = layouts.readme_block(layouts.README.read_text()).splitlines()
+    assert block[0] == layouts.HEADER
+    shown = [[c.strip() for c in line.strip("|").split("|")][:5] for line in block[2:]]
+    assert shown == layouts.readme_rows(predict=False)
+    assert all(re.fullmatch(r"\d\.\d\dx", line.split("|")[6].strip()) for line in block[2:])
