@@ -130,40 +130,34 @@ def _parts(p: Prediction) -> dict[str, float]:
             "step end": p.step_s - p.pipeline_s}
 
 
-def _why_compute(more: Prediction, less: Prediction) -> str:
-    """What makes `more`'s compute longer than `less`'s, from what the predictions record."""
-    why = []
-    if more.system == "chunkflow" and more.recompute_chunks:
-        why.append(f"re-forwards {more.recompute_chunks} of {more.num_microbatches} chunks")
-    if str(more.layout.recompute) != str(less.layout.recompute):
-        why.append(f"recompute {more.layout.recompute} against {less.layout.recompute}")
-    if more.layout.cp > less.layout.cp:
-        why.append(f"CP {more.layout.cp} traffic against CP {less.layout.cp}")
-    if more.padding_fraction > less.padding_fraction + 0.005:
-        why.append(f"padding {more.padding_fraction:.1%} against {less.padding_fraction:.1%}")
-    if more.layout.tp > less.layout.tp:
-        why.append(f"TP {more.layout.tp} against TP {less.layout.tp}")
-    return ", ".join(why) or "smaller GEMMs on this layout"
+def _compute_notes(cf: Prediction, stock: Prediction) -> str:
+    """What the two steps' compute differs in, as the predictions record it."""
+    notes = []
+    if cf.recompute_chunks:
+        notes.append(f"ChunkFlow re-forwards {cf.recompute_chunks} of {cf.num_microbatches} "
+                     "chunks")
+    if str(cf.layout.recompute) != str(stock.layout.recompute):
+        notes.append(f"recompute {cf.layout.recompute} against {stock.layout.recompute}")
+    if cf.layout.cp != stock.layout.cp:
+        notes.append(f"CP {cf.layout.cp} against {stock.layout.cp}")
+    if cf.layout.tp != stock.layout.tp:
+        notes.append(f"TP {cf.layout.tp} against {stock.layout.tp}")
+    if abs(cf.padding_fraction - stock.padding_fraction) > 0.005:
+        notes.append(f"padding {cf.padding_fraction:.1%} against {stock.padding_fraction:.1%}")
+    return "; ".join(notes) or "the same work on another layout"
 
 
 def cause(cf: Prediction, stock: Prediction, name: str) -> str:
-    """The largest difference between the two steps, in seconds and in words: what costs
-    ChunkFlow time when it does not win, what costs the stock plan time when it does."""
+    """Where the two steps differ, in seconds, the largest difference first: compute (with what
+    it differs in: re-forwards, recompute, CP traffic, TP, padding), pipeline bubbles, and the
+    step's end (the exposed gradient reduce-scatter and parameter all-gather, the optimizer)."""
     a, b = _parts(cf), _parts(stock)
-    loser, winner, who = ((cf, stock, "ChunkFlow") if cf.step_s >= stock.step_s
-                          else (stock, cf, name))
-    diffs = {k: (a[k] - b[k]) * (1 if loser is cf else -1) for k in a}
-    part = max(diffs, key=diffs.get)
-    if diffs[part] <= 0:
-        return "the two steps are the same length"
-    text = f"{who} spends {diffs[part]:.2f} s more a step in {part}"
-    if part == "compute":
-        text += f" ({_why_compute(loser, winner)})"
-    elif part == "bubbles":
-        text += f" ({loser.bubble:.1%} of its pipeline against {winner.bubble:.1%})"
-    else:
-        text += " (gradient reduce-scatter, parameter all-gather and optimizer on its layout)"
-    return text
+    notes = {"compute": _compute_notes(cf, stock),
+             "bubbles": f"{cf.bubble:.1%} of the pipeline against {stock.bubble:.1%}",
+             "step end": "gradient reduce-scatter, parameter all-gather, optimizer"}
+    order = sorted(a, key=lambda k: -abs(a[k] - b[k]))
+    return (f"per step, ChunkFlow against {name}: "
+            + ", ".join(f"{k} {a[k] - b[k]:+.2f} s ({notes[k]})" for k in order))
 
 
 def _plan(p: Prediction) -> str:
@@ -184,7 +178,8 @@ def _plan(p: Prediction) -> str:
 
 def verdict(result: Comparison, gpus: int) -> dict:
     """Whether ChunkFlow helps on this job, in a line a user can act on: the speedup against
-    the strongest stock baseline that fits, the plan to run, and the cause (cause()). JSON:
+    the strongest stock baseline that fits, the plan to run, and where the steps differ
+    (cause()). JSON:
     helps (True, False, or None when nothing fits), against, speedup, cause, text."""
     cf, name = result.chunkflow, result.strongest
     if name is None:
@@ -210,8 +205,8 @@ def verdict(result: Comparison, gpus: int) -> dict:
         text = (f"ChunkFlow helps here: {x:.2f}x against {name}, the strongest stock baseline "
                 f"that fits; run {_plan(cf)}. {why[0].upper()}{why[1:]}")
     else:
-        within = " (inside the simulator's 4% time error)" if x > 2 - HELPS else ""
-        text = (f"ChunkFlow does not help here ({x:.2f}x against {name}{within}): run {name} "
+        within = ", inside the simulator's 4% time error" if x > 2 - HELPS else ""
+        text = (f"ChunkFlow does not help here: {x:.2f}x against {name}{within}; run {name} "
                 f"with {_plan(stock)}, or ChunkFlow's plan {_plan(cf)}. "
                 f"{why[0].upper()}{why[1:]}")
     return {"helps": x >= HELPS, "against": name, "speedup": x, "cause": why, "text": text}

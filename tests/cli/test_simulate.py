@@ -211,7 +211,8 @@ def test_the_default_searches_chunkflow_as_it_searches_stock(capsys):
     assert v["text"].startswith("ChunkFlow helps here" if v["helps"] else
                                 "ChunkFlow does not help here")
     assert f"--chunk-size {fair['chunk_size']} --chunkflow-k {fair['k']}" in v["text"]
-    assert " s more a step in " in v["cause"] or v["cause"] == "the two steps are the same length"
+    assert v["cause"].startswith(f"per step, ChunkFlow against {v['against']}: ")
+    assert all(f"{part} " in v["cause"] for part in ("compute", "bubbles", "step end"))
     assert "searching" not in err  # --json: one object, no progress
     assert main(["simulate", *small]) == 0
     out = capsys.readouterr()
