@@ -1,6 +1,6 @@
 """Every command in README.md and docs/*.md (configs/ and scripts/slurm/ READMEs too), run exactly
 as written after the README's install (`make demo`; `chunkflow` from .venv/bin on PATH, as
-`source .venv/bin/activate` gives), from the repository root.
+`source .venv/bin/activate` gives; out/, which `make demo` makes), from the repository root.
 
     python scripts/docs_commands.py --list       # every command, where it is, its class
     python scripts/docs_commands.py              # the quick ones (seconds each; CI runs these)
@@ -92,6 +92,7 @@ def commands() -> list[Command]:
 
 
 def run(cmd: Command, timeout: float) -> tuple[int, float, str]:
+    (REPO / "out").mkdir(exist_ok=True)  # as `make demo` leaves it
     env = {**os.environ, "PATH": f"{REPO / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}"}
     script = "\n".join(["set -e", *cmd.setup, cmd.text])
     start = time.perf_counter()
