@@ -45,7 +45,6 @@ CLASSES = [
     (r"^chunkflow plan\b", "quick"),
     (r"^chunkflow simulate --gpu-profile h200-torch2\.11-local --model qwen2\.5-1\.5b --gpus 1",
      "quick"),
-    (r"^chunkflow verify( +#|$)|^chunkflow verify --memory", "quick"),
     (r"^printf ", "quick"),
 ]
 

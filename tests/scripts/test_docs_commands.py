@@ -46,4 +46,4 @@ def test_the_quick_commands_run_as_written():
     run = subprocess.run([sys.executable, str(REPO / "scripts/docs_commands.py")], cwd=REPO,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert run.stdout.count(" quick ok ") >= 6
+    assert run.stdout.count(" quick ok ") >= 4
