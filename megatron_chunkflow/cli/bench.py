@@ -16,7 +16,7 @@ baselines (megatron-sft, megatron-packed, megatron-unpacked; `--baseline` picks 
 fastest option of Megatron's recompute menu (none, selective module sets, block:N, full) whose
 modelled peak fits the budget, ChunkFlow with the fastest (chunk size, K, recompute) that fits.
 Two warm-up steps of each system, then 3 measured steps of each, in turn. How the budget decides:
-perfmodel/budget.py; what is measured and how: bench/compare.py; results: docs/benchmarks.md
+perfmodel/budget.py; what is measured and how: bench/compare.py; results: docs/benchmarks-appendix.md
 ("CPU measurements").
 """
 

@@ -1,6 +1,6 @@
 """The GPU software stack a memory trace stands for: which CUDA kernels keep what for backward.
 
-    stack = get_stack("torch-2.11")      # the H200 measurements of docs/benchmarks.md
+    stack = get_stack("torch-2.11")      # the H200 measurements of docs/benchmarks-appendix.md
     stack = installed_stack()            # the torch installed here, as its CUDA build behaves
 
 Only what changes the bytes a step holds is described, each read from torch's own code:

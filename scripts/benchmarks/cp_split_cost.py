@@ -18,7 +18,7 @@ DP rank, over the layers it holds:
   (the segment's pairs over that group instead of over all CP ranks), or "all" where it needs
   every rank.
 
-Model outputs under the simulator's assumptions (docs/benchmarks.md), not measurements.
+Model outputs under the simulator's assumptions (docs/benchmarks-appendix.md), not measurements.
 """
 
 from __future__ import annotations

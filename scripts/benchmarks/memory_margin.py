@@ -6,7 +6,7 @@ every fits verdict takes (perfmodel/hardware.py Hardware.fragmentation), from tr
 
 Each configuration is traced as a run makes it (memtrace/: the build, a first step that makes
 Adam's states, the second step), on Qwen2.5-1.5B at 32K with the global batch of the H200
-measurements (docs/benchmarks.md, "Memory"), and its allocations replayed through the native
+measurements (docs/benchmarks-appendix.md, "Memory"), and its allocations replayed through the native
 caching allocator (memtrace/allocator.py): `needed` is the least device memory in which no request
 fails (segments released and retried, as the allocator does before an out-of-memory error), over
 the allocated peak (torch.cuda.max_memory_allocated). The largest ratio over ChunkFlow's plans and

@@ -1,4 +1,4 @@
-"""The simulator's prediction tables in docs/benchmarks.md: every Qwen2.5 size at 32K and 256K,
+"""The simulator's prediction tables in docs/benchmarks-appendix.md: every Qwen2.5 size at 32K and 256K,
 and the other families (Qwen3, Llama 3.1, Mistral Nemo) at 32K and, where the model's positions
 reach it, 128K, against each stock baseline (megatron-sft, -packed, -unpacked, -hybrid-cp).
 

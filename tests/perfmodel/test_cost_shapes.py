@@ -82,7 +82,7 @@ def test_the_memory_bound_mix_grows_with_its_bytes():
     project's 2-core CPU the mix's time grows 3-4x for 2x the bytes (measured 2026-12-07 at 256,
     1024 and 2048 tokens; 2.2x under torch's profiler), so a bound on it was either loose enough
     to pass a wrong exponent or flaky; the GPU profile's memory rate is fitted and checked against
-    measured H200 steps instead (docs/benchmarks.md, "Device profiles")."""
+    measured H200 steps instead (docs/benchmarks-appendix.md, "Device profiles")."""
     nbytes = []
     for tokens in (256, 512):
         census = count_kernels(elementwise_mix(tokens, 4096, torch.float32, "cpu"), "cpu")

@@ -1,7 +1,7 @@
 """scripts/benchmarks/bench_cp_kv.py on a small batch: the gather-first path, the ring, replicated
 state and the ring with every segment split train; the ring moves the gather's bytes, replicated
 state less, keeping CP times the state, and the hybrid placement less than splitting every
-segment (the measured run is the script's job; its numbers are in docs/benchmarks.md)."""
+segment (the measured run is the script's job; its numbers are in docs/benchmarks-appendix.md)."""
 
 import json
 import subprocess

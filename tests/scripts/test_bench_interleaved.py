@@ -1,5 +1,5 @@
 """scripts/benchmarks/bench_interleaved.py: its batch and its bubble arithmetic (the measured run
-itself is the script's job; its numbers are in docs/benchmarks.md)."""
+itself is the script's job; its numbers are in docs/benchmarks-appendix.md)."""
 
 import runpy
 from pathlib import Path

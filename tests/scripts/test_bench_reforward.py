@@ -1,7 +1,7 @@
 """scripts/benchmarks/bench_reforward.py on a small batch: the three ways of running a re-forward's
 attention train alike (the same gradient norms); keep and offload receive no K/V in the
 re-forwards, keep holds the kept attention on the device, offload in host memory (the measured run
-is the script's job; its numbers are in docs/benchmarks.md)."""
+is the script's job; its numbers are in docs/benchmarks-appendix.md)."""
 
 import json
 import subprocess

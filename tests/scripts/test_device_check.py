@@ -1,5 +1,5 @@
 """scripts/gpu/device_check.sh --dry-run: the GPU machine's one prepared run, on CPU with a tiny
-model (every step's plumbing, JSON and PNG); the real run needs a GPU (docs/benchmarks.md)."""
+model (every step's plumbing, JSON and PNG); the real run needs a GPU (docs/benchmarks-appendix.md)."""
 
 import json
 import os
