@@ -5,6 +5,7 @@ as written after the README's install (`make demo`; `chunkflow` from .venv/bin o
     python scripts/docs_commands.py --list       # every command, where it is, its class
     python scripts/docs_commands.py              # the quick ones (seconds each; CI runs these)
     python scripts/docs_commands.py --all        # quick and slow (minutes each: about an hour)
+    python scripts/docs_commands.py --all --doc docs/hf.md   # one document's
 
 A command is quick, slow (it trains, benchmarks or searches for minutes) or not run here, with the
 reason: it needs a GPU, a cluster, your own files (a path such as /models/..., a placeholder such
@@ -122,9 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--all", action="store_true", help="run the slow commands too")
     ap.add_argument("--timeout", type=float, default=3600, metavar="S",
                     help="seconds a command may take (default: 3600)")
+    ap.add_argument("--doc", action="append", choices=DOCS, metavar="PATH",
+                    help="only the commands of this document (repeatable; default: all)")
     args = ap.parse_args(argv)
     failed, ran = [], {}  # a command written in several places runs once
     for cmd in commands():
+        if args.doc and cmd.path not in args.doc:
+            continue
         kind = cmd.kind
         where = f"{cmd.path}:{cmd.line}"
         if args.list or kind.startswith("skip") or (kind == "slow" and not args.all):
