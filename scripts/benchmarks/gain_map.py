@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from megatron_chunkflow.cli.simulate import NAMES  # noqa: E402  every stock baseline
 from megatron_chunkflow.core.lengths import LengthsConfig  # noqa: E402
 from megatron_chunkflow.core.models import get_model_shape  # noqa: E402
 from megatron_chunkflow.mcore.hybrid_cp import balanced_cp_groups  # noqa: E402
@@ -58,10 +59,8 @@ def cell(model: str, seq: int, device: str, batch: int = BATCH) -> dict:
     raw, _ = LengthsConfig(profile="B", global_batch_size=batch).lengths(batch)
     lengths = [min(n, seq) for n in raw]
     start = time.perf_counter()
-    result = compare(lengths, get_model_shape(model), hw, gpus, seq,
-                     ["megatron-sft", "megatron-packed", "megatron-unpacked",
-                      "megatron-hybrid-cp"], balanced_cp_groups, auto_chunking=True,
-                     reforward=None, overlap_ends=False)
+    result = compare(lengths, get_model_shape(model), hw, gpus, seq, NAMES, balanced_cp_groups,
+                     auto_chunking=True, reforward=None, overlap_ends=False)
     judged = verdict(result, gpus)
     cf = result.chunkflow
     return {"model": model, "seq_length": seq, "device": device, "profile": hw.profile,

@@ -61,10 +61,7 @@ def seq_length(context: str) -> int:
 
 def searched(context: str, model: str, nodes: int) -> dict[str, str]:
     """{"stock": row, "chunkflow": row} for `model` on `nodes` nodes of H100s."""
-    profile, batch = CONTEXTS[context]
-    n = seq_length(context)
-    lengths = [min(x, n) for x in
-               LengthsConfig(profile=profile, global_batch_size=batch).lengths(batch)[0]]
+    n, lengths = seq_length(context), _lengths(context)
     shape, hw, gpus = get_model_shape(model), get_gpu("h100"), nodes * GPUS_PER_NODE
     stock = best_megatron(lengths, shape, hw, gpus, n, baseline="megatron-packed")
     cf = best_chunkflow(lengths, shape, hw, gpus, n, auto_chunking=True, loss_piece=None)
@@ -117,6 +114,7 @@ def write(context: str, system: str, rows: dict[str, str]) -> None:
 
 
 def _lengths(context: str) -> list[int]:
+    """The ChunkFlow run's global batch (its profile, seed 0), truncated to the context."""
     profile, batch = CONTEXTS[context]
     n = seq_length(context)
     return [min(x, n) for x in
@@ -138,13 +136,13 @@ def readme_rows(predict: bool = True) -> list[list[str]]:
     out = []
     for context in sorted(CONTEXTS, key=seq_length):
         stock, chunkflow = table(context, "stock"), table(context, "chunkflow")
+        lengths, n = (_lengths(context), seq_length(context)) if predict else (None, None)
         for i, (model, row) in enumerate(chunkflow.items()):
             cf_row, st_row = row.split(), stock[model].split()
             cells = ["" if i else context.upper(), model, cf_row[0], " ".join(st_row[1:5]),
                      " ".join(cf_row[1:5]) + f", C {cf_row[5]}, K {cf_row[6]}"
                      + (f", loss pieces {cf_row[7]}" if cf_row[7] != "0" else "")]
             if predict:
-                lengths, n = _lengths(context), seq_length(context)
                 shape, hw = get_model_shape(model), get_gpu("h100")
                 gpus = int(cf_row[0]) * GPUS_PER_NODE
                 st = best_megatron(lengths, shape, hw, gpus, n, _layout(st_row, model),
