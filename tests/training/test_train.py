@@ -16,7 +16,7 @@ def _settings(**kw):
     from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.mcore.settings import OptimizerConfig, TrainSettings
 
-    base = dict(shape=get_model_shape("tiny"), model_name="tiny", train_iters=20,
+    base = dict(shape=get_model_shape("tiny"), model_name="tiny", train_iters=8,
                 global_batch_size=6, seq_length=160, chunkflow=ChunkFlowConfig(16, 1),
                 optimizer=OptimizerConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=2),
                 dtype="float64", seed=5)
@@ -47,7 +47,7 @@ _WHOLE: list = []
 
 
 def _whole(gloo) -> list[float]:
-    """The losses of 20 uninterrupted steps with the default settings (ChunkFlow, one process):
+    """The losses of 8 uninterrupted steps with the default settings (ChunkFlow, one process):
     the reference of several tests below, run once per test process."""
     if not _WHOLE:
         (losses,) = gloo.run(_losses, 1, [dict()], timeout=900)[0]
@@ -57,7 +57,7 @@ def _whole(gloo) -> list[float]:
 
 @pytest.mark.parametrize("pp", [pytest.param(1, marks=pytest.mark.medium), 2])
 def test_chunkflow_trains_like_stock_megatron(gloo, pp):
-    """20 steps, float64, same data order and seed: ChunkFlow and the three stock baselines give
+    """8 steps, float64, same data order and seed: ChunkFlow and the three stock baselines give
     the same loss at every step to 1e-8 (megatron-sft computes its lines' padding, fixed shapes
     through the pipeline, and still trains on exactly the same tokens)."""
     from megatron_chunkflow.config import ParallelConfig
@@ -71,7 +71,7 @@ def test_chunkflow_trains_like_stock_megatron(gloo, pp):
     chunkflow = runs[0]
     assert chunkflow[-1] < chunkflow[0]
     for name, baseline in zip(SYSTEMS[1:], runs[1:]):
-        assert len(chunkflow) == len(baseline) == 20
+        assert len(chunkflow) == len(baseline) == 8
         for step, (a, b) in enumerate(zip(chunkflow, baseline), start=1):
             assert a == pytest.approx(b, rel=1e-8), f"{name} step {step}: {a} vs {b}"
 
@@ -98,67 +98,67 @@ def test_virtual_stages_train_like_stock_megatron(gloo):
 
 
 def _losses_with_crashed_save(ckpt):
-    """Run 10 steps saving at 10; leave what a crash in the middle of the next save leaves (a
+    """Run 4 steps saving at 4; leave what a crash in the middle of the next save leaves (a
     half-written iter_*.tmp, tracker untouched); then resume."""
     from pathlib import Path
 
     from megatron_chunkflow.mcore.settings import CheckpointConfig
 
-    first = _losses([dict(checkpoint=CheckpointConfig(save=ckpt, save_interval=10),
-                                exit_interval=10)])[0]
-    partial = Path(ckpt) / "iter_0000015.tmp"
+    first = _losses([dict(checkpoint=CheckpointConfig(save=ckpt, save_interval=4),
+                          exit_interval=4)])[0]
+    partial = Path(ckpt) / "iter_0000006.tmp"
     partial.mkdir()
     (partial / "__0_0.distcp").write_bytes(b"half a shard")
     return first, _losses([dict(checkpoint=CheckpointConfig(load=ckpt))])[0]
 
 
 def test_resume_gives_the_same_losses(gloo, tmp_path):
-    """Save at step 10, crash during a later save, resume: steps 11-20 match an uninterrupted run."""
+    """Save at step 4, crash during a later save, resume: steps 5-8 match an uninterrupted run."""
     ckpt = str(tmp_path / "ckpt")
     whole = _whole(gloo)
     first, resumed = gloo.run(_losses_with_crashed_save, 1, ckpt, timeout=900)[0]
-    assert len(first) == 10 and len(resumed) == 10
-    assert first == pytest.approx(whole[:10], rel=1e-12)
-    assert resumed == pytest.approx(whole[10:], rel=1e-10)
+    assert len(first) == 4 and len(resumed) == 4
+    assert first == pytest.approx(whole[:4], rel=1e-12)
+    assert resumed == pytest.approx(whole[4:], rel=1e-10)
 
 
 def _resume_after_crashed_resave(ckpt):
-    """Save at 5 and 10; leave what a crash inside a second save of iteration 10 leaves (the
-    complete copy renamed to iter_0000010.old, the tracker naming 10) and resume; then lose that
-    copy too and resume again: from iteration 5."""
+    """Save at 2 and 4; leave what a crash inside a second save of iteration 4 leaves (the
+    complete copy renamed to iter_0000004.old, the tracker naming 4) and resume; then lose that
+    copy too and resume again: from iteration 2."""
     import shutil
     from pathlib import Path
 
     from megatron_chunkflow.mcore.settings import CheckpointConfig
 
-    _losses([dict(checkpoint=CheckpointConfig(save=ckpt, save_interval=5), exit_interval=10)])
+    _losses([dict(checkpoint=CheckpointConfig(save=ckpt, save_interval=2), exit_interval=4)])
     root = Path(ckpt)
     tracker = root / "latest_checkpointed_iteration.txt"
-    tracker.write_text("5\n")  # a crash after iter_0000010 was complete, before the tracker
+    tracker.write_text("2\n")  # a crash after iter_0000004 was complete, before the tracker
     from_lagging = _losses([dict(checkpoint=CheckpointConfig(load=ckpt))])[0]
-    tracker.write_text("10\n")
-    (root / "iter_0000010").rename(root / "iter_0000010.old")
+    tracker.write_text("4\n")
+    (root / "iter_0000004").rename(root / "iter_0000004.old")
     from_old = _losses([dict(checkpoint=CheckpointConfig(load=ckpt))])[0]
-    shutil.rmtree(root / "iter_0000010.old")
-    from_5 = _losses([dict(checkpoint=CheckpointConfig(load=ckpt))])[0]
-    return from_lagging, from_old, from_5
+    shutil.rmtree(root / "iter_0000004.old")
+    from_2 = _losses([dict(checkpoint=CheckpointConfig(load=ckpt))])[0]
+    return from_lagging, from_old, from_2
 
 
 def test_resume_falls_back_to_the_newest_complete_checkpoint(gloo, tmp_path, capfd):
     ckpt = str(tmp_path / "ckpt")
     whole = _whole(gloo)
-    lagging, from_old, from_5 = gloo.run(_resume_after_crashed_resave, 1, ckpt, timeout=900)[0]
-    assert lagging == pytest.approx(whole[10:], rel=1e-10)  # the newest complete, not the tracker's
-    assert from_old == pytest.approx(whole[10:], rel=1e-10)
-    assert from_5 == pytest.approx(whole[5:], rel=1e-10)
+    lagging, from_old, from_2 = gloo.run(_resume_after_crashed_resave, 1, ckpt, timeout=900)[0]
+    assert lagging == pytest.approx(whole[4:], rel=1e-10)  # the newest complete, not the tracker's
+    assert from_old == pytest.approx(whole[4:], rel=1e-10)
+    assert from_2 == pytest.approx(whole[2:], rel=1e-10)
     err = capfd.readouterr().err
-    assert "names iteration 5, but iter_0000010 is newer and complete; resuming from it" in err
-    assert "resuming from the newest complete checkpoint, iter_0000010.old" in err
-    assert "resuming from the newest complete checkpoint, iter_0000005" in err
-    assert "resumed from iteration 5 (30 sequences consumed)" in err
+    assert "names iteration 2, but iter_0000004 is newer and complete; resuming from it" in err
+    assert "resuming from the newest complete checkpoint, iter_0000004.old" in err
+    assert "resuming from the newest complete checkpoint, iter_0000002" in err
+    assert "resumed from iteration 2 (12 sequences consumed)" in err
     # a line for every checkpoint saved, as Megatron-LM prints one
-    assert f"saved checkpoint from iteration 5 to {ckpt}/iter_0000005 (" in err
-    assert f"saved checkpoint from iteration 10 to {ckpt}/iter_0000010 (" in err
+    assert f"saved checkpoint from iteration 2 to {ckpt}/iter_0000002 (" in err
+    assert f"saved checkpoint from iteration 4 to {ckpt}/iter_0000004 (" in err
 
 
 def _load(ckpt):
@@ -253,21 +253,21 @@ def test_stock_runs_steps_with_fewer_microbatches_than_dp_ranks(gloo):
 
 
 def _lrs(ckpt):
-    """Learning rates applied: an unbroken run of the new schedule, and runs saved at step 10 of
+    """Learning rates applied: an unbroken run of the new schedule, and runs saved at step 5 of
     the old one and resumed with the new one, without and with --override-lr-schedule."""
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
     from megatron_chunkflow.mcore.settings import CheckpointConfig, OptimizerConfig
     from megatron_chunkflow.training.loop import train
 
-    new = dict(optimizer=OptimizerConfig(lr=1e-3, min_lr=1e-5, lr_warmup_iters=2), train_iters=14)
+    new = dict(optimizer=OptimizerConfig(lr=1e-3, min_lr=1e-5, lr_warmup_iters=2), train_iters=8)
 
     def run(**kw):
         s = _settings(**kw)
         job = init_distributed(s.parallel, s.seed)
         return [m["lr"] for m in train(s, job, _dataset())]
 
-    old = run(train_iters=14)
-    run(train_iters=14, checkpoint=CheckpointConfig(save=ckpt), exit_interval=10)
+    old = run(train_iters=8)
+    run(train_iters=8, checkpoint=CheckpointConfig(save=ckpt), exit_interval=5)
     kept = run(**new, checkpoint=CheckpointConfig(load=ckpt))
     overridden = run(**new, checkpoint=CheckpointConfig(load=ckpt, override_lr_schedule=True))
     whole = run(**new)
@@ -278,12 +278,12 @@ def _lrs(ckpt):
 def test_override_lr_schedule_takes_this_runs_schedule(gloo, tmp_path, capfd):
     old, kept, overridden, whole = gloo.run(_lrs, 1, str(tmp_path / "ckpt"),
                                                  timeout=900)[0]
-    assert kept == pytest.approx(old[10:], rel=1e-12)  # the checkpoint's schedule continues
-    assert overridden == pytest.approx(whole[10:], rel=1e-12)
+    assert kept == pytest.approx(old[5:], rel=1e-12)  # the checkpoint's schedule continues
+    assert overridden == pytest.approx(whole[5:], rel=1e-12)
     assert overridden != pytest.approx(kept, rel=1e-3)
     err = capfd.readouterr().err
     assert "--override-lr-schedule takes this run's" in err
-    assert "--override-lr-schedule: this run's learning-rate schedule, continued from step 10" \
+    assert "--override-lr-schedule: this run's learning-rate schedule, continued from step 5" \
         in err
 
 
