@@ -214,3 +214,13 @@ def null_tokenizer_vocab_flag(vocab_size: int) -> int:
     whose NullTokenizer counts its end-of-document id inside --vocab-size; core_v0.16.1's own
     adds one past it."""
     return vocab_size if installed() >= (0, 17, 0) else vocab_size - 1
+
+
+def balancing_loss_scale(grad, local_rows: int, group_size: int):
+    """`grad` times the factor megatron-core's router multiplies its balancing loss by under
+    per-token loss, in its order of operations (router.py attach_and_log_load_balancing_loss):
+    the rows this rank routed, and from 0.19 also the router's TP x CP group size (so that the
+    loss's weight is the micro-batch's tokens whatever the layout; before, it shrank by TP x CP)."""
+    if installed() >= (0, 19, 0):
+        return (grad * group_size) * local_rows
+    return grad * local_rows

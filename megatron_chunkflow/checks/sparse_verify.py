@@ -62,7 +62,7 @@ def run_sparse_verify(shape, lengths: Sequence[int], chunkflow: ChunkFlowConfig,
 
     sequences = make_sequences(lengths, shape.vocab_size, seed)
     reference_job = init_distributed(ParallelConfig(tp=parallel.tp), seed)
-    ref_state, [(ref_loss, ref_count, ref_grads)] = _run_reference(
+    ref_state, [(ref_loss, ref_count, ref_grads, _)] = _run_reference(
         reference_job, shape, [sequences], dtype, lora, seed, model_class)
     job = init_distributed(parallel, seed)
     cm = build_chunked_model(job, shape, ref_state, dtype, chunkflow, lora, model_class)

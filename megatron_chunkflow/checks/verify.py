@@ -48,6 +48,10 @@ class VerifyResult:
     bubble_measured: float = 0.0
     bubble_predicted: float = 0.0
     num_chunks: int = 0
+    # MoE: the step's per-sequence balancing loss (over layers, / its coefficient), as Megatron's
+    # tracker holds it (float32 there); None for a dense model
+    balance_ref: float | None = None
+    balance_chunked: float | None = None
 
 
 def run_verify(shape: ModelShape, steps: Sequence[Sequence[int]],
@@ -76,7 +80,10 @@ def run_verify(shape: ModelShape, steps: Sequence[Sequence[int]],
     key = (shape, tuple(map(tuple, steps)), dtype, seed, tuple(fully_masked), lora, parallel.tp,
            dist.get_world_size() if dist.is_initialized() else 1, model_class)
     if key not in REFERENCES:
-        reference_job = init_distributed(ParallelConfig(tp=parallel.tp), seed)
+        # megatron-core refuses MoE under TP without sequence parallelism: the reference of an
+        # MoE model under TP has it (every sequence's length then a multiple of TP)
+        reference_job = init_distributed(ParallelConfig(
+            tp=parallel.tp, sequence_parallel=shape.is_moe and parallel.tp > 1), seed)
         REFERENCES[key] = _run_reference(reference_job, shape, batches, dtype, lora, seed,
                                          model_class)
     job = init_distributed(parallel, seed)
@@ -102,7 +109,8 @@ def _run_reference(job, shape, batches, dtype, lora=None, seed: int = 0,
 
     ranks = job.ranks
     step_fn = make_forward_step(job.groups.tp, exact_loss=True)
-    config = transformer_config(shape, job, dtype)
+    config = transformer_config(shape, job, dtype,
+                                sequence_parallel=job.parallel.sequence_parallel)
     model = build_model(shape, config, job, model_class)
     config = model.config  # a HybridModel's: twice the layers
     if lora is not None:
@@ -128,8 +136,28 @@ def _run_reference(job, shape, batches, dtype, lora=None, seed: int = 0,
                                                                 device=comm_device()))
         grads = {full_model_name(name, model): p.main_grad.detach().clone()
                  for name, p in model.named_parameters() if p.requires_grad}
-        out.append((*global_loss(reports, ranks.tp), grads))
+        out.append((*global_loss(reports, ranks.tp), grads, _balancing_loss(shape)))
     return state, out
+
+
+def _balancing_loss(shape: ModelShape) -> float | None:
+    """The step's seq_load_balancing_loss from Megatron's MoE tracker, summed over layers and
+    ranks (each rank holds its share), the tracker then cleared; None for a dense model."""
+    if not shape.is_moe:
+        return None
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+    )
+
+    entry = get_moe_layer_wise_logging_tracker().get("seq_load_balancing_loss")
+    total = torch.zeros(1, dtype=torch.float64, device=comm_device())
+    if entry is not None:
+        total += entry["values"].detach().double().sum().to(total.device)
+    clear_aux_losses_tracker()
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return float(total)
 
 
 def build_chunked_model(job, shape, ref_state, dtype, chunkflow: ChunkFlowConfig, lora=None,
@@ -149,7 +177,7 @@ def _run_chunked(job, shape, batches, reference, chunkflow: ChunkFlowConfig, dty
     cm = build_chunked_model(job, shape, ref_state, dtype, chunkflow, lora, model_class)
     step_fn = make_forward_step(job.groups.tp, exact_loss=True)
     results = []
-    for sequences, (ref_loss, ref_count, ref_grads) in zip(batches, ref_steps):
+    for sequences, (ref_loss, ref_count, ref_grads, ref_balance) in zip(batches, ref_steps):
         step = plan_step(sequences, chunkflow, job.parallel, shape, job.ranks)
         meter = meter_cls(cm.models, cm.store) if meter_cls is not None else None
         timeline = StageTimeline()
@@ -164,7 +192,8 @@ def _run_chunked(job, shape, batches, reference, chunkflow: ChunkFlowConfig, dty
             max_rel_grad_err=worst[1], worst_param=worst[0], param_errors=errors,
             bubble_predicted=(simulate(step.plan, step.costs).bubble_ratio
                               if step.plan.chunks else 0.0),
-            num_chunks=len(step.batch.chunks))
+            num_chunks=len(step.batch.chunks), balance_ref=ref_balance,
+            balance_chunked=_balancing_loss(shape))
         _pipeline_stats(result, timeline, meter, job.groups.pp)
         results.append(result)
     return results

@@ -172,6 +172,7 @@ def _job(settings) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     settings, source = settings_from_args(args)
+    settings.shape.require_dense(settings.model_name, "bench")  # its choices are the model's
     from megatron_chunkflow.memtrace.guard import check_host_memory, host_memory_of_job
 
     check_host_memory(settings.shape, settings.model_name, "float32", settings.parallel,

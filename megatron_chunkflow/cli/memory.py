@@ -98,6 +98,7 @@ def settings_from_args(args):
 
     parallel = config_from_args(ParallelConfig, args, recompute=args.recompute or Recompute())
     shape, hf_shape, name = model_of(args.model, args.model_config, None, parallel.tp)
+    shape.require_dense(name, "memory")
     system = TrainSettings.system_of(args.chunkflow, args.baseline)
     return TrainSettings(shape=shape, model_name=name, system=system, hf_shape=hf_shape,
                          chunkflow=config_from_args(ChunkFlowConfig, args), parallel=parallel,

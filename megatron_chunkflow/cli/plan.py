@@ -107,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--seq-length must be >= 1 (leave it out for the longest sequence), "
                          f"got {args.seq_length}")
     shape = get_model_shape(args.model)
+    shape.require_dense(args.model, "plan")
     layout = ParallelConfig.layout(pp=args.pp, dp=args.dp, cp=parallel.cp, vpp=parallel.vpp)
     layout.check_model(shape)  # PP and V divide the layers (no stage without layers), naming them
     lengths, source = config_from_args(LengthsConfig, args).lengths(SCENARIO["global_batch_size"])

@@ -176,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
     check_length(args.seq_length, "--seq-length")
     out = Output(args.json)
     shape = get_model_shape(args.model)
+    shape.require_dense(args.model, "simulate")
     hw = device_from_args(args)
     mg_layout = cf_layout = None
     if args.megatron_parallel != "auto":

@@ -134,7 +134,7 @@ def _run_check(s: VerifySettings, job, as_json: bool) -> int:
     bound = BOUNDS[DTYPES[s.dtype]]
     ok = all(r.max_rel_grad_err <= bound
              and abs(r.loss_chunked - r.loss_ref) <= bound * max(1.0, abs(r.loss_ref))
-             for r in results)
+             and _balance_agrees(r) for r in results)
     dp = job.ranks.dp
     worst = max(results, key=lambda r: r.max_rel_grad_err)
     out = Output(as_json, quiet=not _is_main())
@@ -154,6 +154,10 @@ def _run_check(s: VerifySettings, job, as_json: bool) -> int:
                 f"{r.loss_chunked:.12f}, max rel. grad error {r.max_rel_grad_err:.2e}, bubble "
                 f"measured {r.bubble_measured:.1%} / predicted {r.bubble_predicted:.1%}, peak "
                 f"bytes per stage {r.activation_bytes_per_stage}")
+        if r.balance_ref is not None:  # MoE (runtime/moe.py); float32 in Megatron's tracker
+            out.say(f"step {i}: balancing loss (seq_aux_loss / coefficient, over layers) "
+                    f"unchunked {r.balance_ref:.7g} chunked {r.balance_chunked:.7g} (bound "
+                    f"{BALANCE_BOUND:g} relative, Megatron computes it in float32)")
     out.say(f"max relative gradient error {worst.max_rel_grad_err:.2e} ({worst.worst_param}); "
             f"bound {bound:g}: {'PASS' if ok else 'FAIL'}")
     last, last_unchunked = results[-1], unchunked[-1]
@@ -173,7 +177,10 @@ def _run_check(s: VerifySettings, job, as_json: bool) -> int:
         "state_bytes_per_stage": last.state_bytes_per_stage,
         "bubble_ratio": {"measured": last.bubble_measured, "predicted": last.bubble_predicted},
         "steps": [{"num_chunks": r.num_chunks, "loss_ref": r.loss_ref,
-                   "loss_chunked": r.loss_chunked, "max_rel_grad_err": r.max_rel_grad_err}
+                   "loss_chunked": r.loss_chunked, "max_rel_grad_err": r.max_rel_grad_err,
+                   **({"balancing_loss_ref": r.balance_ref,
+                       "balancing_loss_chunked": r.balance_chunked}
+                      if r.balance_ref is not None else {})}
                   for r in results],
         "passed": ok,
     })
@@ -208,6 +215,17 @@ def _class_name(s: VerifySettings) -> str:
     """"HybridModel of megatron-core 0.19.2"."""
     name = "HybridModel" if s.model_class == "hybrid" else "GPTModel"
     return f"{name} of megatron-core {compat.version_text()}"
+
+
+BALANCE_BOUND = 1e-6  # MoE balancing loss: Megatron sums it in float32
+
+
+def _balance_agrees(r) -> bool:
+    """An MoE step's per-sequence balancing loss equals the reference's (dense: nothing to
+    compare)."""
+    if r.balance_ref is None:
+        return True
+    return abs(r.balance_chunked - r.balance_ref) <= BALANCE_BOUND * abs(r.balance_ref)
 
 
 def _backend(cfg) -> str:

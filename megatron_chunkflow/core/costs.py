@@ -37,8 +37,16 @@ def linear_weights_per_layer(shape: ModelShape) -> int:
 
 
 def linear_flops_per_token_per_layer(shape: ModelShape) -> int:
-    """Matmul FLOPs per token per layer: QKV, output projection, SwiGLU MLP (2 per MAC)."""
-    return 2 * linear_weights_per_layer(shape)
+    """Matmul FLOPs per token per layer: QKV, output projection, SwiGLU MLP (2 per MAC); in a
+    mixture of experts the router and the experts a token is routed to (and the shared expert
+    and its gate) instead of the dense MLP."""
+    if not shape.is_moe:
+        return 2 * linear_weights_per_layer(shape)
+    h = shape.hidden_size
+    dense_mlp = 3 * h * shape.ffn_hidden_size
+    shared = 3 * h * shape.moe_shared_expert_size + h if shape.moe_shared_expert_size else 0
+    active = 3 * h * shape.moe_ffn_hidden_size * shape.moe_topk + h * shape.num_experts + shared
+    return 2 * (linear_weights_per_layer(shape) - dense_mlp + active)
 
 
 def attention_flops_per_pair_per_layer(shape: ModelShape, tp: int = 1) -> int:

@@ -42,6 +42,17 @@ class ModelShape:
     kv_channels: int | None = None  # the head dim where it is not hidden / heads
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's query and key, before RoPE
     rope_scaling_factor: float | None = None  # Llama 3's RoPE scaling (LLAMA3_ROPE_FIXED)
+    # mixture of experts (every layer's MLP; None: a dense model): routed experts per layer, each
+    # expert's FFN width, experts per token; the top-k probabilities renormalised (Qwen3-MoE,
+    # Mixtral) or taken from the softmax over all experts (Qwen2-MoE); Qwen2-MoE's shared expert
+    # (its FFN width; gated by a sigmoid); the balancing loss's coefficient (config.json
+    # router_aux_loss_coef), applied per sequence (runtime/moe.py)
+    num_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_topk: int | None = None
+    moe_norm_topk: bool = True
+    moe_shared_expert_size: int | None = None
+    moe_aux_loss_coeff: float | None = None
 
     def __post_init__(self):
         # one spelling per shape: a head dim of hidden / heads is no override (shapes compare equal)
@@ -58,8 +69,24 @@ class ModelShape:
         return self.num_query_groups * self.head_dim
 
     @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    def require_dense(self, name: str, command: str) -> None:
+        """ValueError where `command` models costs or memory and this is a mixture-of-experts
+        model (`name`: how the user named it): its numbers would be a dense model's."""
+        if self.is_moe:
+            raise ValueError(
+                f"--model {name}: a mixture-of-experts model; `chunkflow {command}` does not "
+                "model experts yet (their weights per rank, the router, the token all-to-all, "
+                "expert imbalance), so its numbers would be a dense model's. `chunkflow verify` "
+                "and `chunkflow train` run it")
+
+    @property
     def family(self) -> str:
         """The Hugging Face architecture that has these switches: its config.json model_type."""
+        if self.is_moe:
+            return "qwen3_moe" if self.qk_norm else "qwen2_moe" if self.qkv_bias else "mixtral"
         if self.qk_norm:
             return "qwen3"
         return "qwen2" if self.qkv_bias else "llama"
@@ -125,6 +152,22 @@ TINY = {
                              kv_channels=24, qk_norm=True),
     "tiny-llama3": ModelShape(4, 64, 176, 4, 2, 1000, qkv_bias=False, rotary_base=500_000.0,
                               norm_eps=1e-5, rope_scaling_factor=8.0),
+    # mixture of experts, 4 experts of width 32, top 2: Qwen3-MoE's switches (QK norm, head dim 24,
+    # renormalised top-k), Qwen2-MoE's (QKV bias, top-k from the full softmax, a gated shared
+    # expert), Mixtral's (neither); a balancing-loss coefficient large enough to show in float64
+    "tiny-qwen3-moe": ModelShape(4, 64, 176, 4, 2, 1000, tie_embeddings=True, qkv_bias=False,
+                                 kv_channels=24, qk_norm=True, num_experts=4,
+                                 moe_ffn_hidden_size=32, moe_topk=2, moe_aux_loss_coeff=0.01),
+    "tiny-qwen2-moe": ModelShape(4, 64, 176, 4, 2, 1000, num_experts=4, moe_ffn_hidden_size=32,
+                                 moe_topk=2, moe_norm_topk=False, moe_shared_expert_size=48,
+                                 moe_aux_loss_coeff=0.01),
+    "tiny-mixtral": ModelShape(4, 64, 176, 4, 2, 1000, qkv_bias=False, norm_eps=1e-5,
+                               num_experts=4, moe_ffn_hidden_size=32, moe_topk=2,
+                               moe_aux_loss_coeff=0.01),
+    # `chunkflow train --model qwen3-moe-tiny`: tiny-qwen3-moe with the real Qwen vocabulary
+    "qwen3-moe-tiny": ModelShape(4, 64, 176, 4, 2, 151936, tie_embeddings=True, qkv_bias=False,
+                                 kv_channels=24, qk_norm=True, num_experts=4,
+                                 moe_ffn_hidden_size=32, moe_topk=2, moe_aux_loss_coeff=0.01),
     # `chunkflow train`'s CPU default: the real Qwen2.5 vocabulary (151,936 padded ids), tiny body
     "qwen2.5-tiny": ModelShape(4, 64, 176, 4, 2, 151936, tie_embeddings=True),
     # `chunkflow bench`'s CPU default: head dim 64 (Qwen2.5's is 64-128) and GQA 2:1, an MLP of

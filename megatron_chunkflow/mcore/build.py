@@ -69,8 +69,26 @@ def transformer_config(shape: ModelShape, job: Job, dtype: torch.dtype = torch.f
         calculate_per_token_loss=True,
         deallocate_pipeline_outputs=True,
     )
+    if shape.is_moe:
+        kw.update(moe_kwargs(shape, parallel))
     kw.update(overrides)
     return TransformerConfig(**kw)
+
+
+def moe_kwargs(shape: ModelShape, parallel) -> dict:
+    """TransformerConfig's mixture-of-experts fields for `shape`: megatron-core's MoE layer in every
+    layer (router, dropless all-to-all token dispatch, SequentialMLP experts), the balancing loss
+    per sequence (`seq_aux_loss`, the one ChunkFlow keeps exact: runtime/moe.py)."""
+    coeff = shape.moe_aux_loss_coeff or 0.0
+    kw = dict(num_moe_experts=shape.num_experts, moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+              moe_router_topk=shape.moe_topk, moe_router_pre_softmax=not shape.moe_norm_topk,
+              moe_router_load_balancing_type="seq_aux_loss" if coeff else "none",
+              moe_aux_loss_coeff=coeff, moe_token_dispatcher_type="alltoall",
+              moe_grouped_gemm=False, expert_model_parallel_size=getattr(parallel, "ep", 1))
+    if shape.moe_shared_expert_size:
+        kw.update(moe_shared_expert_intermediate_size=shape.moe_shared_expert_size,
+                  moe_shared_expert_gate=True)
+    return kw
 
 
 class TorchRMSNorm(torch.nn.RMSNorm):
@@ -96,7 +114,8 @@ def local_layer_spec(config, vp_stage: int | None = None):
         get_num_layers_to_build,
     )
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, normalization="RMSNorm",
+                                    qk_layernorm=config.qk_layernorm)
     if not config.sequence_parallel:
         return spec
     attention = spec.submodules.self_attention
@@ -125,10 +144,15 @@ def build_model(shape: ModelShape, config, job: Job, model_class: str = "gpt",
     """This rank's stage of `shape` as `model_class` ("gpt": GPTModel; "hybrid": HybridModel,
     mcore/hybrid.py, built from the GPT `config` with its layers split in two), on `device`, cast
     to config.params_dtype."""
-    from megatron_chunkflow.mcore.cpu import fix_checkpoint_without_output
+    from megatron_chunkflow.mcore.cpu import (
+        fix_checkpoint_without_output,
+        fix_router_gemm_without_te,
+    )
     from megatron_chunkflow.runtime.model import building_core_attention_without_cp
 
     fix_checkpoint_without_output()  # selective layernorm recompute without Transformer Engine
+    if config.num_moe_experts:
+        fix_router_gemm_without_te()
     # under CP, ChunkFlow's attention replaces the local one, which refuses CP when it is built
     with building_core_attention_without_cp(config.context_parallel_size):
         if model_class == "hybrid":

@@ -180,6 +180,17 @@ def fix_checkpoint_without_output() -> None:
     mcore_random.CheckpointWithoutOutput._chunkflow_fixed = True
 
 
+def fix_router_gemm_without_te() -> None:
+    """megatron-core 0.16.1's MoE router (moe_utils.py router_gating_linear) tests
+    `te_general_gemm is not None`, a name it defines only when Transformer Engine imports: without
+    TE every router forward is a NameError (0.17 binds it to None). Bound to None here, as 0.17
+    does; a no-op where the name exists."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def install_cpu_shims() -> bool:
     """Patch torch (and megatron-core's CUDA RNG helpers) for CPU; returns True if installed."""
     global _INSTALLED

@@ -119,6 +119,10 @@ def execute_step(step: ChunkedStep, model, forward_step_func, *,
     except BaseException:
         store.clear()
         raise
+    finally:
+        balance = getattr(store, "balance", None)  # MoE: the balancing loss (runtime/moe.py)
+        if balance is not None:
+            balance.finish_step()
     for observer in observers:
         observer.step_ended()
     if forward_only:

@@ -98,6 +98,7 @@ def chunk_meta(chunk: DataChunk, chunk_size: int, pad_multiple: int = 1, cp_size
         cp_size=cp_size,
         cp_rank=cp_rank,
         cp_owners=owners,
+        segment_padding=tuple(seg.padding for seg in chunk.segments),
     )
 
 

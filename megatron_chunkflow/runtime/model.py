@@ -240,6 +240,10 @@ def apply_chunkflow(model, backend: str = "torch", store: KVStateStore | None = 
     if num_swapped == 0:
         raise ValueError("no SelfAttention modules found: is this a megatron-core GPTModel?")
     _patch_rope(gpt.rotary_pos_emb, store)
+    if getattr(config, "num_moe_experts", None):
+        from megatron_chunkflow.runtime.moe import apply_moe
+
+        apply_moe(gpt, store)  # the balancing loss per whole sequence
     if loss_piece and gpt.post_process:
         from megatron_chunkflow.runtime.pieced_loss import apply_pieced_loss
 

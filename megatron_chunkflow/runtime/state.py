@@ -86,6 +86,9 @@ class ChunkMeta:
     cp_attention: str = "ring"  # under CP: K/V blocks passed around a ring behind the kernel
     cp_owners: tuple[int, ...] = ()  # hybrid CP: per segment, the rank holding it whole or -1
     reforward_attention: str = "recompute"  # re-forwarded chunks: "keep", "offload" (reforward.py)
+    # per sequence segment (the first len() segments of cu_seqlens; the rest are padding): the
+    # padding at its end (context parallelism's 2 x CP pieces), part of no sequence
+    segment_padding: tuple[int, ...] = ()
 
     @property
     def dependent(self) -> bool:
@@ -142,6 +145,7 @@ class KVStateStore:
         # (seq, index) -> layer -> Kept: re-forwarded chunks' attention (runtime/reforward.py)
         self._attention: dict[tuple[int, int], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.version = 0  # bumped when kept attention changes (runtime/meter.py re-reads nbytes)
+        self.balance = None  # MoE: runtime/moe.py SequenceBalance (the balancing loss)
 
     # ---- chunk context (set by the schedule around each forward) --------------------------------
     def begin(self, meta: ChunkMeta, reforward: bool = False, keep_attention: bool = False) -> None:

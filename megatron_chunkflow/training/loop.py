@@ -98,6 +98,11 @@ def train_step(s: TrainSettings, tr: Training, sequences, it: int) -> dict:
         "peak_mem_bytes": peak_memory_bytes(), "num_chunks": out.num_chunks,
         "lr": out.lr, "grad_norm": out.grad_norm, "step_s": elapsed,
     }
+    if s.shape.is_moe:  # the balancing loss and each expert's share of the tokens
+        from megatron_chunkflow.runtime.moe import step_metrics
+
+        metrics.update(step_metrics(tr.chunkflow_model.store, tr.chunkflow_model.config,
+                                    len(lengths), s.parallel.tp * s.parallel.cp))
     if traffic:  # what this rank received in ChunkFlow's CP attention (runtime/cp.py Traffic)
         metrics.update(cp_kv_received_bytes=traffic.gathered - before[0],
                        cp_grad_received_bytes=traffic.reduce_scattered - before[1])

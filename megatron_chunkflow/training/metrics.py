@@ -7,7 +7,9 @@ TensorBoard scalars.
 Each record holds the loss, tokens/s, model TFLOP/s (attention counted per sequence, recompute not
 counted), peak memory, chunks per step, the learning rate the step applied and the gradient norm;
 under context parallelism the K/V and dK/dV bytes this rank received in ChunkFlow's CP attention;
-SpaCO runs label every record approximate. TensorBoard's tags are Megatron-LM's where a record
+SpaCO runs label every record approximate. MoE models add the balancing loss (per MoE layer and
+sequence, over the coefficient, as Megatron-LM logs `seq_load_balancing_loss`) and, for ChunkFlow,
+each expert's share of the routed tokens. TensorBoard's tags are Megatron-LM's where a record
 means the same (`lm loss`, `learning-rate`, `grad-norm`, `iteration-time`, `throughput`,
 `mem-max-allocated-bytes`), ChunkFlow's own under `chunkflow/`.
 """
@@ -24,14 +26,15 @@ from megatron_chunkflow.flags import check_output_dir, check_output_file
 FIELDS = ("step", "loss", "loss_tokens", "tokens", "tokens_per_s", "model_tflops",
           "peak_mem_bytes", "num_chunks", "lr", "grad_norm", "step_s", "approximate",
           "sparse_backward", "backward_chunks", "dependent_chunks", "cp_kv_received_bytes",
-          "cp_grad_received_bytes")
+          "cp_grad_received_bytes", "balancing_loss", "expert_load")
 
 # TensorBoard tags Megatron-LM's training_log writes, for the records that mean the same (a
 # Megatron-LM run and a `chunkflow train` run then share their curves); every other record is
 # ChunkFlow's own, under chunkflow/
 MEGATRON_TAGS = {"loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm",
                  "step_s": "iteration-time", "model_tflops": "throughput",
-                 "peak_mem_bytes": "mem-max-allocated-bytes"}
+                 "peak_mem_bytes": "mem-max-allocated-bytes",
+                 "balancing_loss": "seq_load_balancing_loss"}
 
 
 def tensorboard_tag(key: str) -> str:
@@ -78,7 +81,7 @@ class StepLog:
                   f"loss {m['loss']:.4f} | {m['tokens_per_s']:,.0f} tok/s | "
                   f"{m['model_tflops']:.3f} TFLOP/s | peak {m['peak_mem_bytes'] / 2**30:.2f} GiB | "
                   f"{m['num_chunks']} {self.unit}{'s' if m['num_chunks'] != 1 else ''} | "
-                  f"lr {m['lr']:.2e}{_cp_note(m)}{_sparse_note(m)}",
+                  f"lr {m['lr']:.2e}{_moe_note(m)}{_cp_note(m)}{_sparse_note(m)}",
                   file=sys.stderr, flush=True)
         row = {k: m[k] for k in FIELDS if k in m}
         if self.json_file:
@@ -86,7 +89,10 @@ class StepLog:
             self.json_file.flush()
         if self.tb:
             for k, v in row.items():
-                if k not in ("step", "approximate"):
+                if k == "expert_load":  # one scalar per expert
+                    for e, share in enumerate(v):
+                        self.tb.add_scalar(f"chunkflow/expert_load/{e}", share, m["step"])
+                elif k not in ("step", "approximate"):
                     self.tb.add_scalar(tensorboard_tag(k), v, m["step"])
 
     def close(self) -> None:
@@ -94,6 +100,15 @@ class StepLog:
             self.json_file.close()
         if self.tb:
             self.tb.close()
+
+
+def _moe_note(m: dict) -> str:
+    if "balancing_loss" not in m:
+        return ""
+    load = m.get("expert_load")
+    spread = (f" | expert load max {max(load) * len(load):.2f}x the mean, min "
+              f"{min(load) * len(load):.2f}x" if load else "")
+    return f" | balancing loss {m['balancing_loss']:.4f}{spread}"
 
 
 def _cp_note(m: dict) -> str:

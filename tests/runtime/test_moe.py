@@ -1,0 +1,158 @@
+"""Mixture of experts under ChunkFlow (runtime/moe.py), float64, against unchunked megatron-core
+(checks/verify.py: each sequence its own micro-batch): every gradient, the loss and the
+per-sequence balancing loss (`seq_aux_loss`), for Qwen3-MoE's, Qwen2-MoE's and Mixtral's switches,
+K 1 and 2, long sequences cut into 3 and 7 chunks, and under TP (sequence parallelism), PP, CP, DP.
+"""
+
+import pytest
+
+C = 16
+# even lengths: megatron-core runs MoE under TP only with sequence parallelism, which the
+# unchunked reference then needs too (every sequence a multiple of TP)
+MIXED = [70, 6, 34, 100, 12, 64, 2, 16, 48, 10]  # packed segments, 1-2 token sequences, 7 chunks
+DEPENDENT = [100, 38]  # only long sequences: 7 and 3 chunks
+FAMILIES = ("tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral")
+LAYOUTS = {"tp2_sequence_parallel": dict(tp=2, sequence_parallel=True), "pp2": dict(pp=2),
+           "cp2": dict(cp=2), "dp2": dict()}
+BOUND = 1e-10
+
+
+def _summary(results):
+    return [(r.max_rel_grad_err, r.worst_param, r.loss_ref, r.loss_chunked, r.balance_ref,
+             r.balance_chunked) for r in results]
+
+
+def _verify(model, layout, ks=(1, 2)):
+    import torch
+
+    from megatron_chunkflow.checks.verify import run_verify
+    from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+    from megatron_chunkflow.core.models import get_model_shape
+
+    results = run_verify(get_model_shape(model), [MIXED, DEPENDENT],
+                         [ChunkFlowConfig(C, k, "torch") for k in ks], ParallelConfig(**layout),
+                         torch.float64, seed=1)
+    return {k: _summary(rows) for k, rows in zip(ks, results)}
+
+
+def _families(names):
+    from megatron_chunkflow.mcore.dist import shutdown
+
+    out = {name: _verify(name, {}) for name in names}
+    shutdown()
+    return out
+
+
+def _layouts(names):
+    from megatron_chunkflow.mcore.dist import shutdown
+
+    out = {name: _verify("tiny-qwen3-moe", LAYOUTS[name]) for name in names}
+    shutdown()
+    return out
+
+
+def _check(rows):
+    for step, (err, worst, loss_ref, loss_cf, balance_ref, balance_cf) in enumerate(rows):
+        assert err <= BOUND, f"step {step}: max relative grad error {err:.2e} at {worst}"
+        assert loss_cf == pytest.approx(loss_ref, rel=BOUND)
+        # the balancing loss of every whole sequence, as Megatron's tracker sums it (float32)
+        assert balance_ref > 0 and balance_cf == pytest.approx(balance_ref, rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def families(gloo):
+    return gloo.run(_families, 1, FAMILIES, timeout=600)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.medium
+@pytest.mark.release
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_is_exact_at_k1_and_k2(families, family):
+    for k in (1, 2):
+        _check(families[family][k])
+
+
+@pytest.fixture(scope="module")
+def layouts(gloo):
+    return gloo.run(_layouts, 2, list(LAYOUTS), timeout=900)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_every_layout_is_exact(layouts, name):
+    for k in (1, 2):
+        _check(layouts[name][k])
+
+
+def _without_the_per_sequence_loss():
+    """ChunkFlow with Megatron's own seq_aux_loss left in place: it would count each packed chunk
+    as one sequence (the control: the bound above sees the difference)."""
+    from megatron_chunkflow.mcore.dist import shutdown
+    from megatron_chunkflow.runtime import moe
+
+    moe.apply_moe, original = (lambda gpt, store: 0), moe.apply_moe
+    try:
+        return _verify("tiny-qwen3-moe", {}, ks=(1,))[1]
+    finally:
+        moe.apply_moe = original
+        shutdown()
+
+
+@pytest.mark.slow
+def test_the_control_without_per_sequence_counts_is_caught(gloo):
+    packed, dependent = gloo.run(_without_the_per_sequence_loss, 1, timeout=600)[0]
+    assert packed[0] > 1e-6  # packed chunks: several sequences counted as one
+    assert packed[5] != pytest.approx(packed[4], rel=1e-4)
+
+
+@pytest.mark.parametrize("overrides, flag", [
+    (dict(moe_router_load_balancing_type="aux_loss"), "--moe-router-load-balancing-type aux_loss"),
+    (dict(moe_router_load_balancing_type="global_aux_loss"),
+     "--moe-router-load-balancing-type global_aux_loss"),
+    (dict(moe_expert_capacity_factor=1.25), "--moe-expert-capacity-factor 1.25"),
+    (dict(moe_z_loss_coeff=1e-3), "--moe-z-loss-coeff 0.001"),
+    (dict(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid"),
+     "--moe-router-enable-expert-bias")])
+def test_what_chunking_cannot_keep_exact_is_refused_by_flag(overrides, flag):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_chunkflow.runtime.moe import check_moe_config
+
+    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                               num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+                               add_bias_linear=False, **overrides)
+    with pytest.raises(ValueError, match=flag.replace("+", r"\+").replace(".", r"\.")):
+        check_moe_config(config)
+
+
+@pytest.mark.slow
+def test_train_on_sharegpt_logs_the_balancing_loss_and_each_experts_load(gloo, tmp_path):
+    """`chunkflow train --model qwen3-moe-tiny` (Qwen3-MoE's switches, the Qwen vocabulary) on the
+    embedded ShareGPT conversations: the loss falls; every record holds the balancing loss and
+    each expert's share of the routed tokens, which the progress line shows too."""
+    import json
+
+    log = tmp_path / "steps.jsonl"
+    code, out, err = gloo.cli(1, "train", "--model", "qwen3-moe-tiny", "--train-iters", "3",
+                              "--lr-warmup-iters", "0", "--global-batch-size", "2",
+                              "--max-samples", "6", "--chunk-size", "256", "--json",
+                              "--log-json", str(log))
+    assert code == 0, err[-3000:]
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    for row in rows:
+        assert row["balancing_loss"] > 0 and len(row["expert_load"]) == 4
+        assert sum(row["expert_load"]) == pytest.approx(1.0, abs=1e-3)
+    assert "| balancing loss " in err and "expert load max " in err
+
+
+@pytest.mark.parametrize("command", ["simulate", "plan", "memory"])
+def test_the_cost_and_memory_models_refuse_an_moe_model_by_name(command, capsys):
+    """Their formulas are a dense model's: an MoE model gets an error naming it, not numbers."""
+    from megatron_chunkflow.cli import main
+
+    assert main([command, "--model", "tiny-qwen3-moe"]) == 2
+    err = capsys.readouterr().err
+    assert "--model tiny-qwen3-moe: a mixture-of-experts model" in err
+    assert f"`chunkflow {command}` does not model experts yet" in err
