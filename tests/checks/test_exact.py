@@ -14,10 +14,11 @@ import torch
 
 pytestmark = pytest.mark.slow
 
-C = 16
-MIXED = [70, 5, 33, 100, 12, 64, 1, 16, 48, 9]  # not multiples of C, 1 token, C, 3C, 4C, ...
+# C 32: sequences of 2-4 chunks (a chunk's op count, not its width, sets a CPU test's time)
+C = 32
+MIXED = [70, 5, 33, 100, 12, 64, 1, 16, 48, 9]  # 3 and 4 chunks, C + 1, 2C, 1 token, ...
 STANDALONE = [5, 9, 16, 3, 11]
-DEPENDENT = [100, 37, 17]
+DEPENDENT = [100, 37, 65]  # every sequence longer than C: 4, 2 and 3 chunks
 SINGLE_CHUNK = [5, 7]  # one standalone chunk: fewer chunks than stages
 # at C = 128 under CP 2 (core/cp_place.py): a chunk whose first segment is split while the
 # others stay whole on one rank, one rank padded; a chunk held whole (no CP attention); a

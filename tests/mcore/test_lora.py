@@ -22,9 +22,9 @@ from megatron_chunkflow.config import ParallelConfig
 
 pytestmark = pytest.mark.slow
 
-C = 16
+C = 32  # sequences of 2-4 chunks, as tests/checks/test_exact.py
 MIXED = [70, 5, 33, 100, 12, 64, 1, 16, 48, 9]
-DEPENDENT = [100, 37, 17]
+DEPENDENT = [100, 37, 65]  # every sequence longer than C
 # name -> (K, steps, targets, recompute)
 SINGLE = {
     "k1": (1, [MIXED, DEPENDENT], "qkv,proj,fc1,fc2", "none"),

@@ -1,16 +1,16 @@
 """Mixture of experts under ChunkFlow (runtime/moe.py), float64, against unchunked megatron-core
 (checks/verify.py: each sequence its own micro-batch): every gradient, the loss and the
 per-sequence balancing loss (`seq_aux_loss`), for Qwen3-MoE's, Qwen2-MoE's and Mixtral's switches,
-K 1 and 2, long sequences cut into 3 and 7 chunks, and under TP (sequence parallelism), PP, CP, DP.
+K 1 and 2, long sequences cut into 3 and 4 chunks, and under TP (sequence parallelism), PP, CP, DP.
 """
 
 import pytest
 
-C = 16
+C = 32
 # even lengths: megatron-core runs MoE under TP only with sequence parallelism, which the
 # unchunked reference then needs too (every sequence a multiple of TP)
-MIXED = [70, 6, 34, 100, 12, 64, 2, 16, 48, 10]  # packed segments, 1-2 token sequences, 7 chunks
-DEPENDENT = [100, 38]  # only long sequences: 7 and 3 chunks
+MIXED = [70, 6, 34, 100, 12, 64, 2, 16, 48, 10]  # packed segments, a 2-token sequence, 3-4 chunks
+DEPENDENT = [100, 70]  # only long sequences: 4 and 3 chunks
 FAMILIES = ("tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral")
 LAYOUTS = {"tp2_sequence_parallel": dict(tp=2, sequence_parallel=True), "pp2": dict(pp=2),
            "cp2": dict(cp=2), "dp2": dict()}
