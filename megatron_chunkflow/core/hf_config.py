@@ -59,10 +59,10 @@ def shape_from_hf_config(d: dict, source: str) -> ModelShape:
     """The ModelShape of a config.json dict; ValueError naming `source` and the key otherwise."""
     kind = d.get("model_type")
     if kind in MOE:
-        raise ValueError(f"{source}: model_type {kind!r} is a mixture-of-experts model, which is "
-                         "not supported: ChunkFlow splits a long sequence into chunks, so the "
-                         "router's load-balancing loss would be computed per chunk and would not "
-                         "be ordinary training's")
+        raise ValueError(f"{source}: model_type {kind!r} is a mixture-of-experts model, whose "
+                         "Hugging Face import (experts, router, shared expert) is not supported "
+                         "yet; the built-in MoE shapes (--model tiny-qwen3-moe, qwen3-moe-tiny, "
+                         "...) train and verify with ChunkFlow")
     if kind not in FAMILIES:
         raise ValueError(f"{source}: model_type {kind!r} is not supported (supported: "
                          + ", ".join(f"{k!r} ({v})" for k, v in FAMILIES.items()) + ")")

@@ -168,9 +168,9 @@ def chunkflow_refusals(args, given_dataloader: str | None = None) -> list[str]:
         refuse.append("--multi-latent-attention")
     if getattr(args, "num_experts", None):
         refuse.append(f"--num-experts {args.num_experts}: Megatron's router adds its "
-                      "load-balancing loss per micro-batch, which under ChunkFlow is a data chunk, "
-                      "not the packed sequences of a stock micro-batch, so losses and gradients "
-                      "would not be those of ordinary training (MoE is not supported yet)")
+                      "load-balancing loss per micro-batch, which under ChunkFlow is a data chunk; "
+                      "ChunkFlow's per-sequence balancing loss (`chunkflow train` and `verify` run "
+                      "MoE models with it) is not wired into this launcher yet")
     dropout = [f"{flag} {p:g}" for flag, p in (("--hidden-dropout", args.hidden_dropout),
                                                ("--attention-dropout", args.attention_dropout))
                if p]

@@ -75,8 +75,8 @@ def test_every_preset_round_trips_through_its_config(name):
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"model_type": "qwen3_moe"}, "mixture-of-experts model, which is not supported"),
-    ({"model_type": "mixtral"}, "router's load-balancing loss would be computed per chunk"),
+    ({"model_type": "qwen3_moe"}, "mixture-of-experts model, whose Hugging Face import"),
+    ({"model_type": "mixtral"}, "whose Hugging Face import (experts, router, shared expert) is not supported yet"),
     ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported (supported: 'qwen2'"),
     ({"attention_bias": True}, "attention_bias True is not supported: only Qwen2's bias"),
     ({"mlp_bias": True}, "mlp_bias True is not supported"),
