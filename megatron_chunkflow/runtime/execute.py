@@ -118,11 +118,11 @@ def execute_step(step: ChunkedStep, model, forward_step_func, *,
             collect_non_loss_data=collect_non_loss_data, stage=stage).run()
     except BaseException:
         store.clear()
+        if store.balance is not None:
+            store.balance.clear()
         raise
-    finally:
-        balance = getattr(store, "balance", None)  # MoE: the balancing loss (runtime/moe.py)
-        if balance is not None:
-            balance.finish_step()
+    if store.balance is not None:  # MoE: the step's balancing loss (runtime/moe.py)
+        store.balance.finish_step()
     for observer in observers:
         observer.step_ended()
     if forward_only:

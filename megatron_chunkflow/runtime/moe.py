@@ -15,8 +15,10 @@ exact. What depends on which tokens share a micro-batch does not carry over, and
   counts f_s are the whole sequence's, known only once its last chunk has run forward. A long
   sequence's chunks all run forward before its first backward (the chunk schedule guarantees it),
   so the gradient, which needs f_s only, is formed in backward (_Balance) from counts complete by
-  then. Packed short sequences each count alone (their own segment of the chunk). Re-forwards
-  count nothing again. This is what unchunked Megatron computes with each sequence as its own
+  then. Packed short sequences each count alone (their own segment of the chunk). A chunk counts
+  once per layer, in the first forward that routes it (with a graph or without: a chunk
+  re-forwarded later, or the first pass of Megatron's activation recompute); its re-forward and
+  its recompute count nothing again. This is what unchunked Megatron computes with each sequence as its own
   micro-batch, bit for bit in the gradient (Megatron's float32 order of operations is kept).
   Under context parallelism megatron-core before 0.19 shrinks its own weight by CP (a rank's row
   count); ChunkFlow keeps the weight of training without CP.
@@ -83,27 +85,28 @@ def apply_moe(gpt, store) -> int:
 
 
 def _seq_aux_loss(original, store):
-    """A chunk's forward with a graph: its rows counted (not on a re-forward), its share of the
-    balancing loss attached to the probabilities (Megatron's own outside a ChunkFlow chunk)."""
+    """A chunk's forward with a graph: its rows counted (unless already counted), its share of
+    the balancing loss attached to the probabilities (Megatron's own outside a ChunkFlow
+    chunk)."""
     def apply(router, probs, scores, routing_map, seq_length, bsz, with_padding_mask=False):
         meta = store.current
         coeff = router.get_aux_loss_coeff("seq_aux_loss")
         if meta is None or coeff == 0:
             return original(router, probs, scores, routing_map, seq_length, bsz,
                             with_padding_mask)
-        return store.balance.attach(router, meta, probs, scores, routing_map, coeff,
-                                    count=not store.reforward)
+        return store.balance.attach(router, meta, probs, scores, routing_map, coeff)
     return apply
 
 
 def _routing(original, store):
-    """A chunk's first forward without a graph (one re-forwarded later): Megatron computes no
-    balancing loss then, but the chunk's rows count towards its sequence's experts."""
+    """A chunk's forward without a graph (the first forward of a chunk re-forwarded later, or
+    the first pass of Megatron's activation recompute): Megatron computes no balancing loss then,
+    but the chunk's rows count towards its sequence's experts."""
     def routing(router, logits, *args, **kwargs):
         out = original(router, logits, *args, **kwargs)
         meta = store.current
         if (meta is not None and router.training and not torch.is_grad_enabled()
-                and not store.reforward and router.get_aux_loss_coeff("seq_aux_loss") > 0):
+                and router.get_aux_loss_coeff("seq_aux_loss") > 0):
             from megatron.core.transformer.moe.moe_utils import (
                 compute_routing_scores_for_aux_loss,
             )
@@ -132,6 +135,7 @@ class SequenceBalance:
 
     def __init__(self):
         self._table: dict[tuple, _Sequence] = {}
+        self._counted: set[tuple[int, int]] = set()  # (layer, chunk id) counted this step
         self.last: dict[int, float] = {}  # layer number -> the last step's loss / coeff, summed
         #                                    over its sequences (this rank's share, as Megatron's)
         self.last_load: torch.Tensor | None = None  # [E] the last step's routed tokens per
@@ -140,10 +144,15 @@ class SequenceBalance:
         self._groups: dict[int, tuple] = {}  # layer -> (layers in the model, TP x CP group)
 
     def count(self, router, meta, scores, routing_map, coeff: float) -> tuple[torch.Tensor, list]:
-        """Add a chunk's rows to its sequences' totals at `router`'s layer: per sequence, the
-        routed tokens per expert and the rows, summed over the router's TP x CP group, and this
-        rank's probability sums; (the sequence index of each row, -1 for padding; their keys)."""
+        """Add a chunk's rows to its sequences' totals at `router`'s layer, once per step: per
+        sequence, the routed tokens per expert and the rows, summed over the router's TP x CP
+        group, and this rank's probability sums; (the sequence index of each row, -1 for padding;
+        their keys)."""
         segment, keys = _segments(router, meta, scores.shape[0])
+        layer = router.layer_number
+        if (layer, meta.chunk_id) in self._counted:  # routed again: a re-forward, a recompute
+            return segment, keys
+        self._counted.add((layer, meta.chunk_id))
         valid = segment >= 0
         idx, num = segment[valid], len(keys)
         stats = torch.cat([  # float64: whole counts, exact
@@ -155,7 +164,6 @@ class SequenceBalance:
             torch.distributed.all_reduce(stats, group=group)
         psum = scores.detach().new_zeros(num, scores.shape[1]).index_add_(
             0, idx, scores.detach()[valid])
-        layer = router.layer_number
         self._constants[layer] = (coeff, router.config.num_moe_experts, router.topk,
                                   router.config.tensor_model_parallel_size)
         self._groups[layer] = (router.config.num_layers, group)
@@ -169,15 +177,12 @@ class SequenceBalance:
             entry.psum += psum[s]
         return segment, keys
 
-    def attach(self, router, meta, probs, scores, routing_map, coeff: float, count: bool):
+    def attach(self, router, meta, probs, scores, routing_map, coeff: float):
         """`probs` carrying the chunk's share of the balancing loss (MoEAuxLossAutoScaler, as
-        Megatron attaches its own), its rows counted first where `count`."""
+        Megatron attaches its own), its rows counted first if no forward has counted them."""
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-        if count:
-            segment, keys = self.count(router, meta, scores, routing_map, coeff)
-        else:
-            segment, keys = _segments(router, meta, scores.shape[0])
+        segment, keys = self.count(router, meta, scores, routing_map, coeff)
         valid = segment >= 0
         psum = scores.new_zeros(len(keys), scores.shape[1]).index_add(0, segment[valid],
                                                                       scores[valid])
@@ -223,10 +228,11 @@ class SequenceBalance:
         for entry in self._table.values():
             load = entry.counts.clone() if load is None else load + entry.counts
         self.last, self.last_load = last, load
-        self._table.clear()
+        self.clear()
 
     def clear(self) -> None:
         self._table.clear()
+        self._counted.clear()
 
 
 class _Balance(torch.autograd.Function):
