@@ -89,9 +89,9 @@ def test_log_json_rows_carry_every_metric_and_the_rate_each_step_applied(gloo, t
     log = tmp_path / "steps.jsonl"
     out, text = run_cli(gloo, "train", "--model-config", str(model), "--train-iters", "4",
                         "--lr-warmup-iters", "2", "--lr", "0.003", "--min-lr", "0.0003",
-                        "--global-batch-size", "4", "--max-samples", "3", "--chunk-size", "64",
+                        "--global-batch-size", "3", "--max-samples", "2", "--chunk-size", "64",
                         "--seq-length", "4096", "--json", "--log-json", str(log))
-    assert "warning: --global-batch-size 4 is larger than the data set (3 samples)" in text
+    assert "warning: --global-batch-size 3 is larger than the data set (2 samples)" in text
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for row, step in zip(rows, out["steps"]):
