@@ -17,11 +17,11 @@ TINY = ["--model", "tiny", "--seq-length", "1024", "--scale", "0.0625", "--warmu
 
 @pytest.mark.slow
 def test_two_seeds_summarised_per_baseline(tmp_path, capsys):
-    assert SCRIPT["main"](["--global-batch-sizes", "16", "--seeds", "0,1", "--out",
+    assert SCRIPT["main"](["--global-batch-sizes", "8", "--seeds", "0,1", "--out",
                            str(tmp_path), "--wait", "0", "--", *TINY,
                            "--baseline", "megatron-packed"]) == 0
     rows = json.loads((tmp_path / "bench_seeds.json").read_text())
-    assert [(r["global_batch_size"], r["seed"]) for r in rows] == [(16, 0), (16, 1)]
+    assert [(r["global_batch_size"], r["seed"]) for r in rows] == [(8, 0), (8, 1)]
     assert rows[0]["tokens"] != rows[1]["tokens"]  # two different batches
     for r in rows:
         assert list(r["speedups"]) == ["megatron-packed"]
@@ -29,7 +29,7 @@ def test_two_seeds_summarised_per_baseline(tmp_path, capsys):
             r["step_s"]["megatron-packed"] / r["step_s"]["chunkflow"])
         assert r["load_average_1min"]  # every row says the load it ran under
     table = (tmp_path / "bench_seeds.md").read_text().splitlines()
-    row = next(line for line in table if line.startswith("| 16 |"))
+    row = next(line for line in table if line.startswith("| 8 |"))
     speedups = [r["speedups"]["megatron-packed"] for r in rows]
     assert f"{statistics.median(speedups):.2f}x ({min(speedups):.2f}-{max(speedups):.2f})" in row
     assert table[3].count("|") == row.count("|")  # the separator matches the header
