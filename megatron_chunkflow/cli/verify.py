@@ -80,19 +80,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("memory")
     g.add_argument("--memory", action="store_true",
                    help="measure activation bytes for one sequence per --lengths value")
-    g.add_argument("--lengths", default="4096,16384",
+    g.add_argument("--lengths", default=None,
                    help="comma-separated lengths for --memory (default: 4096,16384)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
 def settings_from_args(args: argparse.Namespace) -> VerifySettings:
+    if args.lengths is not None and not args.memory:
+        raise ValueError(f"--lengths {args.lengths}: the sequences of the --memory check, and "
+                         "this run has no --memory; add it, or give the checked batch's lengths "
+                         "with --lengths-file FILE (one length per line)")
     return VerifySettings(
         shape=load_model_shape(args.model, args.model_config),
         lengths=config_from_args(LengthsConfig, args),
         chunkflow=config_from_args(ChunkFlowConfig, args),
         parallel=config_from_args(ParallelConfig, args), dtype=args.dtype, steps=args.steps,
         lora=LoRAConfig.from_args(args), sparse=config_from_args(SparseConfig, args),
-        draws=args.draws, memory=args.lengths if args.memory else None,
+        draws=args.draws, memory=(args.lengths or "4096,16384") if args.memory else None,
         hf_reference=args.hf_reference, default_batch=SCENARIO["global_batch_size"],
         model_class=args.model_class)
 

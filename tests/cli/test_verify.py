@@ -29,6 +29,8 @@ def run_verify(capsys, *argv):
                                                    "parallelism recomputes attention"),
     (["--cp", "2", "--lora-rank", "4"], "--lora-rank is not checked with --context-parallel-size"),
     (["--memory", "--tp", "2"], "--memory measures at TP = PP = 1"),
+    (["--lengths", "70,6"], "--lengths 70,6: the sequences of the --memory check, and this run "
+                            "has no --memory"),  # never silently the profile's batch instead
     (["--min-long", "1000", "--global-batch-size", "4"], "--min-long 1000 is more than the "
                                                          "global batch's 4 sequences"),
     (["--lengths-file", "x", "--min-long", "2"], "--min-long shapes the lengths drawn from "
