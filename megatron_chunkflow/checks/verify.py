@@ -145,16 +145,9 @@ def _balancing_loss(shape: ModelShape) -> float | None:
     ranks (each rank holds its share), the tracker then cleared; None for a dense model."""
     if not shape.is_moe:
         return None
-    from megatron.core.transformer.moe.moe_utils import (
-        clear_aux_losses_tracker,
-        get_moe_layer_wise_logging_tracker,
-    )
+    from megatron_chunkflow.runtime.moe import take_tracked_loss
 
-    entry = get_moe_layer_wise_logging_tracker().get("seq_load_balancing_loss")
-    total = torch.zeros(1, dtype=torch.float64, device=comm_device())
-    if entry is not None:
-        total += entry["values"].detach().double().sum().to(total.device)
-    clear_aux_losses_tracker()
+    total = torch.tensor([take_tracked_loss()], dtype=torch.float64, device=comm_device())
     if dist.is_initialized():
         dist.all_reduce(total)
     return float(total)

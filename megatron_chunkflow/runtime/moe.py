@@ -104,9 +104,8 @@ def _routing(original, store):
     but the chunk's rows count towards its sequence's experts."""
     def routing(router, logits, *args, **kwargs):
         out = original(router, logits, *args, **kwargs)
-        meta = store.current
-        if (meta is not None and router.training and not torch.is_grad_enabled()
-                and router.get_aux_loss_coeff("seq_aux_loss") > 0):
+        meta, coeff = store.current, router.get_aux_loss_coeff("seq_aux_loss")
+        if meta is not None and router.training and not torch.is_grad_enabled() and coeff > 0:
             from megatron.core.transformer.moe.moe_utils import (
                 compute_routing_scores_for_aux_loss,
             )
@@ -114,8 +113,7 @@ def _routing(original, store):
             routing_map, scores = compute_routing_scores_for_aux_loss(
                 logits.view(-1, router.config.num_moe_experts), router.topk,
                 router.score_function, fused=router.config.moe_router_fusion)
-            store.balance.count(router, meta, scores, routing_map,
-                                router.get_aux_loss_coeff("seq_aux_loss"))
+            store.balance.count(router, meta, scores, routing_map, coeff)
         return out
     return routing
 
@@ -140,21 +138,22 @@ class SequenceBalance:
         #                                    over its sequences (this rank's share, as Megatron's)
         self.last_load: torch.Tensor | None = None  # [E] the last step's routed tokens per
         #                                    expert over this rank's layers, summed over TP x CP
-        self._constants: dict[int, tuple] = {}  # layer -> (coeff, experts, topk, TP)
-        self._groups: dict[int, tuple] = {}  # layer -> (layers in the model, TP x CP group)
+        # layer -> (coeff, experts, topk, TP, layers in the model, the TP x CP group)
+        self._layers: dict[int, tuple] = {}
 
     def count(self, router, meta, scores, routing_map, coeff: float) -> tuple[torch.Tensor, list]:
         """Add a chunk's rows to its sequences' totals at `router`'s layer, once per step: per
         sequence, the routed tokens per expert and the rows, summed over the router's TP x CP
-        group, and this rank's probability sums; (the sequence index of each row, -1 for padding;
-        their keys)."""
+        group, and this rank's probability sums; (this rank's probability sums per sequence of
+        the chunk, [len(keys), E], on `scores`' graph; the keys naming those sequences)."""
         segment, keys = _segments(router, meta, scores.shape[0])
-        layer = router.layer_number
-        if (layer, meta.chunk_id) in self._counted:  # routed again: a re-forward, a recompute
-            return segment, keys
-        self._counted.add((layer, meta.chunk_id))
         valid = segment >= 0
         idx, num = segment[valid], len(keys)
+        psum = scores.new_zeros(num, scores.shape[1]).index_add(0, idx, scores[valid])
+        layer = router.layer_number
+        if (layer, meta.chunk_id) in self._counted:  # routed again: a re-forward, a recompute
+            return psum, keys
+        self._counted.add((layer, meta.chunk_id))
         stats = torch.cat([  # float64: whole counts, exact
             scores.new_zeros(num, scores.shape[1], dtype=torch.float64).index_add_(
                 0, idx, routing_map[valid].to(torch.float64)),
@@ -162,30 +161,25 @@ class SequenceBalance:
         group = router.tp_cp_group
         if group is not None and group.size() > 1:
             torch.distributed.all_reduce(stats, group=group)
-        psum = scores.detach().new_zeros(num, scores.shape[1]).index_add_(
-            0, idx, scores.detach()[valid])
-        self._constants[layer] = (coeff, router.config.num_moe_experts, router.topk,
-                                  router.config.tensor_model_parallel_size)
-        self._groups[layer] = (router.config.num_layers, group)
+        config = router.config
+        self._layers[layer] = (coeff, config.num_moe_experts, router.topk,
+                               config.tensor_model_parallel_size, config.num_layers, group)
         for s, key in enumerate(keys):
             entry = self._table.get((layer, key))
             if entry is None:
-                entry = self._table[(layer, key)] = _Sequence(torch.zeros_like(stats[s, :-1]),
-                                                              torch.zeros_like(psum[s]))
+                entry = self._table[(layer, key)] = _Sequence(
+                    torch.zeros_like(stats[s, :-1]), torch.zeros_like(psum[s].detach()))
             entry.counts += stats[s, :-1]
             entry.rows += float(stats[s, -1])
-            entry.psum += psum[s]
-        return segment, keys
+            entry.psum += psum[s].detach()
+        return psum, keys
 
     def attach(self, router, meta, probs, scores, routing_map, coeff: float):
         """`probs` carrying the chunk's share of the balancing loss (MoEAuxLossAutoScaler, as
         Megatron attaches its own), its rows counted first if no forward has counted them."""
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-        segment, keys = self.count(router, meta, scores, routing_map, coeff)
-        valid = segment >= 0
-        psum = scores.new_zeros(len(keys), scores.shape[1]).index_add(0, segment[valid],
-                                                                      scores[valid])
+        psum, keys = self.count(router, meta, scores, routing_map, coeff)
         aux = _Balance.apply(psum, self, router.layer_number, tuple(keys))
         return MoEAuxLossAutoScaler.apply(probs, aux)
 
@@ -196,7 +190,7 @@ class SequenceBalance:
         row's gradient is bit for bit the one unchunked Megatron gives it."""
         from megatron_chunkflow.compat import balancing_loss_scale
 
-        coeff, experts, topk, tp = self._constants[layer]
+        coeff, experts, topk, tp, _, _ = self._layers[layer]
         rows = []
         for key in keys:
             entry = self._table[(layer, key)]
@@ -216,12 +210,12 @@ class SequenceBalance:
 
         last: dict[int, float] = {}
         for (layer, _), entry in self._table.items():
-            _, experts, topk, _ = self._constants[layer]
+            _, experts, topk, _, _, _ = self._layers[layer]
             n = entry.rows
             value = float((entry.counts * entry.psum.double()).sum()) * experts / (topk * n * n)
             last[layer] = last.get(layer, 0.0) + value
         for layer, value in sorted(last.items()):
-            num_layers, group = self._groups[layer]
+            *_, num_layers, group = self._layers[layer]
             save_to_aux_losses_tracker("seq_load_balancing_loss", torch.tensor(value), layer,
                                        num_layers, reduce_group=group)
         load = None
@@ -280,6 +274,21 @@ def _segments(router, meta, rows: int) -> tuple[torch.Tensor, list]:
     return segment.to(router.weight.device), keys
 
 
+def take_tracked_loss() -> float:
+    """This rank's share of the step's seq_load_balancing_loss in Megatron's MoE tracker (summed
+    over layers, divided by the coefficient; 0 where nothing was recorded), the tracker then
+    cleared for the next step."""
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+    )
+
+    entry = get_moe_layer_wise_logging_tracker().get("seq_load_balancing_loss")
+    value = float(entry["values"].detach().double().sum()) if entry is not None else 0.0
+    clear_aux_losses_tracker()
+    return value
+
+
 def step_metrics(store, config, num_sequences: int, tp_cp: int) -> dict:
     """A training step's MoE records, on every rank (collectives over the world): the balancing
     loss as Megatron-LM logs it (Megatron's tracker, over ranks, per MoE layer and sequence,
@@ -287,25 +296,16 @@ def step_metrics(store, config, num_sequences: int, tp_cp: int) -> dict:
     tokens over every layer (`tp_cp`: the ranks that hold the same counts). Megatron's tracker
     is cleared for the next step."""
     import torch.distributed as dist
-    from megatron.core.transformer.moe.moe_utils import (
-        clear_aux_losses_tracker,
-        get_moe_layer_wise_logging_tracker,
-    )
 
     from megatron_chunkflow.runtime.p2p import comm_device
 
-    experts = config.num_moe_experts
-    entry = get_moe_layer_wise_logging_tracker().get("seq_load_balancing_loss")
-    balance = getattr(store, "balance", None)
+    balance = store.balance
     load = balance.last_load if balance is not None else None
-    totals = torch.zeros(2 + experts, dtype=torch.float64, device=comm_device())
-    if entry is not None:
-        totals[0] = entry["values"].detach().double().sum()
+    totals = torch.zeros(2 + config.num_moe_experts, dtype=torch.float64, device=comm_device())
+    totals[0] = take_tracked_loss()
     if load is not None:
         totals[1] = 1.0
         totals[2:] = load.to(totals.device) / tp_cp
-    clear_aux_losses_tracker()
-    if balance is not None:
         balance.last_load = None
     if dist.is_initialized():
         dist.all_reduce(totals)
