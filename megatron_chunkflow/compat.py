@@ -117,13 +117,17 @@ def recommended_model_class() -> str:
     return "hybrid" if installed() >= (0, 19, 0) and has_hybrid_model() else "gpt"
 
 
-def resolve_model_class(name: str, flag: str = "--model-class") -> str:
-    """"auto" -> recommended_model_class(); "hybrid" where the release has no HybridModel is a
-    ValueError naming `flag` and the release."""
+def resolve_model_class(name: str, flag: str = "--model-class", moe: bool = False) -> str:
+    """"auto" -> recommended_model_class() (GPTModel for a mixture-of-experts model, `moe`:
+    ChunkFlow builds MoE layers there only); "hybrid" where the release has no HybridModel, or
+    for an MoE model, is a ValueError naming `flag`."""
     if name not in MODEL_CLASSES:
         raise ValueError(f"{flag} {name}: choose one of {', '.join(MODEL_CLASSES)}")
     if name == "auto":
-        return recommended_model_class()
+        return "gpt" if moe else recommended_model_class()
+    if name == "hybrid" and moe:
+        raise ValueError(f"{flag} hybrid: ChunkFlow builds mixture-of-experts layers in GPTModel "
+                         "only (not yet HybridModel's 'E' layers); use --model-class gpt or auto")
     if name == "hybrid" and not has_hybrid_model():
         raise ValueError(f"{flag} hybrid: megatron-core {version_text()} has no HybridModel "
                          "(megatron-core 0.18 added it); use --model-class gpt")

@@ -44,7 +44,8 @@ class VerifySettings:
     def __post_init__(self):
         from megatron_chunkflow import compat
 
-        object.__setattr__(self, "model_class", compat.resolve_model_class(self.model_class))
+        object.__setattr__(self, "model_class", compat.resolve_model_class(
+            self.model_class, moe=self.shape.is_moe))
         p = self.parallel
         if self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")

@@ -152,7 +152,8 @@ class TrainSettings:
     def __post_init__(self):
         from megatron_chunkflow import compat
 
-        object.__setattr__(self, "model_class", compat.resolve_model_class(self.model_class))
+        object.__setattr__(self, "model_class", compat.resolve_model_class(
+            self.model_class, moe=self.shape.is_moe))
         for flag, value in (("--global-batch-size", self.global_batch_size),
                             ("--seq-length", self.seq_length), ("--train-iters", self.train_iters)):
             if value < 1:

@@ -164,3 +164,14 @@ def test_the_cost_and_memory_models_refuse_an_moe_model_by_name(command, capsys)
     err = capsys.readouterr().err
     assert "--model tiny-qwen3-moe: a mixture-of-experts model" in err
     assert f"`chunkflow {command}` does not model experts yet" in err
+
+
+def test_moe_builds_gptmodel_and_refuses_hybrid_by_flag():
+    """`--model-class auto` gives an MoE model GPTModel (0.19 recommends HybridModel, whose 'E'
+    layers ChunkFlow does not build: it must not train a dense model instead); `hybrid` is
+    refused naming the flag."""
+    from megatron_chunkflow import compat
+
+    assert compat.resolve_model_class("auto", moe=True) == "gpt"
+    with pytest.raises(ValueError, match="--model-class hybrid: ChunkFlow builds mixture-of-"):
+        compat.resolve_model_class("hybrid", moe=True)
