@@ -20,8 +20,9 @@ WITH_MCORE := $(if $(MCORE),PYTHONPATH=$(MCORE_DIR)$${PYTHONPATH:+:$$PYTHONPATH}
 # tag of the megatron-core release in use (compat.py: core_v0.16.1, core_v0.19.0, ...) into
 # third_party/ (git-ignored), where the launcher tests find it (or MEGATRON_LM_DIR).
 MEGATRON_LM_GIT ?= https://github.com/NVIDIA/Megatron-LM.git
-MEGATRON_LM_TAG = $(shell $(WITH_MCORE) $(BIN)/python -c \
-	'from megatron_chunkflow import compat; print(compat.megatron_lm_tag())' 2>/dev/null)
+# (asked once per make, when first used: after the virtualenv exists)
+MEGATRON_LM_TAG = $(eval MEGATRON_LM_TAG := $(shell $(WITH_MCORE) $(BIN)/python -c \
+	'from megatron_chunkflow import compat; print(compat.megatron_lm_tag())' 2>/dev/null))$(MEGATRON_LM_TAG)
 MEGATRON_LM_DIR ?= $(CURDIR)/third_party/Megatron-LM-$(MEGATRON_LM_TAG)
 RUN = $(WITH_MCORE) MEGATRON_LM_DIR=$(MEGATRON_LM_DIR)
 
@@ -107,9 +108,16 @@ bench-cpu: $(STAMP)
 configs:
 	$(PYTHON) scripts/gen_model_configs.py
 
+# A local repository (a mirror: CI's) gives the tag's files by `git archive`, in a second where
+# a shallow clone packs objects for half a minute; a URL is cloned at the tag.
 megatron-lm: $(STAMP) $(MCORE_STAMP)
-	@test -f $(MEGATRON_LM_DIR)/pretrain_gpt.py || git -c advice.detachedHead=false clone \
-		--quiet --depth 1 --branch $(MEGATRON_LM_TAG) $(MEGATRON_LM_GIT) $(MEGATRON_LM_DIR)
+	@test -f $(MEGATRON_LM_DIR)/pretrain_gpt.py || \
+	if git --git-dir=$(MEGATRON_LM_GIT) rev-parse --quiet --verify \
+		"$(MEGATRON_LM_TAG)^{commit}" > /dev/null 2>&1; then \
+		mkdir -p $(MEGATRON_LM_DIR) && git --git-dir=$(MEGATRON_LM_GIT) archive \
+			$(MEGATRON_LM_TAG) | tar -x -C $(MEGATRON_LM_DIR); \
+	else git -c advice.detachedHead=false clone --quiet --depth 1 --branch \
+		$(MEGATRON_LM_TAG) $(MEGATRON_LM_GIT) $(MEGATRON_LM_DIR); fi
 	@echo MEGATRON_LM_DIR=$(MEGATRON_LM_DIR)
 
 # What the launcher imports of the checkout (megatron/ and the root scripts, about 8 MiB), for a

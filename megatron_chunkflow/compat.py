@@ -46,13 +46,34 @@ def parse_version(text: str) -> tuple[int, int, int]:
 
 @functools.lru_cache(maxsize=None)
 def installed() -> tuple[int, int, int]:
-    """The installed megatron-core's release, e.g. (0, 19, 2)."""
-    try:
-        from megatron.core import package_info
-    except ImportError as e:
-        raise UnsupportedRelease(f"megatron-core is not installed ({e}); megatron_chunkflow runs "
-                                 f"on {RANGE}: pip install megatron-core") from None
-    return parse_version(package_info.__version__)
+    """The installed megatron-core's release, e.g. (0, 19, 2): megatron/core/package_info.py
+    where `import megatron.core` would find it, read without importing megatron.core (seconds of
+    imports for a version: `make` asks for it)."""
+    import ast
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    module = sys.modules.get("megatron.core.package_info")
+    if module is not None:
+        return parse_version(module.__version__)
+    spec = importlib.util.find_spec("megatron")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(location) / "core" / "package_info.py"
+        if (path.parent / "__init__.py").is_file() and path.is_file():
+            numbers = {}  # MAJOR = 0, MINOR = 19, PATCH = 2: literals in every release
+            for node in ast.parse(path.read_text()).body:
+                if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                        and isinstance(node.targets[0], ast.Name)
+                        and isinstance(node.value, ast.Constant)):
+                    numbers[node.targets[0].id] = node.value.value
+            if all(isinstance(numbers.get(k), int) for k in ("MAJOR", "MINOR", "PATCH")):
+                return numbers["MAJOR"], numbers["MINOR"], numbers["PATCH"]
+            from megatron.core import package_info  # another layout: ask the module itself
+
+            return parse_version(package_info.__version__)
+    raise UnsupportedRelease(f"megatron-core is not installed (no megatron/core on the path); "
+                             f"megatron_chunkflow runs on {RANGE}: pip install megatron-core")
 
 
 def version_text(release: tuple[int, int, int] | None = None) -> str:

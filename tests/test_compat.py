@@ -17,6 +17,29 @@ def test_the_installed_release_is_in_the_range():
     assert compat.OLDEST <= compat.check_release() <= compat.NEWEST
 
 
+def test_the_release_is_read_where_import_would_find_it_without_importing_it(tmp_path):
+    """`make` asks for the release (the Megatron-LM tag to fetch): megatron/core/package_info.py
+    of the first megatron/core on the path, read without running megatron.core's imports."""
+    import os
+    import subprocess
+    import sys
+
+    for name, minor in (("first", 17), ("second", 18)):
+        core = tmp_path / name / "megatron" / "core"
+        core.mkdir(parents=True)
+        (core / "__init__.py").write_text("raise ImportError('imported')\n")
+        (core / "package_info.py").write_text(f"MAJOR = 0\nMINOR = {minor}\nPATCH = 1\n"
+                                              "PRE_RELEASE = 'rc0'\nimport nothing_of_this\n")
+    code = ("import sys; from megatron_chunkflow import compat; "
+            "print(compat.installed(), compat.megatron_lm_tag(), 'megatron.core' in sys.modules)")
+    path = os.pathsep.join([str(tmp_path / "first"), str(tmp_path / "second"),
+                            os.environ.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": path})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["(0,", "17,", "1)", "core_v0.17.1", "False"]
+
+
 @pytest.mark.parametrize("release", [(0, 15, 3), (0, 16, 0), (0, 20, 0)])
 def test_a_release_outside_the_range_is_refused_in_one_line(monkeypatch, release):
     monkeypatch.setattr(compat, "installed", lambda: release)

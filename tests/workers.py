@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -178,9 +179,33 @@ class _Job:
         for p in self.procs:
             p.join(timeout=10 if graceful else 0)
             if p.is_alive():
+                for child in _children(p.pid):  # a rank ending normally shuts these down itself
+                    _kill(child)
                 p.terminate()
                 p.join(timeout=10)
         shutil.rmtree(self.logs, ignore_errors=True)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux's /proc; none found elsewhere): what a rank
+    started of its own, such as the Manager process that dist_checkpointing's torch_dist writer
+    spawns for its results, which a terminated rank would leave running."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # ended meanwhile
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def cli(argv: list[str]) -> tuple[int, str, str]:

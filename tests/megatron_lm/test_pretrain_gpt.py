@@ -104,8 +104,10 @@ def _torchrun(nproc: int, module_args: list[str], cwd, timeout=600, env=None, re
     forked from a warm process (tests/megatron_lm/forked.py), or with `real` torchrun itself."""
     if not real:
         return fork_job(nproc, module_args[0], module_args[1:], cwd, env, timeout)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(_free_port()), "-m", *module_args]
+    # --standalone: torchrun binds a free port itself (a port chosen here could be taken by
+    # another test's connection before torchrun listens on it)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           str(nproc), "-m", *module_args]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
 
