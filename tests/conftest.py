@@ -52,7 +52,12 @@ def pytest_configure(config):
     if workers > 1:  # pytest-xdist: the cores shared among its workers
         import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)
+        # and in every process a test starts (a script, a Megatron-LM launch, a server that forks
+        # ranks): a child with a thread per core beside the other workers' spins for cores that
+        # are busy (OpenMP waits actively), 2-5 x slower on 2 cores than with its share
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped on CPU-only machines)")
     config.addinivalue_line("markers", "megatron: needs megatron-core (or a Megatron-LM checkout)")
     config.addinivalue_line("markers", "slow: runs in a gloo job (the `gloo` fixture) or a "

@@ -5,7 +5,8 @@ backend, and ChunkFlow against the stock baselines; everything as JSON and PNG u
     python scripts/gpu/device_check.py --out DIR --dry-run   # the same plumbing on CPU, tiny
 
 Each step runs in its own process with its own time limit (what one step breaks, the others
-still report), in a scratch folder; DIR gets four files (a GPU machine returns at most 8):
+still report; the dry run forks them from one process that imported torch and megatron-core), in
+a scratch folder; DIR gets four files (a GPU machine returns at most 8):
 device_check.json (every step's result), device_check.log (every step's output),
 device_check.png and calibration.json. The steps:
 
@@ -80,11 +81,18 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"--steps: unknown step(s) {', '.join(unknown)}; choose from {', '.join(STEPS)}")
     out.mkdir(parents=True, exist_ok=True)
+    import megatron.core
+    import torch
+
+    print("[device_check] torch", torch.__version__, "cuda", torch.cuda.is_available(),
+          "megatron-core", megatron.core.__version__, flush=True)
     report = {"dry_run": args.dry_run, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
               "load_avg_1m": os.getloadavg()[0], "steps": {}}
     # the steps' own files in a scratch folder, folded into four under --out (a GPU machine
     # returns at most 8): device_check.json, .log, .png and calibration.json
     work = Path(tempfile.mkdtemp(prefix="device_check_"))
+    if args.dry_run:
+        _warm()
     try:
         with (out / "device_check.log").open("w") as log:
             for step in wanted:
@@ -109,17 +117,23 @@ def main(argv=None) -> int:
 
 
 def _run_child(step: str, out: Path, dry_run: bool) -> dict:
-    """`step` in a fresh process under its time limit: its JSON, or why there is none."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--out", str(out), "--step", step]
-    cmd += ["--dry-run"] if dry_run else []
+    """`step` in a fresh process under its time limit: its JSON, or why there is none. On the
+    GPU a new interpreter (no CUDA state shared); the CPU dry run forks this one, which has
+    imported torch and megatron-core once for every step."""
     t0 = time.perf_counter()
     log = out / f"{step}.log"
-    try:
-        with log.open("w") as f:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
-                                timeout=TIMEOUT_S[step] * (3 if dry_run else 1)).returncode
-    except subprocess.TimeoutExpired:
-        rc = "timeout"
+    timeout = TIMEOUT_S[step] * (3 if dry_run else 1)
+    if dry_run and hasattr(os, "fork"):
+        rc = _forked(step, out, log, timeout)
+    else:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--out", str(out), "--step", step]
+        cmd += ["--dry-run"] if dry_run else []
+        try:
+            with log.open("w") as f:
+                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                                    timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
     wall = time.perf_counter() - t0
     result_file = out / f"{step}.json"
     if rc == 0 and result_file.is_file():
@@ -129,6 +143,55 @@ def _run_child(step: str, out: Path, dry_run: bool) -> dict:
         return {"status": status, "wall_s": wall, **result}
     tail = log.read_text(errors="replace")[-3000:] if log.is_file() else ""
     return {"status": "error", "returncode": rc, "wall_s": wall, "log_tail": tail}
+
+
+def _warm() -> None:
+    """What every step imports, once, before the dry run forks its steps (no CUDA is touched:
+    a forked child starts as a fresh one would, without the imports)."""
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import torch  # noqa: F401
+
+    import megatron_chunkflow.checks.verify  # noqa: F401
+    import megatron_chunkflow.cli  # noqa: F401
+
+
+def _forked(step: str, out: Path, log: Path, timeout: float) -> int | str:
+    """`step` in a child forked from this process, its output in `log`: its exit code, or
+    "timeout" (the child killed) after `timeout` seconds."""
+    import signal
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: the step, its JSON, then out without the parent's exit handlers
+        code = 1
+        try:
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.chdir(ROOT)
+            result = globals()[f"step_{step}"](out, True)
+            (out / f"{step}.json").write_text(json.dumps(result, indent=2))
+            code = 0
+        except BaseException:  # noqa: BLE001  the traceback goes to the step's log
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return "timeout"
+        time.sleep(0.05)
 
 
 def step_tests(out: Path, dry_run: bool) -> dict:
@@ -141,13 +204,22 @@ def step_tests(out: Path, dry_run: bool) -> dict:
 
 
 def step_calibrate(out: Path, dry_run: bool) -> dict:
-    cmd = [sys.executable, "-m", "megatron_chunkflow", "calibrate", "--gpu", "h200",
-           "--no-fusions", "--out", str(out / "calibration.json")]
-    cmd += ["--dry-run", "--repeats", "2", "--warmup", "1"] if dry_run else []
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    ok = run.returncode == 0 and (out / "calibration.json").is_file()
-    result = {"passed": ok, "returncode": run.returncode, "log_tail": run.stdout[-2000:]
-              + run.stderr[-2000:]}
+    import contextlib
+    import io
+
+    from megatron_chunkflow.cli import main as chunkflow
+
+    argv = ["calibrate", "--gpu", "h200", "--no-fusions", "--out", str(out / "calibration.json")]
+    argv += ["--dry-run", "--repeats", "2", "--warmup", "1"] if dry_run else []
+    stdout, stderr = io.StringIO(), io.StringIO()  # `chunkflow ARGV`, in this step's process
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            code = chunkflow(argv)
+        except SystemExit as e:  # a refused flag
+            code = e.code if isinstance(e.code, int) else 1
+    ok = code == 0 and (out / "calibration.json").is_file()
+    result = {"passed": ok, "returncode": code, "log_tail": stdout.getvalue()[-2000:]
+              + stderr.getvalue()[-2000:]}
     if ok:
         from megatron_chunkflow.perfmodel.gpu_profiles import (
             REFERENCE_STEPS,

@@ -17,6 +17,4 @@ if [[ -d .whl ]] && compgen -G ".whl/*.whl" > /dev/null; then
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-"$PYTHON" -c "import torch, megatron.core; print('[device_check] torch', torch.__version__, \
-'cuda', torch.cuda.is_available(), 'megatron-core', megatron.core.__version__)"
 exec timeout "${DEVICE_CHECK_TIMEOUT_S:-480}" "$PYTHON" scripts/gpu/device_check.py "$@"

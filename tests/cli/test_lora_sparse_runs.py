@@ -87,10 +87,15 @@ def test_log_json_rows_carry_every_metric_and_the_rate_each_step_applied(gloo, t
     model = tmp_path / "small.json"
     model.write_text(json.dumps({**SMALL, "vocab_size": 151936}))
     log = tmp_path / "steps.jsonl"
+    data = tmp_path / "chats.jsonl"  # two short conversations: the rows, not the tokens, matter
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"Name {n} colours of the sea at dawn."},
+        {"role": "assistant", "content": "Grey, silver, rose and pale gold. " * n}]}) + "\n"
+        for n in (2, 5)))
     out, text = run_cli(gloo, "train", "--model-config", str(model), "--train-iters", "4",
                         "--lr-warmup-iters", "2", "--lr", "0.003", "--min-lr", "0.0003",
-                        "--global-batch-size", "3", "--max-samples", "2", "--chunk-size", "64",
-                        "--seq-length", "4096", "--json", "--log-json", str(log))
+                        "--global-batch-size", "3", "--data-path", str(data), "--chunk-size",
+                        "16", "--seq-length", "256", "--json", "--log-json", str(log))
     assert "warning: --global-batch-size 3 is larger than the data set (2 samples)" in text
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]

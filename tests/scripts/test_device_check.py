@@ -69,6 +69,21 @@ def test_dry_run_reports_every_step(tmp_path):
     assert "==== bench.log ====" in (out / "device_check.log").read_text()
 
 
+@pytest.mark.slow
+def test_a_step_runs_in_a_new_interpreter_as_on_the_gpu(tmp_path):
+    """Without --dry-run each step is a new Python (`device_check.py --step NAME`), not a fork of
+    the dry run's warm process: the tests step, whose GPU tests all skip on CPU."""
+    run = subprocess.run([sys.executable, str(ROOT / "scripts/gpu/device_check.py"), "--out",
+                          str(tmp_path), "--steps", "tests"], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "[device_check] torch " in run.stdout and " megatron-core " in run.stdout
+    report = json.loads((tmp_path / "device_check.json").read_text())
+    assert not report["dry_run"] and list(report["steps"]) == ["tests"]
+    assert report["steps"]["tests"]["status"] == "ok"
+    assert "skipped" in report["steps"]["tests"]["summary"]
+
+
 def test_unknown_step_is_refused(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "scripts/gpu/device_check.py"), "--out",
                           str(tmp_path), "--steps", "tests,warp"], capture_output=True, text=True)
