@@ -130,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # user-facing errors (core raises ValueError only for bad input)
         _refuse(args.command, e)
         return 2
+    except BrokenPipeError:  # `chunkflow ... --json | head`: the reader left, nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # and no flush error
+        return 1
 
 
 def _refuse(command: str, error: Exception) -> None:

@@ -217,6 +217,20 @@ def test_module_and_help():
     assert "plan" in out and "cut, pack and schedule" in out
 
 
+def test_a_reader_that_leaves_ends_the_command_without_a_traceback(tmp_path):
+    """`chunkflow plan ... --json | head -c 10`: the pipe's reader gone before the JSON is
+    written; exit 1, nothing on stderr but the run's own lines."""
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("3000\n900\n")
+    run = subprocess.Popen([sys.executable, "-m", "megatron_chunkflow", "plan", "--lengths-file",
+                            str(lengths), "--model", "tiny", "--chunk-size", "512", "--json"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run.stdout.close()  # the reader leaves first
+    err = run.stderr.read()
+    assert run.wait(timeout=120) == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
 def test_virtual_stages(capsys, tmp_path):
     """--vpp V: both systems interleave V model chunks per pipeline rank: each rank runs every
     chunk's F and B once per model chunk, the bubble shrinks; Megatron's refusal of a
