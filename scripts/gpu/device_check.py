@@ -150,7 +150,6 @@ def _warm() -> None:
     a forked child starts as a fresh one would, without the imports)."""
     import megatron.core.models.gpt  # noqa: F401
     import megatron.core.optimizer  # noqa: F401
-    import torch  # noqa: F401
 
     import megatron_chunkflow.checks.verify  # noqa: F401
     import megatron_chunkflow.cli  # noqa: F401
@@ -159,39 +158,30 @@ def _warm() -> None:
 def _forked(step: str, out: Path, log: Path, timeout: float) -> int | str:
     """`step` in a child forked from this process, its output in `log`: its exit code, or
     "timeout" (the child killed) after `timeout` seconds."""
-    import signal
+    import multiprocessing
 
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # the child: the step, its JSON, then out without the parent's exit handlers
-        code = 1
-        try:
-            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            os.chdir(ROOT)
-            result = globals()[f"step_{step}"](out, True)
-            (out / f"{step}.json").write_text(json.dumps(result, indent=2))
-            code = 0
-        except BaseException:  # noqa: BLE001  the traceback goes to the step's log
-            import traceback
+    child = multiprocessing.get_context("fork").Process(target=_step_in_child,
+                                                         args=(step, out, log))
+    child.start()
+    child.join(timeout)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        return "timeout"
+    return child.exitcode
 
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    deadline = time.monotonic() + timeout
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return "timeout"
-        time.sleep(0.05)
+
+def _step_in_child(step: str, out: Path, log: Path) -> None:
+    """A forked step: its output to `log`, its result to STEP.json (a traceback: exit code 1)."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.chdir(ROOT)
+    result = globals()[f"step_{step}"](out, True)
+    (out / f"{step}.json").write_text(json.dumps(result, indent=2))
+    sys.stdout.flush()
 
 
 def step_tests(out: Path, dry_run: bool) -> dict:
