@@ -154,6 +154,14 @@ class ParallelConfig:
                                                    "aliases": ("--dp",), "bounds": (1, MAX_GPUS)})
     """Data-parallel size (DP); in a job it is world size / (TP x CP x PP)."""
 
+    ep: int = field(default=1, metadata={"flag": "--expert-model-parallel-size",
+                                         "aliases": ("--ep",), "bounds": (1, MAX_GPUS)})
+    """Expert-parallel size (EP): each MoE layer's experts split over EP of a stage's ranks."""
+
+    etp: int | None = field(default=None, metadata={
+        "flag": "--expert-tensor-parallel-size", "aliases": ("--etp",), "bounds": (1, MAX_GPUS)})
+    """Expert tensor-parallel size (ETP; Megatron's default: TP)."""
+
     sequence_parallel: bool = False
     """Sequence parallelism: activations between TP regions split over the TP ranks (needs TP > 1;
     every chunk is padded to a multiple of TP)."""
@@ -164,13 +172,17 @@ class ParallelConfig:
     first N layers of each pipeline stage)."""
 
     def __post_init__(self):
-        for name in ("tp", "pp", "vpp", "cp", "dp"):
+        for name in ("tp", "pp", "vpp", "cp", "dp", "ep", "etp"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{_named(name)} must be >= 1, got {value}")
         if self.vpp > 1 and self.pp < 2:
             raise ValueError(f"{_named('vpp')} {self.vpp} needs {_named('pp')} >= 2 (virtual "
                              "stages interleave a pipeline)")
+        if self.etp is not None and self.etp != self.tp and self.ep == 1:
+            raise ValueError(f"{_named('etp')} {self.etp} != {_named('tp')} {self.tp} needs EP "
+                             "> 1: without it megatron-core reduces expert gradients over DP "
+                             "only, not over the TP ranks sharing each expert")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError(f"--sequence-parallel needs {_named('tp')} > 1")
         if isinstance(self.recompute, str):
@@ -306,7 +318,14 @@ class ParallelConfig:
         if self.dp is not None and self.dp != dp:
             raise ValueError(f"{_named('dp')} {self.dp} does not match world size {world_size} "
                              f"/ (TP {self.tp} x CP {self.cp} x PP {self.pp}) = {dp}")
+        if (self.tp * self.cp * dp) % (self.expert_tp * self.ep):  # a stage's ranks
+            raise ValueError(f"{_named('ep')} {self.ep} x expert TP {self.expert_tp} must "
+                             f"divide TP x CP x DP = {self.tp * self.cp * dp}")
         return dataclasses.replace(self, dp=dp)
+
+    @property
+    def expert_tp(self) -> int:  # ETP where given, else TP (Megatron's default)
+        return self.tp if self.etp is None else self.etp
 
     def check_model(self, shape, where: str | None = None) -> None:
         """Megatron's requirements on a model (core.models.ModelShape): TP divides the attention
@@ -331,6 +350,11 @@ class ParallelConfig:
             raise ValueError(f"{name('vpp')} {self.vpp} must divide the model's "
                              f"{shape.num_layers // self.pp} layers per pipeline stage (PP "
                              f"{self.pp}), as Megatron requires")
+        if (self.ep > 1 or self.etp is not None) and not shape.is_moe:
+            raise ValueError(f"{_named('ep' if self.ep > 1 else 'etp')} is for a mixture-of-"
+                             "experts model; this one is dense")
+        if shape.is_moe and shape.num_experts % self.ep:
+            raise ValueError(f"{name('ep')} {self.ep} must divide the {shape.num_experts} experts")
         self.recompute.check_layers(shape.num_layers // self.num_virtual_stages,
                                     f"{where}: RECOMPUTE" if where else "--recompute")
 

@@ -51,6 +51,11 @@ def test_parallel_flags_have_megatron_names_and_short_aliases():
     ({"sequence_parallel": True}, None, "--sequence-parallel needs"),
     ({"tp": 2, "pp": 2}, 6, "world size 6 is not a multiple"),
     ({"tp": 2, "dp": 3}, 4, "--data-parallel-size (--dp) 3 does not match"),
+    ({"ep": 0}, None, "--expert-model-parallel-size (--ep) must be >= 1"),
+    ({"ep": 4, "tp": 2}, 4, "--expert-model-parallel-size (--ep) 4 x expert TP 2 must divide "
+                            "TP x CP x DP = 4"),
+    ({"tp": 2, "etp": 1}, None, "--expert-tensor-parallel-size (--etp) 1 != "
+                                "--tensor-model-parallel-size (--tp) 2 needs EP > 1"),
 ])
 def test_parallel_errors_name_the_flags(kw, world, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -111,3 +116,17 @@ def test_the_chunk_size_rule_is_one_rule_named_for_its_caller(naming, expected):
         ParallelConfig(tp=4, sequence_parallel=True).check_chunk_size(130)
     ParallelConfig(tp=4).check_chunk_size(130)  # without sequence parallelism nothing splits
 
+
+
+@pytest.mark.parametrize("model, kw, message", [
+    ("tiny", {"ep": 2}, "--expert-model-parallel-size (--ep) is for a mixture-of-experts model"),
+    ("tiny", {"etp": 1}, "--expert-tensor-parallel-size (--etp) is for a mixture-of-experts"),
+    ("tiny-qwen3-moe", {"ep": 3}, "--expert-model-parallel-size (--ep) 3 must divide the 4 "
+                                  "experts"),
+])
+def test_expert_parallelism_is_checked_against_the_model(model, kw, message):
+    from megatron_chunkflow.core.models import get_model_shape
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ParallelConfig(**kw).check_model(get_model_shape(model))
+    ParallelConfig(ep=2, etp=1, tp=2).with_world(4).check_model(get_model_shape("tiny-qwen3-moe"))

@@ -63,8 +63,9 @@ def run_verify(shape: ModelShape, steps: Sequence[Sequence[int]],
     (for a list of configs, a list of results per config, all run on one set of process groups
     against one reference).
 
-    `parallel`: the chunked model's TP, CP, PP, sequence parallelism and recompute (the reference
-    runs at the same TP, CP = PP = 1, no recompute; DP is what the world leaves). `lora`
+    `parallel`: the chunked model's TP, CP, PP, EP, sequence parallelism and recompute (the
+    reference runs at the same TP and expert TP, CP = PP = 1, EP 1 unless expert TP is below
+    TP, no recompute; DP is what the world leaves). `lora`
     (mcore/lora.py LoRAConfig): both models get the same adapters, B initialised at random
     (LORA_B_STD) so that A's gradient is not zero, and only the adapters are compared. The
     reference of one (model, steps, seed, dtype, TP, world) is computed once per process
@@ -77,13 +78,23 @@ def run_verify(shape: ModelShape, steps: Sequence[Sequence[int]],
         parallel.check_chunk_size(config.chunk_size)
     batches = [make_sequences(lengths, shape.vocab_size, seed + i, fully_masked=fully_masked)
                for i, lengths in enumerate(steps)]
+    # with expert TP below TP, the reference needs expert parallelism to reduce the experts'
+    # gradients (ParallelConfig's check): the same EP, whose groups then lie in TP groups
+    reference_ep = parallel.ep if parallel.expert_tp != parallel.tp else 1
+    if parallel.tp % (parallel.expert_tp * reference_ep):
+        raise ValueError(f"verify: EP {parallel.ep} x expert TP {parallel.expert_tp} must divide "
+                         f"TP {parallel.tp} when expert TP is below TP (the unchunked reference "
+                         "runs expert parallelism inside each TP group)")
     key = (shape, tuple(map(tuple, steps)), dtype, seed, tuple(fully_masked), lora, parallel.tp,
-           dist.get_world_size() if dist.is_initialized() else 1, model_class)
+           parallel.etp, reference_ep, dist.get_world_size() if dist.is_initialized() else 1,
+           model_class)
     if key not in REFERENCES:
         # megatron-core refuses MoE under TP without sequence parallelism: the reference of an
         # MoE model under TP has it (every sequence's length then a multiple of TP)
+        # (and the chunked model's expert TP: the same expert weights)
         reference_job = init_distributed(ParallelConfig(
-            tp=parallel.tp, sequence_parallel=shape.is_moe and parallel.tp > 1), seed)
+            tp=parallel.tp, sequence_parallel=shape.is_moe and parallel.tp > 1,
+            etp=parallel.etp, ep=reference_ep), seed)
         REFERENCES[key] = _run_reference(reference_job, shape, batches, dtype, lora, seed,
                                          model_class)
     job = init_distributed(parallel, seed)

@@ -75,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(g, DataConfig, default_help={
         "max_samples": f"all; {SCENARIO['max_samples']} of the embedded ShareGPT"})
     g = p.add_argument_group("training (Megatron-LM flags)")
-    add_config_arguments(g, ParallelConfig, fields=("tp", "pp", "vpp", "cp",
+    add_config_arguments(g, ParallelConfig, fields=("tp", "pp", "vpp", "cp", "ep", "etp",
                                                     "sequence_parallel", "recompute"),
                          defaults={"recompute": None}, default_help={"recompute": "none"})
     _megatron_recompute_arguments(g)

@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hf-reference", metavar="DIR",
                    help="compare with transformers' own model class loaded from this Hugging Face "
                         "checkpoint (float64; needs transformers) instead of megatron-core")
-    add_config_arguments(g, ParallelConfig, fields=("tp", "pp", "vpp", "cp",
+    add_config_arguments(g, ParallelConfig, fields=("tp", "pp", "vpp", "cp", "ep", "etp",
                                                     "sequence_parallel", "recompute"))
     g.add_argument("--steps", type=int, action=Bounded, bounds=(1, MAX_COUNT), default=1,
                    help="training steps to check, each a new batch (default: 1)")

@@ -84,7 +84,8 @@ def moe_kwargs(shape: ModelShape, parallel) -> dict:
               moe_router_topk=shape.moe_topk, moe_router_pre_softmax=not shape.moe_norm_topk,
               moe_router_load_balancing_type="seq_aux_loss" if coeff else "none",
               moe_aux_loss_coeff=coeff, moe_token_dispatcher_type="alltoall",
-              moe_grouped_gemm=False, expert_model_parallel_size=getattr(parallel, "ep", 1))
+              moe_grouped_gemm=False, expert_model_parallel_size=parallel.ep,
+              expert_tensor_parallel_size=parallel.expert_tp)
     if shape.moe_shared_expert_size:
         kw.update(moe_shared_expert_intermediate_size=shape.moe_shared_expert_size,
                   moe_shared_expert_gate=True)
@@ -146,6 +147,7 @@ def build_model(shape: ModelShape, config, job: Job, model_class: str = "gpt",
     to config.params_dtype."""
     from megatron_chunkflow.mcore.cpu import (
         fix_checkpoint_without_output,
+        fix_dispatcher_splits_on_cpu,
         fix_router_gemm_without_te,
     )
     from megatron_chunkflow.runtime.model import building_core_attention_without_cp
@@ -153,6 +155,7 @@ def build_model(shape: ModelShape, config, job: Job, model_class: str = "gpt",
     fix_checkpoint_without_output()  # selective layernorm recompute without Transformer Engine
     if config.num_moe_experts:
         fix_router_gemm_without_te()
+        fix_dispatcher_splits_on_cpu()
     # under CP, ChunkFlow's attention replaces the local one, which refuses CP when it is built
     with building_core_attention_without_cp(config.context_parallel_size):
         if model_class == "hybrid":

@@ -18,6 +18,8 @@ on CPU against megatron-core 0.16.1 and 0.19.2):
   transformer/utils.py masks, param_and_grad_buffer.py (0.19: a warm-up tensor on "cuda").
 - torch.cuda streams and events (0.19's param_and_grad_buffer.py start_grad_sync calls
   torch.cuda.current_stream() unconditionally; DDP's communication stream): already complete.
+- MoE (build.py, for a model with experts): the router's te_general_gemm (0.16.1), the
+  all-to-all dispatcher's split sizes (fix_dispatcher_splits_on_cpu).
 - optimizer/clip_grads.py clip_grad_by_total_norm_fp32 asserts grads are torch.cuda.FloatTensor; the
   CPU version below is the same scaling without that assert (looked up by optimizer/optimizer.py).
 """
@@ -189,6 +191,28 @@ def fix_router_gemm_without_te() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def fix_dispatcher_splits_on_cpu() -> None:
+    """The all-to-all dispatcher under expert parallelism (token_dispatcher.py
+    _maybe_dtoh_and_synchronize) moves its split sizes to the host as numpy arrays with
+    moe_utils.maybe_move_tensor_to_cpu, which converts only CUDA tensors: on CPU the splits stay
+    tensors, which torch.distributed.all_to_all_single refuses as split sizes. Here a host tensor
+    asked for as numpy becomes numpy too, as a device one would."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+    if not _INSTALLED or getattr(original, "_chunkflow_fixed", False):  # a GPU: as Megatron has it
+        return
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    maybe_move_tensor_to_cpu._chunkflow_fixed = True
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
 def install_cpu_shims() -> bool:

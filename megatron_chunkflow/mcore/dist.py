@@ -64,7 +64,8 @@ def init_distributed(parallel: ParallelConfig = ParallelConfig(), seed: int = 12
     global _OWNS_DEFAULT_GROUP, _GROUPS
     _OWNS_DEFAULT_GROUP = start_job() or _OWNS_DEFAULT_GROUP
     parallel.with_world(dist.get_world_size())
-    groups = (dist.get_world_size(), parallel.tp, parallel.pp, parallel.vpp, parallel.cp)
+    groups = (dist.get_world_size(), parallel.tp, parallel.pp, parallel.vpp, parallel.cp,
+              parallel.ep, parallel.expert_tp)
     if parallel_state.model_parallel_is_initialized() and groups == _GROUPS:
         # the same groups (another layout of one shape: sequence parallelism and recompute are
         # the model's): kept, the virtual stage reset as Megatron's initialisation leaves it
@@ -76,7 +77,8 @@ def init_distributed(parallel: ParallelConfig = ParallelConfig(), seed: int = 12
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
             virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp > 1 else None,
-            context_parallel_size=parallel.cp)
+            context_parallel_size=parallel.cp, expert_model_parallel_size=parallel.ep,
+            expert_tensor_parallel_size=parallel.expert_tp)
         _GROUPS = groups
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     return Job.from_megatron(parallel)

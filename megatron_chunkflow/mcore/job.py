@@ -16,6 +16,7 @@ project calls without groups, take the same groups from parallel_state themselve
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_chunkflow.config import ParallelConfig
@@ -55,6 +56,13 @@ class Job:
         if built != wanted:
             raise RuntimeError(f"Megatron's process groups (TP, CP, PP, VPP, DP) = {built} are "
                                f"not the layout's {wanted}")
+        ep = ps.get_expert_model_parallel_world_size()
+        if ep != parallel.ep:
+            raise RuntimeError(f"Megatron's expert-parallel group has {ep} ranks, the layout "
+                               f"{parallel.ep}")
+        if ep > 1:
+            ranks = dataclasses.replace(ranks, ep_dp_ranks=_group_dp_ranks(
+                ps.get_expert_model_parallel_group(), ranks.dp_rank))
         return cls(parallel.with_world(ranks.tp * ranks.cp * ranks.pp * ranks.dp), ranks,
                    ProcessGroupCollection.use_mpu_process_groups())
 
@@ -95,6 +103,19 @@ def tensor_parallel_of(gpt) -> tuple[int, int, object]:
         raise ValueError(f"{type(gpt).__name__} has no tensor-parallel group: build it on the "
                          "job's process groups (mcore/build.py build_gpt_model)")
     return group.size(), group.rank(), group
+
+
+def _group_dp_ranks(group, dp_rank: int) -> tuple[int, ...]:
+    """The distinct DP ranks of the members of `group` (an all-gather over it)."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_chunkflow.runtime.p2p import comm_device
+
+    mine = torch.tensor([dp_rank], dtype=torch.int64, device=comm_device())
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    return tuple(sorted({int(t) for t in everyone}))
 
 
 def _degrees(parallel: ParallelConfig, of_groups: tuple | None = None) -> tuple:

@@ -19,10 +19,26 @@ def full_model_name(stage_name: str, model) -> str:
     parts = stage_name.split(".")
     if parts[:2] == ["decoder", "layers"]:
         parts[2] = str(int(parts[2]) + layer_offset(model))
+        if parts[4:6] == ["experts", "local_experts"]:  # SequentialMLP's expert i of this rank
+            parts[6] = str(int(parts[6]) + expert_offset(model))
         stage_name = ".".join(parts)
     elif model.share_embeddings_and_output_weights and stage_name == "output_layer.weight":
         return "embedding.word_embeddings.weight"
     return gpt_layer_name(stage_name) if is_hybrid(model) else stage_name
+
+
+def expert_offset(model) -> int:
+    """The global index of this rank's first expert under expert parallelism (EP rank x the
+    experts per rank; 0 without EP)."""
+    config = model.config
+    ep = config.expert_model_parallel_size
+    if ep == 1:
+        return 0
+    group = getattr(getattr(model, "pg_collection", None), "ep", None)
+    if group is None:
+        raise ValueError(f"{type(model).__name__} has no expert-parallel group: build it on the "
+                         "job's process groups (mcore/build.py build_gpt_model)")
+    return group.rank() * (config.num_moe_experts // ep)
 
 
 def layer_offset(model) -> int:

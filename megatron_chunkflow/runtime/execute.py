@@ -27,6 +27,7 @@ import torch
 
 from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
 from megatron_chunkflow.core.costs import OpCosts
+from megatron_chunkflow.core.ep_align import aligned_plan
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.core.packer import build_chunks
 from megatron_chunkflow.core.schedule import state_aware_plan
@@ -50,9 +51,18 @@ def plan_step(sequences: Sequence[TokenSequence], chunkflow: ChunkFlowConfig,
     batch = build_chunks(batch_lengths(sequences), chunkflow.chunk_size, ranks.dp,
                          chunkflow.num_kept, shape, segment_multiple=parallel.segment_multiple,
                          chunk_multiple=parallel.chunk_padding)
-    chunks = batch.chunks_for_rank(ranks.dp_rank)
-    costs = OpCosts.from_model(chunks, shape, parallel.num_virtual_stages)
-    plan = state_aware_plan(chunks, parallel.pp, chunkflow.num_kept, costs, parallel.vpp)
+    if len(ranks.expert_dp_ranks) > 1:  # an expert group over DP ranks: one plan shape
+        if sparse is not None and sparse.enabled:
+            raise ValueError("--chunkflow-sparse-backward cannot run with expert parallelism "
+                             "across data-parallel ranks: the chunks it drops from backward "
+                             "would leave the expert group's all-to-alls out of step")
+        plan, costs = aligned_plan(batch, ranks.expert_dp_ranks, ranks.dp_rank, parallel.pp,
+                                   chunkflow.num_kept, shape, parallel.vpp,
+                                   filler_tokens=2 * parallel.cp * parallel.pad_multiple)
+    else:
+        chunks = batch.chunks_for_rank(ranks.dp_rank)
+        costs = OpCosts.from_model(chunks, shape, parallel.num_virtual_stages)
+        plan = state_aware_plan(chunks, parallel.pp, chunkflow.num_kept, costs, parallel.vpp)
     step = build_step(plan, sequences, chunkflow.chunk_size, device=device,
                       pad_multiple=parallel.pad_multiple, batch=batch, costs=costs,
                       cp_size=parallel.cp, cp_rank=ranks.cp_rank,
@@ -65,7 +75,8 @@ def plan_step(sequences: Sequence[TokenSequence], chunkflow: ChunkFlowConfig,
         step = sparsify(step, sparse.sparse_backward, seed, step_index)
     if chunkflow.reforward_attention != "recompute":  # runtime/reforward.py
         step.metas = {i: dataclasses.replace(m, reforward_attention=chunkflow.reforward_attention)
-                      if i in step.plan.recomputed and i not in step.forward_only else m
+                      if i in step.plan.recomputed and i not in step.forward_only
+                      and m.dependent else m
                       for i, m in step.metas.items()}
     return step
 

@@ -165,6 +165,8 @@ class SequenceBalance:
         self._layers[layer] = (coeff, config.num_moe_experts, router.topk,
                                config.tensor_model_parallel_size, config.num_layers, group)
         for s, key in enumerate(keys):
+            if stats[s, -1] == 0:  # no row of a sequence here: a filler chunk's padding
+                continue           # (core/ep_align.py)
             entry = self._table.get((layer, key))
             if entry is None:
                 entry = self._table[(layer, key)] = _Sequence(
@@ -193,7 +195,10 @@ class SequenceBalance:
         coeff, experts, topk, tp, _, _ = self._layers[layer]
         rows = []
         for key in keys:
-            entry = self._table[(layer, key)]
+            entry = self._table.get((layer, key))
+            if entry is None:  # a filler's padding: no sequence, no loss
+                rows.append(grad.new_zeros(experts, dtype=grad.dtype))
+                continue
             total = round(entry.rows)  # Megatron's total_num_tokens (local rows x TP x CP)
             scale = experts * coeff / (topk * total * total)
             # Megatron's weight as it stands without context parallelism: the sequence's rows on

@@ -1,7 +1,8 @@
 """Mixture of experts under ChunkFlow (runtime/moe.py), float64, against unchunked megatron-core
 (checks/verify.py: each sequence its own micro-batch): every gradient, the loss and the
 per-sequence balancing loss (`seq_aux_loss`), for Qwen3-MoE's, Qwen2-MoE's and Mixtral's switches,
-K 1 and 2, long sequences cut into 3 and 4 chunks, and under TP (sequence parallelism), PP, CP, DP.
+K 1 and 2, long sequences cut into 3 and 4 chunks, and under TP (sequence parallelism), PP, CP, DP
+and expert parallelism (over DP, beside TP with expert TP 1, PP and CP).
 """
 
 import pytest
@@ -18,7 +19,13 @@ SINGLE = {**{f: (f, "none") for f in FAMILIES},
           "full_recompute": ("tiny-qwen3-moe", "full"),
           "mlp_recompute": ("tiny-qwen3-moe", "selective:mlp")}
 LAYOUTS = {"tp2_sequence_parallel": dict(tp=2, sequence_parallel=True), "pp2": dict(pp=2),
-           "cp2": dict(cp=2), "dp2": dict()}
+           "cp2": dict(cp=2), "dp2": dict(),
+           # expert parallelism: over the DP ranks (their chunks run in step: core/ep_align.py),
+           # beside TP with expert TP 1 (the group inside a TP group), beside PP (over DP on each
+           # stage), beside CP (inside the CP group)
+           "ep2": dict(ep=2)}
+LAYOUTS_4 = {"ep2_tp2_sequence_parallel": dict(ep=2, etp=1, tp=2, sequence_parallel=True),
+             "ep2_pp2": dict(ep=2, pp=2), "ep2_cp2": dict(ep=2, cp=2)}
 BOUND = 1e-10
 
 
@@ -54,7 +61,7 @@ def _families(names):
 def _layouts(names):
     from megatron_chunkflow.mcore.dist import shutdown
 
-    out = {name: _verify("tiny-qwen3-moe", LAYOUTS[name]) for name in names}
+    out = {name: _verify("tiny-qwen3-moe", {**LAYOUTS, **LAYOUTS_4}[name]) for name in names}
     shutdown()
     return out
 
@@ -91,6 +98,19 @@ def layouts(gloo):
 def test_every_layout_is_exact(layouts, name):
     for k in (1, 2):
         _check(layouts[name][k])
+
+
+@pytest.fixture(scope="module")
+def layouts_4(gloo):
+    return gloo.run(_layouts, 4, list(LAYOUTS_4), timeout=900)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.release
+@pytest.mark.parametrize("name", list(LAYOUTS_4))
+def test_expert_parallel_layouts_on_four_ranks_are_exact(layouts_4, name):
+    for k in (1, 2):
+        _check(layouts_4[name][k])
 
 
 def _without_the_per_sequence_loss():
