@@ -234,7 +234,9 @@ def run(args: argparse.Namespace) -> int:
             f"{'HybridModel' if s.model_class == 'hybrid' else 'GPTModel'} of megatron-core "
             f"{compat.version_text()}), TP={p.tp} "
             + (f"CP={p.cp} " if p.cp > 1 else "") + f"PP={p.pp} "
-            f"DP={job.ranks.dp}, global batch {s.global_batch_size} sequences, "
+            f"DP={job.ranks.dp}"
+            + (f" EP={p.ep} ETP={p.expert_tp}" if p.ep > 1 else "")
+            + f", global batch {s.global_batch_size} sequences, "
             f"{s.train_iters} steps")
     if s.uses_chunkflow:  # a substitution said, not made silently
         from megatron_chunkflow.attention import resolve_backend

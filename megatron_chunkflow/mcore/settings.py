@@ -177,6 +177,14 @@ class TrainSettings:
                                                         "--context-parallel-size (--cp)")
         if self.parallel.cp > 1:
             self._check_context_parallel()
+        p = self.parallel
+        if not self.uses_chunkflow and (p.tp * p.cp) % (p.expert_tp * p.ep):
+            # an expert group over DP ranks: every rank must run as many micro-batches, which the
+            # stock baselines' packing does not give (observed: the all-to-all waits forever)
+            raise ValueError(f"--expert-model-parallel-size {p.ep} with --no-chunkflow: the expert "
+                             "group spans data-parallel ranks, whose stock micro-batch counts "
+                             "differ, and its all-to-all needs them in step; keep EP x expert TP "
+                             f"within TP x CP = {p.tp * p.cp}, or train with ChunkFlow")
         if (self.parallel.vpp > 1 and self.parallel.pp == 2 and not self.uses_chunkflow
                 and self.system != "megatron-sft"):
             # core_v0.16.1's interleaved schedule exchanges variable shapes with both neighbours

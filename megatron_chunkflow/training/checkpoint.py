@@ -362,7 +362,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler,
 
 # what dist_checkpointing says when intact files hold another layout than the run's
 MISMATCH = ("shape mismatch", "Cannot merge", "Missing key", "Unexpected key", "not found in the "
-            "checkpoint", "size mismatch", "does not match")
+            "checkpoint", "size mismatch", "does not match", "not in state dict")
 
 
 @contextlib.contextmanager

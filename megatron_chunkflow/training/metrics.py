@@ -76,11 +76,13 @@ class StepLog:
 
     def __call__(self, m: dict) -> None:
         done = int(20 * m["step"] / self.total)
+        units = self.unit if m["num_chunks"] == 1 else \
+            self.unit + ("es" if self.unit.endswith("h") else "s")  # micro-batches, chunks
         if not self.quiet:
             print(f"step {m['step']:>4}/{self.total} [{'#' * done}{'.' * (20 - done)}] "
                   f"loss {m['loss']:.4f} | {m['tokens_per_s']:,.0f} tok/s | "
                   f"{m['model_tflops']:.3f} TFLOP/s | peak {m['peak_mem_bytes'] / 2**30:.2f} GiB | "
-                  f"{m['num_chunks']} {self.unit}{'s' if m['num_chunks'] != 1 else ''} | "
+                  f"{m['num_chunks']} {units} | "
                   f"lr {m['lr']:.2e}{_moe_note(m)}{_cp_note(m)}{_sparse_note(m)}",
                   file=sys.stderr, flush=True)
         row = {k: m[k] for k in FIELDS if k in m}

@@ -24,7 +24,7 @@ SCHEDULE = {"lr": "--lr", "min_lr": "--min-lr", "lr_warmup_iters": "--lr-warmup-
 def compare_settings(saved: dict, given: dict, iteration: int, root: str,
                      override_schedule: bool = False) -> list[str]:
     """The checkpoint's settings against this run's, before anything is loaded: ValueError for a
-    contradiction that cannot be honoured (another model shape or TP/CP/PP layout, another --seed,
+    contradiction that cannot be honoured (another model shape or TP/CP/PP/EP layout, another --seed,
     nothing left to train), else notes saying which value wins where they differ.
     `override_schedule`: --override-lr-schedule (this run's schedule wins)."""
     where = f"--load {root} (iteration {iteration})"
@@ -33,11 +33,13 @@ def compare_settings(saved: dict, given: dict, iteration: int, root: str,
                 if saved["shape"].get(k) != v}
         raise ValueError(f"{where} holds another model: " + ", ".join(
             f"{k} {a} there, {b} here" for k, (a, b) in diff.items()))
-    for key, flag in (("tp", "--tensor-model-parallel-size"),
-                      ("pp", "--pipeline-model-parallel-size"),
-                      ("vpp", "--num-virtual-stages-per-pipeline-rank"),
-                      ("cp", "--context-parallel-size")):
-        a, b = saved["parallel"].get(key, 1), given["parallel"].get(key, 1)
+    for key, flag, default in (("tp", "--tensor-model-parallel-size", 1),
+                               ("pp", "--pipeline-model-parallel-size", 1),
+                               ("vpp", "--num-virtual-stages-per-pipeline-rank", 1),
+                               ("cp", "--context-parallel-size", 1),
+                               ("ep", "--expert-model-parallel-size", 1),
+                               ("etp", "--expert-tensor-parallel-size", None)):
+        a, b = saved["parallel"].get(key, default), given["parallel"].get(key, default)
         if a != b:
             raise ValueError(f"{where} was saved with {flag} {a}; this run has {b}: the "
                              f"checkpoint's shards are laid out for {flag} {a} (give {a})")

@@ -47,6 +47,11 @@ def test_empty_dataset(capsys, tmp_path):
     (["--cp", "2", "--attention-backend", "flex"], "--attention-backend flex: context "
                                                    "parallelism recomputes attention"),
     (["--cp", "2", "--no-chunkflow"], "--context-parallel-size 2 with --no-chunkflow"),
+    (["--model", "qwen3-moe-tiny", "--ep", "2", "--no-chunkflow"],
+     "--expert-model-parallel-size 2 with --no-chunkflow: the expert group spans data-parallel"),
+    (["--ep", "2"], "--expert-model-parallel-size (--ep) is for a mixture-of-experts model"),
+    (["--model", "qwen3-moe-tiny", "--tp", "2", "--sequence-parallel", "--etp", "1"],
+     "--expert-tensor-parallel-size (--etp) 1 != --tensor-model-parallel-size (--tp) 2 needs"),
     (["--cp", "0"], "--cp must be >= 1, got 0"),
     (["--vpp", "2"], "--num-virtual-stages-per-pipeline-rank (--vpp) 2 needs "
                      "--pipeline-model-parallel-size (--pp) >= 2"),

@@ -175,6 +175,42 @@ def test_train_on_sharegpt_logs_the_balancing_loss_and_each_experts_load(gloo, t
     assert "| balancing loss " in err and "expert load max " in err
 
 
+def _training_losses(layout):
+    """Six float64 steps of `chunkflow train`'s loop, ChunkFlow and stock megatron-unpacked (each
+    sequence its own micro-batch: the grouping the per-sequence balancing loss is), same data."""
+    from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+    from megatron_chunkflow.core.models import get_model_shape
+    from megatron_chunkflow.data.synthetic import make_sequences
+    from megatron_chunkflow.mcore.dist import init_distributed, shutdown
+    from megatron_chunkflow.mcore.settings import OptimizerConfig, TrainSettings
+    from megatron_chunkflow.training.loop import train
+
+    lengths = [70, 6, 34, 100, 12, 64, 2, 16, 48, 10, 130, 22, 8, 90, 4, 40, 56, 12]
+    out = []
+    for system in ("chunkflow", "megatron-unpacked"):
+        s = TrainSettings(shape=get_model_shape("tiny-qwen3-moe"), model_name="tiny-qwen3-moe",
+                          train_iters=6, global_batch_size=6, seq_length=160,
+                          chunkflow=ChunkFlowConfig(16, 1), dtype="float64", seed=5,
+                          optimizer=OptimizerConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=1),
+                          parallel=ParallelConfig(**layout), system=system)
+        job = init_distributed(s.parallel, s.seed)
+        out.append([m["loss"] for m in train(s, job, make_sequences(lengths, 1000, seed=3))])
+    shutdown()
+    return out
+
+
+@pytest.mark.slow
+def test_expert_parallel_training_is_stock_megatrons_step_by_step(gloo):
+    """TP 2 with sequence parallelism, EP 2, expert TP 1 (experts split over the TP pair): six
+    Adam steps of ChunkFlow and of stock Megatron, float64, the same loss at every step (the
+    gradients, their reduction over the expert data-parallel group and the optimizer's state)."""
+    chunkflow, stock = gloo.run(_training_losses, 2, dict(tp=2, sequence_parallel=True, ep=2,
+                                                          etp=1), timeout=900)[0]
+    assert chunkflow[-1] < chunkflow[0]
+    for step, (a, b) in enumerate(zip(chunkflow, stock), start=1):
+        assert a == pytest.approx(b, rel=1e-10), f"step {step}: {a} vs {b}"
+
+
 @pytest.mark.parametrize("command", ["simulate", "plan", "memory"])
 def test_the_cost_and_memory_models_refuse_an_moe_model_by_name(command, capsys):
     """Their formulas are a dense model's: an MoE model gets an error naming it, not numbers."""

@@ -207,3 +207,15 @@ def test_a_checkpoint_never_runs_code_when_loaded(tmp_path):
     torch.save({"scheduler": {}, "rng": {"numpy": np.random.get_state()}, "iteration": 1,
                 "consumed": 0, "settings": {}}, path)
     assert read_extra_state(path)["rng"]["numpy"][0] == "MT19937"
+
+
+def test_another_expert_layout_is_refused_before_loading():
+    """Expert-parallel shards are laid out per EP rank: another EP is named, not attempted (an
+    older checkpoint without the field reads as EP 1)."""
+    moe = dict(shape=get_model_shape("tiny-qwen3-moe"), model_name="tiny-qwen3-moe")
+    saved = _settings(**moe)
+    del saved["parallel"]["ep"], saved["parallel"]["etp"]
+    assert compare_settings(saved, _settings(**moe), 10, "ckpt") == []
+    with pytest.raises(ValueError, match=re.escape(
+            "saved with --expert-model-parallel-size 1; this run has 2")):
+        compare_settings(saved, _settings(**moe, parallel=ParallelConfig(ep=2)), 10, "ckpt")

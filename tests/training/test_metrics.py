@@ -31,6 +31,7 @@ def test_tensorboard_tags_are_megatron_lms(tmp_path, capsys):
 
 def test_the_progress_line_names_what_a_step_runs(capsys):
     StepLog(LogConfig(), total_steps=2, unit="micro-batch")({**RECORD, "num_chunks": 1})
+    StepLog(LogConfig(), total_steps=2, unit="micro-batch")({**RECORD, "num_chunks": 2})
     StepLog(LogConfig(), total_steps=2)(RECORD)
     err = capsys.readouterr().err
-    assert "| 1 micro-batch |" in err and "| 3 chunks |" in err
+    assert "| 1 micro-batch |" in err and "| 2 micro-batches |" in err and "| 3 chunks |" in err
