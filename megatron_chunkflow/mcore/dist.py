@@ -114,7 +114,7 @@ def _destroy_model_parallel() -> None:
 # what every rank of a CPU job imports, imported once by process_context's forkserver
 PRELOAD = ["torch", "megatron.core.models.gpt", "megatron.core.optimizer",
            "megatron.core.distributed", "megatron.core.pipeline_parallel",
-           "megatron_chunkflow.mcore.step"]
+           "megatron_chunkflow.mcore.step", "megatron_chunkflow.mcore.forkserver_ready"]
 
 
 def process_context():
