@@ -126,6 +126,10 @@ def _warm() -> None:
     if (MEGATRON_LM / "pretrain_gpt.py").is_file():
         sys.path.insert(0, str(MEGATRON_LM))
         import megatron.training.training  # noqa: F401
+    import gc
+
+    gc.collect()
+    gc.freeze()  # ranks' collections leave the inherited objects (and their pages) alone
 
 
 def _rank(module: str, argv: list[str], env: dict, cwd: str, out: str, err: str) -> None:
