@@ -178,6 +178,10 @@ class TrainSettings:
         if self.parallel.cp > 1:
             self._check_context_parallel()
         p = self.parallel
+        if self.sparse.enabled and (p.tp * p.cp) % (p.expert_tp * p.ep):
+            raise ValueError(f"--chunkflow-sparse-backward with --expert-model-parallel-size "
+                             f"{p.ep} across data-parallel ranks: the chunks it leaves out of "
+                             "backward would put the expert group's all-to-alls out of step")
         if not self.uses_chunkflow and (p.tp * p.cp) % (p.expert_tp * p.ep):
             # an expert group over DP ranks: every rank must run as many micro-batches, which the
             # stock baselines' packing does not give (observed: the all-to-all waits forever)

@@ -50,6 +50,8 @@ def test_empty_dataset(capsys, tmp_path):
     (["--model", "qwen3-moe-tiny", "--ep", "2", "--no-chunkflow"],
      "--expert-model-parallel-size 2 with --no-chunkflow: the expert group spans data-parallel"),
     (["--ep", "2"], "--expert-model-parallel-size (--ep) is for a mixture-of-experts model"),
+    (["--model", "qwen3-moe-tiny", "--ep", "2", "--chunkflow-sparse-backward", "2"],
+     "--chunkflow-sparse-backward with --expert-model-parallel-size 2 across data-parallel"),
     (["--model", "qwen3-moe-tiny", "--tp", "2", "--sequence-parallel", "--etp", "1"],
      "--expert-tensor-parallel-size (--etp) 1 != --tensor-model-parallel-size (--tp) 2 needs"),
     (["--cp", "0"], "--cp must be >= 1, got 0"),
