@@ -29,13 +29,11 @@ RUN = $(WITH_MCORE) MEGATRON_LM_DIR=$(MEGATRON_LM_DIR)
 .PHONY: demo plan test test-fast test-medium test-release bench bench-cpu clean megatron-lm \
 	megatron-lm-slim configs gpu-wheels
 
-# --no-compile: Python compiles a module when it is first imported (a third of the install's time
-# went to compiling the parts of torch and transformers nothing here imports)
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet --no-compile "$(TORCH)"
-	$(BIN)/pip install --quiet --no-compile -e .
+	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet -e .
 	touch $(STAMP)
 
 # another megatron-core release over the virtualenv's (MCORE=...); its Python requirement is
@@ -43,14 +41,14 @@ $(STAMP): setup.py
 ifneq ($(MCORE),)
 $(MCORE_STAMP): | $(STAMP)
 	rm -rf $(MCORE_DIR)
-	$(BIN)/pip install --quiet --no-compile --no-deps --ignore-requires-python --target $(MCORE_DIR) \
+	$(BIN)/pip install --quiet --no-deps --ignore-requires-python --target $(MCORE_DIR) \
 		"megatron-core==$(MCORE)" triton
 	touch $@
 endif
 
 # the test extra (pytest, hypothesis, transformers for the Hugging Face checks) on top
 $(TEST_STAMP): $(STAMP)
-	$(BIN)/pip install --quiet --no-compile -e ".[test]"
+	$(BIN)/pip install --quiet -e ".[test]"
 	touch $(TEST_STAMP)
 
 # The main job on its embedded default: fine-tune a tiny Qwen2.5-architecture model on real
