@@ -23,6 +23,7 @@ the packer's balancing keeps small.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 from megatron_chunkflow.core.costs import OpCosts
@@ -77,22 +78,17 @@ def aligned_plan(batch: ChunkBatch, dp_ranks: Sequence[int], dp_rank: int, num_s
     plan = state_aware_plan(template, num_stages, num_kept, costs, num_model_chunks)
 
     sequences, standalone = structures[dp_rank]
-    next_id = len(batch.chunks)  # fillers numbered after the global batch's chunks
+    ids = itertools.count(len(batch.chunks))  # fillers numbered after the global batch's chunks
+
+    def fillers(n: int) -> list[DataChunk]:
+        return [filler_chunk(next(ids), filler_tokens, dp_rank) for _ in range(n)]
+
     slots: list[DataChunk] = []
     for j, n in enumerate(lengths):
         own = sequences[j] if j < len(sequences) else []
-        for i in range(n - len(own)):
-            slots.append(filler_chunk(next_id, filler_tokens, dp_rank))
-            next_id += 1
-        slots += own
-    for i in range(num_standalone):
-        if i < len(standalone):
-            slots.append(standalone[i])
-        else:
-            slots.append(filler_chunk(next_id, filler_tokens, dp_rank))
-            next_id += 1
-    ids = [c.id for c in slots]
-    stages = tuple(tuple(Op(op.kind, ids[op.chunk], op.model_chunk) for op in ops)
+        slots += fillers(n - len(own)) + own
+    slots += standalone + fillers(num_standalone - len(standalone))
+    stages = tuple(tuple(Op(op.kind, slots[op.chunk].id, op.model_chunk) for op in ops)
                    for ops in plan.stages)
     own_costs = OpCosts.from_model(slots, shape, virtual)
     return PipelinePlan(stages, tuple(slots), num_model_chunks), own_costs

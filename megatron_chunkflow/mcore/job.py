@@ -61,7 +61,7 @@ class Job:
             raise RuntimeError(f"Megatron's expert-parallel group has {ep} ranks, the layout "
                                f"{parallel.ep}")
         if ep > 1:
-            ranks = dataclasses.replace(ranks, ep_dp_ranks=_group_dp_ranks(
+            ranks = dataclasses.replace(ranks, expert_dp_ranks=_group_dp_ranks(
                 ps.get_expert_model_parallel_group(), ranks.dp_rank))
         return cls(parallel.with_world(ranks.tp * ranks.cp * ranks.pp * ranks.dp), ranks,
                    ProcessGroupCollection.use_mpu_process_groups())

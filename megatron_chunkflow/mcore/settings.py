@@ -178,11 +178,12 @@ class TrainSettings:
         if self.parallel.cp > 1:
             self._check_context_parallel()
         p = self.parallel
-        if self.sparse.enabled and (p.tp * p.cp) % (p.expert_tp * p.ep):
+        experts_span_dp = (p.tp * p.cp) % (p.expert_tp * p.ep) != 0  # beyond one replica
+        if self.sparse.enabled and experts_span_dp:
             raise ValueError(f"--chunkflow-sparse-backward with --expert-model-parallel-size "
                              f"{p.ep} across data-parallel ranks: the chunks it leaves out of "
                              "backward would put the expert group's all-to-alls out of step")
-        if not self.uses_chunkflow and (p.tp * p.cp) % (p.expert_tp * p.ep):
+        if not self.uses_chunkflow and experts_span_dp:
             # an expert group over DP ranks: every rank must run as many micro-batches, which the
             # stock baselines' packing does not give (observed: the all-to-all waits forever)
             raise ValueError(f"--expert-model-parallel-size {p.ep} with --no-chunkflow: the expert "

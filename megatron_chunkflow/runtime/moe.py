@@ -197,7 +197,7 @@ class SequenceBalance:
         for key in keys:
             entry = self._table.get((layer, key))
             if entry is None:  # a filler's padding: no sequence, no loss
-                rows.append(grad.new_zeros(experts, dtype=grad.dtype))
+                rows.append(grad.new_zeros(experts))
                 continue
             total = round(entry.rows)  # Megatron's total_num_tokens (local rows x TP x CP)
             scale = experts * coeff / (topk * total * total)

@@ -25,13 +25,7 @@ class Ranks:
     pp_rank: int = 0
     dp: int = 1
     dp_rank: int = 0
-    # mixture of experts: the DP ranks of this rank's expert-parallel group, which must run
-    # their chunks in step (core/ep_align.py); this rank's alone without expert parallelism
-    # across DP
-    ep_dp_ranks: tuple[int, ...] | None = None
-
-    @property
-    def expert_dp_ranks(self) -> tuple[int, ...]:
-        """The DP ranks whose chunks this rank's expert group runs in step (its own alone where
-        the group stays inside one model replica)."""
-        return self.ep_dp_ranks or (self.dp_rank,)
+    # mixture of experts: the DP ranks of this rank's expert-parallel group, which run their
+    # chunks in step where there are several (core/ep_align.py); empty without expert
+    # parallelism
+    expert_dp_ranks: tuple[int, ...] = ()
