@@ -13,10 +13,13 @@ import pytest
 
 # The slow tier's budget: the sum of its tests' durations (setup, call and teardown) in a run of
 # the whole suite on 2 cores (README, "Tests"). A whole run (`make test`, what CI runs) that
-# passes it by more than 20% fails, naming the slowest tests: a new feature adds cases to the
+# passes it by more than 35% fails, naming the slowest tests: a new feature adds cases to the
 # existing jobs (tests/checks/test_exact.py's groups, tests/megatron_lm/refusals.py), not jobs.
-SLOW_TIER_BUDGET_S = 1300.0  # measured 972-1,285 s on 2026-12-07, one machine (README)
-SLOW_TIER_SLACK = 1.2
+# The slack is the spread of this shared machine: one suite measured 972 and 1,285 s an hour
+# apart, another 1,400 and 1,694 s (2026-12-08); a real regression (pip --no-compile: 2,054 s)
+# still fails.
+SLOW_TIER_BUDGET_S = 1450.0  # measured 1,400 s at 4439afb on a quiet machine (README)
+SLOW_TIER_SLACK = 1.35
 _SLOW: dict[str, float] = {}
 
 
@@ -39,7 +42,7 @@ def pytest_sessionfinish(session, exitstatus):
     lines = [f"the slow tier ({len(_SLOW)} tests) took {total:.0f} s of its "
              f"{SLOW_TIER_BUDGET_S:.0f} s budget (tests/conftest.py)"]
     if over:
-        lines[0] += f", more than {SLOW_TIER_SLACK:.1f} x; the slowest:"
+        lines[0] += f", more than {SLOW_TIER_SLACK:g} x; the slowest:"
         slowest = sorted(_SLOW.items(), key=lambda kv: -kv[1])[:10]
         lines += [f"  {d:7.1f} s  {nodeid}" for nodeid, d in slowest]
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
