@@ -249,3 +249,17 @@ def balancing_loss_scale(grad, local_rows: int, group_size: int):
     if installed() >= (0, 19, 0):
         return (grad * group_size) * local_rows
     return grad * local_rows
+
+
+def reset_moe_metrics() -> None:
+    """Empty megatron-core's process-wide MoE logging tracker, whose entries are sized by the
+    layer count of the first model that records one: 0.18 moved it into moe_logging's
+    MoEMetricsTracker (destroy_moe_metrics_tracker); before, a dict in moe_utils."""
+    if installed() >= (0, 18, 0):
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+        destroy_moe_metrics_tracker()
+    else:
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        get_moe_layer_wise_logging_tracker().clear()

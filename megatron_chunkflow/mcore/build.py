@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from megatron_chunkflow import compat
 from megatron_chunkflow.core.models import ModelShape
 from megatron_chunkflow.mcore.job import Job
 from megatron_chunkflow.mcore.names import full_model_name
@@ -156,6 +157,10 @@ def build_model(shape: ModelShape, config, job: Job, model_class: str = "gpt",
     if config.num_moe_experts:
         fix_router_gemm_without_te()
         fix_dispatcher_splits_on_cpu()
+        # Megatron's MoE logging tracker is one per process, each loss sized by the layers of the
+        # first model that logged it: a model built after another (verify's reference and
+        # layouts, a notebook) starts it empty
+        compat.reset_moe_metrics()
     # under CP, ChunkFlow's attention replaces the local one, which refuses CP when it is built
     with building_core_attention_without_cp(config.context_parallel_size):
         if model_class == "hybrid":

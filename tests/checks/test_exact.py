@@ -6,11 +6,14 @@ Each layout runs over several steps whose chunk counts differ (real GPTModel, DD
 forward_backward_no_pipelining as the reference; see checks/verify.py); the tests then assert on
 the results. Layouts of one process-group shape (world, TP, PP, CP, virtual stages) run as one
 call of the session's long-lived gloo job, on one set of Megatron's groups, against one
-reference per model and batch (run_verify memoizes it).
+reference per model and batch (run_verify memoizes it). The models are the tiny presets with two
+layers, or one per model chunk where a pipeline has more (tests/models.py).
 """
 
 import pytest
 import torch
+
+from tests.models import tiny
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +35,7 @@ SINGLE = {
     "recompute_selective": ("tiny", [MIXED], 2, torch.float64, "torch", (), "selective"),
     "recompute_mlp_layernorm": ("tiny", [MIXED], 1, torch.float64, "auto", (),
                                 "selective:mlp+layernorm"),
-    "recompute_block": ("tiny", [MIXED, DEPENDENT], 2, torch.float64, "auto", (), "block:2"),
+    "recompute_block": ("tiny", [MIXED, DEPENDENT], 2, torch.float64, "auto", (), "block:1"),
     "k1": ("tiny", STEPS, 1, torch.float64, "torch", ()),
     "k2": ("tiny", [MIXED, DEPENDENT], 2, torch.float64, "torch", ()),
     "k_ge_n": ("tiny", [MIXED], 8, torch.float64, "torch", ()),
@@ -162,7 +165,6 @@ def _summary(results):
 def _run_single(names):
     from megatron_chunkflow.checks.verify import run_verify
     from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
-    from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.mcore.dist import shutdown
 
     out = {}
@@ -171,7 +173,7 @@ def _run_single(names):
         parallel = ParallelConfig(recompute=recompute[0] if recompute else "none")
         config = ChunkFlowConfig(C, k, backend, loss_piece=LOSS_PIECE.get(name, 0),
                                  reforward_attention=REFORWARD.get(name, "recompute"))
-        out[name] = _summary(run_verify(get_model_shape(model), steps, config, parallel, dtype,
+        out[name] = _summary(run_verify(tiny(model), steps, config, parallel, dtype,
                                         seed=1, fully_masked=masked,
                                         model_class=model_class(name)))
     shutdown()
@@ -210,13 +212,12 @@ def _run_group(names):
 def _run_layout(name):
     from megatron_chunkflow.checks.verify import run_verify
     from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
-    from megatron_chunkflow.core.models import get_model_shape
 
     _, tp, pp, sp, ks, steps, *extra = LAYOUTS[name]
     cp, recompute, backend = (*extra, *(1, "none", "torch")[len(extra):])
     parallel = ParallelConfig(tp=tp, pp=pp, cp=cp, sequence_parallel=sp, recompute=recompute,
                               vpp=VIRTUAL.get(name, 1))
-    shape = get_model_shape(MODELS.get(name, "tiny"))
+    shape = tiny(MODELS.get(name, "tiny"), stages=pp * VIRTUAL.get(name, 1))
     cp_kv = "replicated" if name.endswith(("_replicated", "_replicated_sdpa")) else "sharded"
     cp_attention = "gather" if name.endswith("_gather") else "ring"
     placement = "split" if name.endswith("_split") else "hybrid"

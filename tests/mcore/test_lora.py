@@ -19,6 +19,7 @@
 import pytest
 
 from megatron_chunkflow.config import ParallelConfig
+from tests.models import tiny
 
 pytestmark = pytest.mark.slow
 
@@ -44,11 +45,10 @@ def _summary(results):
 def _verify_single():
     from megatron_chunkflow.checks.verify import run_verify
     from megatron_chunkflow.config import ChunkFlowConfig
-    from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.mcore.dist import shutdown
     from megatron_chunkflow.mcore.lora import LoRAConfig
 
-    out = {name: _summary(run_verify(get_model_shape("tiny"), steps,
+    out = {name: _summary(run_verify(tiny("tiny"), steps,
                                      ChunkFlowConfig(C, k, "torch"),
                                      ParallelConfig(recompute=recompute), seed=1,
                                      lora=LoRAConfig(rank=4, targets=targets)))
@@ -60,11 +60,10 @@ def _verify_single():
 def _verify_layout(tp, pp, sp, vpp=1):
     from megatron_chunkflow.checks.verify import run_verify
     from megatron_chunkflow.config import ChunkFlowConfig
-    from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.mcore.dist import shutdown
     from megatron_chunkflow.mcore.lora import LoRAConfig
 
-    out = _summary(run_verify(get_model_shape("tiny"), [MIXED, DEPENDENT],
+    out = _summary(run_verify(tiny("tiny", pp * vpp), [MIXED, DEPENDENT],
                               ChunkFlowConfig(C, 1, "torch"),
                               ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp, vpp=vpp),
                               seed=2, lora=LoRAConfig(rank=4)))
@@ -72,12 +71,12 @@ def _verify_layout(tp, pp, sp, vpp=1):
     return out
 
 
-def _check(name, rows, targets="qkv,proj,fc1,fc2"):
+def _check(name, rows, targets="qkv,proj,fc1,fc2", layers=2):
     for step, (err, worst, loss_ref, loss_cf, params) in enumerate(rows):
         assert err <= 1e-10, f"{name} step {step}: max relative grad error {err:.2e} at {worst}"
         assert loss_cf == pytest.approx(loss_ref, rel=1e-10)
         assert params and all(".lora_" in p for p in params)  # adapters only: the base is frozen
-        assert len(params) == 4 * 2 * len(targets.split(","))
+        assert len(params) == layers * 2 * len(targets.split(","))
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +93,7 @@ def test_lora_chunked_equals_unchunked(single_results, name):
 def test_lora_chunked_equals_unchunked_layout(gloo, name):
     tp, pp, *rest = LAYOUTS[name]
     for rows in gloo.run(_verify_layout, tp * pp, tp, pp, *rest, timeout=900):
-        _check(name, rows)
+        _check(name, rows, layers=tiny("tiny", pp * (rest[1] if len(rest) > 1 else 1)).num_layers)
 
 
 def _full_grads(job, model):
@@ -115,7 +114,6 @@ def _tp_invariance():
     import torch
 
     from megatron_chunkflow.config import ChunkFlowConfig
-    from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.data.synthetic import make_sequences
     from megatron_chunkflow.mcore.build import build_gpt_model, transformer_config, wrap_ddp
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
@@ -125,7 +123,7 @@ def _tp_invariance():
     from megatron_chunkflow.runtime.loss import global_loss, make_forward_step
     from megatron_chunkflow.runtime.model import apply_chunkflow
 
-    shape = get_model_shape("tiny")
+    shape = tiny("tiny")
     sequences = make_sequences(MIXED, shape.vocab_size, seed=4)
     base, out = None, {}
     for tp, sp in [(1, False), (2, False), (2, True)]:
@@ -170,10 +168,10 @@ def test_lora_is_tensor_parallel_invariant_and_merges(gloo):
     for per_rank in ranks:
         for (tp, sp), (loss, errors, merge_err, merged, left) in per_rank.items():
             assert loss == pytest.approx(ref_loss, rel=1e-12), (tp, sp)
-            assert len(errors) == 32  # 4 layers x 4 targets x (A, B), gradients all nonzero
+            assert len(errors) == 16  # 2 layers x 4 targets x (A, B), gradients all nonzero
             for name, err in errors:
                 assert err <= 1e-10, (tp, sp, name, err)
-            assert merged == 16 and not left
+            assert merged == 8 and not left  # 2 layers x 4 targets
             assert merge_err <= 1e-12, (tp, sp, merge_err)
 
 
@@ -182,11 +180,10 @@ TRAIN_LENGTHS = [70, 5, 33, 100, 12, 64, 2, 16, 48, 9, 130, 21, 7, 90, 3, 40, 55
 
 def _settings(warmup: int = 1, **kw):
     from megatron_chunkflow.config import ChunkFlowConfig
-    from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.mcore.lora import LoRAConfig
     from megatron_chunkflow.mcore.settings import OptimizerConfig, TrainSettings
 
-    base = dict(shape=get_model_shape("tiny"), model_name="tiny", train_iters=6,
+    base = dict(shape=tiny("tiny"), model_name="tiny", train_iters=6,
                 global_batch_size=6, seq_length=160, chunkflow=ChunkFlowConfig(C, 1),
                 optimizer=OptimizerConfig(lr=3e-2, min_lr=3e-3, lr_warmup_iters=warmup),
                 dtype="float64", seed=5, lora=LoRAConfig(rank=4))
@@ -240,8 +237,8 @@ def test_lora_training(gloo, tmp_path):
     checkpoint with adapters and their optimizer state; --save-hf exports merged weights."""
     out = gloo.run(_train, 1, str(tmp_path / "ckpt"), str(tmp_path / "hf"),
                         timeout=900)[0]
-    assert len(out["trainable"]) == 32 and all(".lora_" in n for n in out["trainable"])
-    assert out["optimizer_params"] == 32
+    assert len(out["trainable"]) == 16 and all(".lora_" in n for n in out["trainable"])
+    assert out["optimizer_params"] == 16  # 2 layers x 4 targets x (A, B)
     assert out["changed"] and set(out["changed"]) <= set(out["trainable"])
     assert len(out["chunkflow"]) == len(out["megatron"]) == 6
     for step, (a, b) in enumerate(zip(out["chunkflow"], out["megatron"]), start=1):

@@ -2,10 +2,13 @@
 (checks/verify.py: each sequence its own micro-batch): every gradient, the loss and the
 per-sequence balancing loss (`seq_aux_loss`), for Qwen3-MoE's, Qwen2-MoE's and Mixtral's switches,
 K 1 and 2, long sequences cut into 3 and 4 chunks, and under TP (sequence parallelism), PP, CP, DP
-and expert parallelism (over DP, beside TP with expert TP 1, PP and CP).
+and expert parallelism (over DP, beside TP with expert TP 1, PP and CP). The models have two
+layers (tests/models.py).
 """
 
 import pytest
+
+from tests.models import tiny
 
 C = 32
 # even lengths: megatron-core runs MoE under TP only with sequence parallelism, which the
@@ -39,9 +42,8 @@ def _verify(model, layout, ks=(1, 2)):
 
     from megatron_chunkflow.checks.verify import run_verify
     from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
-    from megatron_chunkflow.core.models import get_model_shape
 
-    results = run_verify(get_model_shape(model), [MIXED, DEPENDENT],
+    results = run_verify(tiny(model), [MIXED, DEPENDENT],
                          [ChunkFlowConfig(C, k, "torch") for k in ks], ParallelConfig(**layout),
                          torch.float64, seed=1)
     return {k: _summary(rows) for k, rows in zip(ks, results)}
@@ -134,6 +136,30 @@ def test_the_control_without_per_sequence_counts_is_caught(gloo):
     assert packed[5] != pytest.approx(packed[4], rel=1e-4)
 
 
+def _two_depths():
+    """A 2-layer MoE model, then the 4-layer preset, in one process (Megatron's MoE logging
+    tracker is process-wide, sized by the first model's layers)."""
+    import torch
+
+    from megatron_chunkflow.checks.verify import run_verify
+    from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+    from megatron_chunkflow.core.models import get_model_shape
+    from megatron_chunkflow.mcore.dist import shutdown
+
+    out = [_summary(run_verify(shape, [DEPENDENT], ChunkFlowConfig(C, 1, "torch"), ParallelConfig(),
+                               torch.float64, seed=1))
+           for shape in (tiny("tiny-qwen3-moe"), get_model_shape("tiny-qwen3-moe"))]
+    shutdown()
+    return out
+
+
+@pytest.mark.slow
+def test_models_of_other_depths_run_one_after_another_in_one_process(gloo):
+    shallow, deep = gloo.run(_two_depths, 1, timeout=600)[0]
+    _check(shallow)
+    _check(deep)
+
+
 @pytest.mark.parametrize("overrides, flag", [
     (dict(moe_router_load_balancing_type="aux_loss"), "--moe-router-load-balancing-type aux_loss"),
     (dict(moe_router_load_balancing_type="global_aux_loss"),
@@ -179,7 +205,6 @@ def _training_losses(layout):
     """Six float64 steps of `chunkflow train`'s loop, ChunkFlow and stock megatron-unpacked (each
     sequence its own micro-batch: the grouping the per-sequence balancing loss is), same data."""
     from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
-    from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.data.synthetic import make_sequences
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
     from megatron_chunkflow.mcore.settings import OptimizerConfig, TrainSettings
@@ -188,7 +213,7 @@ def _training_losses(layout):
     lengths = [70, 6, 34, 100, 12, 64, 2, 16, 48, 10, 130, 22, 8, 90, 4, 40, 56, 12]
     out = []
     for system in ("chunkflow", "megatron-unpacked"):
-        s = TrainSettings(shape=get_model_shape("tiny-qwen3-moe"), model_name="tiny-qwen3-moe",
+        s = TrainSettings(shape=tiny("tiny-qwen3-moe"), model_name="tiny-qwen3-moe",
                           train_iters=6, global_batch_size=6, seq_length=160,
                           chunkflow=ChunkFlowConfig(16, 1), dtype="float64", seed=5,
                           optimizer=OptimizerConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=1),

@@ -8,6 +8,8 @@ SpaCO's gradients themselves are checked in tests/checks/test_sparse.py.
 
 import pytest
 
+from tests.models import tiny
+
 pytestmark = pytest.mark.slow
 
 C = 16
@@ -15,7 +17,6 @@ C = 16
 
 def _train(ckpt):
     from megatron_chunkflow.config import ChunkFlowConfig
-    from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.data.synthetic import make_sequences
     from megatron_chunkflow.mcore.dist import init_distributed, shutdown
     from megatron_chunkflow.mcore.settings import CheckpointConfig, OptimizerConfig, TrainSettings
@@ -23,7 +24,7 @@ def _train(ckpt):
     from megatron_chunkflow.training.loop import train
 
     dataset = make_sequences([70, 5, 33, 100, 12, 64, 2, 16, 48, 9, 130, 21], 1000, seed=3)
-    base = dict(shape=get_model_shape("tiny"), model_name="tiny", train_iters=4,
+    base = dict(shape=tiny("tiny"), model_name="tiny", train_iters=4,
                 global_batch_size=6, seq_length=160, chunkflow=ChunkFlowConfig(C),
                 optimizer=OptimizerConfig(lr=1e-2, min_lr=1e-3, lr_warmup_iters=0),
                 dtype="float64", seed=5, sparse=SparseConfig(2))

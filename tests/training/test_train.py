@@ -5,6 +5,7 @@ import os
 import pytest
 
 from megatron_chunkflow.config import ChunkFlowConfig
+from tests.models import tiny
 
 pytestmark = pytest.mark.slow
 
@@ -13,10 +14,11 @@ LENGTHS = [70, 5, 33, 100, 12, 64, 1, 16, 48, 9, 130, 21, 7, 90, 3, 40, 55, 11]
 
 def _settings(**kw):
     from megatron_chunkflow.config import ChunkFlowConfig
-    from megatron_chunkflow.core.models import get_model_shape
     from megatron_chunkflow.mcore.settings import OptimizerConfig, TrainSettings
 
-    base = dict(shape=get_model_shape("tiny"), model_name="tiny", train_iters=8,
+    layout = kw.get("parallel")  # the tiny model, a layer per model chunk (tests/models.py)
+    stages = layout.pp * layout.vpp if layout is not None else 1
+    base = dict(shape=tiny("tiny", stages), model_name="tiny", train_iters=8,
                 global_batch_size=6, seq_length=160, chunkflow=ChunkFlowConfig(16, 1),
                 optimizer=OptimizerConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=2),
                 dtype="float64", seed=5)
