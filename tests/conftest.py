@@ -73,13 +73,28 @@ def pytest_configure(config):
                             "on CI's second megatron-core release")
 
 
+# the files that take longest (seconds on one of CI's 2 workers, measured), run first: pytest-xdist
+# hands out whole files (--dist loadfile) in collection order, so a long file left for the end
+# would run alone while the other worker idles
+LONGEST_FILES = {"checks/test_exact.py": 150, "megatron_lm/test_pretrain_gpt.py": 150,
+                 "memtrace/test_trace.py": 140, "training/test_train.py": 100,
+                 "runtime/test_moe.py": 100, "scripts/test_device_check.py": 70,
+                 "mcore/test_lora.py": 60, "checks/test_hf_verify.py": 50,
+                 "scripts/test_bench_seeds.py": 50, "checks/test_sparse.py": 50,
+                 "memtrace/test_footprint.py": 45, "attention/test_attention_memory.py": 45,
+                 "megatron_lm/test_pretrain_gpt_tokenizers.py": 40}
+
+
 def pytest_collection_modifyitems(config, items):
-    """A test that runs in a gloo job is slow: the fast tier starts no process group."""
+    """A test that runs in a gloo job is slow: the fast tier starts no process group. The longest
+    files first (LONGEST_FILES), the others in their order."""
     unmarked = [item.nodeid for item in items if "gloo" in getattr(item, "fixturenames", ())
                 and not item.get_closest_marker("slow")]
     if unmarked:
         raise pytest.UsageError("tests using the gloo fixture must be marked slow: "
                                 + ", ".join(unmarked))
+    items.sort(key=lambda item: -LONGEST_FILES.get(item.nodeid.split("::")[0]
+                                                   .removeprefix("tests/"), 0))
 
 
 @pytest.fixture(scope="session")

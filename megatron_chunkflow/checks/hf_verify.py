@@ -1,5 +1,6 @@
 """ChunkFlow on megatron-core against transformers' own model class for one HF checkpoint
-(Qwen2ForCausalLM, Qwen3ForCausalLM, LlamaForCausalLM, MistralForCausalLM: AutoModelForCausalLM).
+(Qwen2ForCausalLM, Qwen3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen3MoeForCausalLM,
+Qwen2MoeForCausalLM, MixtralForCausalLM: AutoModelForCausalLM).
 
     chunkflow verify --hf-reference DIR        # float64, the default batch
 
@@ -11,6 +12,14 @@ the batch's token count, and its gradients are read off the HF parameters. The c
 DIR into a megatron-core GPTModel (padded vocabulary, this rank's TP/PP slice), runs ChunkFlow's plan,
 and maps its gradients back to HF names (export_hf_weights applied to the gradients; padding rows
 dropped). transformers is a test extra, not a runtime requirement.
+
+Mixture of experts: both libraries round the router's softmax to float32 whatever the model dtype,
+transformers over all experts then renormalising the top k, megatron-core over the top k logits
+(equal in exact arithmetic, not in float32); the reference's routers compute it as megatron-core
+does (_routers_as_megatron), the way its RMSNorms run in the model dtype. The loss compared is the
+language-model loss: transformers adds no router loss unless asked, so the chunked model is built
+without the balancing loss here (its exactness is checked against unchunked megatron-core, which
+computes the same per-sequence loss: checks/verify.py).
 """
 
 from __future__ import annotations
@@ -26,8 +35,9 @@ from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
 from megatron_chunkflow.data.synthetic import make_sequences
 
 
-def hf_reference(hf_dir: str, sequences, dtype=torch.float64):
-    """(loss, {hf name: gradient}) of transformers' unchunked model on `sequences`."""
+def hf_reference(hf_dir: str, sequences, dtype=torch.float64, shape=None):
+    """(loss, {hf name: gradient}) of transformers' unchunked model on `sequences`; with an MoE
+    `shape` (its ModelShape), the gradients in the checkpoints' layout (one per expert)."""
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
@@ -35,13 +45,21 @@ def hf_reference(hf_dir: str, sequences, dtype=torch.float64):
                          "install transformers)") from None
     # cast after loading: exact (checkpoints hold fewer bits), and the same in every transformers
     # (the keyword is torch_dtype before 4.56, dtype after)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="sdpa").to(dtype)
+    # MoE (transformers 5): the experts one by one, whose float64 matmuls are exact where the
+    # default grouped GEMM takes no float64
+    moe = {"experts_implementation": "eager"} if shape is not None and shape.is_moe else {}
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="sdpa",
+                                                 **moe).to(dtype)
     model.train()
     if dtype == torch.float64:
         _norms_in_float64(model)
+    if shape is not None and shape.is_moe:
+        _routers_as_megatron(model, shape.moe_norm_topk)
     total_tokens = sum(float(s.loss_mask.sum()) for s in sequences)
     # Megatron's finalize_model_grads scales gradients by `1.0 / num_tokens` with num_tokens an
-    # int tensor, i.e. by a float32 number; apply the same scale so that only computation differs.
+    # int tensor, i.e. by a float32 number, after the backward of the summed loss; apply the same
+    # scale at the same point, so that only computation differs (where a float32 step is in the
+    # backward, as the MoE router's softmax, scaling before it would round differently)
     scale = (1.0 / torch.tensor(int(total_tokens), dtype=torch.int)).item() if total_tokens else 0.0
     loss_sum = 0.0
     for s in sequences:
@@ -49,12 +67,43 @@ def hf_reference(hf_dir: str, sequences, dtype=torch.float64):
         labels = torch.cat([s.tokens[1:], s.tokens.new_zeros(1)])
         losses = F.cross_entropy(logits.to(dtype), labels, reduction="none")
         loss = (losses * s.loss_mask.to(dtype)).sum()
-        (loss * scale).backward()
+        loss.backward()
         loss_sum += float(loss.detach())
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.detach() * scale for n, p in model.named_parameters()
+             if p.grad is not None}
     if model.config.tie_word_embeddings:
         grads.pop("lm_head.weight", None)
+    if shape is not None and shape.is_moe:
+        from megatron_chunkflow.mcore.hf_moe import checkpoint_layout
+
+        grads = checkpoint_layout(grads, shape.family)
     return loss_sum / max(total_tokens, 1.0), grads
+
+
+def _routers_as_megatron(model, norm_topk: bool) -> None:
+    """Each top-k router of an MoE model (transformers 5: the modules named *TopKRouter, returning
+    logits, the top-k probabilities and their experts) computes its probabilities as megatron-core's
+    router does (moe_utils.topk_routing_with_score_function): the softmax in float32, over the top-k
+    logits where the top k are renormalised, else over all logits before the top k."""
+    import types
+
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    if not routers or not all(hasattr(m, "top_k") and hasattr(m, "weight") for m in routers):
+        raise RuntimeError(f"{type(model).__name__}: its routers are not the ones this check knows "
+                           "(transformers 5's *TopKRouter with top_k and weight)")
+
+    def forward(self, hidden_states):
+        logits = F.linear(hidden_states.reshape(-1, self.weight.shape[1]), self.weight)
+        if norm_topk:
+            top, experts = torch.topk(logits, self.top_k, dim=-1)
+            probs = torch.softmax(top, dim=-1, dtype=torch.float32).type_as(logits)
+        else:
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+            probs, experts = torch.topk(scores, self.top_k, dim=-1)
+        return logits, probs, experts
+
+    for module in routers:
+        module.forward = types.MethodType(forward, module)
 
 
 def _rms_norm_same_dtype(self, hidden_states):
@@ -111,12 +160,14 @@ def run_hf_verify(hf_dir: str, lengths: Sequence[int], chunkflow: ChunkFlowConfi
     sequences = make_sequences(lengths, shape.vocab_size, seed)
     key = (_checkpoint_signature(hf_dir), tuple(lengths), seed, dtype)
     if key not in HF_REFERENCES:
-        HF_REFERENCES[key] = hf_reference(hf_dir, sequences, dtype)
+        HF_REFERENCES[key] = hf_reference(hf_dir, sequences, dtype, shape)
     ref_loss, ref_grads = HF_REFERENCES[key]
 
     job = init_distributed(parallel, seed)
+    # the language-model loss, as transformers computes it (no router loss: module docstring)
     padded = dataclasses.replace(shape, vocab_size=padded_vocab_size(shape.vocab_size,
-                                                                     parallel.tp))
+                                                                     parallel.tp),
+                                 moe_aux_loss_coeff=None)
     cm = build_chunkflow_model(padded, dtype, job, load_hf=hf_dir, hf_shape=shape,
                                attention_backend=chunkflow.attention_backend,
                                model_class=model_class)

@@ -44,6 +44,12 @@ class VerifySettings:
     def __post_init__(self):
         from megatron_chunkflow import compat
 
+        if self.lora is not None and self.hf_reference:
+            raise ValueError("--lora-rank cannot be combined with --hf-reference")
+        if self.hf_reference:  # the checkpoint's config.json is the model (its layout checks)
+            from megatron_chunkflow.mcore.hf import shape_from_hf_dir
+
+            object.__setattr__(self, "shape", shape_from_hf_dir(self.hf_reference))
         object.__setattr__(self, "model_class", compat.resolve_model_class(
             self.model_class, moe=self.shape.is_moe))
         p = self.parallel
@@ -64,8 +70,6 @@ class VerifySettings:
             self._check_sparse()
         elif self.draws is not None:
             raise ValueError("--draws needs --chunkflow-sparse-backward")
-        if self.lora is not None and self.hf_reference:
-            raise ValueError("--lora-rank cannot be combined with --hf-reference")
 
     def _check_context_parallel(self) -> None:
         from megatron_chunkflow.attention.backends import check_context_parallel

@@ -1,5 +1,5 @@
-"""A Hugging Face config.json -> ModelShape, for the four families the package builds, refusing
-what it cannot build exactly (pure: no torch, no transformers).
+"""A Hugging Face config.json -> ModelShape, for the families the package builds, refusing what it
+cannot build exactly (pure: no torch, no transformers).
 
     shape = shape_from_hf_config(json.load(open("config.json")), "config.json")
 
@@ -9,10 +9,18 @@ what it cannot build exactly (pure: no torch, no transformers).
 | qwen3      | QK RMSNorm per head, head_dim (128) != h / nh  | attention_bias, sliding window     |
 | llama      | rope_type "llama3" frequency scaling           | attention_bias, mlp_bias           |
 | mistral    | head_dim may differ from h / nh (Nemo)         | a sliding_window that is not null  |
+| qwen3_moe  | qwen3's attention; every MLP a routed MoE      | decoder_sparse_step != 1, dense    |
+|            | (num_experts, num_experts_per_tok,             | mlp_only_layers, sliding window    |
+|            | moe_intermediate_size, norm_topk_prob)         |                                    |
+| qwen2_moe  | qwen2's attention; MoE plus a shared expert    | the same, qkv_bias false           |
+|            | gated by a sigmoid                             |                                    |
+| mixtral    | mistral's attention; num_local_experts of      | router_jitter_noise, a sliding     |
+|            | intermediate_size, top-k renormalised          | window                             |
 
 Every family: hidden_act silu, attention_dropout 0, plain or "llama3" RoPE (YaRN, linear and
-dynamic scaling are refused), no MoE (Qwen2-MoE, Qwen3-MoE and Mixtral are named as unsupported:
-ChunkFlow would compute the router's load-balancing loss per data chunk, not per sequence).
+dynamic scaling are refused). The MoE families' router_aux_loss_coef becomes the coefficient of the
+per-sequence balancing loss ChunkFlow keeps exact (runtime/moe.py); other MoE architectures
+(DeepSeek, Llama 4) are refused by model_type.
 """
 
 from __future__ import annotations
@@ -30,8 +38,12 @@ from megatron_chunkflow.core.models import (
 )
 
 FAMILIES = {"qwen2": "Qwen2 / Qwen2.5", "qwen3": "Qwen3 (dense)", "llama": "Llama 3.x",
-            "mistral": "Mistral / Mistral Nemo"}
-MOE = {"qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "llama4"}
+            "mistral": "Mistral / Mistral Nemo", "qwen3_moe": "Qwen3-MoE",
+            "qwen2_moe": "Qwen2-MoE", "mixtral": "Mixtral"}
+OTHER_MOE = {"deepseek_v2", "deepseek_v3", "llama4", "glm4_moe", "gpt_oss"}
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 # config.json keys -> ModelShape fields
 HF_SHAPE_KEYS = {
@@ -58,11 +70,10 @@ def rope_parameters(d: dict) -> dict:
 def shape_from_hf_config(d: dict, source: str) -> ModelShape:
     """The ModelShape of a config.json dict; ValueError naming `source` and the key otherwise."""
     kind = d.get("model_type")
-    if kind in MOE:
-        raise ValueError(f"{source}: model_type {kind!r} is a mixture-of-experts model, whose "
-                         "Hugging Face import (experts, router, shared expert) is not supported "
-                         "yet; the built-in MoE shapes (--model tiny-qwen3-moe, qwen3-moe-tiny, "
-                         "...) train and verify with ChunkFlow")
+    if kind in OTHER_MOE:
+        raise ValueError(f"{source}: model_type {kind!r} is a mixture-of-experts architecture "
+                         "that is not supported (the MoE families supported: qwen3_moe, "
+                         "qwen2_moe, mixtral)")
     if kind not in FAMILIES:
         raise ValueError(f"{source}: model_type {kind!r} is not supported (supported: "
                          + ", ".join(f"{k!r} ({v})" for k, v in FAMILIES.items()) + ")")
@@ -74,14 +85,17 @@ def shape_from_hf_config(d: dict, source: str) -> ModelShape:
                          "dropout (a re-forwarded chunk would draw a new mask, so its gradients "
                          "would not be exact), and the model would train unlike its config says; "
                          "set it to 0.0 in config.json (the released checkpoints have 0.0)")
-    if kind in ("qwen2", "qwen3"):
+    if kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         _refuse(source, d.get("use_sliding_window", False), "use_sliding_window", True,
                 "Megatron's GPT model has no sliding-window attention")
-    if kind == "mistral":
+    if kind in ("mistral", "mixtral"):
         _refuse(source, d.get("sliding_window") is not None, "sliding_window",
                 d.get("sliding_window"), "Megatron's GPT model has no sliding-window attention "
-                "(Mistral-7B-v0.1's 4096; v0.3 and Nemo have null)")
-    if kind != "qwen2":
+                "(Mistral-7B-v0.1's 4096; v0.3, Nemo and Mixtral have null)")
+    if kind == "qwen2_moe":
+        _refuse(source, d.get("qkv_bias", True) is not True, "qkv_bias", d.get("qkv_bias"),
+                "Qwen2-MoE is built with its bias on Q/K/V")
+    if kind not in ("qwen2", "qwen2_moe"):
         for key in ("attention_bias", "mlp_bias"):
             _refuse(source, d.get(key, False), key, d.get(key),
                     "only Qwen2's bias on Q/K/V is built (no bias on the output or MLP)")
@@ -102,8 +116,10 @@ def shape_from_hf_config(d: dict, source: str) -> ModelShape:
     kw = {field: d[key] for key, field in HF_SHAPE_KEYS.items() if key in d}
     kw.setdefault("num_query_groups", d.get("num_attention_heads"))  # no GQA: one per head
     kw["rotary_base"] = d.get("rope_theta", rope.get("rope_theta", 10000.0))
-    kw.update(qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
+    kw.update(qkv_bias=kind in ("qwen2", "qwen2_moe"), qk_norm=kind in ("qwen3", "qwen3_moe"),
               rope_scaling_factor=None if factor is None else float(factor))
+    if kind in ("qwen3_moe", "qwen2_moe", "mixtral"):
+        kw.update(_moe_fields(d, kind, source))
     missing = sorted(k for k, f in HF_SHAPE_KEYS.items() if f not in kw and
                      k not in ("tie_word_embeddings", "rms_norm_eps"))
     if missing:
@@ -120,6 +136,47 @@ def shape_from_hf_config(d: dict, source: str) -> ModelShape:
         if head_dim * kw["num_attention_heads"] != kw["hidden_size"]:
             kw["kv_channels"] = head_dim
     return check_shape(ModelShape(**kw), source)
+
+
+def _moe_fields(d: dict, kind: str, source: str) -> dict:
+    """The ModelShape MoE fields of a qwen3_moe, qwen2_moe or mixtral config.json; ValueError
+    naming the key of what is not built (dense layers between MoE layers, router noise)."""
+    mixtral = kind == "mixtral"
+    # the released configs name the expert count num_experts (Qwen) or num_local_experts
+    # (Mixtral); transformers 5 writes num_local_experts for all three
+    experts = "num_local_experts" if mixtral or ("num_experts" not in d and
+                                                 "num_local_experts" in d) else "num_experts"
+    keys = {"num_experts": experts, "moe_topk": "num_experts_per_tok",
+            "moe_ffn_hidden_size": "intermediate_size" if mixtral else "moe_intermediate_size"}
+    if kind == "qwen2_moe":
+        keys["moe_shared_expert_size"] = "shared_expert_intermediate_size"
+    missing = sorted(k for k in keys.values() if k not in d)
+    if missing:
+        raise ValueError(f"{source}: missing {', '.join(missing)} (a {kind} config.json has them)")
+    kw = {field: d[key] for field, key in keys.items()}
+    if mixtral:
+        noise = d.get("router_jitter_noise") or 0
+        _refuse(source, noise != 0, "router_jitter_noise", noise, "training multiplies the "
+                "router's input by random noise, which a re-forwarded chunk would draw again; "
+                "set it to 0.0 (Mixtral's released configs have 0.0)")
+    else:
+        step, dense = d.get("decoder_sparse_step", 1), d.get("mlp_only_layers") or []
+        _refuse(source, step != 1, "decoder_sparse_step", step, "every layer's MLP is built as "
+                "an MoE layer (dense layers between them are not)")
+        _refuse(source, dense, "mlp_only_layers", dense, "every layer's MLP is built as an MoE "
+                "layer")
+    norm = True if mixtral else d.get("norm_topk_prob", False)
+    _refuse(source, not isinstance(norm, bool), "norm_topk_prob", norm, "it must be true or false")
+    coeff = d.get("router_aux_loss_coef", 0.001)
+    _refuse(source, isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or coeff < 0,
+            "router_aux_loss_coef", coeff, "it must be a number >= 0")
+    kw.update(moe_norm_topk=norm, moe_aux_loss_coeff=float(coeff) or None)
+    for field, value in kw.items():
+        problem = field_problem(field, value)
+        _refuse(source, problem, keys.get(field, field), value, f"it must be {problem}")
+    _refuse(source, kw["moe_topk"] > kw["num_experts"], "num_experts_per_tok", kw["moe_topk"],
+            f"it must be at most the {kw['num_experts']} experts")
+    return kw
 
 
 def _hf_key(field: str) -> str:
@@ -139,8 +196,7 @@ def hf_config_dict(shape: ModelShape, dtype: str = "float32") -> dict:
     preset = next((HF_CARDS[k] for k, v in HF_MODELS.items() if v == shape), None)
     positions = preset.max_position_embeddings if preset else (
         131072 if shape.rope_scaling_factor is not None else 32768)
-    arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "llama": "LlamaForCausalLM"}[shape.family]
+    arch = ARCHITECTURES[shape.family]
     rope = {"rope_type": "default"}
     if shape.rope_scaling_factor is not None:
         rope = {"rope_type": "llama3", "factor": shape.rope_scaling_factor, **LLAMA3_ROPE_FIXED}
@@ -154,10 +210,36 @@ def hf_config_dict(shape: ModelShape, dtype: str = "float32") -> dict:
         else rope, "rms_norm_eps": shape.norm_eps, "attention_dropout": 0.0,
         "max_position_embeddings": positions, "torch_dtype": dtype,
     }
-    if shape.family != "qwen2":
-        out.update(attention_bias=False, mlp_bias=False)
-    else:
+    if shape.family in ("qwen2", "qwen2_moe"):
         out["use_sliding_window"] = False
+    else:
+        out.update(attention_bias=False, mlp_bias=False)
+    if shape.is_moe:
+        out.update(_moe_config(shape))
+    return out
+
+
+def _moe_config(shape: ModelShape) -> dict:
+    """config.json's MoE keys of `shape`'s family; ValueError where the family's transformers
+    class cannot hold the shape (a Mixtral without renormalised top-k, a Qwen2-MoE without its
+    shared expert, a Qwen3-MoE with one)."""
+    family, shared = shape.family, shape.moe_shared_expert_size
+    problem = ("Mixtral renormalises the top-k probabilities" if family == "mixtral" and
+               not shape.moe_norm_topk else "Qwen2-MoE has a shared expert" if
+               family == "qwen2_moe" and not shared else "Qwen3-MoE has no shared expert" if
+               family == "qwen3_moe" and shared else None)
+    if problem:
+        raise ValueError(f"this MoE shape has no Hugging Face family: {problem}")
+    common = {"num_experts_per_tok": shape.moe_topk, "output_router_logits": False,
+              "router_aux_loss_coef": shape.moe_aux_loss_coeff or 0.0}
+    if family == "mixtral":
+        return {**common, "num_local_experts": shape.num_experts, "router_jitter_noise": 0.0,
+                "intermediate_size": shape.moe_ffn_hidden_size, "sliding_window": None}
+    out = {**common, "num_experts": shape.num_experts, "norm_topk_prob": shape.moe_norm_topk,
+           "moe_intermediate_size": shape.moe_ffn_hidden_size, "decoder_sparse_step": 1,
+           "mlp_only_layers": []}
+    if shared:
+        out["shared_expert_intermediate_size"] = shared
     return out
 
 

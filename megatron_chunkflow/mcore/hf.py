@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints (Qwen2/2.5, Qwen3, Llama 3.x, Mistral) <-> the megatron-core GPTModel
-of mcore/build.py.
+"""Hugging Face checkpoints (Qwen2/2.5, Qwen3, Llama 3.x, Mistral; Qwen3-MoE, Qwen2-MoE, Mixtral
+with mcore/hf_moe.py) <-> the megatron-core GPTModel of mcore/build.py.
 
     shape = shape_from_hf_dir(hf_dir)                          # the checkpoint's vocabulary
     padded = dataclasses.replace(shape, vocab_size=padded_vocab_size(shape.vocab_size, tp))
@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -44,11 +44,10 @@ import torch.distributed as dist
 
 from megatron_chunkflow.core.hf_config import hf_config_dict, shape_from_hf_config
 from megatron_chunkflow.core.models import ModelShape
+from megatron_chunkflow.mcore.hf_moe import moe_hf_shapes, moe_layer_names
+from megatron_chunkflow.mcore.hf_source import HFSource
 from megatron_chunkflow.mcore.job import tensor_parallel_of
 from megatron_chunkflow.mcore.names import full_model_name
-
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers that old transformers versions saved
-
 
 def shape_from_hf_dir(path) -> ModelShape:
     """The ModelShape of a checkpoint directory, from its config.json (core/hf_config.py: the
@@ -105,14 +104,16 @@ def hf_tensor_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
         outer["output_layer.weight"] = (v, h)
     out = {OUTER_NAMES[k]: s for k, s in outer.items()}
     whole = {"input_layernorm.weight": (h,), "self_attention.linear_proj.weight": (h, q),
-             "pre_mlp_layernorm.weight": (h,), "mlp.linear_fc2.weight": (h, f)}
+             "pre_mlp_layernorm.weight": (h,)}
+    mlp = moe_hf_shapes(shape) if shape.is_moe else \
+        {LAYER_NAMES["mlp.linear_fc2.weight"]: (h, f), **{name: (f, h) for name in FC1[1]}}
     if shape.qk_norm:  # one weight per head dim, shared by every head
         whole.update({"self_attention.q_layernorm.weight": (shape.head_dim,),
                       "self_attention.k_layernorm.weight": (shape.head_dim,)})
     for g in range(shape.num_layers):
         p = f"model.layers.{g}."
         out.update({p + LAYER_NAMES[k]: s for k, s in whole.items()})
-        out.update({p + name: (f, h) for name in FC1[1]})
+        out.update({p + name: s for name, s in mlp.items()})
         for suffix in ("weight", "bias") if shape.qkv_bias else ("weight",):
             tail = (h,) if suffix == "weight" else ()
             out.update({f"{p}self_attn.{x}_proj.{suffix}": (n, *tail)
@@ -123,80 +124,15 @@ def hf_tensor_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
 def check_hf_checkpoint(directory, shape: ModelShape) -> None:
     """Its safetensors headers readable and every tensor `shape` needs there with its shape
     (ValueError naming the file or tensor), before any model is built or data tokenized."""
-    _HFSource(directory).check(shape)
-
-
-class _HFSource:
-    """HF tensors by name: a state dict, or a directory of (possibly sharded) safetensors files."""
-
-    def __init__(self, src):
-        if isinstance(src, Mapping):
-            self.where, self._dict, self._files = "HF state dict", src, {}
-            self.shapes = {k: tuple(t.shape) for k, t in src.items()}
-            return
-        from safetensors import safe_open
-
-        root = Path(src)
-        index = root / "model.safetensors.index.json"
-        if index.is_file():
-            self.where = str(index)
-            try:
-                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{index}: not a safetensors index ({type(e).__name__}: "
-                                 f"{e}); the checkpoint is damaged or incomplete") from None
-            self._files = {k: root / v for k, v in weight_map.items()}
-        elif (root / "model.safetensors").is_file():
-            self.where = str(root / "model.safetensors")
-            self._files = None
-        else:
-            raise ValueError(f"{root}: neither model.safetensors nor model.safetensors.index.json")
-        self._dict, self.shapes = None, {}
-        files = sorted(set(self._files.values())) if self._files else [root / "model.safetensors"]
-        by_name = {}
-        for file in files:
-            try:
-                with safe_open(file, framework="pt") as fh:
-                    for k in fh.keys():
-                        self.shapes[k] = tuple(fh.get_slice(k).get_shape())
-                        by_name[k] = file
-            except Exception as e:  # noqa: BLE001  safetensors' errors are its own types
-                raise ValueError(f"{file}: not a readable safetensors file ({type(e).__name__}: "
-                                 f"{str(e)[:200]}); the checkpoint is damaged or incomplete") \
-                    from None
-        self._files = by_name
-
-    def get(self, name: str) -> torch.Tensor:
-        if self._dict is not None:
-            return self._dict[name]
-        from safetensors import safe_open
-
-        with safe_open(self._files[name], framework="pt") as fh:
-            return fh.get_tensor(name)
-
-    def check(self, shape: ModelShape) -> None:
-        """ValueError naming the first missing, unexpected or wrongly shaped tensor."""
-        expected = hf_tensor_shapes(shape)
-        missing = sorted(set(expected) - set(self.shapes))
-        extra = sorted(k for k in set(self.shapes) - set(expected)
-                       if not k.endswith(_IGNORED_SUFFIXES)
-                       and not (shape.tie_embeddings and k == "lm_head.weight"))
-        for kind, names in (("missing", missing), ("unexpected", extra)):
-            if names:
-                more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
-                raise ValueError(f"{self.where}: {kind} tensor {names[0]}{more} for a "
-                                 f"{shape.num_layers}-layer {shape.family} model with "
-                                 f"tie_word_embeddings={shape.tie_embeddings}")
-        for k, want in expected.items():
-            if self.shapes[k] != want:
-                raise ValueError(f"{self.where}: tensor {k} has shape {list(self.shapes[k])}, "
-                                 f"the model config expects {list(want)}")
+    HFSource(directory, shape.family).check(shape, hf_tensor_shapes(shape))
 
 
 # Transformer Engine's layer spec (Megatron-LM's GPU default) fuses the norms into the next linear
 # layer: the same tensors under other names.
 TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
             "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+# and its grouped-GEMM experts (TEGroupedMLP) hold expert i's linear as `weight{i}` of one module
+_TE_GROUPED = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
 
 
 def local_spec_name(name: str) -> str:
@@ -204,10 +140,13 @@ def local_spec_name(name: str) -> str:
     for te, local in TE_NAMES.items():
         if name.endswith("." + te):
             return name[: -len(te)] + local
+    m = _TE_GROUPED.search(name)
+    if m:
+        return f"{name[:m.start()]}.mlp.experts.local_experts.{m.group(2)}.{m.group(1)}.weight"
     return name
 
 
-def _megatron_from_hf(name: str, src: _HFSource, shape: ModelShape) -> torch.Tensor:
+def _megatron_from_hf(name: str, src: HFSource, shape: ModelShape) -> torch.Tensor:
     """The TP = 1 megatron tensor `name` (a PP = 1 name), unpadded vocabulary; ValueError for a
     parameter no Hugging Face tensor of the family maps to (a model built otherwise)."""
     try:
@@ -218,13 +157,15 @@ def _megatron_from_hf(name: str, src: _HFSource, shape: ModelShape) -> torch.Ten
                          "family does not have: a bias, a LayerNorm, ...)") from None
 
 
-def _megatron_tensor(name: str, src: _HFSource, shape: ModelShape) -> torch.Tensor:
+def _megatron_tensor(name: str, src: HFSource, shape: ModelShape) -> torch.Tensor:
     if name in OUTER_NAMES:
         return src.get(OUTER_NAMES[name])
     if not name.startswith("decoder.layers."):
         raise KeyError(name)
     _, _, g, rest = name.split(".", 3)
     p = f"model.layers.{g}."
+    if shape.is_moe and rest.startswith("mlp."):
+        return torch.cat([src.get(p + n) for n in moe_layer_names(shape)[rest]])
     if rest.startswith(QKV + "."):
         suffix = rest.rsplit(".", 1)[1]  # weight [.., h] or bias [..]
         ng = shape.num_query_groups
@@ -252,7 +193,11 @@ def _hf_from_megatron(full: dict[str, torch.Tensor], shape: ModelShape) -> dict[
             out[f"{p}self_attn.q_proj.{suffix}"] = qkv[:, :-2].reshape(-1, *tail)
             out[f"{p}self_attn.k_proj.{suffix}"] = qkv[:, -2].reshape(-1, *tail)
             out[f"{p}self_attn.v_proj.{suffix}"] = qkv[:, -1].reshape(-1, *tail)
-        out.update(zip((p + n for n in FC1[1]), full[m + FC1[0]].chunk(2)))
+        if shape.is_moe:
+            for mg, parts in moe_layer_names(shape).items():
+                out.update(zip((p + n for n in parts), full[m + mg].chunk(len(parts))))
+        else:
+            out.update(zip((p + n for n in FC1[1]), full[m + FC1[0]].chunk(2)))
         out.update({p + hf: full[m + mg] for mg, hf in LAYER_NAMES.items()
                     if m + mg in full})  # the Q/K norms where the family has them
     return {k: t.contiguous() for k, t in out.items()}
@@ -272,10 +217,10 @@ def import_hf_weights(model, hf_dir_or_state_dict, config, shape: ModelShape) ->
     missing, unexpected or wrongly shaped HF tensor raises the same ValueError everywhere. With
     tied embeddings an lm_head.weight (HF's state_dict() has the tied copy) is ignored, as in HF.
     """
-    src = _HFSource(hf_dir_or_state_dict)
-    src.check(shape)
-    tp, rank, _ = tensor_parallel_of(_unwrap(model))
+    src = HFSource(hf_dir_or_state_dict, shape.family)
+    src.check(shape, hf_tensor_shapes(shape))
     for name, param in _unwrap(model).named_parameters():
+        tp, rank, _ = _tensor_parallel_of(name, _unwrap(model))
         full_name = local_spec_name(full_model_name(name, _unwrap(model)))
         full = _megatron_from_hf(full_name, src, shape)
         if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
@@ -284,7 +229,7 @@ def import_hf_weights(model, hf_dir_or_state_dict, config, shape: ModelShape) ->
                 full = torch.cat([full, full.new_zeros(rows - full.shape[0], *full.shape[1:])])
         local = full
         if getattr(param, "tensor_model_parallel", False):
-            if name.endswith("mlp.linear_fc1.weight"):
+            if _is_glu(full_name):
                 local = torch.cat([t.chunk(tp)[rank] for t in full.chunk(2)])
             else:
                 local = full.chunk(tp, dim=param.partition_dim)[rank]
@@ -294,6 +239,21 @@ def import_hf_weights(model, hf_dir_or_state_dict, config, shape: ModelShape) ->
                              "the model with padded_vocab_size and the checkpoint's shape)")
         with torch.no_grad():
             param.copy_(local)
+
+
+def _is_glu(name: str) -> bool:
+    """A SwiGLU linear_fc1 (a dense layer's, an expert's, the shared expert's): cat(gate, up)."""
+    return name.endswith("linear_fc1.weight")
+
+
+def _tensor_parallel_of(name: str, model) -> tuple[int, int, object]:
+    """(size, rank, group) of the tensor-parallel group parameter `name` of `model` is split
+    over: an expert's is the expert TP group (--expert-tensor-parallel-size), every other the
+    TP group."""
+    if ".experts." in name:
+        group = model.pg_collection.expt_tp
+        return group.size(), group.rank(), group
+    return tensor_parallel_of(model)
 
 
 def gather_tensor_parallel(t: torch.Tensor, param, glu: bool, tp: int, group) -> torch.Tensor:
@@ -318,18 +278,25 @@ def export_hf_weights(model, config, shape: ModelShape) -> dict[str, torch.Tenso
     Collective: every rank of the model-parallel group must call it.
     """
     chunks = [_unwrap(m) for m in (model if isinstance(model, list) else [model])]
-    tp, _, tp_group = tensor_parallel_of(chunks[0])
     if any(".lora_" in name for chunk in chunks for name, _ in chunk.named_parameters()):
         raise ValueError("the model has LoRA adapters: merge them into the base weights first "
                          "(mcore/lora.py merge_lora), or they would be left out")
-    mine = {}
+    mine, experts = {}, {}
     for chunk in reversed(chunks):  # tied embeddings: the first model chunk's copy wins
         for name, param in chunk.named_parameters():
-            t = gather_tensor_parallel(param.detach(), param,
-                                       name.endswith("mlp.linear_fc1.weight"), tp, tp_group)
-            full_name = full_model_name(name, chunk)
+            full_name = local_spec_name(full_model_name(name, chunk))
+            tp, _, group = _tensor_parallel_of(name, chunk)
+            t = gather_tensor_parallel(param.detach(), param, _is_glu(full_name), tp, group)
             # a copy even on CPU: the export must not alias live weights
-            mine[local_spec_name(full_name)] = t.to("cpu", copy=True)
+            (experts if ".experts." in name else mine)[full_name] = t.to("cpu", copy=True)
+    ep_group = getattr(chunks[0].pg_collection, "ep", None)
+    if experts and ep_group is not None and dist.get_world_size(ep_group) > 1:
+        every = [None] * dist.get_world_size(ep_group)  # each EP rank's experts
+        dist.all_gather_object(every, experts, group=ep_group)
+        for part in every:
+            mine.update(part)
+    else:
+        mine.update(experts)
     stages = [mine]
     pp_group = chunks[0].pg_collection.pp
     if dist.get_world_size(pp_group) > 1:

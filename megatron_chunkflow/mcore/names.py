@@ -21,6 +21,9 @@ def full_model_name(stage_name: str, model) -> str:
         parts[2] = str(int(parts[2]) + layer_offset(model))
         if parts[4:6] == ["experts", "local_experts"]:  # SequentialMLP's expert i of this rank
             parts[6] = str(int(parts[6]) + expert_offset(model))
+        elif parts[4] == "experts" and parts[-1].startswith("weight") and parts[-1][6:].isdigit():
+            # Transformer Engine's grouped experts: expert i of this rank is `weight{i}`
+            parts[-1] = f"weight{int(parts[-1][6:]) + expert_offset(model)}"
         stage_name = ".".join(parts)
     elif model.share_embeddings_and_output_weights and stage_name == "output_layer.weight":
         return "embedding.word_embeddings.weight"

@@ -1,5 +1,6 @@
 """`chunkflow verify --hf-reference` (checks/hf_verify.py): ChunkFlow on megatron-core against
-transformers' unchunked model (Qwen2, Qwen3, Llama 3, Mistral), float64, on CPU with gloo.
+transformers' unchunked model (Qwen2, Qwen3, Llama 3, Mistral, Qwen3-MoE, Qwen2-MoE, Mixtral),
+float64, on CPU with gloo.
 
     python -m pytest tests/checks/test_hf_verify.py -q
 
@@ -9,7 +10,7 @@ each case runs in one set of spawned processes.
 
 import pytest
 
-from tests.mcore.hf_checkpoints import FAMILY_CASES, build_checkpoints
+from tests.mcore.hf_checkpoints import FAMILY_CASES, MOE_CASES, build_checkpoints
 
 pytest.importorskip("transformers", reason="HF interop tests need transformers")
 pytest.importorskip("safetensors", reason="HF interop tests need safetensors")
@@ -53,6 +54,41 @@ def test_verify_against_transformers_float64(gloo, checkpoints, case, tp, pp, sp
         assert err <= 1e-10, (f"max relative grad error {err:.2e} at {worst}; "
                               f"loss {loss_ref} vs {loss_cf}")
         assert loss_cf == pytest.approx(loss_ref, rel=1e-12)
+
+
+def _hf_verify_moe(paths, ep):
+    """Every MoE family against transformers at EP `ep` (over DP), K 1 and 2: per family and K,
+    (max relative gradient error, its parameter, the two losses, the gradients compared)."""
+    from megatron_chunkflow.checks.hf_verify import run_hf_verify
+    from megatron_chunkflow.config import ChunkFlowConfig, ParallelConfig
+    from megatron_chunkflow.mcore.dist import shutdown
+
+    out = {}
+    for name, path in paths.items():
+        for k in (1, 2):
+            r = run_hf_verify(str(path), [70, 6, 34, 100, 12, 64, 2, 16, 48],
+                              ChunkFlowConfig(16, k, "torch"), ParallelConfig(ep=ep), seed=1)
+            out[name, k] = (r.max_rel_grad_err, r.worst_param, r.loss_ref, r.loss_chunked,
+                            [n for n, _ in r.param_errors])
+    shutdown()
+    return out
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_moe_families_against_transformers_float64(gloo, checkpoints, ep):
+    """Qwen3-MoE, Qwen2-MoE (its gated shared expert) and Mixtral against transformers'
+    unchunked Qwen3MoeForCausalLM / Qwen2MoeForCausalLM / MixtralForCausalLM, the 100-token
+    sequence in 7 dependent chunks: every gradient (the router's and each expert's, mapped back to
+    the checkpoint's names; under EP 2 each rank's experts gathered) within 1e-12."""
+    paths = {name: checkpoints[name][0] for name in MOE_CASES}
+    for per_rank in gloo.run(_hf_verify_moe, ep, paths, ep, timeout=900):
+        for (name, k), (err, worst, loss_ref, loss_cf, names) in per_rank.items():
+            assert err <= 1e-12, f"{name} K {k}: max relative grad error {err:.2e} at {worst}"
+            assert loss_cf == pytest.approx(loss_ref, rel=1e-12)
+            experts = {n.split(".experts.")[1].split(".")[0] for n in names if ".experts." in n}
+            assert experts == {"0", "1", "2", "3"}, name  # every expert compared
+            assert any(n.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))
+                       for n in names), name
 
 
 def test_verify_against_transformers_with_virtual_stages(gloo, checkpoints):

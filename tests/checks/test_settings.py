@@ -27,8 +27,29 @@ def settings(**kw):
     ({"memory": "512", "parallel": ParallelConfig(cp=2)}, "memory_cp"),
     ({"hf_reference": "/ckpt"}, "hf"), ({"sparse": SparseConfig(1)}, "sparse"),
 ])
-def test_one_mode_per_run(kw, mode):
+def test_one_mode_per_run(kw, mode, tmp_path):
+    if "hf_reference" in kw:  # a checkpoint directory: its config.json
+        kw = {"hf_reference": _checkpoint_config(tmp_path, TINY)}
     assert settings(**kw).mode == mode
+
+
+def _checkpoint_config(directory, shape) -> str:
+    import json
+
+    from megatron_chunkflow.core.hf_config import hf_config_dict
+
+    (directory / "config.json").write_text(json.dumps(hf_config_dict(shape)))
+    return str(directory)
+
+
+def test_the_hf_reference_is_the_model(tmp_path):
+    """--hf-reference DIR: the checkpoint's config.json is the model whatever --model says, so its
+    layout flags are checked against it (--ep 2 for an MoE checkpoint)."""
+    moe = get_model_shape("tiny-qwen3-moe")
+    s = settings(hf_reference=_checkpoint_config(tmp_path, moe), parallel=ParallelConfig(ep=2))
+    assert s.shape == moe and s.parallel.ep == 2
+    with pytest.raises(ValueError, match="for a mixture-of-experts model; this one is dense"):
+        settings(hf_reference=_checkpoint_config(tmp_path, TINY), parallel=ParallelConfig(ep=2))
 
 
 def test_steps_draw_new_batches_each_with_a_long_sequence():

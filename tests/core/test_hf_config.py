@@ -75,8 +75,10 @@ def test_every_preset_round_trips_through_its_config(name):
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"model_type": "qwen3_moe"}, "mixture-of-experts model, whose Hugging Face import"),
-    ({"model_type": "mixtral"}, "whose Hugging Face import (experts, router, shared expert) is not supported yet"),
+    ({"model_type": "deepseek_v3"}, "mixture-of-experts architecture that is not supported "
+     "(the MoE families supported: qwen3_moe, qwen2_moe, mixtral)"),
+    ({"model_type": "qwen3_moe"}, "missing moe_intermediate_size, num_experts, "
+     "num_experts_per_tok (a qwen3_moe config.json has them)"),
     ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported (supported: 'qwen2'"),
     ({"attention_bias": True}, "attention_bias True is not supported: only Qwen2's bias"),
     ({"mlp_bias": True}, "mlp_bias True is not supported"),
@@ -125,3 +127,63 @@ def test_exported_config_keeps_the_presets_positions():
     assert hf_config_dict(get_model_shape("llama3.1-8b"))["max_position_embeddings"] == 131072
     assert hf_config_dict(get_model_shape("qwen3-8b"))["max_position_embeddings"] == 40960
     assert hf_config_dict(get_model_shape("tiny-llama3"))["max_position_embeddings"] == 131072
+
+
+# the released MoE checkpoints' config.json (Qwen/Qwen3-30B-A3B, Qwen/Qwen2-57B-A14B,
+# mistralai/Mixtral-8x7B-v0.1)
+QWEN3_30B_A3B = {**QWEN3_8B, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+                 "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+                 "num_attention_heads": 32, "num_key_value_heads": 4, "max_window_layers": 48,
+                 "decoder_sparse_step": 1, "mlp_only_layers": [], "moe_intermediate_size": 768,
+                 "norm_topk_prob": True, "num_experts": 128, "num_experts_per_tok": 8,
+                 "output_router_logits": False, "router_aux_loss_coef": 0.001}
+QWEN2_57B_A14B = {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"],
+                  "hidden_act": "silu", "hidden_size": 3584, "intermediate_size": 18944,
+                  "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                  "vocab_size": 151936, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06,
+                  "tie_word_embeddings": False, "use_sliding_window": False,
+                  "attention_dropout": 0.0, "max_position_embeddings": 65536,
+                  "decoder_sparse_step": 1, "moe_intermediate_size": 2560,
+                  "shared_expert_intermediate_size": 20480, "num_experts": 64,
+                  "num_experts_per_tok": 8, "norm_topk_prob": False,
+                  "router_aux_loss_coef": 0.001}
+MIXTRAL_8X7B = {**MISTRAL_7B, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+                "vocab_size": 32000, "num_local_experts": 8, "num_experts_per_tok": 2,
+                "router_aux_loss_coef": 0.02, "router_jitter_noise": 0.0,
+                "output_router_logits": False}
+
+
+@pytest.mark.parametrize("config,family,dims", [
+    (QWEN3_30B_A3B, "qwen3_moe", (48, 2048, 128, 128, 768, 8, True, None, 0.001)),
+    (QWEN2_57B_A14B, "qwen2_moe", (28, 3584, 128, 64, 2560, 8, False, 20480, 0.001)),
+    (MIXTRAL_8X7B, "mixtral", (32, 4096, 128, 8, 14336, 2, True, None, 0.02))])
+def test_released_moe_configs(config, family, dims):
+    """Each MoE family's released config.json: its layers, width, head dim, experts, expert width,
+    top-k, renormalisation, shared expert and balancing coefficient; the config written back for
+    the shape reads as the same shape (transformers 5 writes num_local_experts for all three)."""
+    shape = shape_from_hf_config(config, "config.json")
+    assert shape.family == family
+    assert (shape.num_layers, shape.hidden_size, shape.head_dim, shape.num_experts,
+            shape.moe_ffn_hidden_size, shape.moe_topk, shape.moe_norm_topk,
+            shape.moe_shared_expert_size, shape.moe_aux_loss_coeff) == dims
+    written = hf_config_dict(shape)
+    assert written["architectures"] == config["architectures"]
+    assert shape_from_hf_config(written, "c") == shape
+    v5 = {("num_local_experts" if k == "num_experts" else k): v for k, v in config.items()}
+    assert shape_from_hf_config(v5, "c") == shape
+
+
+@pytest.mark.parametrize("config,change,message", [
+    (QWEN3_30B_A3B, {"decoder_sparse_step": 2}, "decoder_sparse_step 2 is not supported: every "
+     "layer's MLP is built as an MoE layer"),
+    (QWEN2_57B_A14B, {"mlp_only_layers": [0]}, "mlp_only_layers [0] is not supported"),
+    (MIXTRAL_8X7B, {"router_jitter_noise": 0.01}, "router_jitter_noise 0.01 is not supported: "
+     "training multiplies the router's input by random noise"),
+    (QWEN3_30B_A3B, {"num_experts_per_tok": 200}, "num_experts_per_tok 200 is not supported: it "
+     "must be at most the 128 experts"),
+    (QWEN2_57B_A14B, {"qkv_bias": False}, "qkv_bias False is not supported"),
+    (MIXTRAL_8X7B, {"sliding_window": 4096}, "sliding_window 4096 is not supported")])
+def test_moe_config_refusals_name_the_key(config, change, message):
+    with pytest.raises(ValueError, match="^config.json: ") as e:
+        shape_from_hf_config({**config, **change}, "config.json")
+    assert message in str(e.value)

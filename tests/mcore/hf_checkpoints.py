@@ -1,5 +1,5 @@
 """Tiny random Hugging Face checkpoints of every supported family (Qwen2, Qwen3, Llama 3,
-Mistral), built with transformers and saved with save_pretrained (nothing is downloaded); shared
+Mistral, Qwen3-MoE, Qwen2-MoE, Mixtral), built with transformers and saved with save_pretrained (nothing is downloaded); shared
 by tests/mcore/test_hf_interop.py and tests/checks/test_hf_verify.py (each has a module-scoped
 `checkpoints` fixture calling build_checkpoints)."""
 
@@ -25,8 +25,21 @@ CASES = {
     # Mistral Nemo's shape: head dim 32 over hidden / heads 16, no sliding window
     "mistral_hd32": ("mistral", 64, 2, 4, 2, False, None, {"head_dim": 32,
                                                           "sliding_window": None}),
+    # mixture of experts, 4 experts of width 32, top 2: Qwen3-MoE (QK norm, head dim 24, top-k
+    # renormalised), Qwen2-MoE (Q/K/V bias, top-k of the full softmax, a gated shared expert),
+    # Mixtral (renormalised, no bias)
+    "qwen3_moe": ("qwen3_moe", 64, 2, 4, 2, True, None, {
+        "head_dim": 24, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}),
+    "qwen2_moe": ("qwen2_moe", 64, 2, 4, 2, False, None, {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48, "norm_topk_prob": False}),
+    "mixtral": ("mixtral", 64, 2, 4, 2, False, None, {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+        "sliding_window": None, "rms_norm_eps": 1e-5}),
 }
 FAMILY_CASES = ["llama3_scaled", "qwen3_hd24", "mistral_hd32"]
+MOE_CASES = ["qwen3_moe", "qwen2_moe", "mixtral"]
 
 
 def hf_config(name, vocab_size=1000):

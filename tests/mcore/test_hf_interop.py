@@ -1,11 +1,12 @@
 """Hugging Face checkpoints <-> megatron-core GPTModel weights (mcore/hf.py), on CPU with gloo,
-for every supported family (Qwen2, Qwen3, Llama 3, Mistral).
+for every supported family (Qwen2, Qwen3, Llama 3, Mistral; Qwen3-MoE, Qwen2-MoE and Mixtral also
+under expert parallelism).
 
     python -m pytest tests/mcore/test_hf_interop.py -q
 
-Tiny random checkpoints (tests/mcore/hf_checkpoints.py) are built and saved
-with save_pretrained (nothing is downloaded). Each layout (TP=1, TP=2, PP=2) imports them in one set
-of spawned processes, runs the megatron model (its own local attention, one sequence, no packing),
+Tiny random checkpoints (tests/mcore/hf_checkpoints.py) are built and saved with save_pretrained
+(nothing is downloaded). Each layout (TP=1, TP=2, PP=2, EP=2) imports them in one set of spawned
+processes, runs the megatron model (its own local attention, one sequence, no packing),
 exports, and sends back logits and tensors; the tests compare them with the HF model's.
 """
 
@@ -17,17 +18,23 @@ import pytest
 import torch
 
 from megatron_chunkflow.config import ParallelConfig
-from tests.mcore.hf_checkpoints import CASES, FAMILY_CASES, build_checkpoints
+from tests.mcore.hf_checkpoints import CASES, FAMILY_CASES, MOE_CASES, build_checkpoints
 
 pytest.importorskip("transformers", reason="HF interop tests need transformers")
 pytest.importorskip("safetensors", reason="HF interop tests need safetensors")
 
-LAYOUTS = {  # name -> (TP, PP, cases)
-    "tp1": (1, 1, ["gqa2_tied", "gqa7_hidden56", *FAMILY_CASES,
+LAYOUTS = {  # name -> (TP, PP, cases[, EP over DP])
+    "tp1": (1, 1, ["gqa2_tied", "gqa7_hidden56", *FAMILY_CASES, *MOE_CASES,
                    "gqa2_untied_sharded"]),  # the last: error checks
     "tp2": (2, 1, ["gqa2_tied", "gqa2_untied_sharded", "gqa4_kv1", *FAMILY_CASES]),
-    "pp2": (1, 2, ["gqa2_tied", "gqa2_untied_sharded", *FAMILY_CASES]),
+    "pp2": (1, 2, ["gqa2_tied", "gqa2_untied_sharded", *FAMILY_CASES, *MOE_CASES]),
+    "ep2": (1, 1, MOE_CASES, 2),  # each rank holds half the experts
 }
+
+
+def _world(layout: str) -> int:
+    tp, pp, _, *ep = LAYOUTS[layout]
+    return tp * pp * (ep[0] if ep else 1)
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +79,8 @@ def _run_layout(layout, cases, out_root, bad_inputs=None):
     )
 
     rank = int(os.environ["RANK"])
-    tp, pp, _ = LAYOUTS[layout]
-    job = init_distributed(ParallelConfig(tp=tp, pp=pp))
+    tp, pp, _, *ep = LAYOUTS[layout]
+    job = init_distributed(ParallelConfig(tp=tp, pp=pp, ep=ep[0] if ep else 1))
     results = {}
     for name, (path, tokens) in cases.items():
         shape = shape_from_hf_dir(path)
@@ -102,12 +109,12 @@ def layout_results(gloo, checkpoints, tmp_path_factory):
 
     def get(layout):
         if layout not in cache:
-            tp, pp, names = LAYOUTS[layout]
+            names = LAYOUTS[layout][2]
             out_root = tmp_path_factory.mktemp(f"export_{layout}")
             cases = {n: (checkpoints[n][0], checkpoints[n][2]) for n in names}
             bad = _bad_inputs(checkpoints[names[-1]][1]) if layout == "tp1" else None
-            cache[layout] = (gloo.run(_run_layout, tp * pp, layout, cases, out_root, bad,
-                                           timeout=300), out_root)
+            cache[layout] = (gloo.run(_run_layout, _world(layout), layout, cases, out_root, bad,
+                                      timeout=300), out_root)
         return cache[layout]
 
     return get
@@ -138,9 +145,12 @@ def test_logits_match_hf_after_import(checkpoints, layout_results, layout):
 def test_export_round_trip_is_bitwise(checkpoints, layout_results, layout):
     from safetensors.torch import load_file
 
+    from megatron_chunkflow.mcore.hf_moe import checkpoint_layout
+
     per_rank, out_root = layout_results(layout)
-    for name in LAYOUTS[layout][2]:
-        want = _hf_tensors(checkpoints[name][1], CASES[name][5])
+    for name in LAYOUTS[layout][2]:  # MoE: transformers 5's stacked experts as in checkpoints
+        want = checkpoint_layout(_hf_tensors(checkpoints[name][1], CASES[name][5]),
+                                 CASES[name][0])
         got = {k: torch.from_numpy(v) for k, v in per_rank[0][name][1].items()}
         saved = load_file(out_root / f"{layout}_{name}" / "model.safetensors")
         for tensors in (got, saved):
@@ -152,11 +162,13 @@ def test_export_round_trip_is_bitwise(checkpoints, layout_results, layout):
 @pytest.mark.slow
 def test_saved_checkpoint_loads_in_transformers(checkpoints, layout_results):
     """pp2 wrote its own config.json: transformers loads the export and gives the same logits
-    (a Mistral shape is written as Llama: the same architecture, with no sliding window)."""
+    (a Mistral shape is written as Llama: the same architecture, with no sliding window; the MoE
+    families' experts one tensor each, as released checkpoints hold them)."""
     from transformers import AutoModelForCausalLM
 
     _, out_root = layout_results("pp2")
-    family = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama", "mistral": "llama"}
+    family = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama", "mistral": "llama",
+              **{kind: kind for kind in ("qwen3_moe", "qwen2_moe", "mixtral")}}
     for name in LAYOUTS["pp2"][2]:
         path = out_root / f"pp2_{name}"
         config = json.loads((path / "config.json").read_text())
@@ -225,12 +237,14 @@ def test_shape_and_padding(checkpoints, tmp_path):
 
 
 @pytest.mark.slow
-def test_train_from_and_to_hf_checkpoint(gloo, checkpoints, tmp_path):
+@pytest.mark.parametrize("case", ["gqa2_untied_sharded", "qwen2_moe"])
+def test_train_from_and_to_hf_checkpoint(gloo, checkpoints, tmp_path, case):
     """`chunkflow train --load-hf DIR --save-hf OUT`: the model comes from config.json, the
-    trained weights load back into transformers and differ from the start."""
+    trained weights load back into transformers and differ from the start (a Qwen2-MoE: its
+    experts, router and shared expert, the balancing loss from router_aux_loss_coef)."""
     import numpy as np
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-    from transformers import Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     prefix = str(tmp_path / "corpus")
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
@@ -239,7 +253,7 @@ def test_train_from_and_to_hf_checkpoint(gloo, checkpoints, tmp_path):
         builder.add_item(torch.randint(0, 1000, (n,), generator=g))
         builder.end_document()
     builder.finalize(prefix + ".idx")
-    src, out = checkpoints["gqa2_untied_sharded"][0], tmp_path / "trained"
+    src, out = checkpoints[case][0], tmp_path / "trained"
     code, stdout, stderr = gloo.cli(
         1, "train", "--load-hf", src, "--save-hf", out, "--data-path", prefix, "--seq-length", 256,
         "--chunk-size", 64, "--global-batch-size", 4, "--train-iters", 3, "--lr-warmup-iters", 0,
@@ -253,8 +267,10 @@ def test_train_from_and_to_hf_checkpoint(gloo, checkpoints, tmp_path):
         assert (out / name).is_file() == (Path(src) / name).is_file()  # source has them
     if not (Path(src) / "tokenizer.json").is_file():
         assert "no tokenizer files to copy" in said
-    before = Qwen2ForCausalLM.from_pretrained(src).state_dict()
-    after = Qwen2ForCausalLM.from_pretrained(out).state_dict()
+    if case.endswith("_moe"):
+        assert "| balancing loss " in stderr and "expert load max " in stderr
+    before = AutoModelForCausalLM.from_pretrained(src).state_dict()
+    after = AutoModelForCausalLM.from_pretrained(out).state_dict()
     assert before.keys() == after.keys()
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert all(after[k].shape == before[k].shape for k in before)
