@@ -141,6 +141,24 @@ MISTRAL = {  # plain RoPE with base 1e6, no bias, no sliding window (null in con
 
 HF_MODELS = {**QWEN25, **QWEN3, **LLAMA3, **MISTRAL}
 
+# mixture of experts, each transcribed from its config.json (Qwen/Qwen3-30B-A3B,
+# Qwen/Qwen3-235B-A22B, Qwen/Qwen2-57B-A14B, mistralai/Mixtral-8x7B-v0.1): `train` and `verify`
+# build them; the cost and memory models do not model experts yet (require_dense)
+MOE = {
+    "qwen3-30b-a3b": ModelShape(48, 2048, 6144, 32, 4, 151936, qkv_bias=False, kv_channels=128,
+                                qk_norm=True, num_experts=128, moe_ffn_hidden_size=768,
+                                moe_topk=8, moe_aux_loss_coeff=0.001),
+    "qwen3-235b-a22b": ModelShape(94, 4096, 12288, 64, 4, 151936, qkv_bias=False,
+                                  kv_channels=128, qk_norm=True, num_experts=128,
+                                  moe_ffn_hidden_size=1536, moe_topk=8, moe_aux_loss_coeff=0.001),
+    "qwen2-57b-a14b": ModelShape(28, 3584, 18944, 28, 4, 151936, num_experts=64,
+                                 moe_ffn_hidden_size=2560, moe_topk=8, moe_norm_topk=False,
+                                 moe_shared_expert_size=20480, moe_aux_loss_coeff=0.001),
+    "mixtral-8x7b": ModelShape(32, 4096, 14336, 32, 8, 32000, qkv_bias=False, norm_eps=1e-5,
+                               num_experts=8, moe_ffn_hidden_size=14336, moe_topk=2,
+                               moe_aux_loss_coeff=0.02),
+}
+
 TINY = {
     # 4 layers so that PP=2 and PP=4 both split evenly; GQA 4:2 like the real family; a vocabulary
     # that is not a multiple of 128 (like the Qwen2.5 tokenizer's 151,665 ids before padding).
@@ -224,7 +242,7 @@ HF_CARDS = {  # keyed like HF_MODELS
                                tokenizer_size=131072),
 }
 
-MODEL_SHAPES = {**HF_MODELS, **TINY}
+MODEL_SHAPES = {**HF_MODELS, **MOE, **TINY}
 
 
 def get_model_shape(name: str) -> ModelShape:

@@ -153,6 +153,18 @@ MIXTRAL_8X7B = {**MISTRAL_7B, "model_type": "mixtral", "architectures": ["Mixtra
                 "output_router_logits": False}
 
 
+QWEN3_235B_A22B = {**QWEN3_30B_A3B, "hidden_size": 4096, "intermediate_size": 12288,
+                   "num_hidden_layers": 94, "num_attention_heads": 64, "max_window_layers": 94,
+                   "moe_intermediate_size": 1536}
+
+
+@pytest.mark.parametrize("config,preset", [
+    (QWEN3_30B_A3B, "qwen3-30b-a3b"), (QWEN3_235B_A22B, "qwen3-235b-a22b"),
+    (QWEN2_57B_A14B, "qwen2-57b-a14b"), (MIXTRAL_8X7B, "mixtral-8x7b")])
+def test_released_moe_configs_give_the_presets(config, preset):
+    assert shape_from_hf_config(config, "config.json") == get_model_shape(preset)
+
+
 @pytest.mark.parametrize("config,family,dims", [
     (QWEN3_30B_A3B, "qwen3_moe", (48, 2048, 128, 128, 768, 8, True, None, 0.001)),
     (QWEN2_57B_A14B, "qwen2_moe", (28, 3584, 128, 64, 2560, 8, False, 20480, 0.001)),
