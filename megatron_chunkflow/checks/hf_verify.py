@@ -47,13 +47,14 @@ def hf_reference(hf_dir: str, sequences, dtype=torch.float64, shape=None):
     # (the keyword is torch_dtype before 4.56, dtype after)
     # MoE (transformers 5): the experts one by one, whose float64 matmuls are exact where the
     # default grouped GEMM takes no float64
-    moe = {"experts_implementation": "eager"} if shape is not None and shape.is_moe else {}
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="sdpa",
-                                                 **moe).to(dtype)
+    moe = shape is not None and shape.is_moe
+    model = AutoModelForCausalLM.from_pretrained(
+        hf_dir, attn_implementation="sdpa",
+        **({"experts_implementation": "eager"} if moe else {})).to(dtype)
     model.train()
     if dtype == torch.float64:
         _norms_in_float64(model)
-    if shape is not None and shape.is_moe:
+    if moe:
         _routers_as_megatron(model, shape.moe_norm_topk)
     total_tokens = sum(float(s.loss_mask.sum()) for s in sequences)
     # Megatron's finalize_model_grads scales gradients by `1.0 / num_tokens` with num_tokens an
@@ -73,7 +74,7 @@ def hf_reference(hf_dir: str, sequences, dtype=torch.float64, shape=None):
              if p.grad is not None}
     if model.config.tie_word_embeddings:
         grads.pop("lm_head.weight", None)
-    if shape is not None and shape.is_moe:
+    if moe:
         from megatron_chunkflow.mcore.hf_moe import checkpoint_layout
 
         grads = checkpoint_layout(grads, shape.family)

@@ -49,6 +49,7 @@ from megatron_chunkflow.mcore.hf_source import HFSource
 from megatron_chunkflow.mcore.job import tensor_parallel_of
 from megatron_chunkflow.mcore.names import full_model_name
 
+
 def shape_from_hf_dir(path) -> ModelShape:
     """The ModelShape of a checkpoint directory, from its config.json (core/hf_config.py: the
     families supported and what is refused)."""

@@ -23,7 +23,6 @@ class HFSource:
     an MoE `family`'s stacked experts (transformers 5's layout) read by their checkpoint names."""
 
     def __init__(self, src, family: str = ""):
-        self._views = {}
         if isinstance(src, Mapping):
             self.where, self._dict, self._files = "HF state dict", src, {}
             self.shapes = {k: tuple(t.shape) for k, t in src.items()}
@@ -63,25 +62,25 @@ class HFSource:
         self._stacked_views(family)
 
     def _stacked_views(self, family: str) -> None:
-        if family in ("qwen3_moe", "qwen2_moe", "mixtral"):
-            self._views = stacked_views(self.shapes, family)
-            for name, (source, *_, shp) in self._views.items():
-                self.shapes.pop(source, None)
-                self.shapes[name] = shp
+        self._views = stacked_views(self.shapes, family)  # empty without stacked experts
+        for name, (source, *_, shp) in self._views.items():
+            self.shapes.pop(source, None)
+            self.shapes[name] = shp
 
     def get(self, name: str) -> torch.Tensor:
         if name in self._views:
             source, expert, half, _ = self._views[name]
-            return view_of(self._stored(source), expert, half)
+            return view_of(self._stored(source, expert), None, half)
         return self._stored(name)
 
-    def _stored(self, name: str) -> torch.Tensor:
+    def _stored(self, name: str, expert: int | None = None) -> torch.Tensor:
+        """Tensor `name`, or its row `expert` (from a file, only that row is read)."""
         if self._dict is not None:
-            return self._dict[name]
+            return self._dict[name] if expert is None else self._dict[name][expert]
         from safetensors import safe_open
 
         with safe_open(self._files[name], framework="pt") as fh:
-            return fh.get_tensor(name)
+            return fh.get_tensor(name) if expert is None else fh.get_slice(name)[expert]
 
     def check(self, shape: ModelShape, expected: dict[str, tuple[int, ...]]) -> None:
         """ValueError naming the first missing, unexpected or wrongly shaped tensor of the
